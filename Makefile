@@ -1,0 +1,36 @@
+# specmesh — every target sets up its own virtualenv from scratch on a fresh machine.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.specmesh-installed
+
+.PHONY: venv run test bench demo-models clean
+
+venv: $(STAMP)
+
+# torch is installed first and pinned: letting pip resolve it freely pulls a multi-GB CUDA build.
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --progress-bar on -q --upgrade pip
+	$(PY) -m pip install --progress-bar on torch==2.13.0
+	$(PY) -m pip install --progress-bar on -e '.[test,bench]'
+	touch $(STAMP)
+
+run: venv
+	$(PY) -m specmesh.demo
+
+test: venv
+	$(PY) -m pytest -q
+
+bench: venv
+	$(PY) -m bench.inprocess
+
+# Reproduce models/demo from the standard library's sources (about 1.5 h on 2 cores; see README).
+demo-models: venv
+	$(PY) -m specmesh.training.train_target --out models/demo/target --work-dir .work/target \
+		--steps 850 --warmup 50 --checkpoint-every 50 --lr 1.5e-3
+	$(PY) -m specmesh.training.distill --target models/demo/target --stdlib --out models/demo/draft \
+		--cache-dir .work/teacher-cache
+
+clean:
+	rm -rf $(VENV) .pytest_cache .work
