@@ -1,0 +1,1 @@
+"""Training tools: the demo tokenizer + target trainer and draft distillation."""
