@@ -1,0 +1,94 @@
+"""Drafters (torch, no gRPC): a draft model, and prompt-lookup n-grams.
+
+`ModelDrafter` samples each draft token from a truncated support of its processed distribution: the
+top `draft_topk` entries of `process_logits` output, renormalised. It sends exactly that sparse q, so
+the verifier's acceptance test is exact. Greedy requests draft the argmax and send no probabilities.
+Used in-process by the engine and, over gRPC, by draft_service.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specmesh.loop import Proposal
+from specmesh.models import ModelRunner, Sequence
+from specmesh.sampling import BatchSamplingParams, SamplingParams, process_logits
+
+DRAFT_SEED_SALT = 0x5EED_D4AF7  # the draft's stream must differ from the verifier's for the same seed
+
+
+class ModelDrafter:
+    def __init__(self, runner: ModelRunner, draft_topk: int = 16):
+        if draft_topk < 1:
+            raise ValueError("draft_topk must be >= 1")
+        self.runner = runner
+        self.draft_topk = draft_topk
+        self.seq: Sequence | None = None
+
+    def start(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        self.params = params
+        self.batch_params = BatchSamplingParams.from_params([params], [1], self.runner.device)
+        self.generator = torch.Generator(device=self.runner.device)
+        if params.seed is not None:
+            self.generator.manual_seed(params.seed ^ DRAFT_SEED_SALT)
+        else:
+            self.generator.seed()
+        if self.seq is None:
+            self.seq = self.runner.new_sequence(prompt_ids)
+        else:
+            self.seq.reset_tokens(prompt_ids)  # a new turn: the cached common prefix is reused
+        self.runner.prefill(self.seq)
+
+    def propose(self, k: int) -> Proposal:
+        seq, committed = self.seq, len(self.seq.token_ids)
+        q_ids, q_probs = [], []
+        try:
+            for _ in range(k):
+                logits = self.runner.forward([seq])[0][-1:]
+                if self.params.greedy:
+                    seq.token_ids.append(int(logits.argmax()))
+                    continue
+                probs = process_logits(logits, self.batch_params)[0]
+                top_p, top_i = probs.topk(min(self.draft_topk, probs.numel()))
+                top_p = top_p / top_p.sum()
+                j = torch.multinomial(top_p, 1, generator=self.generator)
+                seq.token_ids.append(int(top_i[j]))
+                q_ids.append(top_i)
+                q_probs.append(top_p)
+            drafted = seq.token_ids[committed:]
+        finally:
+            del seq.token_ids[committed:]  # drafts stay in the cache, not in the committed tokens
+        if self.params.greedy or not drafted:
+            return Proposal(drafted)
+        return Proposal(drafted, torch.stack(q_ids).cpu(), torch.stack(q_probs).float().cpu())
+
+    def commit(self, tokens: list[int]) -> None:
+        self.seq.commit(tokens)
+
+
+class NgramDrafter:
+    """Prompt lookup: find the latest earlier occurrence of the last n tokens, propose what followed.
+
+    No model, no probabilities (the verifier's point-mass rule keeps it lossless).
+    """
+
+    def __init__(self, max_ngram: int = 4, min_ngram: int = 1):
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+        self.tokens: list[int] = []
+
+    def start(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        self.tokens = list(prompt_ids)
+
+    def propose(self, k: int) -> Proposal:
+        toks = self.tokens
+        for n in range(min(self.max_ngram, len(toks) - 1), self.min_ngram - 1, -1):
+            tail = toks[-n:]
+            for start in range(len(toks) - n - 1, -1, -1):
+                if toks[start : start + n] == tail:
+                    follow = toks[start + n : start + n + k]
+                    if follow:
+                        return Proposal(follow)
+        return Proposal([])
+
+    def commit(self, tokens: list[int]) -> None:
+        self.tokens.extend(tokens)

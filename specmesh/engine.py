@@ -1,0 +1,106 @@
+"""In-process speculative generation: the loop with a local drafter and a local verifier.
+
+This is the composition root for one process (tests, benchmarks, the training tool's evaluation, the
+demo run command): it wires the core's loop and runners to verify_service's rejection sampler, which is
+passed in or, by default, imported lazily here — the core's other modules never import a service.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from specmesh.drafting import ModelDrafter, NgramDrafter
+from specmesh.loop import GenerationResult, Proposal, Verdict, speculative_generate
+from specmesh.models import ModelRunner, load_model
+from specmesh.sampling import SamplingParams, StopChecker, make_generator
+
+
+class LocalVerifier:
+    """Target forward over (last token + K drafts), then the rejection sampler, for one sequence."""
+
+    def __init__(self, runner: ModelRunner, sampler):
+        self.runner = runner
+        self.sampler = sampler
+        self.seq = None
+
+    def start(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        self.params = params
+        self.generator = make_generator(params.seed, self.runner.device)
+        if self.seq is None:
+            self.seq = self.runner.new_sequence(prompt_ids)
+        else:
+            self.seq.reset_tokens(prompt_ids)
+        self.runner.prefill(self.seq)
+
+    def verify(self, proposal: Proposal) -> Verdict:
+        from verify_service.rejection import DraftBlock
+
+        logits = self.runner.forward([self.seq], [proposal.token_ids])[0]
+        block = DraftBlock(proposal.token_ids, self.params, proposal.q_ids, proposal.q_probs, self.generator)
+        out = self.sampler(logits, [block])
+        tokens = out.tokens(0)
+        self.seq.commit(tokens)
+        return Verdict(tokens, out.num_accepted[0])
+
+
+def _eos_id(model) -> int | None:
+    eos = model.config.eos_token_id
+    if isinstance(eos, (list, tuple)):
+        eos = eos[0] if eos else None
+    return eos
+
+
+class SpeculativeEngine:
+    """prompt ids + SamplingParams -> tokens + stats. K = 0 (or no draft) is target-only decoding."""
+
+    def __init__(self, target_runner: ModelRunner, draft_runner: ModelRunner | None, sampler, tokenizer=None,
+                 draft_topk: int = 16):
+        if draft_runner is not None and draft_runner.vocab_size != target_runner.vocab_size:
+            raise ValueError(f"draft vocabulary ({draft_runner.vocab_size}) differs from the target's "
+                             f"({target_runner.vocab_size})")
+        self.target = target_runner
+        self.draft = draft_runner
+        self.sampler = sampler
+        self.tokenizer = tokenizer
+        self.draft_topk = draft_topk
+
+    @classmethod
+    def from_models(cls, target_model, draft_model=None, sampler=None, tokenizer=None, sampler_backend: str = "auto",
+                    draft_topk: int = 16) -> "SpeculativeEngine":
+        if sampler is None:
+            from verify_service.rejection import RejectionSampler
+
+            sampler = RejectionSampler(sampler_backend, device=next(target_model.parameters()).device)
+        draft = ModelRunner(draft_model) if draft_model is not None else None
+        return cls(ModelRunner(target_model), draft, sampler, tokenizer, draft_topk)
+
+    @classmethod
+    def from_paths(cls, target_path: str | Path, draft_path: str | Path | None = None, device=None,
+                   **kw) -> "SpeculativeEngine":
+        target, tokenizer = load_model(target_path, device)
+        draft = load_model(draft_path, device)[0] if draft_path else None
+        return cls.from_models(target, draft, tokenizer=tokenizer, **kw)
+
+    def generate(self, prompt_ids: list[int], params: SamplingParams, num_speculative_tokens: int = 4,
+                 algorithm: str = "standalone") -> GenerationResult:
+        params.validate(self.target.vocab_size)
+        if not prompt_ids:
+            raise ValueError("prompt must hold at least one token")
+        if any(not 0 <= t < self.target.vocab_size for t in prompt_ids):
+            raise ValueError(f"prompt token ids out of range [0, {self.target.vocab_size})")
+        if algorithm == "standalone":
+            drafter = ModelDrafter(self.draft, self.draft_topk) if self.draft is not None else None
+        elif algorithm == "ngram":
+            drafter = NgramDrafter()
+        else:
+            raise ValueError(f"unknown speculative algorithm {algorithm!r} (standalone | ngram)")
+        decode = (lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)) if self.tokenizer else None
+        stop = StopChecker(params, _eos_id(self.target.model), decode)
+        with torch.inference_mode():
+            result = speculative_generate(LocalVerifier(self.target, self.sampler), drafter, prompt_ids, params,
+                                          num_speculative_tokens, stop)
+        if decode is not None:
+            result.text = stop.text()
+        return result

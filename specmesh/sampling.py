@@ -1,0 +1,177 @@
+"""Sampling parameters and the one function that turns logits into the processed distribution.
+
+Draft and target both call `process_logits`, so the distribution the draft samples from and the one the
+verifier checks against are built by identical code: temperature, then top-k, then top-p (the order vLLM
+and HF use). Temperature 0 means greedy: the processed distribution is a point mass on the argmax.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+MAX_STOP_STRINGS = 16
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0  # 0 = greedy
+    top_k: int = 0  # 0 = whole vocabulary
+    top_p: float = 1.0
+    seed: int | None = None  # per-request generator: a seeded request replays exactly
+    max_tokens: int = 16
+    stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()  # stop strings; the output text ends before the first one
+    ignore_eos: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self, vocab_size: int | None = None) -> "SamplingParams":
+        """Raise ValueError naming the offending field; returns self so it chains."""
+        if not (self.temperature >= 0.0) or self.temperature > 100.0:
+            raise ValueError(f"temperature must be in [0, 100], got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.seed is not None and not (0 <= self.seed < 2**63):
+            raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
+        if len(self.stop) > MAX_STOP_STRINGS or any(not s for s in self.stop):
+            raise ValueError(f"stop must hold at most {MAX_STOP_STRINGS} non-empty strings")
+        if vocab_size is not None:
+            bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
+            if bad:
+                raise ValueError(f"stop_token_ids out of range [0, {vocab_size}): {bad}")
+        return self
+
+
+@dataclass(frozen=True)
+class BatchSamplingParams:
+    """Per-row parameters of a batch of logits rows (rows of one request repeat its values)."""
+
+    temperature: torch.Tensor  # [N] float32; 0 marks a greedy row
+    top_k: torch.Tensor  # [N] int64; 0 = off
+    top_p: torch.Tensor  # [N] float32; 1 = off
+
+    @staticmethod
+    def from_params(params: list[SamplingParams], rows_per_request: list[int], device=None) -> "BatchSamplingParams":
+        rep = torch.tensor(rows_per_request, device=device)
+
+        def col(values, dtype):
+            return torch.tensor(values, dtype=dtype, device=device).repeat_interleave(rep)
+
+        return BatchSamplingParams(
+            temperature=col([p.temperature for p in params], torch.float32),
+            top_k=col([p.top_k for p in params], torch.int64),
+            top_p=col([p.top_p for p in params], torch.float32),
+        )
+
+
+def process_logits(logits: torch.Tensor, sp: BatchSamplingParams) -> torch.Tensor:
+    """logits [N, V] -> processed probabilities [N, V] float32 (each row sums to 1).
+
+    Greedy rows become a one-hot on the argmax. Top-k keeps exactly k entries (ties broken by sort
+    order, identically in draft and target); top-p keeps the smallest prefix of the sorted distribution
+    whose mass reaches top_p (at least one entry).
+    """
+    logits = logits.float()
+    greedy = sp.temperature == 0
+    temp = torch.where(greedy, torch.ones_like(sp.temperature), sp.temperature)
+    scaled = logits / temp[:, None]
+    use_k = sp.top_k > 0
+    use_p = sp.top_p < 1.0
+    if bool(use_k.any()) or bool(use_p.any()):
+        scaled = _apply_top_k_top_p(scaled, sp.top_k, sp.top_p, use_k, use_p)
+    probs = torch.softmax(scaled, dim=-1)
+    if bool(greedy.any()):
+        one_hot = torch.zeros_like(probs).scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)
+        probs = torch.where(greedy[:, None], one_hot, probs)
+    return probs
+
+
+def _apply_top_k_top_p(scaled, top_k, top_p, use_k, use_p) -> torch.Tensor:
+    vocab = scaled.size(-1)
+    sorted_logits, sorted_idx = scaled.sort(dim=-1, descending=True)
+    ranks = torch.arange(vocab, device=scaled.device)[None, :]
+    k = torch.where(use_k, top_k.clamp(max=vocab), torch.full_like(top_k, vocab))
+    remove = ranks >= k[:, None]
+    if bool(use_p.any()):
+        sorted_probs = torch.softmax(sorted_logits.masked_fill(remove, float("-inf")), dim=-1)
+        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+        remove |= (mass_before >= top_p[:, None]) & use_p[:, None]
+    remove[:, 0] = False
+    sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
+    return torch.empty_like(scaled).scatter_(1, sorted_idx, sorted_logits)
+
+
+def make_generator(seed: int | None, device="cpu") -> torch.Generator | None:
+    """A per-request generator for a seeded request; None (the shared stream) otherwise."""
+    if seed is None:
+        return None
+    return torch.Generator(device=device).manual_seed(seed)
+
+
+@dataclass
+class StopChecker:
+    """Applies max_tokens, EOS, stop token ids and stop strings to committed tokens, as they arrive.
+
+    `extend` returns how many of the new tokens are kept and sets `finish_reason` once generation ends.
+    Stop tokens (EOS included) are kept in the token ids; stop strings are cut from the text by
+    `text()`. `decode` turns ids into text (needed only for stop strings).
+    """
+
+    params: SamplingParams
+    eos_token_id: int | None = None
+    decode: object = None  # Callable[[list[int]], str]
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    _stop_text_at: int | None = None
+    _checked_len: int = 0
+
+    def __post_init__(self):
+        if self.params.stop and self.decode is None:
+            raise ValueError("stop strings need a tokenizer to decode with")
+        stops = set(self.params.stop_token_ids)
+        if self.eos_token_id is not None and not self.params.ignore_eos:
+            stops.add(self.eos_token_id)
+        self._stop_ids = frozenset(stops)
+
+    def extend(self, new_tokens: list[int]) -> int:
+        kept = 0
+        for tok in new_tokens:
+            if self.finish_reason is not None:
+                break
+            self.token_ids.append(tok)
+            kept += 1
+            if tok in self._stop_ids:
+                self.finish_reason = "stop"
+            elif self.params.stop and self._check_stop_strings():
+                self.finish_reason = "stop"
+            elif len(self.token_ids) >= self.params.max_tokens:
+                self.finish_reason = "length"
+        return kept
+
+    def _check_stop_strings(self) -> bool:
+        # Only text that the newest token touched can hold a new match.
+        text = self.decode(self.token_ids)
+        longest = max(map(len, self.params.stop))
+        window_start = max(0, self._checked_len - longest + 1)
+        self._checked_len = len(text)
+        hits = [i for s in self.params.stop if (i := text.find(s, window_start)) >= 0]
+        if hits:
+            self._stop_text_at = min(hits)
+            return True
+        return False
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def text(self) -> str:
+        text = self.decode(self.token_ids) if self.decode else ""
+        return text[: self._stop_text_at] if self._stop_text_at is not None else text

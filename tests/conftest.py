@@ -1,0 +1,49 @@
+"""Shared fixtures: tiny randomly initialised Llama / Qwen2 models built from a config in the test.
+
+Without CUDA, Triton kernels run in the interpreter (TRITON_INTERPRET=1), set here before any kernel is
+defined; that is how the kernel is tested on CPU.
+"""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM  # noqa: E402
+
+torch.set_num_threads(min(2, torch.get_num_threads()))
+
+
+def tiny_model(arch: str = "llama", vocab: int = 128, hidden: int = 64, layers: int = 2, seed: int = 0,
+               init_range: float = 0.2):
+    """A random model whose logits are peaked enough (init_range) that greedy has few near-ties."""
+    torch.manual_seed(seed)
+    kw = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+              initializer_range=init_range, eos_token_id=vocab - 1, bos_token_id=vocab - 1)
+    if arch == "llama":
+        return LlamaForCausalLM(LlamaConfig(**kw)).eval()
+    if arch == "qwen2":
+        return Qwen2ForCausalLM(Qwen2Config(**kw)).eval()
+    raise ValueError(arch)
+
+
+def noisy_copy(model, noise: float, seed: int = 1):
+    """A draft that agrees with the target often but not always: the target plus weight noise."""
+    import copy
+
+    draft = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * noise * p.std().clamp_min(1e-3))
+    return draft.eval()
+
+
+@pytest.fixture(scope="session")
+def tiny_pair():
+    target = tiny_model("llama", seed=0)
+    return target, noisy_copy(target, 0.5)

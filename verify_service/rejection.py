@@ -1,0 +1,280 @@
+"""Batched rejection sampling for speculative decoding (Leviathan et al. 2023; Chen et al. 2023).
+
+One call verifies a batch of requests with ragged draft lengths (K = 0..MAX_SPEC_LEN), greedy and sampled
+requests mixed. Layout follows vLLM v1: draft ids of the batch flattened, with inclusive cumulative counts;
+target logits hold K_b + 1 rows per request (one per draft position, then the bonus row); the output is
+`[B, max_K + 1]` padded with -1.
+
+Rules, for request b and position i (p = target's processed distribution, q = draft's):
+  greedy:  accept x_i while x_i == argmax p_i; at the first mismatch emit argmax p_i.
+  sampled: accept x_i iff u_i < p_i(x_i) / q_i(x_i), u_i ~ U[0, 1) in float64 (q = 0 rejects);
+           at the first rejection emit the recovered token ~ norm(max(p_i - q_i, 0)),
+           drawn by exponential race argmax(residual / E), E ~ Exp(1);
+  if all K pass, emit the bonus token ~ p_{K+1} (same race). At most one of recovered / bonus is used per
+  request, so one E vector per request suffices.
+A draft that sends no probabilities is a point mass q = δ_x: accept with probability p(x), else sample p
+with x removed — the same formulas. A sparse q (ids + probs, the draft's truncated processed distribution)
+enters the residual only at its support.
+
+Everything up to the accept loop (processing logits, gathering p(x), writing residuals, drawing random
+numbers from per-request generators) is shared torch code; the accept loop + race has two backends with
+one interface: `torch` (vectorised reference, the CPU path) and `triton` (one launch per batch step,
+MAX_SPEC_LEN a compile-time bound so K changes never recompile). `auto` = triton on CUDA, torch on CPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specmesh.sampling import BatchSamplingParams, SamplingParams, process_logits
+
+PLACEHOLDER_TOKEN_ID = -1
+MAX_SPEC_LEN = 32  # compile-time bound of the Triton kernel; K per request is a runtime value
+_EXP_FLOOR = torch.finfo(torch.float32).tiny  # exponential_ can round to 0; keep p / E finite
+
+
+@dataclass
+class DraftBlock:
+    """One request's draft for one batch step.
+
+    q_ids / q_probs hold the sparse draft distribution of each position (the support the draft really
+    sampled from, renormalised). None = no draft probabilities (n-gram or greedy drafts): point mass.
+    """
+
+    token_ids: list[int]  # K draft tokens x_1..x_K
+    params: SamplingParams
+    q_ids: torch.Tensor | None = None  # [K, S] int64
+    q_probs: torch.Tensor | None = None  # [K, S] float32
+    generator: torch.Generator | None = None  # per-request stream (seeded requests); None = shared
+
+    @property
+    def k(self) -> int:
+        return len(self.token_ids)
+
+
+def validate_block(block: DraftBlock, vocab_size: int, max_spec_len: int = MAX_SPEC_LEN) -> None:
+    """Raise ValueError saying what is wrong; called before a block joins a batch, so it cannot poison it."""
+    k = block.k
+    if k > max_spec_len:
+        raise ValueError(f"draft block has {k} tokens, the limit is {max_spec_len}")
+    bad = [t for t in block.token_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"draft token ids out of range [0, {vocab_size}): {bad[:8]}")
+    if (block.q_ids is None) != (block.q_probs is None):
+        raise ValueError("draft probabilities need both ids and probs")
+    if block.q_ids is None:
+        return
+    if block.q_ids.shape != block.q_probs.shape or block.q_ids.dim() != 2 or block.q_ids.size(0) != k:
+        raise ValueError(f"draft probabilities must be [K={k}, S] ids and probs, got "
+                         f"{tuple(block.q_ids.shape)} and {tuple(block.q_probs.shape)}")
+    valid = block.q_ids >= 0
+    if bool(((block.q_ids >= vocab_size) & valid).any()):
+        raise ValueError(f"draft probability ids out of range [0, {vocab_size})")
+    probs = block.q_probs
+    if not bool(torch.isfinite(probs).all()) or bool((probs < 0).any()):
+        raise ValueError("draft probabilities must be finite and >= 0")
+    sums = torch.where(valid, probs, 0).sum(dim=1)
+    if bool(((sums - 1).abs() > 1e-3).any()):
+        raise ValueError(f"draft probabilities must sum to 1 per position, got {sums.tolist()}")
+    ids = torch.where(valid, block.q_ids, -1 - torch.arange(block.q_ids.size(1)))
+    if bool((ids.sort(dim=1).values.diff(dim=1) == 0).any()):
+        raise ValueError("draft probability ids repeat within a position")
+
+
+@dataclass
+class RejectionOutput:
+    output_token_ids: torch.Tensor  # [B, max_K + 1] int64, PLACEHOLDER_TOKEN_ID padded
+    num_accepted: list[int]  # [B] accepted draft tokens (the emitted recovered/bonus token not counted)
+
+    def tokens(self, b: int) -> list[int]:
+        """Committed tokens of request b: accepted drafts + the recovered or bonus token."""
+        return self.output_token_ids[b, : self.num_accepted[b] + 1].tolist()
+
+
+class RejectionSampler:
+    """Verifies a batch of draft blocks against target logits. See the module docstring."""
+
+    def __init__(self, backend: str = "auto", seed: int | None = None, device: str | torch.device = "cpu"):
+        if backend not in ("auto", "torch", "triton"):
+            raise ValueError(f"unknown rejection sampler backend {backend!r}")
+        self.device = torch.device(device)
+        if backend == "auto":
+            backend = "triton" if self.device.type == "cuda" else "torch"
+        self.backend = backend
+        self.generator = torch.Generator(device=self.device)  # shared stream for unseeded requests
+        if seed is not None:
+            self.generator.manual_seed(seed)
+        else:
+            self.generator.seed()
+
+    @torch.inference_mode()
+    def __call__(self, target_logits: torch.Tensor, blocks: list[DraftBlock]) -> RejectionOutput:
+        """target_logits: [sum(K_b + 1), V], request b's rows contiguous, bonus row last."""
+        prep = prepare(target_logits, blocks, self.generator)
+        if self.backend == "triton":
+            from verify_service.rejection_triton import rejection_sample_triton as kernel
+        else:
+            kernel = rejection_sample_torch
+        out = kernel(**prep.kernel_args())
+        return RejectionOutput(out, prep.num_accepted_from(out))
+
+
+@dataclass
+class PreparedBatch:
+    """Everything the accept loop needs; shapes: T = sum K_b, R = T + B rows, V vocab."""
+
+    draft_token_ids: torch.Tensor  # [T] int64
+    cu_num_draft_tokens: torch.Tensor  # [B] int32 inclusive cumsum of K_b
+    draft_p_x: torch.Tensor  # [T] float32  p_i(x_i)
+    draft_q_x: torch.Tensor  # [T] float32  q_i(x_i) (1 for point masses, 0 if x_i is outside the support)
+    uniforms: torch.Tensor  # [T] float64
+    residual_probs: torch.Tensor  # [R, V] float32: draft rows max(p - q, 0) (unnormalised), bonus rows p
+    target_argmax: torch.Tensor  # [R] int64 (greedy rule)
+    is_greedy: torch.Tensor  # [B] bool
+    exponentials: torch.Tensor  # [B, V] float32, Exp(1); unused rows of greedy requests are ones
+    max_spec_len: int
+
+    def kernel_args(self) -> dict:
+        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+
+    def num_accepted_from(self, out: torch.Tensor) -> list[int]:
+        # accepted = (filled entries) - 1; one sync for the whole batch
+        return ((out != PLACEHOLDER_TOKEN_ID).sum(dim=1) - 1).tolist()
+
+
+def prepare(target_logits: torch.Tensor, blocks: list[DraftBlock], shared: torch.Generator) -> PreparedBatch:
+    device = target_logits.device
+    num_draft = [b.k for b in blocks]
+    n_req, n_tok = len(blocks), sum(num_draft)
+    rows_per_req = [k + 1 for k in num_draft]
+    if target_logits.dim() != 2 or target_logits.size(0) != n_tok + n_req:
+        raise ValueError(f"target_logits must be [{n_tok + n_req}, V], got {tuple(target_logits.shape)}")
+    vocab = target_logits.size(1)
+    params = [b.params for b in blocks]
+    probs = process_logits(target_logits, BatchSamplingParams.from_params(params, rows_per_req, device))
+    target_argmax = target_logits.argmax(dim=-1)
+
+    cu = torch.tensor(num_draft, device=device).cumsum(0)
+    draft_ids = torch.tensor([t for b in blocks for t in b.token_ids], dtype=torch.int64, device=device)
+    # row of each draft position in the [R, V] layout: request b's rows start at (tokens before b) + b
+    req_of_tok = torch.repeat_interleave(torch.arange(n_req, device=device), torch.tensor(num_draft, device=device))
+    draft_rows = torch.arange(n_tok, device=device) + req_of_tok
+    p_x = probs[draft_rows, draft_ids] if n_tok else probs.new_zeros(0)
+
+    # sparse q of every draft position, padded to S_max; point masses become (x, 1.0)
+    s_max = max([b.q_ids.size(1) for b in blocks if b.q_ids is not None and b.k] or [1])
+    ids_parts, prob_parts = [], []
+    for b in blocks:
+        if not b.k:
+            continue
+        if b.q_ids is None:
+            ids = torch.tensor(b.token_ids, dtype=torch.int64)[:, None]
+            probs_b = torch.ones((b.k, 1))
+        else:
+            ids, probs_b = b.q_ids.long(), b.q_probs.float()
+        pad = s_max - ids.size(1)
+        if pad:
+            ids = torch.nn.functional.pad(ids, (0, pad), value=-1)
+            probs_b = torch.nn.functional.pad(probs_b, (0, pad), value=0.0)
+        ids_parts.append(ids)
+        prob_parts.append(probs_b)
+    if ids_parts:
+        q_ids = torch.cat(ids_parts).to(device)
+        q_probs = torch.cat(prob_parts).to(device)
+    else:
+        q_ids = torch.empty((0, s_max), dtype=torch.int64, device=device)
+        q_probs = torch.empty((0, s_max), dtype=torch.float32, device=device)
+    q_x = torch.where(q_ids == draft_ids[:, None], q_probs, 0).sum(dim=1)
+
+    _write_residual(probs, draft_rows, q_ids, q_probs)
+
+    is_greedy = torch.tensor([p.greedy for p in params], dtype=torch.bool, device=device)
+    uniforms = torch.zeros(n_tok, dtype=torch.float64, device=device)
+    exponentials = torch.ones((n_req, vocab), dtype=torch.float32, device=device)
+    _draw_random(blocks, cu, uniforms, exponentials, shared)
+    return PreparedBatch(draft_ids, cu.to(torch.int32), p_x, q_x, uniforms, probs, target_argmax, is_greedy,
+                         exponentials, max(num_draft, default=0))
+
+
+def _write_residual(probs: torch.Tensor, draft_rows: torch.Tensor, q_ids: torch.Tensor, q_probs: torch.Tensor) -> None:
+    """Turn each draft row of `probs` into max(p - q, 0), in place; q is zero outside its support."""
+    valid = q_ids >= 0
+    if bool(valid.any()):
+        rows = draft_rows[:, None].expand_as(q_ids)[valid]
+        cols = q_ids[valid]
+        probs[rows, cols] = (probs[rows, cols] - q_probs[valid]).clamp_min(0)
+
+
+def _draw_random(blocks, cu, uniforms, exponentials, shared) -> None:
+    """Per request, in a fixed order: K uniforms, then V exponentials. Greedy requests draw nothing.
+
+    Seeded requests draw from their own generator (replay exactly whatever they are batched with);
+    the others share one stream, drawn in a single call per tensor.
+    """
+    starts = (cu - torch.tensor([b.k for b in blocks], device=cu.device)).tolist()
+    shared_tok = torch.zeros(uniforms.numel(), dtype=torch.bool)
+    shared_e = []
+    for i, b in enumerate(blocks):
+        if b.params.greedy:
+            continue
+        s = starts[i]
+        if b.generator is None:
+            shared_tok[s : s + b.k] = True
+            shared_e.append(i)
+            continue
+        if b.k:
+            uniforms[s : s + b.k].uniform_(generator=b.generator)
+        exponentials[i].exponential_(generator=b.generator)
+    n_shared = int(shared_tok.sum())
+    if n_shared:
+        idx = shared_tok.nonzero().squeeze(1).to(uniforms.device)
+        uniforms[idx] = torch.rand(n_shared, dtype=torch.float64, device=uniforms.device, generator=shared)
+    if shared_e:
+        rows = torch.tensor(shared_e, device=exponentials.device)
+        exponentials[rows] = torch.empty((len(shared_e), exponentials.size(1)), device=exponentials.device
+                                         ).exponential_(generator=shared)
+    exponentials.clamp_(min=_EXP_FLOOR)
+
+
+def rejection_sample_torch(
+    draft_token_ids: torch.Tensor,
+    cu_num_draft_tokens: torch.Tensor,
+    draft_p_x: torch.Tensor,
+    draft_q_x: torch.Tensor,
+    uniforms: torch.Tensor,
+    residual_probs: torch.Tensor,
+    target_argmax: torch.Tensor,
+    is_greedy: torch.Tensor,
+    exponentials: torch.Tensor,
+    max_spec_len: int,
+) -> torch.Tensor:
+    """Vectorised reference of the accept loop + exponential race. Returns [B, max_spec_len + 1]."""
+    device = draft_token_ids.device
+    n_req = cu_num_draft_tokens.numel()
+    cu = cu_num_draft_tokens.long()
+    num_draft = torch.diff(cu, prepend=cu.new_zeros(1))
+    starts = cu - num_draft
+    pos = torch.arange(max_spec_len, device=device)[None, :]
+    valid = pos < num_draft[:, None]  # [B, Kmax]
+    flat = (starts[:, None] + pos).clamp(max=max(draft_token_ids.numel() - 1, 0))
+    row0 = starts + torch.arange(n_req, device=device)  # first target row of each request
+
+    out = torch.full((n_req, max_spec_len + 1), PLACEHOLDER_TOKEN_ID, dtype=torch.int64, device=device)
+    if draft_token_ids.numel():
+        x = draft_token_ids[flat]
+        ratio = draft_p_x[flat].double() / draft_q_x[flat].double()
+        accept_sampled = (draft_q_x[flat] > 0) & (uniforms[flat] < ratio)
+        accept_greedy = x == target_argmax[(row0[:, None] + pos).clamp(max=target_argmax.numel() - 1)]
+        accept = torch.where(is_greedy[:, None], accept_greedy, accept_sampled) & valid
+        num_accepted = accept.long().cumprod(dim=1).sum(dim=1)
+        keep = pos < num_accepted[:, None]
+        out[:, :max_spec_len] = torch.where(keep, x, PLACEHOLDER_TOKEN_ID)
+    else:
+        num_accepted = torch.zeros(n_req, dtype=torch.int64, device=device)
+    emit_rows = row0 + num_accepted  # the first rejected position's row, or the bonus row
+    raced = (residual_probs[emit_rows] / exponentials).argmax(dim=-1)
+    emitted = torch.where(is_greedy, target_argmax[emit_rows], raced)
+    out[torch.arange(n_req, device=device), num_accepted] = emitted
+    return out

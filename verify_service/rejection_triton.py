@@ -1,0 +1,117 @@
+"""Triton implementation of the rejection sampler's accept loop and exponential race.
+
+One program per request, one launch per batch step. The loop over draft positions runs to the
+compile-time bound MAX_SPEC_LEN with the request's runtime K as a mask, so a new K never recompiles.
+After the loop the program makes one pass over the vocabulary for the single token it emits (recovered
+at the first rejection, or bonus): argmax(residual / E), first index on ties, exactly like the torch
+reference in `rejection.py`, with which it must agree token for token.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from verify_service.rejection import MAX_SPEC_LEN, PLACEHOLDER_TOKEN_ID
+
+
+@triton.jit
+def _rejection_kernel(
+    out_ptr,  # [B, out_width] int64, prefilled with PLACEHOLDER_TOKEN_ID
+    out_stride,
+    draft_ptr,  # [T] int64
+    cu_ptr,  # [B] int32 inclusive cumsum
+    p_x_ptr,  # [T] float32
+    q_x_ptr,  # [T] float32
+    u_ptr,  # [T] float64
+    probs_ptr,  # [R, V] float32 residual / bonus rows
+    probs_stride,
+    argmax_ptr,  # [R] int64
+    greedy_ptr,  # [B] int1
+    exp_ptr,  # [B, V] float32
+    exp_stride,
+    vocab,
+    MAX_K: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    b = tl.program_id(0)
+    end = tl.load(cu_ptr + b)
+    start = tl.load(cu_ptr + b - 1, mask=b > 0, other=0)
+    k = end - start
+    row0 = (start + b).to(tl.int64)
+    greedy = tl.load(greedy_ptr + b)
+
+    num_accepted = 0
+    rejected = 0
+    for i in range(MAX_K):
+        if (i < k) & (rejected == 0):
+            x = tl.load(draft_ptr + start + i)
+            if greedy:
+                ok = x == tl.load(argmax_ptr + row0 + i)
+            else:
+                p = tl.load(p_x_ptr + start + i).to(tl.float64)
+                q = tl.load(q_x_ptr + start + i).to(tl.float64)
+                u = tl.load(u_ptr + start + i)
+                ok = (q > 0) & (u < p / tl.where(q > 0, q, 1.0))
+            if ok:
+                tl.store(out_ptr + b * out_stride + i, x)
+                num_accepted += 1
+            else:
+                rejected = 1
+
+    emit_row = row0 + num_accepted
+    if greedy:
+        token = tl.load(argmax_ptr + emit_row)
+    else:
+        best = -1.0
+        token = tl.zeros((), dtype=tl.int64)
+        for v0 in range(0, vocab, BLOCK_V):
+            offs = v0 + tl.arange(0, BLOCK_V)
+            m = offs < vocab
+            p = tl.load(probs_ptr + emit_row * probs_stride + offs, mask=m, other=0.0)
+            e = tl.load(exp_ptr + b.to(tl.int64) * exp_stride + offs, mask=m, other=1.0)
+            score = tl.where(m, p / e, -1.0)
+            blk_best = tl.max(score, axis=0)
+            if blk_best > best:  # strictly greater: the first index wins ties, as torch.argmax
+                best = blk_best
+                token = (tl.argmax(score, axis=0) + v0).to(tl.int64)
+    tl.store(out_ptr + b * out_stride + num_accepted, token)
+
+
+def rejection_sample_triton(
+    draft_token_ids: torch.Tensor,
+    cu_num_draft_tokens: torch.Tensor,
+    draft_p_x: torch.Tensor,
+    draft_q_x: torch.Tensor,
+    uniforms: torch.Tensor,
+    residual_probs: torch.Tensor,
+    target_argmax: torch.Tensor,
+    is_greedy: torch.Tensor,
+    exponentials: torch.Tensor,
+    max_spec_len: int,
+) -> torch.Tensor:
+    """Same interface and result as `rejection_sample_torch`; checks inputs, allocates, launches once."""
+    if max_spec_len > MAX_SPEC_LEN:
+        raise ValueError(f"K = {max_spec_len} exceeds the kernel bound {MAX_SPEC_LEN}")
+    n_req = cu_num_draft_tokens.numel()
+    vocab = residual_probs.size(1)
+    assert residual_probs.dtype == torch.float32 and exponentials.dtype == torch.float32
+    assert uniforms.dtype == torch.float64 and draft_token_ids.dtype == torch.int64
+    assert residual_probs.stride(1) == 1 and exponentials.stride(1) == 1
+    out = torch.full((n_req, max_spec_len + 1), PLACEHOLDER_TOKEN_ID, dtype=torch.int64,
+                     device=residual_probs.device)
+    if n_req == 0:
+        return out
+    # Empty draft tensors still need a valid pointer.
+    draft = draft_token_ids if draft_token_ids.numel() else out.new_zeros(1)
+    p_x = draft_p_x if draft_p_x.numel() else residual_probs.new_zeros(1)
+    q_x = draft_q_x if draft_q_x.numel() else residual_probs.new_zeros(1)
+    u = uniforms if uniforms.numel() else uniforms.new_zeros(1)
+    _rejection_kernel[(n_req,)](
+        out, out.stride(0), draft, cu_num_draft_tokens.contiguous(), p_x, q_x, u,
+        residual_probs, residual_probs.stride(0), target_argmax.contiguous(), is_greedy.contiguous(),
+        exponentials, exponentials.stride(0), vocab,
+        MAX_K=MAX_SPEC_LEN, BLOCK_V=1024,
+    )
+    return out
