@@ -113,6 +113,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--autocast", choices=["bf16", "none"], default="bf16",
                     help="mixed precision for the forward pass (bf16 halves step time on CPUs with avx512_bf16/AMX)")
     ap.add_argument("--resume", action="store_true", help="continue from --work-dir/checkpoint.pt")
+    ap.add_argument("--stop-after", type=int, default=None,
+                    help="checkpoint and exit at this step without exporting (continue later with --resume)")
     args = ap.parse_args(argv)
 
     if args.threads:
@@ -146,7 +148,10 @@ def main(argv: list[str] | None = None) -> None:
     cfg = TrainConfig(steps=args.steps, lr=args.lr, warmup=args.warmup, checkpoint_every=args.checkpoint_every,
                       out_dir=args.work_dir, desc="target")
     t0 = time.time()
-    train(model, loss_fn, cfg, resume=args.resume, on_checkpoint=on_checkpoint)
+    train(model, loss_fn, cfg, resume=args.resume, stop_after=args.stop_after, on_checkpoint=on_checkpoint)
+    if args.stop_after is not None and args.stop_after < args.steps:
+        print(f"stopped at step {args.stop_after}; continue with --resume", flush=True)
+        return
     report = {
         "heldout_loss": heldout_loss(model, heldout),
         "heldout_tokens": int(streams["heldout"].numel()),

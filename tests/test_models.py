@@ -1,0 +1,77 @@
+"""The model runner: batched verification equals one-by-one, exact rollback, prefix reuse."""
+
+import pytest
+import torch
+
+from conftest import tiny_model
+from specmesh.models import ModelRunner
+
+
+def full_logits(model, ids, n):
+    with torch.inference_mode():
+        return model(input_ids=torch.tensor([ids])).logits[0, -n:].float()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_batched_verification_equals_one_by_one(arch):
+    model = tiny_model(arch, vocab=97, seed=3)
+    runner = ModelRunner(model)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 97, (n,), generator=g).tolist() for n in (5, 17, 2, 9)]
+    drafts = [[1, 2, 3], [], [4, 5, 6, 7, 8], [9]]
+    batched = [runner.new_sequence(p) for p in prompts]
+    single = [runner.new_sequence(p) for p in prompts]
+    for s in batched + single:
+        runner.prefill(s)
+    out_b = runner.forward(batched, drafts)
+    out_s = [runner.forward([s], [d])[0] for s, d in zip(single, drafts)]
+    for p, d, b, s in zip(prompts, drafts, out_b, out_s):
+        assert b.shape == (len(d) + 1, 97)
+        torch.testing.assert_close(b, s, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(b, full_logits(model, p + d, len(d) + 1), atol=1e-4, rtol=1e-4)
+        assert torch.equal(b.argmax(-1), s.argmax(-1))
+    # a second batched round after ragged commits (rollback of the rejected drafts) still matches
+    commits = [[1, 42], [7], [4, 5, 6, 7, 8, 11], [3]]
+    for seqs in (batched, single):
+        for s, c in zip(seqs, commits):
+            s.commit(c)
+    drafts2 = [[10], [11, 12], [], [13, 14]]
+    out_b = runner.forward(batched, drafts2)
+    for s, d, b in zip(batched, drafts2, out_b):
+        torch.testing.assert_close(b, full_logits(model, s.token_ids + d, len(d) + 1), atol=1e-4, rtol=1e-4)
+        assert s.cache.get_seq_length() == len(s.token_ids) + len(d) == s.num_cached
+
+
+def test_rollback_is_exact_after_rejection():
+    model = tiny_model("llama", vocab=64, seed=5)
+    runner = ModelRunner(model)
+    seq = runner.new_sequence([1, 2, 3, 4])
+    runner.prefill(seq)
+    runner.forward([seq], [[10, 11, 12, 13]])  # 4 drafts fed; suppose only 1 is accepted
+    seq.commit([10, 30])
+    logits = runner.forward([seq], [[5]])[0]
+    torch.testing.assert_close(logits, full_logits(model, [1, 2, 3, 4, 10, 30, 5], 2), atol=1e-5, rtol=1e-5)
+    assert seq.cached_ids == [1, 2, 3, 4, 10, 30, 5]
+
+
+def test_new_turn_reuses_the_cached_prefix():
+    model = tiny_model("llama", vocab=64, seed=6)
+    runner = ModelRunner(model)
+    seq = runner.new_sequence(list(range(1, 21)))
+    runner.prefill(seq)
+    runner.forward([seq])
+    seq.commit([33, 34])
+    runner.forward([seq])  # feeds 33 and 34: the cache now holds all 22 tokens
+    seq.commit([35])
+    before = runner.prefix_tokens_reused
+    seq.reset_tokens(seq.token_ids[:22] + [40, 41, 42])  # the next turn: the last reply token differs  # the next turn extends the conversation
+    runner.prefill(seq)
+    assert runner.prefix_tokens_reused - before == 22  # prompt 20 + both generated tokens: nothing recomputed
+    logits = runner.forward([seq])[0]
+    torch.testing.assert_close(logits, full_logits(model, seq.token_ids, 1), atol=1e-5, rtol=1e-5)
+
+
+def test_empty_sequence_is_refused():
+    runner = ModelRunner(tiny_model("llama", vocab=32))
+    with pytest.raises(ValueError):
+        runner.new_sequence([])
