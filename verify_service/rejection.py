@@ -153,11 +153,18 @@ def prepare(target_logits: torch.Tensor, blocks: list[DraftBlock], shared: torch
         raise ValueError(f"target_logits must be [{n_tok + n_req}, V], got {tuple(target_logits.shape)}")
     vocab = target_logits.size(1)
     params = [b.params for b in blocks]
-    probs = process_logits(target_logits, BatchSamplingParams.from_params(params, rows_per_req, device))
     target_argmax = target_logits.argmax(dim=-1)
-
     cu = torch.tensor(num_draft, device=device).cumsum(0)
     draft_ids = torch.tensor([t for b in blocks for t in b.token_ids], dtype=torch.int64, device=device)
+    if all(p.greedy for p in params):
+        # Greedy needs only the argmax: skip softmax, residuals and random draws (a width-1 race is unused).
+        zeros = torch.zeros(n_tok, device=device)
+        return PreparedBatch(draft_ids, cu.to(torch.int32), zeros, zeros, zeros.double(),
+                             target_logits.new_zeros((n_tok + n_req, 1), dtype=torch.float32), target_argmax,
+                             torch.ones(n_req, dtype=torch.bool, device=device),
+                             torch.ones((n_req, 1), device=device), max(num_draft, default=0))
+    probs = process_logits(target_logits, BatchSamplingParams.from_params(params, rows_per_req, device))
+
     # row of each draft position in the [R, V] layout: request b's rows start at (tokens before b) + b
     req_of_tok = torch.repeat_interleave(torch.arange(n_req, device=device), torch.tensor(num_draft, device=device))
     draft_rows = torch.arange(n_tok, device=device) + req_of_tok

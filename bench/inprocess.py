@@ -1,0 +1,146 @@
+"""In-process benchmark: target-only vs transformers assisted generation vs specmesh's speculative engine.
+
+    python -m bench.inprocess [--prompts 8] [--max-tokens 96] [--ks 2 4 6]
+
+All methods run in this one process on the same held-out prompts (the first tokens of held-out standard
+library files), greedy, after a warm-up; ratios are against target-only decoding measured here. Writes
+bench/results/inprocess.json and bench/results/inprocess.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from specmesh.engine import SpeculativeEngine
+from specmesh.sampling import SamplingParams
+from specmesh.training.corpus import read_text, stdlib_files
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results"
+
+
+def heldout_prompts(tokenizer, n: int, length: int) -> list[list[int]]:
+    prompts = []
+    for path in stdlib_files()[1]:
+        text = read_text(path)
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
+        if len(ids) >= length:
+            prompts.append(ids[:length])
+        if len(prompts) == n:
+            break
+    return prompts
+
+
+def run_engine(engine, prompts, params, k, algorithm="standalone"):
+    tokens, seconds, outputs, rounds, drafted, accepted = 0, 0.0, [], 0, 0, 0
+    for p in prompts:
+        t0 = time.perf_counter()
+        r = engine.generate(p, params, k, algorithm)
+        seconds += time.perf_counter() - t0
+        tokens += len(r.token_ids)
+        outputs.append(r.token_ids)
+        rounds, drafted, accepted = rounds + r.stats.rounds, drafted + r.stats.drafted, accepted + r.stats.accepted
+    return {
+        "tokens": tokens, "seconds": round(seconds, 4), "tokens_per_s": round(tokens / seconds, 2),
+        "rounds": rounds, "drafted": drafted, "accepted": accepted,
+        "acceptance_rate": round(accepted / drafted, 4) if drafted else None,
+        "mean_accepted_length": round(1 + accepted / rounds, 4) if rounds else None,
+    }, outputs
+
+
+def run_hf(target, prompts, max_tokens, assistant=None):
+    tokens, seconds, outputs = 0, 0.0, []
+    for p in prompts:
+        ids = torch.tensor([p], device=target.device)
+        kw = dict(max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False, pad_token_id=0)
+        if assistant is not None:
+            kw["assistant_model"] = assistant
+        t0 = time.perf_counter()
+        out = target.generate(ids, **kw)[0, len(p):].tolist()
+        seconds += time.perf_counter() - t0
+        tokens += len(out)
+        outputs.append(out)
+    return {"tokens": tokens, "seconds": round(seconds, 4), "tokens_per_s": round(tokens / seconds, 2)}, outputs
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(results["methods"])
+    speed = [results["methods"][n]["tokens_per_s"] for n in names]
+    fig, ax = plt.subplots(figsize=(9, 4))
+    bars = ax.bar(names, speed, color=["#888"] * 2 + ["#4a7"] * (len(names) - 2))
+    for b, n in zip(bars, names):
+        ax.annotate(f"{results['methods'][n]['speedup_vs_target_only']:.2f}x", (b.get_x() + b.get_width() / 2,
+                    b.get_height()), ha="center", va="bottom", fontsize=9)
+    ax.set_ylabel("tokens / s (greedy)")
+    ax.set_title(f"in-process decoding, {results['prompts']} held-out prompts x {results['max_tokens']} tokens")
+    plt.xticks(rotation=20, ha="right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", type=Path, default=ROOT / "models/demo/target")
+    ap.add_argument("--draft", type=Path, default=ROOT / "models/demo/draft")
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--ks", type=int, nargs="+", default=[2, 4, 6])
+    ap.add_argument("--out", type=Path, default=RESULTS / "inprocess.json")
+    args = ap.parse_args(argv)
+
+    engine = SpeculativeEngine.from_paths(args.target, args.draft)
+    target, draft = engine.target.model, engine.draft.model
+    prompts = heldout_prompts(engine.tokenizer, args.prompts, args.prompt_len)
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+    engine.generate(prompts[0], params, 4)  # warm-up
+    run_hf(target, prompts[:1], 8, draft)
+
+    plan = [("target-only", lambda: run_engine(engine, prompts, params, 0)),
+            ("hf generate", lambda: run_hf(target, prompts, args.max_tokens)),
+            ("hf assisted", lambda: run_hf(target, prompts, args.max_tokens, draft))]
+    plan += [(f"specmesh K={k}", lambda k=k: run_engine(engine, prompts, params, k)) for k in args.ks]
+    plan += [("specmesh ngram K=4", lambda: run_engine(engine, prompts, params, 4, "ngram"))]
+    methods, outputs = {}, {}
+    for name, fn in tqdm(plan, desc="bench", unit="method"):
+        methods[name], outputs[name] = fn()
+    base = methods["target-only"]["tokens_per_s"]
+    for name, m in methods.items():
+        m["speedup_vs_target_only"] = round(m["tokens_per_s"] / base, 3)
+        m["speedup_vs_hf_generate"] = round(m["tokens_per_s"] / methods["hf generate"]["tokens_per_s"], 3)
+        m["output_equals_target_only"] = outputs[name] == outputs["target-only"]
+    results = {
+        "bench": "inprocess", "target": str(args.target), "draft": str(args.draft),
+        "target_params": sum(p.numel() for p in target.parameters()),
+        "draft_params": sum(p.numel() for p in draft.parameters()),
+        "prompts": len(prompts), "prompt_len": args.prompt_len, "max_tokens": args.max_tokens,
+        "device": str(engine.target.device), "torch_threads": torch.get_num_threads(),
+        "machine": platform.processor() or platform.machine(), "methods": methods,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=2) + "\n")
+    plot(results, args.out.with_suffix(".png"))
+    width = max(map(len, methods))
+    print(f"{'method':<{width}}  tok/s   speedup  accept  mean_len  equal")
+    for name, m in methods.items():
+        print(f"{name:<{width}}  {m['tokens_per_s']:6.1f}  {m['speedup_vs_target_only']:6.2f}x  "
+              f"{m.get('acceptance_rate') or '-':>6}  {m.get('mean_accepted_length') or '-':>8}  "
+              f"{m['output_equals_target_only']}")
+    print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
+    return results
+
+
+if __name__ == "__main__":
+    main()
