@@ -78,6 +78,9 @@ class ModelRunner:
         self.device = next(model.parameters()).device
         self.vocab_size = model.get_output_embeddings().weight.size(0)
         self.prefix_tokens_reused = 0  # tokens whose KV was found in a cache instead of recomputed
+        if any(getattr(layer, "is_sliding", False) for layer in DynamicCache(config=self.config).layers):
+            # Sliding-window layers keep only the window: cropping and padded batching assume full caches.
+            raise ValueError("models with sliding-window attention layers are not supported yet")
 
     def new_sequence(self, token_ids: list[int]) -> Sequence:
         if not token_ids:

@@ -258,6 +258,8 @@ def test_triton_on_cuda_bf16_no_recompile_per_k():
     (DraftBlock([1], GREEDY, torch.tensor([[1, 80]]), torch.tensor([[0.5, 0.5]])), "out of range"),
     (DraftBlock([1], GREEDY, torch.tensor([[1, 2]]), torch.tensor([[float("nan"), 1.0]])), "finite"),
     (DraftBlock([1, 2], GREEDY, torch.tensor([[1, 2]]), torch.tensor([[0.5, 0.5]])), "K=2"),
+    (DraftBlock([3], GREEDY, torch.tensor([[1, 2]]), torch.tensor([[0.5, 0.5]])), "support"),
+    (DraftBlock([1], GREEDY, torch.tensor([[1, 2]]), torch.tensor([[0.0, 1.0]])), "support"),
 ])
 def test_validate_block_rejects_bad_input(block, message):
     with pytest.raises(ValueError, match=message):
@@ -265,4 +267,4 @@ def test_validate_block_rejects_bad_input(block, message):
 
 
 def test_validate_block_accepts_good_input():
-    validate_block(DraftBlock([1, 2], GREEDY, torch.tensor([[1, -1], [2, 3]]), torch.tensor([[1.0, 0.0], [0.4, 0.6]])), 50)
+    validate_block(DraftBlock([1, 3], GREEDY, torch.tensor([[1, -1], [2, 3]]), torch.tensor([[1.0, 0.0], [0.4, 0.6]])), 50)

@@ -81,6 +81,11 @@ def validate_block(block: DraftBlock, vocab_size: int, max_spec_len: int = MAX_S
     ids = torch.where(valid, block.q_ids, -1 - torch.arange(block.q_ids.size(1)))
     if bool((ids.sort(dim=1).values.diff(dim=1) == 0).any()):
         raise ValueError("draft probability ids repeat within a position")
+    # A token the draft says it could not have sampled would bias the residual: refuse it.
+    x = torch.tensor(block.token_ids, dtype=block.q_ids.dtype)[:, None]
+    q_x = torch.where(block.q_ids == x, probs, 0).sum(dim=1)
+    if bool((q_x <= 0).any()):
+        raise ValueError("a draft token is outside its own draft distribution's support (q(x) = 0)")
 
 
 @dataclass
