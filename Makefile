@@ -26,11 +26,13 @@ bench: venv
 	$(PY) -m bench.inprocess
 
 # Reproduce models/demo from the standard library's sources (about 1.5 h on 2 cores; see README).
+DISTILL := $(PY) -m specmesh.training.distill --target models/demo/target --stdlib --steps 800 --batch-size 8 \
+	--seq-len 256 --lr 2e-3 --warmup 50 --autocast bf16 --teacher-topk 64 --seed 0
 demo-models: venv
 	$(PY) -m specmesh.training.train_target --out models/demo/target --work-dir .work/target \
 		--steps 850 --warmup 50 --checkpoint-every 50 --lr 1.5e-3
-	$(PY) -m specmesh.training.distill --target models/demo/target --stdlib --out models/demo/draft \
-		--cache-dir .work/teacher-cache
+	$(DISTILL) --kl-weight 0.9 --cache-dir .work/teacher-cache --out models/demo/draft
+	$(DISTILL) --kl-weight 0 --out .work/draft-data-only  # the data-only baseline of the README's report
 
 clean:
 	rm -rf $(VENV) .pytest_cache .work

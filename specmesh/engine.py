@@ -1,8 +1,8 @@
 """In-process speculative generation: the loop with a local drafter and a local verifier.
 
 This is the composition root for one process (tests, benchmarks, the training tool's evaluation, the
-demo run command): it wires the core's loop and runners to verify_service's rejection sampler, which is
-passed in or, by default, imported lazily here — the core's other modules never import a service.
+demo run command): it wires the core's loop and runners to verify_service's verifier and rejection
+sampler, imported lazily here and only here — the core's other modules never import a service.
 """
 
 from __future__ import annotations
@@ -12,37 +12,9 @@ from pathlib import Path
 import torch
 
 from specmesh.drafting import ModelDrafter, NgramDrafter
-from specmesh.loop import GenerationResult, Proposal, Verdict, speculative_generate
+from specmesh.loop import GenerationResult, speculative_generate
 from specmesh.models import ModelRunner, load_model
-from specmesh.sampling import SamplingParams, StopChecker, make_generator
-
-
-class LocalVerifier:
-    """Target forward over (last token + K drafts), then the rejection sampler, for one sequence."""
-
-    def __init__(self, runner: ModelRunner, sampler):
-        self.runner = runner
-        self.sampler = sampler
-        self.seq = None
-
-    def start(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        self.params = params
-        self.generator = make_generator(params.seed, self.runner.device)
-        if self.seq is None:
-            self.seq = self.runner.new_sequence(prompt_ids)
-        else:
-            self.seq.reset_tokens(prompt_ids)
-        self.runner.prefill(self.seq)
-
-    def verify(self, proposal: Proposal) -> Verdict:
-        from verify_service.rejection import DraftBlock
-
-        logits = self.runner.forward([self.seq], [proposal.token_ids])[0]
-        block = DraftBlock(proposal.token_ids, self.params, proposal.q_ids, proposal.q_probs, self.generator)
-        out = self.sampler(logits, [block])
-        tokens = out.tokens(0)
-        self.seq.commit(tokens)
-        return Verdict(tokens, out.num_accepted[0])
+from specmesh.sampling import SamplingParams, StopChecker
 
 
 def _eos_id(model) -> int | None:
@@ -98,6 +70,8 @@ class SpeculativeEngine:
             raise ValueError(f"unknown speculative algorithm {algorithm!r} (standalone | ngram)")
         decode = (lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)) if self.tokenizer else None
         stop = StopChecker(params, _eos_id(self.target.model), decode)
+        from verify_service.verifier import LocalVerifier
+
         with torch.inference_mode():
             result = speculative_generate(LocalVerifier(self.target, self.sampler), drafter, prompt_ids, params,
                                           num_speculative_tokens, stop)

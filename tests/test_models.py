@@ -75,3 +75,30 @@ def test_empty_sequence_is_refused():
     runner = ModelRunner(tiny_model("llama", vocab=32))
     with pytest.raises(ValueError):
         runner.new_sequence([])
+
+
+def test_verify_batch_of_eight_equals_one_by_one():
+    """The scheduler's step: 8 sequences, ragged K, greedy, one forward + one sampler call."""
+    from specmesh.sampling import SamplingParams
+    from verify_service.rejection import DraftBlock, RejectionSampler
+    from verify_service.verifier import verify_batch
+
+    model = tiny_model("llama", vocab=80, seed=9)
+    runner, sampler = ModelRunner(model), RejectionSampler("torch", seed=0)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 80, (int(n),), generator=g).tolist() for n in torch.randint(2, 30, (8,), generator=g)]
+    greedy = SamplingParams(temperature=0.0)
+    batched = [runner.new_sequence(p) for p in prompts]
+    single = [runner.new_sequence(p) for p in prompts]
+    for s in batched + single:
+        runner.prefill(s)
+    for _ in range(3):  # several rounds on the same sequences: rejected drafts are rolled back in between
+        drafts = [torch.randint(0, 80, (int(k),), generator=g).tolist() for k in torch.randint(0, 6, (8,), generator=g)]
+        vb = verify_batch(runner, sampler, batched, [DraftBlock(d, greedy) for d in drafts])
+        vs = [verify_batch(runner, sampler, [s], [DraftBlock(d, greedy)])[0] for s, d in zip(single, drafts)]
+        assert [v.tokens for v in vb] == [v.tokens for v in vs]
+        assert [s.token_ids for s in batched] == [s.token_ids for s in single]
+    for s in batched:  # every last committed token is the target's own greedy choice
+        with torch.inference_mode():
+            full = model(input_ids=torch.tensor([s.token_ids[:-1]])).logits[0, -1]
+        assert int(full.argmax()) == s.token_ids[-1]

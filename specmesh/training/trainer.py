@@ -94,7 +94,8 @@ def train(
         optimizer.step()
         losses.append(loss.item())
         tokens += n_tokens
-        bar.set_postfix(loss=f"{losses[-1]:.4f}", tok_s=f"{tokens / (time.perf_counter() - t0):.0f}")
+        # refresh=False lets tqdm's mininterval throttle redraws (one line per step in a log file otherwise)
+        bar.set_postfix(loss=f"{losses[-1]:.4f}", tok_s=f"{tokens / (time.perf_counter() - t0):.0f}", refresh=False)
         done = step + 1
         if done % cfg.checkpoint_every == 0 or done == end:
             save_checkpoint(ckpt, model, optimizer, done)

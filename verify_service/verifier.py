@@ -1,0 +1,49 @@
+"""Verification without transport: one batched target forward + one rejection-sampler call per step.
+
+`verify_batch` is what the verify service's scheduler runs every tick over all waiting blocks, and what
+the in-process `LocalVerifier` runs for its one sequence: a single code path for both.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specmesh.loop import Proposal, Verdict
+from specmesh.models import ModelRunner, Sequence
+from specmesh.sampling import SamplingParams, make_generator
+from verify_service.rejection import DraftBlock, RejectionSampler
+
+
+def verify_batch(runner: ModelRunner, sampler: RejectionSampler, seqs: list[Sequence],
+                 blocks: list[DraftBlock]) -> list[Verdict]:
+    """Verify each sequence's block; commit the results to the sequences. Blocks must be validated."""
+    logits = runner.forward(seqs, [b.token_ids for b in blocks])
+    out = sampler(torch.cat(logits), blocks)
+    verdicts = []
+    for i, seq in enumerate(seqs):
+        tokens = out.tokens(i)
+        seq.commit(tokens)
+        verdicts.append(Verdict(tokens, out.num_accepted[i]))
+    return verdicts
+
+
+class LocalVerifier:
+    """The `Verifier` of in-process generation: one sequence, verified in this process."""
+
+    def __init__(self, runner: ModelRunner, sampler: RejectionSampler):
+        self.runner = runner
+        self.sampler = sampler
+        self.seq: Sequence | None = None
+
+    def start(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        self.params = params
+        self.generator = make_generator(params.seed, self.runner.device)
+        if self.seq is None:
+            self.seq = self.runner.new_sequence(prompt_ids)
+        else:
+            self.seq.reset_tokens(prompt_ids)  # a new turn: the cached common prefix is reused
+        self.runner.prefill(self.seq)
+
+    def verify(self, proposal: Proposal) -> Verdict:
+        block = DraftBlock(proposal.token_ids, self.params, proposal.q_ids, proposal.q_probs, self.generator)
+        return verify_batch(self.runner, self.sampler, [self.seq], [block])[0]
