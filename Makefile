@@ -29,8 +29,11 @@ bench: venv
 DISTILL := $(PY) -m specmesh.training.distill --target models/demo/target --stdlib --steps 800 --batch-size 8 \
 	--seq-len 256 --lr 2e-3 --warmup 50 --autocast bf16 --teacher-topk 64 --seed 0
 demo-models: venv
+	# 600 steps of an 850-step cosine schedule, then a short anneal: the schedule is re-cut to end at 650
 	$(PY) -m specmesh.training.train_target --out models/demo/target --work-dir .work/target \
-		--steps 850 --warmup 50 --checkpoint-every 50 --lr 1.5e-3
+		--steps 850 --warmup 50 --checkpoint-every 50 --lr 1.5e-3 --stop-after 600
+	$(PY) -m specmesh.training.train_target --out models/demo/target --work-dir .work/target \
+		--steps 650 --warmup 50 --checkpoint-every 50 --lr 1.5e-3 --resume
 	$(DISTILL) --kl-weight 0.9 --cache-dir .work/teacher-cache --out models/demo/draft
 	$(DISTILL) --kl-weight 0 --out .work/draft-data-only  # the data-only baseline of the README's report
 
