@@ -17,11 +17,13 @@ from specmesh.models import ModelRunner, load_model
 from specmesh.sampling import SamplingParams, StopChecker
 
 
-def _eos_id(model) -> int | None:
-    eos = model.config.eos_token_id
-    if isinstance(eos, (list, tuple)):
-        eos = eos[0] if eos else None
-    return eos
+def eos_token_ids(model) -> frozenset[int]:
+    """Every EOS id of the model's config and generation config (Llama 3 and Qwen chat models list several)."""
+    ids: set[int] = set()
+    for cfg in (model.config, getattr(model, "generation_config", None)):
+        eos = getattr(cfg, "eos_token_id", None) if cfg is not None else None
+        ids.update(eos if isinstance(eos, (list, tuple)) else [] if eos is None else [eos])
+    return frozenset(ids)
 
 
 class SpeculativeEngine:
@@ -60,6 +62,10 @@ class SpeculativeEngine:
         params.validate(self.target.vocab_size)
         if not prompt_ids:
             raise ValueError("prompt must hold at least one token")
+        from verify_service.rejection import MAX_SPEC_LEN
+
+        if not 0 <= num_speculative_tokens <= MAX_SPEC_LEN:
+            raise ValueError(f"num_speculative_tokens must be in [0, {MAX_SPEC_LEN}], got {num_speculative_tokens}")
         if any(not 0 <= t < self.target.vocab_size for t in prompt_ids):
             raise ValueError(f"prompt token ids out of range [0, {self.target.vocab_size})")
         if algorithm == "standalone":
@@ -69,7 +75,7 @@ class SpeculativeEngine:
         else:
             raise ValueError(f"unknown speculative algorithm {algorithm!r} (standalone | ngram)")
         decode = (lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)) if self.tokenizer else None
-        stop = StopChecker(params, _eos_id(self.target.model), decode)
+        stop = StopChecker(params, eos_token_ids(self.target.model), decode)
         from verify_service.verifier import LocalVerifier
 
         with torch.inference_mode():

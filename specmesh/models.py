@@ -129,7 +129,16 @@ class ModelRunner:
         ids = torch.tensor([feed], dtype=torch.long, device=self.device)
         start = seq.num_cached
         pos = torch.arange(start, start + len(feed), device=self.device)[None, :]
-        out = self.model(input_ids=ids, position_ids=pos, cache=seq.cache, use_cache=True, logits_to_keep=num_logits)
+        try:
+            out = self.model(input_ids=ids, position_ids=pos, cache=seq.cache, use_cache=True,
+                             logits_to_keep=num_logits)
+        except BaseException:
+            # Some layers may already hold the new keys/values: cut every layer back to cached_ids.
+            for layer in seq.cache.layers:
+                extra = layer.get_seq_length() - start
+                if extra > 0:
+                    layer.crop(-extra)
+            raise
         seq.cached_ids.extend(feed)
         return out.logits[0].float()
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 MAX_STOP_STRINGS = 16
+GREEDY_TEMPERATURE = 1e-5  # below this, temperature scaling overflows fp32 logits: treated as greedy (as vLLM)
 
 
 @dataclass(frozen=True)
@@ -27,14 +28,14 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_TEMPERATURE
 
     def validate(self, vocab_size: int | None = None) -> "SamplingParams":
         """Raise ValueError naming the offending field; returns self so it chains."""
         if not (self.temperature >= 0.0) or self.temperature > 100.0:
             raise ValueError(f"temperature must be in [0, 100], got {self.temperature}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if not isinstance(self.top_k, int) or not 0 <= self.top_k < 2**31:
+            raise ValueError(f"top_k must be an integer in [0, 2**31) (0 disables it), got {self.top_k}")
         if not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.max_tokens < 1:
@@ -66,7 +67,7 @@ class BatchSamplingParams:
             return torch.tensor(values, dtype=dtype, device=device).repeat_interleave(rep)
 
         return BatchSamplingParams(
-            temperature=col([p.temperature for p in params], torch.float32),
+            temperature=col([0.0 if p.greedy else p.temperature for p in params], torch.float32),
             top_k=col([p.top_k for p in params], torch.int64),
             top_p=col([p.top_p for p in params], torch.float32),
         )
@@ -126,7 +127,7 @@ class StopChecker:
     """
 
     params: SamplingParams
-    eos_token_id: int | None = None
+    eos_token_ids: frozenset[int] = frozenset()  # every id that ends a turn (chat models list several)
     decode: object = None  # Callable[[list[int]], str]
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
@@ -137,8 +138,8 @@ class StopChecker:
         if self.params.stop and self.decode is None:
             raise ValueError("stop strings need a tokenizer to decode with")
         stops = set(self.params.stop_token_ids)
-        if self.eos_token_id is not None and not self.params.ignore_eos:
-            stops.add(self.eos_token_id)
+        if not self.params.ignore_eos:
+            stops |= set(self.eos_token_ids)
         self._stop_ids = frozenset(stops)
 
     def extend(self, new_tokens: list[int]) -> int:

@@ -38,7 +38,8 @@ def test_draft_equal_to_target_accepts_everything():
     engine = SpeculativeEngine.from_models(target, target)
     r = engine.generate([1, 2, 3], GREEDY64, num_speculative_tokens=5)
     assert r.stats.acceptance_rate == 1.0
-    assert r.stats.mean_accepted_length == pytest.approx(1 + r.stats.accepted / r.stats.rounds)
+    assert r.stats.rounds == 11  # 64 tokens = 10 full rounds of 6 + one round capped at the budget (K=3)
+    assert r.stats.mean_accepted_length == pytest.approx(64 / 11)
     assert r.stats.acceptance_per_pos == [1.0] * 5
 
 
@@ -88,8 +89,41 @@ def test_stop_token_and_eos_end_generation(tiny_pair):
     (dict(params=SamplingParams(max_tokens=0)), "max_tokens"),
     (dict(params=SamplingParams(stop_token_ids=(500,))), "stop_token_ids"),
     (dict(algorithm="medusa"), "algorithm"),
+    (dict(k=33), "num_speculative_tokens"),
+    (dict(k=-1), "num_speculative_tokens"),
 ])
 def test_bad_input_is_a_clear_error(tiny_pair, bad, message):
     engine = SpeculativeEngine.from_models(*tiny_pair)
     with pytest.raises(ValueError, match=message):
-        engine.generate(bad.get("prompt", [1, 2]), bad.get("params", GREEDY64), 4, bad.get("algorithm", "standalone"))
+        engine.generate(bad.get("prompt", [1, 2]), bad.get("params", GREEDY64), bad.get("k", 4),
+                        bad.get("algorithm", "standalone"))
+
+
+def test_sampled_speculative_decoding_is_the_target_distribution():
+    """End to end with the model drafter (sparse q from its top-k): the joint law of two generated tokens."""
+    from scipy.stats import chisquare
+
+    vocab = 8
+    target = tiny_model("llama", vocab=vocab, hidden=32, seed=21, init_range=0.5)
+    draft = noisy_copy(target, 0.5, seed=3)
+    engine = SpeculativeEngine.from_models(target, draft, draft_topk=4)  # truncated q: exactness still holds
+    prompt = [1, 2, 3]
+    params = SamplingParams(temperature=1.0, max_tokens=2, ignore_eos=True)
+    with torch.inference_mode():  # the exact law: p(a) * p(b | a)
+        p1 = torch.softmax(target(input_ids=torch.tensor([prompt])).logits[0, -1], -1)
+        p2 = torch.stack([torch.softmax(target(input_ids=torch.tensor([prompt + [a]])).logits[0, -1], -1)
+                          for a in range(vocab)])
+    joint = (p1[:, None] * p2).reshape(-1).double()
+    n = 3000
+    counts = torch.zeros(vocab * vocab, dtype=torch.float64)
+    accepted = 0
+    for _ in range(n):
+        r = engine.generate(prompt, params, num_speculative_tokens=1)
+        counts[r.token_ids[0] * vocab + r.token_ids[1]] += 1
+        accepted += r.stats.accepted
+    assert 0.2 * n < accepted < 0.95 * n  # the draft is right often, not always: both paths ran
+    big = joint * n >= 5  # chi-square needs expected counts >= 5; the rest is pooled into one bin
+    obs = torch.cat([counts[big], counts[~big].sum()[None]])
+    exp = torch.cat([joint[big], joint[~big].sum()[None]]) * n
+    pval = chisquare(obs.numpy(), (exp / exp.sum() * n).numpy()).pvalue
+    assert pval > 1e-3, pval

@@ -98,6 +98,11 @@ def test_verify_batch_of_eight_equals_one_by_one():
         vs = [verify_batch(runner, sampler, [s], [DraftBlock(d, greedy)])[0] for s, d in zip(single, drafts)]
         assert [v.tokens for v in vb] == [v.tokens for v in vs]
         assert [s.token_ids for s in batched] == [s.token_ids for s in single]
+    # a fresh sequence (nothing cached) joining a batch takes the per-sequence path, same result
+    fresh_b, fresh_s = runner.new_sequence([5]), runner.new_sequence([5])
+    vb = verify_batch(runner, sampler, batched[:2] + [fresh_b], [DraftBlock([1], greedy)] * 3)
+    vs = verify_batch(runner, sampler, [fresh_s], [DraftBlock([1], greedy)])
+    assert vb[2].tokens == vs[0].tokens
     for s in batched:  # every last committed token is the target's own greedy choice
         with torch.inference_mode():
             full = model(input_ids=torch.tensor([s.token_ids[:-1]])).logits[0, -1]

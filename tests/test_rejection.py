@@ -150,6 +150,49 @@ def test_broken_sampler_fails_the_same_check(monkeypatch):
     assert any(pval < 1e-3 or tv >= 0.01 for _, _, pval, tv in results), results
 
 
+def test_no_zero_probability_token_when_the_residual_vanishes():
+    """p one-hot on token 5; q sent slightly over-normalised (within tolerance) on the same token."""
+    vocab, n = 10, 20_000
+    logits = torch.randn(2, vocab)
+    logits[0, 5] = 50.0
+    params = SamplingParams(temperature=1.0, top_k=1)
+    blocks = [DraftBlock([5], params, torch.tensor([[5]]), torch.tensor([[1.0009]])) for _ in range(n)]
+    out = RejectionSampler("torch", seed=0)(logits.repeat(n, 1), blocks)
+    assert (out.output_token_ids[:, 0] == 5).all()
+    # and a rejection forced by rounding (u just below 1, p(x)/q(x) a hair under 1) still emits from p
+    probs = torch.softmax(torch.randn(vocab), 0)
+    q_ids = torch.arange(vocab)[None]
+    block = DraftBlock([3], SamplingParams(temperature=1.0), q_ids, (probs * 1.0000005)[None])
+    prep = rejection.prepare(torch.stack([probs.log(), probs.log()]), [block], torch.Generator().manual_seed(0))
+    prep.uniforms.fill_(1 - 1e-12)
+    tok = rejection.rejection_sample_torch(**prep.kernel_args())[0, 0]
+    assert probs[tok] > 0 and prep.residual_probs[0].amax() > 0
+
+
+def test_mixed_batch_each_request_gets_its_own_distribution():
+    """Interleaved requests with different K, q shapes and parameters (and greedy rows) in one batch."""
+    la, qa, pa, sa, _ = make_case("random", k=3)
+    lb, qb, pb, sb, _ = make_case("processed", k=2)
+    lg = torch.randn(2, 8)
+    n = 100_000
+    ga, gb = torch.Generator().manual_seed(5), torch.Generator().manual_seed(6)
+    xa = torch.multinomial(qa, n, replacement=True, generator=ga).T.tolist()
+    xb = torch.multinomial(qb, n, replacement=True, generator=gb).T.tolist()
+    ids_a = torch.arange(8).expand(3, 8)
+    blocks, rows = [], []
+    for i in range(n):
+        blocks.append(DraftBlock(xa[i], pa, ids_a, qa))
+        blocks.append(DraftBlock(xb[i], pb))  # no q: point masses
+        blocks.append(DraftBlock([int(lg[0].argmax())], GREEDY))
+        rows += [la, lb, lg]
+    out = RejectionSampler("torch", seed=2)(torch.cat(rows), blocks)
+    toks = out.output_token_ids
+    for group, logits, params in ((0, la, pa), (1, lb, pb)):
+        pval, tv = check_distribution(toks[group::3, 0], processed(logits, params)[0])
+        assert pval > 1e-3 and tv < 0.01, (group, pval, tv)
+    assert (toks[2::3, :2] == torch.tensor([int(lg[0].argmax()), int(lg[1].argmax())])).all()
+
+
 # ---------------------------------------------------------------- seeded replay
 def test_seeded_requests_replay_whatever_their_batch():
     vocab, k = 50, 4
@@ -173,7 +216,7 @@ def test_seeded_requests_replay_whatever_their_batch():
 
 
 # ---------------------------------------------------------------- parity
-def random_batch(gen, vocab, n_req=16, max_k=6):
+def random_batch(gen, vocab, n_req=16, max_k=6, device="cpu"):
     blocks = []
     for i in range(n_req):
         k = int(torch.randint(0, max_k + 1, (1,), generator=gen))
@@ -188,7 +231,7 @@ def random_batch(gen, vocab, n_req=16, max_k=6):
             q_ids = torch.stack([torch.cat([torch.tensor([x]), p[p != x][: s - 1]]) for x, p in zip(draft, perms)])
             q_probs = torch.rand(q_ids.shape, generator=gen) + 0.01
             q_probs = q_probs / q_probs.sum(1, keepdim=True)
-        gen_i = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+        gen_i = torch.Generator(device).manual_seed(params.seed) if params.seed is not None else None
         blocks.append(DraftBlock(draft, params, q_ids, q_probs, gen_i))
     rows = sum(b.k + 1 for b in blocks)
     logits = torch.randn(rows, vocab, generator=gen) * 3
@@ -202,9 +245,9 @@ def random_batch(gen, vocab, n_req=16, max_k=6):
     return logits, blocks
 
 
-def clone_blocks(blocks):
+def clone_blocks(blocks, device="cpu"):
     return [DraftBlock(b.token_ids, b.params, b.q_ids, b.q_probs,
-                       torch.Generator().manual_seed(b.params.seed) if b.params.seed is not None else None)
+                       torch.Generator(device).manual_seed(b.params.seed) if b.params.seed is not None else None)
             for b in blocks]
 
 
@@ -239,12 +282,13 @@ def test_triton_on_cuda_bf16_no_recompile_per_k():
 
     gen = torch.Generator().manual_seed(0)
     for trial, max_k in enumerate((2, 5, 8)):
-        logits, blocks = random_batch(gen, 4096, max_k=max_k)
-        logits = logits.to(torch.bfloat16)
-        a = RejectionSampler("torch", seed=trial, device="cuda")(logits.cuda(), clone_blocks(blocks))
-        b = RejectionSampler("triton", seed=trial, device="cuda")(logits.cuda(), clone_blocks(blocks))
+        logits, blocks = random_batch(gen, 4096, max_k=max_k, device="cuda")
+        logits = logits.to(torch.bfloat16).cuda()
+        a = RejectionSampler("torch", seed=trial, device="cuda")(logits, clone_blocks(blocks, "cuda"))
+        b = RejectionSampler("triton", seed=trial, device="cuda")(logits, clone_blocks(blocks, "cuda"))
         assert torch.equal(a.output_token_ids, b.output_token_ids)
-    assert len(_rejection_kernel.device_caches[0][0]) == 1
+        assert any(n > 0 for n in a.num_accepted)
+    assert len(_rejection_kernel.device_caches[0][0]) == 1  # one compiled variant for every K
 
 
 # ---------------------------------------------------------------- validation

@@ -54,7 +54,7 @@ def test_rows_of_one_request_share_its_parameters():
 
 @pytest.mark.parametrize("kw, message", [
     (dict(temperature=-0.1), "temperature"), (dict(temperature=float("nan")), "temperature"),
-    (dict(top_k=-1), "top_k"), (dict(top_p=1.5), "top_p"), (dict(max_tokens=0), "max_tokens"),
+    (dict(top_k=-1), "top_k"), (dict(top_k=2**63), "top_k"), (dict(top_p=1.5), "top_p"), (dict(max_tokens=0), "max_tokens"),
     (dict(seed=-3), "seed"), (dict(stop=("",)), "stop"), (dict(stop_token_ids=(3, 70)), "stop_token_ids"),
 ])
 def test_validate(kw, message):
@@ -67,15 +67,29 @@ def decode(ids):
 
 
 def test_stop_checker_rules():
-    s = StopChecker(SamplingParams(max_tokens=5), eos_token_id=9)
+    s = StopChecker(SamplingParams(max_tokens=5), eos_token_ids=frozenset({9}))
     assert s.extend([1, 2]) == 2 and not s.finished
     assert s.extend([3, 4, 5, 6]) == 3 and s.finish_reason == "length" and s.token_ids == [1, 2, 3, 4, 5]
-    s = StopChecker(SamplingParams(max_tokens=50), eos_token_id=9)
+    s = StopChecker(SamplingParams(max_tokens=50), eos_token_ids=frozenset({9}))
     assert s.extend([1, 9, 2]) == 2 and s.finish_reason == "stop"
-    s = StopChecker(SamplingParams(max_tokens=50, ignore_eos=True, stop_token_ids=(4,)), eos_token_id=9)
+    s = StopChecker(SamplingParams(max_tokens=50, ignore_eos=True, stop_token_ids=(4,)), eos_token_ids=frozenset({9}))
     assert s.extend([1, 9, 2, 4, 5]) == 4 and s.token_ids == [1, 9, 2, 4]
-    s = StopChecker(SamplingParams(max_tokens=50, stop=("cd",)), eos_token_id=None, decode=decode)
+    s = StopChecker(SamplingParams(max_tokens=50, stop=("cd",)), decode=decode)
     s.extend([0, 1])
     assert not s.finished
     s.extend([2, 3, 4])
     assert s.finish_reason == "stop" and s.token_ids == [0, 1, 2, 3] and s.text() == "ab"
+    s = StopChecker(SamplingParams(max_tokens=50, stop=("bc",)), decode=decode)  # spans two extend calls
+    s.extend([0, 1])
+    assert not s.finished
+    assert s.extend([2, 3]) == 1 and s.text() == "a" and s.finish_reason == "stop"
+    s = StopChecker(SamplingParams(max_tokens=50), eos_token_ids=frozenset({7, 8}))  # several EOS ids
+    assert s.extend([1, 8, 2]) == 2 and s.finish_reason == "stop"
+
+
+def test_tiny_temperature_is_greedy_not_nan():
+    params = SamplingParams(temperature=1e-39).validate(10)
+    assert params.greedy
+    logits = torch.tensor([[0.0, 1.0, 3.0, 2.0]])
+    probs = process_logits(logits, BatchSamplingParams.from_params([params], [1]))
+    assert probs.tolist() == [[0.0, 0.0, 1.0, 0.0]]

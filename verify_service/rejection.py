@@ -195,6 +195,9 @@ def prepare(target_logits: torch.Tensor, blocks: list[DraftBlock], shared: torch
     if ids_parts:
         q_ids = torch.cat(ids_parts).to(device)
         q_probs = torch.cat(prob_parts).to(device)
+        # Sent q sums to 1 only within validate_block's tolerance: make it exact, so p <= q everywhere
+        # cannot leave a rejection with nothing to recover from.
+        q_probs = q_probs / q_probs.sum(dim=1, keepdim=True)
     else:
         q_ids = torch.empty((0, s_max), dtype=torch.int64, device=device)
         q_probs = torch.empty((0, s_max), dtype=torch.float32, device=device)
@@ -211,12 +214,22 @@ def prepare(target_logits: torch.Tensor, blocks: list[DraftBlock], shared: torch
 
 
 def _write_residual(probs: torch.Tensor, draft_rows: torch.Tensor, q_ids: torch.Tensor, q_probs: torch.Tensor) -> None:
-    """Turn each draft row of `probs` into max(p - q, 0), in place; q is zero outside its support."""
+    """Turn each draft row of `probs` into max(p - q, 0), in place; q is zero outside its support.
+
+    Where the residual is zero everywhere (p == q up to rounding), a rejection has probability zero in exact
+    arithmetic but can still happen in floating point; the row then keeps p, so the race never picks a
+    token the target gives no probability.
+    """
     valid = q_ids >= 0
     if bool(valid.any()):
         rows = draft_rows[:, None].expand_as(q_ids)[valid]
         cols = q_ids[valid]
-        probs[rows, cols] = (probs[rows, cols] - q_probs[valid]).clamp_min(0)
+        p_support = probs[rows, cols]
+        probs[rows, cols] = (p_support - q_probs[valid]).clamp_min(0)
+        empty = probs[draft_rows].amax(dim=1) <= 0  # [T]
+        if bool(empty.any()):
+            restore = empty[:, None].expand_as(q_ids)[valid]
+            probs[rows[restore], cols[restore]] = p_support[restore]
 
 
 def _draw_random(blocks, cu, uniforms, exponentials, shared) -> None:

@@ -16,7 +16,8 @@ import triton.language as tl
 from verify_service.rejection import MAX_SPEC_LEN, PLACEHOLDER_TOKEN_ID
 
 
-@triton.jit
+# Sizes and strides are runtime values: no recompilation when K, the batch or the vocabulary changes shape.
+@triton.jit(do_not_specialize=["out_stride", "probs_stride", "exp_stride", "vocab"])
 def _rejection_kernel(
     out_ptr,  # [B, out_width] int64, prefilled with PLACEHOLDER_TOKEN_ID
     out_stride,
@@ -71,7 +72,9 @@ def _rejection_kernel(
             m = offs < vocab
             p = tl.load(probs_ptr + emit_row * probs_stride + offs, mask=m, other=0.0)
             e = tl.load(exp_ptr + b.to(tl.int64) * exp_stride + offs, mask=m, other=1.0)
-            score = tl.where(m, p / e, -1.0)
+            # div_rn: IEEE round-to-nearest like torch; plain `/` compiles to an approximate division on
+            # NVIDIA GPUs, which could flip near-ties of the race between the two backends.
+            score = tl.where(m, tl.math.div_rn(p, e), -1.0)
             blk_best = tl.max(score, axis=0)
             if blk_best > best:  # strictly greater: the first index wins ties, as torch.argmax
                 best = blk_best
