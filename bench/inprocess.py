@@ -70,6 +70,22 @@ def run_hf(target, prompts, max_tokens, assistant=None):
     return {"tokens": tokens, "seconds": round(seconds, 4), "tokens_per_s": round(tokens / seconds, 2)}, outputs
 
 
+@torch.inference_mode()
+def decode_ms(model, context: int = 64, steps: int = 50) -> float:
+    """Milliseconds of one plain HF one-token decode forward (DynamicCache), after a warm-up."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    model(input_ids=torch.zeros((1, context), dtype=torch.long), cache=cache, use_cache=True)
+    x = torch.zeros((1, 1), dtype=torch.long)
+    for _ in range(5):
+        model(input_ids=x, cache=cache, use_cache=True)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        model(input_ids=x, cache=cache, use_cache=True)
+    return (time.perf_counter() - t0) / steps * 1e3
+
+
 def plot(results: dict, path: Path) -> None:
     import matplotlib
 
@@ -121,8 +137,10 @@ def main(argv: list[str] | None = None) -> dict:
         m["speedup_vs_target_only"] = round(m["tokens_per_s"] / base, 3)
         m["speedup_vs_hf_generate"] = round(m["tokens_per_s"] / methods["hf generate"]["tokens_per_s"], 3)
         m["output_equals_target_only"] = outputs[name] == outputs["target-only"]
+    t_ms, d_ms = decode_ms(target), decode_ms(draft)
     results = {
-        "bench": "inprocess", "target": str(args.target), "draft": str(args.draft),
+        "bench": "inprocess",
+        "decode_ms": {"target": round(t_ms, 3), "draft": round(d_ms, 3), "ratio": round(t_ms / d_ms, 2)}, "target": str(args.target), "draft": str(args.draft),
         "target_params": sum(p.numel() for p in target.parameters()),
         "draft_params": sum(p.numel() for p in draft.parameters()),
         "prompts": len(prompts), "prompt_len": args.prompt_len, "max_tokens": args.max_tokens,
@@ -138,6 +156,7 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"{name:<{width}}  {m['tokens_per_s']:6.1f}  {m['speedup_vs_target_only']:6.2f}x  "
               f"{m.get('acceptance_rate') or '-':>6}  {m.get('mean_accepted_length') or '-':>8}  "
               f"{m['output_equals_target_only']}")
+    print(f"one-token HF decode: target {t_ms:.2f} ms, draft {d_ms:.2f} ms ({t_ms / d_ms:.1f}x)")
     print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
     return results
 
