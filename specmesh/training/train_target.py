@@ -73,10 +73,10 @@ def heldout_loss(model, windows: TokenWindows, max_batches: int | None = None) -
     return total / max(n, 1)
 
 
-def prepare_corpus(work: Path, vocab_size: int):
+def prepare_corpus(work: Path, vocab_size: int, root: Path | None = None):
     """Tokenizer and token streams, built once and cached in `work`."""
     tok_dir, cache = work / "tokenizer", work / "tokens.pt"
-    train_files, heldout_files = stdlib_files()
+    train_files, heldout_files = stdlib_files(root)
     if not tok_dir.exists():
         texts = [t for t in map(read_text, train_files) if t]
         train_tokenizer(texts, vocab_size).save_pretrained(tok_dir)
@@ -98,6 +98,8 @@ def main(argv: list[str] | None = None) -> None:
                     help="where the fp16 model and tokenizer are saved (default models/demo/target)")
     ap.add_argument("--work-dir", type=Path, default=Path(".work/target"),
                     help="tokenizer, token cache and checkpoints (default .work/target)")
+    ap.add_argument("--stdlib-root", type=Path, default=None,
+                    help="corpus root (default: this interpreter's standard library; a sub-folder for quick trials)")
     ap.add_argument("--vocab-size", type=int, default=8192, help="BPE vocabulary size (default 8192)")
     ap.add_argument("--layers", type=int, default=10, help="decoder layers (default 10)")
     ap.add_argument("--hidden", type=int, default=512, help="hidden size (default 512)")
@@ -124,7 +126,7 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     args.work_dir.mkdir(parents=True, exist_ok=True)
-    tokenizer, streams = prepare_corpus(args.work_dir, args.vocab_size)
+    tokenizer, streams = prepare_corpus(args.work_dir, args.vocab_size, args.stdlib_root)
     print(f"corpus: {streams['files']} files, {streams['train'].numel():,} train / "
           f"{streams['heldout'].numel():,} held-out tokens, vocab {len(tokenizer)}", flush=True)
 
@@ -151,7 +153,7 @@ def main(argv: list[str] | None = None) -> None:
     cfg = TrainConfig(steps=args.steps, lr=args.lr, warmup=args.warmup, checkpoint_every=args.checkpoint_every,
                       out_dir=args.work_dir, desc="target")
     t0 = time.time()
-    train(model, loss_fn, cfg, resume=args.resume, stop_after=args.stop_after, on_checkpoint=on_checkpoint)
+    losses = train(model, loss_fn, cfg, resume=args.resume, stop_after=args.stop_after, on_checkpoint=on_checkpoint)
     if args.stop_after is not None and args.stop_after < args.steps:
         print(f"stopped at step {args.stop_after}; continue with --resume", flush=True)
         return
@@ -160,6 +162,7 @@ def main(argv: list[str] | None = None) -> None:
         "heldout_tokens": int(streams["heldout"].numel()),
         "train_tokens_seen": args.steps * args.batch_size * args.seq_len,
         "steps": args.steps,
+        "steps_this_run": len(losses),
         "parameters": sum(p.numel() for p in model.parameters()),
         "wall_seconds_this_run": round(time.time() - t0, 1),
         "args": {k: str(v) for k, v in vars(args).items()},
