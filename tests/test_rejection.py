@@ -2,7 +2,6 @@
 
 import zlib
 
-import numpy as np
 import pytest
 import torch
 from scipy.stats import chisquare
