@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.specmesh-installed
 
-.PHONY: venv run test bench demo-models clean
+.PHONY: venv run test bench proto demo-models clean
 
 venv: $(STAMP)
 
@@ -21,6 +21,10 @@ run: venv
 
 test: venv
 	$(PY) -m pytest -q
+
+# Regenerate specmesh/v1/*_pb2*.py from proto/ (tests/test_proto.py fails while they are stale).
+proto: venv
+	$(PY) -m specmesh.codegen
 
 bench: venv
 	$(PY) -m bench.inprocess
