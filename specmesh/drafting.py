@@ -8,6 +8,8 @@ Used in-process by the engine and, over gRPC, by draft_service.
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from specmesh.loop import Proposal
@@ -24,6 +26,8 @@ class ModelDrafter:
         self.runner = runner
         self.draft_topk = draft_topk
         self.seq: Sequence | None = None
+        self.tokens_drafted = 0  # including tokens drafted ahead and thrown away
+        self.draft_seconds = 0.0
 
     def start(self, prompt_ids: list[int], params: SamplingParams) -> None:
         self.params = params
@@ -39,11 +43,16 @@ class ModelDrafter:
             self.seq.reset_tokens(prompt_ids)  # a new turn: the cached common prefix is reused
         self.runner.prefill(self.seq)
 
-    def propose(self, k: int) -> Proposal:
+    def propose(self, k: int, after: list[int] = (), should_stop=None) -> Proposal:
         seq, committed = self.seq, len(self.seq.token_ids)
         q_ids, q_probs = [], []
+        seq.token_ids.extend(after)
+        start = len(seq.token_ids)
+        t0 = time.perf_counter()
         try:
             for _ in range(k):
+                if should_stop is not None and should_stop():
+                    break
                 logits = self.runner.forward([seq])[0][-1:]
                 if self.params.greedy:
                     seq.token_ids.append(int(logits.argmax()))
@@ -55,9 +64,11 @@ class ModelDrafter:
                 seq.token_ids.append(int(top_i[j]))
                 q_ids.append(top_i)
                 q_probs.append(top_p)
-            drafted = seq.token_ids[committed:]
+            drafted = seq.token_ids[start:]
         finally:
             del seq.token_ids[committed:]  # drafts stay in the cache, not in the committed tokens
+        self.tokens_drafted += len(drafted)
+        self.draft_seconds += time.perf_counter() - t0
         if self.params.greedy or not drafted:
             return Proposal(drafted)
         return Proposal(drafted, torch.stack(q_ids).cpu(), torch.stack(q_probs).float().cpu())
@@ -79,8 +90,8 @@ class NgramDrafter:
     def start(self, prompt_ids: list[int], params: SamplingParams) -> None:
         self.tokens = list(prompt_ids)
 
-    def propose(self, k: int) -> Proposal:
-        toks = self.tokens
+    def propose(self, k: int, after: list[int] = (), should_stop=None) -> Proposal:
+        toks = self.tokens + list(after) if after else self.tokens
         for n in range(min(self.max_ngram, len(toks) - 1), self.min_ngram - 1, -1):
             tail = toks[-n:]
             for start in range(len(toks) - n - 1, -1, -1):

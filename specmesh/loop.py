@@ -4,13 +4,21 @@ A `Drafter` proposes blocks of draft tokens; a `Verifier` returns verdicts (the 
 round: accepted drafts, then the recovered or bonus token). In-process generation plugs in a local
 drafter and a local verifier; the draft service plugs in a remote verifier that speaks gRPC. K = 0 is
 target-only decoding through the very same path, the baseline every speedup is measured against.
+
+Pipelined drafting: `Verifier.submit` returns a future, and while it is pending the drafter keeps going
+past the block as if all of it were accepted: first a guess of the bonus token, then the next block. If
+the verdict accepts the whole block and its bonus equals the guess, the next block is already drafted;
+otherwise it is thrown away (the drafter's cache rolls back on its own). Keeping it is exact: the kept
+tokens were sampled from q given exactly the committed prefix, and whether they are kept depends only on
+tokens before them. A local verifier completes at once, so nothing is drafted ahead in-process.
 """
 
 from __future__ import annotations
 
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
 
@@ -29,22 +37,49 @@ class Proposal:
     def k(self) -> int:
         return len(self.token_ids)
 
+    def __getitem__(self, s: slice) -> "Proposal":
+        if self.q_ids is None:
+            return Proposal(self.token_ids[s])
+        return Proposal(self.token_ids[s], self.q_ids[s], self.q_probs[s])
+
+    def __add__(self, other: "Proposal") -> "Proposal":
+        if not other.k:
+            return self
+        if not self.k:
+            return other
+        if (self.q_ids is None) != (other.q_ids is None):
+            raise ValueError("cannot join a block with draft probabilities to one without")
+        if self.q_ids is None:
+            return Proposal(self.token_ids + other.token_ids)
+        width = max(self.q_ids.size(1), other.q_ids.size(1))
+        pad = lambda t, v: torch.nn.functional.pad(t, (0, width - t.size(1)), value=v)  # noqa: E731
+        return Proposal(self.token_ids + other.token_ids, torch.cat([pad(self.q_ids, -1), pad(other.q_ids, -1)]),
+                        torch.cat([pad(self.q_probs, 0.0), pad(other.q_probs, 0.0)]))
+
 
 @dataclass
 class Verdict:
     tokens: list[int]  # committed this round: accepted drafts + one recovered or bonus token
     num_accepted: int
+    num_drafted: int | None = None  # K actually verified (a remote verifier may take a target-only step)
+    finish_reason: str | None = None  # set by a verifier that applies the stop rules itself
 
 
 class Drafter(Protocol):
     def start(self, prompt_ids: list[int], params: SamplingParams) -> None: ...
-    def propose(self, k: int) -> Proposal: ...
+
+    def propose(self, k: int, after: list[int] = (), should_stop: Callable[[], bool] | None = None) -> Proposal:
+        """Draft up to k tokens continuing the committed tokens + `after` (tokens assumed, not committed);
+        return early, with fewer tokens, once should_stop() is true."""
+
     def commit(self, tokens: list[int]) -> None: ...
 
 
 class Verifier(Protocol):
     def start(self, prompt_ids: list[int], params: SamplingParams) -> None: ...
-    def verify(self, proposal: Proposal) -> Verdict: ...
+
+    def submit(self, proposal: Proposal) -> Future:
+        """Start verifying; the Future's result is the Verdict."""
 
 
 @dataclass
@@ -57,7 +92,9 @@ class SpecStats:
     drafted_per_pos: list[int] = field(default_factory=list)
     accepted_per_pos: list[int] = field(default_factory=list)
     draft_seconds: float = 0.0
-    verify_seconds: float = 0.0
+    verify_seconds: float = 0.0  # waiting for verdicts (network and queueing included)
+    pipelined_used: int = 0  # blocks drafted ahead during verification and then sent
+    pipelined_discarded: int = 0
 
     def record(self, k: int, num_accepted: int) -> None:
         self.rounds += 1
@@ -91,15 +128,82 @@ class SpecStats:
             "mean_accepted_length": round(self.mean_accepted_length, 4),
             "acceptance_per_pos": [round(a, 4) for a in self.acceptance_per_pos],
             "draft_seconds": round(self.draft_seconds, 4), "verify_seconds": round(self.verify_seconds, 4),
+            "pipelined_used": self.pipelined_used, "pipelined_discarded": self.pipelined_discarded,
         }
 
 
 @dataclass
 class GenerationResult:
     token_ids: list[int]
-    finish_reason: str  # "stop" | "length"
+    finish_reason: str  # "stop" | "length" | "cancelled"
     stats: SpecStats
     text: str | None = None
+
+
+class FixedK:
+    """Always draft k tokens."""
+
+    def __init__(self, k: int):
+        self.k_max = k
+
+    def next_k(self) -> int:
+        return self.k_max
+
+    def observe(self, k: int, num_accepted: int, draft_seconds: float, verify_seconds: float) -> None:
+        pass
+
+
+class AdaptiveK:
+    """K per session from live acceptance and timings, maximising expected tokens per second (SmartSpec).
+
+    With per-token acceptance α, a round of K drafts commits E(K) = (1 - α^(K+1)) / (1 - α) tokens and
+    takes K·t_draft + t_verify, where t_verify is the time from submitting a block to its verdict
+    (network, queueing and the target forward: what K = 0 costs on its own). α is estimated by censored
+    geometric MLE (accepted / (accepted + rejections)) with exponential forgetting. When K = 0 wins
+    (a draft that rarely agrees, or a verifier so loaded that drafting costs more than it saves) a K = 1
+    probe every `probe_every` rounds keeps the estimate alive.
+    """
+
+    def __init__(self, k_max: int, decay: float = 0.9, prior_alpha: float = 0.6, prior_weight: float = 4.0,
+                 probe_every: int = 16):
+        self.k_max = k_max
+        self.decay = decay
+        self.accepted = prior_alpha * prior_weight  # forgetting sums
+        self.trials = prior_weight
+        self.t_draft: float | None = None  # seconds per draft token
+        self.t_verify: float | None = None
+        self.probe_every = probe_every
+        self.rounds_at_zero = 0
+
+    @property
+    def alpha(self) -> float:
+        return min(self.accepted / self.trials, 0.999) if self.trials else 0.0
+
+    def observe(self, k: int, num_accepted: int, draft_seconds: float, verify_seconds: float) -> None:
+        ema = lambda old, new: new if old is None else 0.8 * old + 0.2 * new  # noqa: E731
+        if k > 0:
+            self.accepted = self.decay * self.accepted + num_accepted
+            self.trials = self.decay * self.trials + num_accepted + (num_accepted < k)
+            if draft_seconds > 0:
+                self.t_draft = ema(self.t_draft, draft_seconds / k)
+        self.t_verify = ema(self.t_verify, verify_seconds)
+
+    def expected_tokens(self, k: int) -> float:
+        a = self.alpha
+        return (1 - a ** (k + 1)) / (1 - a)
+
+    def next_k(self) -> int:
+        if self.t_draft is None or self.t_verify is None:
+            return self.k_max  # measure first
+        rate = lambda k: self.expected_tokens(k) / (k * self.t_draft + self.t_verify)  # noqa: E731
+        best = max(range(self.k_max + 1), key=lambda k: (rate(k), -k))
+        if best == 0:
+            self.rounds_at_zero += 1
+            if self.rounds_at_zero % self.probe_every == 0:
+                return min(1, self.k_max)
+        else:
+            self.rounds_at_zero = 0
+        return best
 
 
 def speculative_generate(
@@ -107,27 +211,64 @@ def speculative_generate(
     drafter: Drafter | None,
     prompt_ids: list[int],
     params: SamplingParams,
-    num_speculative_tokens: int,
+    num_speculative_tokens: int | FixedK | AdaptiveK,
     stop: StopChecker,
+    on_tokens: Callable[[list[int]], None] | None = None,
+    pipeline: bool = False,
+    cancelled: Callable[[], bool] | None = None,
 ) -> GenerationResult:
-    """Run rounds until `stop` says so. Tokens past a stop condition are dropped, never emitted."""
-    k_max = num_speculative_tokens if drafter is not None else 0
+    """Run rounds until `stop` (or the verifier's verdict) says so. Tokens past a stop condition are
+    dropped, never emitted. `on_tokens` receives each round's kept tokens as soon as they are known."""
+    policy = num_speculative_tokens if not isinstance(num_speculative_tokens, int) else FixedK(num_speculative_tokens)
+    if drafter is None:
+        policy = FixedK(0)
     stats = SpecStats()
     verifier.start(prompt_ids, params)
-    if k_max:
+    if policy.k_max:
         drafter.start(prompt_ids, params)
+    ahead: Proposal | None = None  # the next block, drafted while the previous one was being verified
     while not stop.finished:
+        if cancelled is not None and cancelled():
+            stop.finish("cancelled")
+            break
         # One token is always emitted; drafting past the budget would be wasted work.
-        k = min(k_max, params.max_tokens - len(stop.token_ids) - 1)
+        budget = params.max_tokens - len(stop.token_ids) - 1
+        k = min(policy.next_k(), budget)
         t0 = time.perf_counter()
-        proposal = drafter.propose(k) if k > 0 else Proposal([])
+        if ahead is not None and ahead.k >= k:
+            proposal = ahead[:k]
+        elif k > 0:
+            proposal = (ahead or Proposal([])) + drafter.propose(k - (ahead.k if ahead else 0),
+                                                                 after=ahead.token_ids if ahead else ())
+        else:
+            proposal = Proposal([])
         t1 = time.perf_counter()
-        verdict = verifier.verify(proposal)
+        pending = verifier.submit(proposal)
+        guess = None
+        if pipeline and proposal.k and proposal.k == k and budget - k > 1:
+            # Guess the bonus, then draft the next block, until the verdict arrives.
+            guess = drafter.propose(k + 1, after=proposal.token_ids, should_stop=pending.done)
         t2 = time.perf_counter()
-        stats.draft_seconds += t1 - t0
-        stats.verify_seconds += t2 - t1
-        stats.record(proposal.k, verdict.num_accepted)
-        stop.extend(verdict.tokens)
-        if k_max and not stop.finished:
+        verdict = pending.result()
+        t3 = time.perf_counter()
+        drafted = proposal.k if verdict.num_drafted is None else verdict.num_drafted
+        stats.draft_seconds += (t1 - t0) + (t2 - t1)
+        stats.verify_seconds += t3 - t2
+        stats.record(drafted, verdict.num_accepted)
+        policy.observe(drafted, verdict.num_accepted, t1 - t0, t3 - t1)
+        kept = stop.extend(verdict.tokens)
+        if verdict.finish_reason is not None and not stop.finished:
+            stop.finish(verdict.finish_reason)
+        if on_tokens is not None and kept:
+            on_tokens(verdict.tokens[:kept])
+        ahead = None
+        if guess is not None:
+            full = verdict.num_drafted in (None, proposal.k) and verdict.num_accepted == proposal.k
+            if full and guess.k > 1 and verdict.tokens[-1] == guess.token_ids[0]:
+                ahead = guess[1:]
+                stats.pipelined_used += 1
+            elif guess.k > 1:
+                stats.pipelined_discarded += 1
+        if policy.k_max and not stop.finished:
             drafter.commit(verdict.tokens)
     return GenerationResult(stop.token_ids, stop.finish_reason, stats)

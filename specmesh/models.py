@@ -30,14 +30,16 @@ def default_dtype(device: torch.device) -> torch.dtype:
 
 
 def load_model(path: str | Path, device: str | torch.device | None = None, dtype: torch.dtype | None = None):
-    """(model, tokenizer) from a local checkpoint; fp32 on CPU, bf16 on CUDA unless told otherwise."""
+    """(model, tokenizer) from a local checkpoint; fp32 on CPU, bf16 on CUDA unless told otherwise.
+    The tokenizer is None when the directory has none (token-id APIs still work; stop strings do not)."""
     path = Path(path)
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"no HF checkpoint at {path} (config.json missing)")
     device = torch.device(device) if device is not None else default_device()
     dtype = dtype or default_dtype(device)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    has_tokenizer = any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
+    tokenizer = AutoTokenizer.from_pretrained(path) if has_tokenizer else None
     return model, tokenizer
 
 

@@ -169,6 +169,11 @@ class StopChecker:
             return True
         return False
 
+    def finish(self, reason: str) -> None:
+        """End generation for a reason decided elsewhere (a remote verifier's stop rules, a cancel)."""
+        if self.finish_reason is None:
+            self.finish_reason = reason
+
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None

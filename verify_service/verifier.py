@@ -6,6 +6,8 @@ the in-process `LocalVerifier` runs for its one sequence: a single code path for
 
 from __future__ import annotations
 
+from concurrent.futures import Future
+
 import torch
 
 from specmesh.loop import Proposal, Verdict
@@ -23,7 +25,7 @@ def verify_batch(runner: ModelRunner, sampler: RejectionSampler, seqs: list[Sequ
     for i, seq in enumerate(seqs):
         tokens = out.tokens(i)
         seq.commit(tokens)
-        verdicts.append(Verdict(tokens, out.num_accepted[i]))
+        verdicts.append(Verdict(tokens, out.num_accepted[i], blocks[i].k))
     return verdicts
 
 
@@ -44,6 +46,8 @@ class LocalVerifier:
             self.seq.reset_tokens(prompt_ids)  # a new turn: the cached common prefix is reused
         self.runner.prefill(self.seq)
 
-    def verify(self, proposal: Proposal) -> Verdict:
+    def submit(self, proposal: Proposal) -> Future:
         block = DraftBlock(proposal.token_ids, self.params, proposal.q_ids, proposal.q_probs, self.generator)
-        return verify_batch(self.runner, self.sampler, [self.seq], [block])[0]
+        done = Future()
+        done.set_result(verify_batch(self.runner, self.sampler, [self.seq], [block])[0])
+        return done

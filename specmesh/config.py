@@ -1,0 +1,52 @@
+"""Command-line flags that can also be set by environment variables, parsed into frozen config objects.
+
+Flags follow SGLang's names where one exists (`--model-path`, `--host`, `--port`,
+`--speculative-num-steps`, `--speculative-algorithm`, `--max-batch-size`, ...). Every flag `--foo-bar`
+of a service with env prefix `SPECMESH_VERIFY_` can also be given as `SPECMESH_VERIFY_FOO_BAR`; the
+command line wins over the environment, which wins over the default. `--help` shows each variable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+
+def _env_name(prefix: str, flag: str) -> str:
+    return prefix + flag.lstrip("-").replace("-", "_").upper()
+
+
+def _parse_bool(text: str) -> bool:
+    low = text.strip().lower()
+    if low in ("1", "true", "yes", "on"):
+        return True
+    if low in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(f"not a boolean: {text!r}")
+
+
+class EnvArgumentParser(argparse.ArgumentParser):
+    """argparse where every option's default may come from `<env_prefix><FLAG_NAME>`."""
+
+    def __init__(self, *a, env_prefix: str, **kw):
+        kw.setdefault("formatter_class", argparse.ArgumentDefaultsHelpFormatter)
+        super().__init__(*a, **kw)
+        self.env_prefix = env_prefix
+
+    def flag(self, name: str, *, type=str, default=None, help: str, choices=None, required: bool = False):
+        env = _env_name(self.env_prefix, name)
+        if type is bool:
+            raw = os.environ.get(env)
+            value = _parse_bool(raw) if raw is not None else bool(default)
+            self.add_argument(name, action=argparse.BooleanOptionalAction, default=value,
+                              help=f"{help} [env {env}]")
+            return
+        raw = os.environ.get(env)
+        if raw is not None:
+            try:
+                default = type(raw)
+            except ValueError as e:
+                raise SystemExit(f"{env}={raw!r}: {e}") from None
+            required = False
+        self.add_argument(name, type=type, default=default, choices=choices, required=required,
+                          help=f"{help} [env {env}]")

@@ -1,0 +1,169 @@
+"""gRPC server plumbing shared by every specmesh service: error mapping, health, reflection, lifecycle.
+
+- Servicer methods are wrapped by `unary_errors` / `stream_errors`: a domain error (specmesh.errors) or
+  a ValueError becomes its status code with its message; anything else is logged and becomes INTERNAL,
+  so one bad request never takes the server down.
+- `GrpcServer` runs a `grpc.aio` server with `grpc.health.v1` and reflection. Shutdown (SIGTERM/SIGINT
+  or `stop()`) drains: health turns NOT_SERVING (load balancers and the gateway stop sending work) and
+  stays answerable, the service refuses new work with UNAVAILABLE, in-flight work gets up to the grace
+  period to finish, then the server stops and cancels what is left.
+- `BackgroundServer` runs a server on its own event loop thread: used by tests and benchmarks that
+  want real servers on loopback without a subprocess.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import signal
+import threading
+from typing import Awaitable, Callable
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
+from grpc_reflection.v1alpha import reflection
+
+from specmesh.errors import SpecmeshError
+
+log = logging.getLogger("specmesh.serving")
+
+
+def status_code(exc: BaseException) -> grpc.StatusCode:
+    if isinstance(exc, SpecmeshError):
+        return grpc.StatusCode[exc.code]
+    if isinstance(exc, ValueError):
+        return grpc.StatusCode.INVALID_ARGUMENT
+    return grpc.StatusCode.INTERNAL
+
+
+async def _abort(context, exc: BaseException):
+    if isinstance(exc, grpc.aio.AioRpcError):
+        # A downstream service's error passes through with its code (e.g. the verify service's
+        # INVALID_ARGUMENT reaches the draft service's caller as INVALID_ARGUMENT).
+        await context.abort(exc.code(), exc.details() or "")
+    code = status_code(exc)
+    if code == grpc.StatusCode.INTERNAL:
+        log.exception("internal error", exc_info=exc)
+        await context.abort(code, f"internal error: {type(exc).__name__}: {exc}")
+    await context.abort(code, str(exc))
+
+
+def unary_errors(method):
+    @functools.wraps(method)
+    async def wrapper(self, request, context):
+        try:
+            return await method(self, request, context)
+        except asyncio.CancelledError:
+            raise
+        except grpc.aio.AbortError:
+            raise
+        except Exception as exc:  # noqa: BLE001 — every error reaches the caller as a status
+            await _abort(context, exc)
+
+    return wrapper
+
+
+def stream_errors(method):
+    @functools.wraps(method)
+    async def wrapper(self, request, context):
+        try:
+            async for item in method(self, request, context):
+                yield item
+        except asyncio.CancelledError:
+            raise
+        except grpc.aio.AbortError:
+            raise
+        except Exception as exc:  # noqa: BLE001
+            await _abort(context, exc)
+
+    return wrapper
+
+
+class GrpcServer:
+    """A grpc.aio server with health, reflection and graceful shutdown."""
+
+    def __init__(self, host: str, port: int, service_names: list[str],
+                 add_servicers: Callable[[grpc.aio.Server], None], grace_seconds: float = 10.0,
+                 on_shutdown: Callable[[], Awaitable[None]] | None = None, options=None,
+                 on_drain: Callable[[], None] | None = None, active: Callable[[], int] | None = None):
+        self.host, self.port = host, port
+        self.on_drain = on_drain  # the service starts refusing new work
+        self.active = active  # in-flight work items; the drain ends when this reaches 0
+        self.service_names = service_names
+        self.grace_seconds = grace_seconds
+        self.on_shutdown = on_shutdown
+        self.server = grpc.aio.server(options=options or [
+            ("grpc.max_receive_message_length", 16 * 1024 * 1024),
+            ("grpc.max_send_message_length", 16 * 1024 * 1024),
+        ])
+        add_servicers(self.server)
+        self.health = HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        reflection.enable_server_reflection(
+            [*service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
+            self.server)
+        self.stopping = False
+        self._stopped = asyncio.Event()
+
+    async def start(self) -> int:
+        """Bind and start; returns the bound port (useful with port 0)."""
+        bound = self.server.add_insecure_port(f"{self.host}:{self.port}")
+        if bound == 0:
+            raise OSError(f"cannot bind {self.host}:{self.port}")
+        self.port = bound
+        await self.server.start()
+        for name in ["", *self.service_names]:
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        return bound
+
+    async def stop(self, grace: float | None = None) -> None:
+        if self.stopping:
+            await self._stopped.wait()
+            return
+        self.stopping = True
+        await self.health.enter_graceful_shutdown()
+        if self.on_drain is not None:
+            self.on_drain()
+        grace = self.grace_seconds if grace is None else grace
+        log.info("shutting down: health NOT_SERVING, up to %.1f s for in-flight work", grace)
+        loop = asyncio.get_running_loop()
+        end = loop.time() + grace
+        while self.active is not None and self.active() > 0 and loop.time() < end:
+            await asyncio.sleep(0.05)
+        await self.server.stop(max(0.0, min(1.0, end - loop.time())))
+        if self.on_shutdown is not None:
+            await self.on_shutdown()
+        self._stopped.set()
+
+    async def serve_forever(self) -> None:
+        """Until SIGTERM / SIGINT, then a graceful stop."""
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, lambda: asyncio.ensure_future(self.stop()))
+        await self.server.wait_for_termination()
+        await self._stopped.wait()
+
+
+class BackgroundServer:
+    """Run `build()` -> (GrpcServer, extra) on a private event loop thread; `stop()` shuts it down."""
+
+    def __init__(self, build: Callable[[], Awaitable[GrpcServer]]):
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True, name="grpc-server")
+        self.thread.start()
+        self.server: GrpcServer = self.call(build())
+        self.port = self.call(self.server.start())
+        self.address = f"{self.server.host}:{self.port}"
+
+    def call(self, coro, timeout: float | None = 120):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def stop(self, grace: float = 0.0) -> None:
+        if self.loop.is_closed():
+            return
+        self.call(self.server.stop(grace))
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+        self.loop.close()
