@@ -1,0 +1,68 @@
+"""python -m draft_service --model-path DIR --verify-address HOST:PORT [--port N ...]: the draft model and
+the speculation loop. Every flag can also be set by an environment variable SPECMESH_DRAFT_<FLAG>.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import torch
+
+from draft_service.engine import ALGORITHMS, DraftConfig
+from draft_service.server import build_server
+from specmesh.config import EnvArgumentParser
+
+
+def parse_args(argv=None) -> tuple[DraftConfig, dict]:
+    ap = EnvArgumentParser(prog="python -m draft_service", description=__doc__, env_prefix="SPECMESH_DRAFT_")
+    d = DraftConfig(model_path="-")
+    ap.flag("--model-path", default="", help="local HF checkpoint directory of the draft model (standalone)")
+    ap.flag("--host", default=d.host, help="address to listen on (0.0.0.0 for all interfaces)")
+    ap.flag("--port", type=int, default=d.port, help="gRPC port (0 = any free port, printed at start)")
+    ap.flag("--device", default=None, help="torch device; default cuda when available, else cpu")
+    ap.flag("--verify-address", default="", help="default verify replica host:port (a request may name another)")
+    ap.flag("--speculative-algorithm", default=d.speculative_algorithm, type=str.lower, choices=list(ALGORITHMS),
+            help="standalone: a draft model; ngram: prompt lookup, no model")
+    ap.flag("--speculative-num-steps", type=int, default=d.speculative_num_steps,
+            help="most draft tokens per block (K); adaptive K stays within it")
+    ap.flag("--adaptive", type=bool, default=d.adaptive,
+            help="choose K per session from live acceptance and timings (down to 0)")
+    ap.flag("--pipeline", type=bool, default=d.pipeline,
+            help="keep drafting the next block while one is being verified")
+    ap.flag("--draft-topk", type=int, default=d.draft_topk,
+            help="sampled drafts: the support of the sparse draft distribution sent with each token")
+    ap.flag("--max-sessions", type=int, default=d.max_sessions,
+            help="concurrent generations; more get RESOURCE_EXHAUSTED")
+    ap.flag("--max-cached-sessions", type=int, default=d.max_cached_sessions,
+            help="per-session draft KV caches kept for later turns (LRU)")
+    ap.flag("--verify-timeout-s", type=float, default=d.verify_timeout_s, help="timeout of each call to the verifier")
+    ap.flag("--grace-period-s", type=float, default=d.grace_period_s,
+            help="on SIGTERM, in-flight generations get this long to finish")
+    ap.flag("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
+    ap.flag("--log-level", default="INFO", help="logging level")
+    args = vars(ap.parse_args(argv))
+    extra = {k: args.pop(k) for k in ("threads", "log_level")}
+    try:
+        return DraftConfig(**args), extra
+    except ValueError as e:
+        ap.error(str(e))
+
+
+async def amain(config: DraftConfig) -> None:
+    server = await build_server(config)
+    port = await server.start()
+    print(f"draft_service listening on {config.host}:{port}", flush=True)
+    await server.serve_forever()
+
+
+def main(argv=None) -> None:
+    config, extra = parse_args(argv)
+    logging.basicConfig(level=extra["log_level"].upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if extra["threads"]:
+        torch.set_num_threads(extra["threads"])
+    asyncio.run(amain(config))
+
+
+if __name__ == "__main__":
+    main()

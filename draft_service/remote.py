@@ -1,0 +1,84 @@
+"""The `Verifier` of distributed generation: a verify replica's session, over one bidirectional stream.
+
+The speculation loop runs on a worker thread; this class hands each block to the event loop that owns
+the gRPC channel and returns a concurrent Future for the verdict, so the loop can keep drafting ahead
+while the block is on the wire. Stale verdicts (the answer to a block that crossed a deadline verdict)
+are skipped; a deadline verdict answers the block in flight with num_drafted = 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import Future
+from typing import Callable
+
+import grpc
+
+from specmesh import wire
+from specmesh.errors import Unavailable
+from specmesh.loop import Proposal, Verdict
+from specmesh.sampling import SamplingParams
+from specmesh.v1 import verify_pb2, verify_pb2_grpc
+
+
+class RemoteVerifier:
+    def __init__(self, loop: asyncio.AbstractEventLoop, stub: verify_pb2_grpc.VerifyServiceStub, session_id: str,
+                 timeout: float, on_open: Callable[[verify_pb2.OpenSessionResponse], None] | None = None,
+                 metadata: tuple = ()):
+        self.loop = loop
+        self.stub = stub
+        self.session_id = session_id
+        self.timeout = timeout
+        self.on_open = on_open
+        self.metadata = metadata
+        self.call = None
+        self.epoch = 0
+        self.position = 0
+
+    def _run(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+
+    def start(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        self._run(self._open(prompt_ids, params))
+
+    async def _open(self, prompt_ids, params) -> None:
+        resp = await self.stub.OpenSession(
+            verify_pb2.OpenSessionRequest(session_id=self.session_id, prompt_ids=prompt_ids,
+                                          params=wire.params_to_pb(params)),
+            timeout=self.timeout, metadata=self.metadata)
+        self.session_id, self.epoch, self.position = resp.session_id, resp.epoch, resp.base_position
+        self.call = self.stub.Verify(metadata=self.metadata)
+        if self.on_open is not None:
+            self.on_open(resp)
+
+    def submit(self, proposal: Proposal) -> Future:
+        msg = verify_pb2.DraftBlock(session_id=self.session_id, epoch=self.epoch, base_position=self.position,
+                                    **wire.proposal_to_pb_fields(proposal))
+        return asyncio.run_coroutine_threadsafe(asyncio.wait_for(self._round(msg), self.timeout), self.loop)
+
+    async def _round(self, msg: verify_pb2.DraftBlock) -> Verdict:
+        await self.call.write(msg)
+        while True:
+            v = await self.call.read()
+            if v is grpc.aio.EOF:
+                raise Unavailable("the verify service closed the session stream before the generation ended")
+            if not v.stale:
+                break
+        self.epoch = v.epoch + 1
+        self.position += len(v.token_ids)
+        return Verdict(list(v.token_ids), v.num_accepted, v.num_drafted, wire.FINISH_FROM_PB[v.finish_reason])
+
+    async def aclose(self, finished: bool) -> None:
+        """End the stream from the event loop: half-close and let the server end it after a finished
+        generation; cancel it (the server drops the work) otherwise."""
+        if self.call is None or self.call.done():
+            return
+        if finished:
+            try:
+                await self.call.done_writing()
+                await asyncio.wait_for(self.call.wait_for_connection(), 1.0)
+                await asyncio.wait_for(self.call.code(), 5.0)
+                return
+            except (grpc.aio.AioRpcError, asyncio.TimeoutError, asyncio.InvalidStateError):
+                pass
+        self.call.cancel()
