@@ -1,0 +1,163 @@
+"""The services as users run them: `python -m verify_service` / `python -m draft_service` subprocesses,
+flags from the environment, health, reflection, and a graceful SIGTERM that lets in-flight work finish."""
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+from transformers import AutoTokenizer
+
+from conftest import noisy_copy, tiny_model
+from services import generate
+from specmesh.engine import SpeculativeEngine
+from specmesh.sampling import SamplingParams
+from specmesh.v1 import common_pb2, draft_pb2, draft_pb2_grpc, verify_pb2, verify_pb2_grpc
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """A tiny target and draft on disk with the demo tokenizer (so stop strings work)."""
+    tok = AutoTokenizer.from_pretrained(ROOT / "models" / "demo" / "target")
+    base = tmp_path_factory.mktemp("ckpt")
+    target = tiny_model("llama", vocab=len(tok), seed=8)
+    target.save_pretrained(base / "target")
+    noisy_copy(target, 0.03).save_pretrained(base / "draft")
+    for d in ("target", "draft"):
+        tok.save_pretrained(base / d)
+    return base / "target", base / "draft"
+
+
+def spawn(module: str, args: list[str], env: dict) -> tuple[subprocess.Popen, str]:
+    proc = subprocess.Popen([sys.executable, "-m", module, "--port", "0", "--threads", "1", *args],
+                            cwd=ROOT, env={**os.environ, **env}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    lines = []
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        lines.append(line)
+        m = re.search(r"listening on (\S+)", line)
+        if m:
+            threading.Thread(target=proc.stdout.read, daemon=True).start()  # keep the pipe drained
+            return proc, m.group(1)
+    proc.kill()
+    raise RuntimeError(f"{module} did not start:\n{''.join(lines)}")
+
+
+def health(address: str, service: str = "") -> int:
+    stub = health_pb2_grpc.HealthStub(grpc.insecure_channel(address))
+    return stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=5).status
+
+
+@pytest.fixture(scope="module")
+def processes(checkpoints):
+    target, draft = checkpoints
+    verify, vaddr = spawn("verify_service", ["--model-path", str(target)],
+                          {"SPECMESH_VERIFY_MAX_BATCH_SIZE": "3", "SPECMESH_VERIFY_GRACE_PERIOD_S": "30"})
+    drafts, daddr = spawn("draft_service", ["--model-path", str(draft)], {"SPECMESH_DRAFT_VERIFY_ADDRESS": vaddr})
+    yield (verify, vaddr), (drafts, daddr)
+    for p in (drafts, verify):
+        if p.poll() is None:
+            p.kill()
+        p.wait(10)
+
+
+def test_cli_help_names_every_env_variable():
+    out = subprocess.run([sys.executable, "-m", "verify_service", "--help"], cwd=ROOT, capture_output=True, text=True,
+                         check=True).stdout
+    for flag in ("--model-path", "--max-batch-size", "--draft-deadline-ms", "--kv-cache-budget-mb"):
+        assert flag in out
+    assert "SPECMESH_VERIFY_MAX_BATCH_SIZE" in out
+    out = subprocess.run([sys.executable, "-m", "draft_service", "--help"], cwd=ROOT, capture_output=True, text=True,
+                         check=True).stdout
+    assert "--speculative-algorithm" in out and "SPECMESH_DRAFT_SPECULATIVE_NUM_STEPS" in out
+    bad = subprocess.run([sys.executable, "-m", "draft_service", "--speculative-algorithm", "eagle"], cwd=ROOT,
+                         capture_output=True, text=True)
+    assert bad.returncode == 2 and "invalid choice" in bad.stderr
+
+
+def test_health_reflection_and_env_flags(processes):
+    (_, vaddr), (_, daddr) = processes
+    for addr, service in ((vaddr, "specmesh.v1.VerifyService"), (daddr, "specmesh.v1.DraftService")):
+        assert health(addr) == health_pb2.HealthCheckResponse.SERVING
+        assert health(addr, service) == health_pb2.HealthCheckResponse.SERVING
+        services = ProtoReflectionDescriptorDatabase(grpc.insecure_channel(addr)).get_services()
+        assert service in services and "grpc.health.v1.Health" in services
+    info = verify_pb2_grpc.VerifyServiceStub(grpc.insecure_channel(vaddr)).Info(verify_pb2.InfoRequest())
+    assert info.max_batch_size == 3  # from SPECMESH_VERIFY_MAX_BATCH_SIZE
+    dinfo = draft_pb2_grpc.DraftServiceStub(grpc.insecure_channel(daddr)).Info(draft_pb2.DraftInfoRequest())
+    assert dinfo.default_verify_address == vaddr  # from SPECMESH_DRAFT_VERIFY_ADDRESS
+
+
+def test_greedy_with_stop_string_matches_in_process(processes, checkpoints):
+    (_, _), (_, daddr) = processes
+    engine = SpeculativeEngine.from_paths(*checkpoints, device="cpu")
+    prompt = engine.tokenizer.encode("def main():\n")
+    reference = engine.generate(prompt, SamplingParams(temperature=0, max_tokens=40), 0)
+    stub = draft_pb2_grpc.DraftServiceStub(grpc.insecure_channel(daddr))
+    tokens, chunks = generate(stub, prompt, common_pb2.SamplingParams(temperature=0.0, max_tokens=40))
+    assert tokens == reference.token_ids
+    # a stop string taken from the reference text ends the generation early, applied by the verifier
+    text = engine.tokenizer.decode(reference.token_ids)
+    stop = text[len(text) // 2: len(text) // 2 + 3]
+    if stop.strip():
+        want = engine.generate(prompt, SamplingParams(temperature=0, max_tokens=40, stop=(stop,)), 0)
+        got, chunks = generate(stub, prompt, common_pb2.SamplingParams(temperature=0.0, max_tokens=40, stop=[stop]))
+        assert got == want.token_ids and chunks[-1].finish_reason == common_pb2.FINISH_REASON_STOP
+
+
+def test_sigterm_drains_in_flight_work(processes):
+    (verify, vaddr), (_, daddr) = processes
+    stub = draft_pb2_grpc.DraftServiceStub(grpc.insecure_channel(daddr))
+    started = threading.Event()
+    result = {}
+
+    def run():
+        chunks = []
+        try:
+            for c in stub.Generate(draft_pb2.DraftGenerateRequest(
+                    prompt_ids=[5, 6, 7], params=common_pb2.SamplingParams(temperature=0.0, max_tokens=600,
+                                                                           ignore_eos=True)), timeout=120):
+                chunks.append(c)
+                if len(chunks) > 2:
+                    started.set()
+        except grpc.RpcError as e:
+            result["error"] = e
+        result["chunks"] = chunks
+
+    t = threading.Thread(target=run)
+    t.start()
+    assert started.wait(60)
+    verify.send_signal(signal.SIGTERM)
+    states = set()
+    for _ in range(100):
+        try:
+            states.add(health(vaddr))
+        except grpc.RpcError:
+            break
+        if health_pb2.HealthCheckResponse.NOT_SERVING in states:
+            break
+        time.sleep(0.02)
+    assert health_pb2.HealthCheckResponse.NOT_SERVING in states
+    with pytest.raises(grpc.RpcError) as e:  # no new work while draining
+        verify_pb2_grpc.VerifyServiceStub(grpc.insecure_channel(vaddr)).OpenSession(
+            verify_pb2.OpenSessionRequest(prompt_ids=[1, 2]), timeout=5)
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+    t.join(120)
+    assert "error" not in result, result.get("error")
+    assert result["chunks"][-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
+    assert sum(len(c.token_ids) for c in result["chunks"]) == 600  # the in-flight generation finished
+    assert verify.wait(60) == 0

@@ -1,0 +1,179 @@
+"""The service pair over real gRPC on loopback: lossless output, batching, sessions, errors, lifecycle."""
+
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+import torch
+
+from conftest import noisy_copy, tiny_model
+from services import draft_stub, generate, start_draft, start_verify, verify_stub
+from specmesh.engine import SpeculativeEngine
+from specmesh.sampling import SamplingParams
+from specmesh.v1 import common_pb2, draft_pb2, verify_pb2
+
+VOCAB = 128
+GREEDY = common_pb2.SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+
+
+def prompts(n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB - 1, (int(torch.randint(3, 20, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_model("llama", vocab=VOCAB, seed=11)
+
+
+@pytest.fixture(scope="module")
+def reference(target):
+    engine = SpeculativeEngine.from_models(target)
+    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    return lambda prompt: engine.generate(prompt, params, num_speculative_tokens=0).token_ids
+
+
+@pytest.fixture(scope="module")
+def stack(target):
+    verify = start_verify(target, max_batch_size=16)
+    draft = start_draft(noisy_copy(target, 0.03, seed=2), verify.address)
+    ngram = start_draft(None, verify.address, speculative_algorithm="ngram")
+    yield verify, draft, ngram
+    for s in (ngram, draft, verify):
+        s.stop()
+
+
+def test_greedy_through_the_pair_equals_target_only(stack, reference):
+    verify, draft, _ = stack
+    stub = draft_stub(draft)
+    drafted = accepted = 0
+    for p in prompts(10):
+        tokens, chunks = generate(stub, p, GREEDY)
+        assert tokens == reference(p)
+        assert chunks[0].prompt_tokens == len(p) and chunks[0].session_id
+        last = chunks[-1]
+        assert last.finish_reason == common_pb2.FINISH_REASON_LENGTH
+        drafted += last.stats.drafted
+        accepted += last.stats.accepted
+    assert 0.1 < accepted / drafted < 0.99  # both paths ran
+    info = stub.Info(draft_pb2.DraftInfoRequest())
+    assert info.algorithm == "standalone" and info.adaptive and info.pipelined
+    assert info.pipelined_blocks_used > 0  # some blocks were drafted while the previous one was verified
+    assert info.draft_seconds_per_token > 0
+
+
+def test_fixed_k_without_pipelining_is_lossless_too(target, reference):
+    verify = start_verify(target)
+    draft = start_draft(noisy_copy(target, 0.03, seed=2), verify.address, adaptive=False, pipeline=False,
+                        speculative_num_steps=3)
+    try:
+        for p in prompts(4, seed=1):
+            tokens, chunks = generate(draft_stub(draft), p, GREEDY)
+            assert tokens == reference(p)
+            assert max(chunks[-1].stats.drafted_per_pos and range(len(chunks[-1].stats.drafted_per_pos))) == 2
+    finally:
+        draft.stop()
+        verify.stop()
+
+
+def test_target_only_generate_equals_reference(stack, reference):
+    verify, _, _ = stack
+    for p in prompts(3, seed=2):
+        tokens, chunks = generate(verify_stub(verify), p, GREEDY)
+        assert tokens == reference(p)
+        assert chunks[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
+
+
+def test_ngram_algorithm_is_lossless(stack, reference):
+    verify, _, ngram = stack
+    stub = draft_stub(ngram)
+    accepted = 0
+    for p in [[5, 6, 7, 8] * 4, *prompts(3, seed=3)]:
+        tokens, chunks = generate(stub, p, GREEDY)
+        assert tokens == reference(p)
+        accepted += chunks[-1].stats.accepted
+    assert accepted > 0
+    assert stub.Info(draft_pb2.DraftInfoRequest()).algorithm == "ngram"
+
+
+def test_eight_concurrent_sessions_are_batched(stack, reference):
+    verify, draft, _ = stack
+    vstub = verify_stub(verify)
+    before = vstub.Info(verify_pb2.InfoRequest())
+    ps = prompts(8, seed=4)
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(lambda p: generate(draft_stub(draft), p, GREEDY)[0], ps))
+    for p, tokens in zip(ps, results):
+        assert tokens == reference(p)
+    after = vstub.Info(verify_pb2.InfoRequest())
+    batches = after.batches - before.batches
+    blocks = after.batched_blocks - before.batched_blocks
+    assert after.max_batch_size_seen > 1
+    assert blocks / batches > 1.2, (blocks, batches)  # one forward verified several sessions' blocks
+
+
+def test_session_turns_reuse_the_kv_cache(stack, target):
+    verify, draft, _ = stack
+    stub = draft_stub(draft)
+    engine = SpeculativeEngine.from_models(target)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    short = common_pb2.SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    turn1 = [3, 4, 5, 6, 7, 8, 9]
+    out1, chunks1 = generate(stub, turn1, short, session_id="chat-1")
+    assert chunks1[0].cached_prompt_tokens == 0
+    turn2 = turn1 + out1 + [10, 11, 12]
+    out2, chunks2 = generate(stub, turn2, short, session_id="chat-1")
+    # everything but the new message's tokens (and the last committed one) came from the cache
+    assert chunks2[0].cached_prompt_tokens >= len(turn1) + len(out1) - 1
+    assert out2 == engine.generate(turn2, params, 0).token_ids
+    vstub = verify_stub(verify)
+    assert vstub.ReleaseSession(verify_pb2.ReleaseSessionRequest(session_id="chat-1")).released
+    assert not vstub.ReleaseSession(verify_pb2.ReleaseSessionRequest(session_id="chat-1")).released
+
+
+def test_sampled_output_is_the_target_distribution():
+    """Through both services, pipelining on: the joint law of tokens 1-2 and the law of token 3."""
+    from scipy.stats import chisquare
+
+    vocab = 8
+    target = tiny_model("llama", vocab=vocab, hidden=32, seed=21, init_range=0.5)
+    verify = start_verify(target)
+    draft = start_draft(noisy_copy(target, 0.5, seed=3), verify.address, draft_topk=4, adaptive=False,
+                        speculative_num_steps=1)
+    prompt = [1, 2, 3]
+    with torch.inference_mode():
+        dist = lambda ids: torch.softmax(target(input_ids=torch.tensor([ids])).logits[0, -1], -1).double()  # noqa
+        p1 = dist(prompt)
+        p2 = torch.stack([dist(prompt + [a]) for a in range(vocab)])
+        joint = p1[:, None] * p2
+        p3 = sum(joint[a, b] * dist(prompt + [a, b]) for a in range(vocab) for b in range(vocab))
+    params = common_pb2.SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True)
+    n = 2000
+    stub = draft_stub(draft)
+    try:
+        with ThreadPoolExecutor(8) as pool:
+            runs = list(pool.map(lambda _: generate(stub, prompt, params), range(n)))
+        info = stub.Info(draft_pb2.DraftInfoRequest())
+    finally:
+        draft.stop()
+        verify.stop()
+    c12 = torch.zeros(vocab * vocab, dtype=torch.float64)
+    c3 = torch.zeros(vocab, dtype=torch.float64)
+    for tokens, _ in runs:
+        c12[tokens[0] * vocab + tokens[1]] += 1
+        c3[tokens[2]] += 1
+    accepted = sum(chunks[-1].stats.accepted for _, chunks in runs)
+    drafted = sum(chunks[-1].stats.drafted for _, chunks in runs)
+    assert 0.2 < accepted / drafted < 0.95
+    assert info.pipelined_blocks_used > 0  # the pipelined path was exercised by the law under test
+
+    def pval(counts, law):
+        law = law.reshape(-1)
+        big = law * n >= 5  # pool the rare cells: chi-square needs expected counts >= 5
+        obs = torch.cat([counts[big], counts[~big].sum()[None]]) if (~big).any() else counts
+        exp = (torch.cat([law[big], law[~big].sum()[None]]) if (~big).any() else law) * n
+        return chisquare(obs.numpy(), (exp / exp.sum() * n).numpy()).pvalue
+
+    assert pval(c12, joint) > 1e-3
+    assert pval(c3, p3) > 1e-3
