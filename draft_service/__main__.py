@@ -32,6 +32,8 @@ def parse_args(argv=None) -> tuple[DraftConfig, dict]:
             help="keep drafting the next block while one is being verified")
     ap.flag("--draft-topk", type=int, default=d.draft_topk,
             help="sampled drafts: the support of the sparse draft distribution sent with each token")
+    ap.flag("--draft-runner", default=d.draft_runner, choices=["static", "hf"],
+            help="static: preallocated KV cache and a fused decode loop (fast on CPU); hf: the stock HF forward")
     ap.flag("--max-sessions", type=int, default=d.max_sessions,
             help="concurrent generations; more get RESOURCE_EXHAUSTED")
     ap.flag("--max-cached-sessions", type=int, default=d.max_cached_sessions,

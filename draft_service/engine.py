@@ -23,6 +23,7 @@ import torch
 from specmesh.drafting import ModelDrafter, NgramDrafter
 from specmesh.errors import FailedPrecondition, InvalidArgument, ResourceExhausted, Unavailable
 from specmesh.loop import AdaptiveK, FixedK, GenerationResult, SpecStats, speculative_generate
+from specmesh.fast_runner import StaticCacheRunner
 from specmesh.models import ModelRunner, load_model
 from specmesh.sampling import SamplingParams, StopChecker
 from specmesh.v1 import verify_pb2, verify_pb2_grpc
@@ -44,6 +45,7 @@ class DraftConfig:
     adaptive: bool = True
     pipeline: bool = True
     draft_topk: int = 16  # support of the sparse q sent with sampled drafts
+    draft_runner: str = "static"  # "static": preallocated cache + fast decode loop; "hf": ModelRunner
     max_sessions: int = 64  # concurrent generations; more get RESOURCE_EXHAUSTED
     max_cached_sessions: int = 256  # per-session draft KV caches kept for later turns (LRU)
     verify_timeout_s: float = 60.0  # per verify call / round
@@ -54,6 +56,8 @@ class DraftConfig:
             raise ValueError(f"speculative_algorithm must be one of {ALGORITHMS}, got {self.speculative_algorithm!r}")
         if self.speculative_algorithm == "standalone" and not self.model_path:
             raise ValueError("the standalone algorithm needs --model-path (the draft model)")
+        if self.draft_runner not in ("static", "hf"):
+            raise ValueError(f"draft_runner must be static or hf, got {self.draft_runner!r}")
         if not 0 <= self.speculative_num_steps <= 32:
             raise ValueError("speculative_num_steps must be in [0, 32]")
 
@@ -78,7 +82,10 @@ class DraftCounters:
 class DraftEngine:
     def __init__(self, config: DraftConfig, model=None):
         self.config = config
-        self.runner = ModelRunner(model) if model is not None else None
+        # The draft's numerics cannot affect the output distribution (the q it sends is the q it sampled
+        # from), so the fastest runner is always safe to use here.
+        runner_cls = StaticCacheRunner if config.draft_runner == "static" else ModelRunner
+        self.runner = runner_cls(model) if model is not None else None
         self.vocab_size = self.runner.vocab_size if self.runner else 0
         self.pool = ThreadPoolExecutor(max_workers=config.max_sessions, thread_name_prefix="draft")
         self.counters = DraftCounters()
