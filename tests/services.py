@@ -45,3 +45,72 @@ def generate(stub, prompt, params, **kw) -> tuple[list[int], list]:
         req_type = verify_pb2.VerifyGenerateRequest
     chunks = list(stub.Generate(req_type(prompt_ids=prompt, params=params, **kw), timeout=120))
     return [t for c in chunks for t in c.token_ids], chunks
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class GatewayServer:
+    """The gateway (REST via uvicorn + gRPC front) on its own event-loop thread, on free loopback ports."""
+
+    def __init__(self, verify: list[str], draft: list[str], tokenizer=None, api_keys=(), max_body_bytes=1 << 20,
+                 **config):
+        import asyncio
+        import threading
+        import time
+
+        import uvicorn
+
+        from gateway.core import Gateway, GatewayConfig
+        from gateway.grpc_api import GatewayServicer
+        from gateway.http import create_app
+        from specmesh.serving import GrpcServer
+        from specmesh.v1 import gateway_pb2_grpc
+
+        config.setdefault("health_interval_s", 0.2)
+        config.setdefault("model_name", "demo")
+        self.config = GatewayConfig(verify=tuple(verify), draft=tuple(draft), **config)
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True, name="gateway")
+        self.thread.start()
+
+        async def build():
+            self.gateway = Gateway(self.config, tokenizer)
+            await self.gateway.start()
+            app = create_app(self.gateway, tuple(api_keys), max_body_bytes)
+            self.http = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+            self.http.install_signal_handlers = lambda: None
+            self.http_task = asyncio.ensure_future(self.http.serve())
+            self.grpc = GrpcServer("127.0.0.1", 0, ["specmesh.v1.GatewayService"],
+                                   lambda s: gateway_pb2_grpc.add_GatewayServiceServicer_to_server(
+                                       GatewayServicer(self.gateway), s))
+            self.grpc_address = f"127.0.0.1:{await self.grpc.start()}"
+
+        asyncio.run_coroutine_threadsafe(build(), self.loop).result(60)
+        for _ in range(200):
+            if self.http.started:
+                break
+            time.sleep(0.02)
+
+    def call(self, coro):
+        import asyncio
+
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(60)
+
+    def stop(self):
+        async def down():
+            self.http.should_exit = True
+            await self.http_task
+            await self.grpc.stop(0)
+            await self.gateway.close()
+
+        self.call(down())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)

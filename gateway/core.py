@@ -1,0 +1,317 @@
+"""The gateway's domain object: one generation across the replica pools, with failover, in text and ids.
+
+`Gateway.generate` picks a verify replica (session affinity or prefix-aware), a draft replica (least
+loaded), and streams the draft service's committed tokens. If a replica fails mid-stream (UNAVAILABLE,
+a deadline, an internal error), the replicas are probed, dead ones leave the pool, and the generation is
+replayed on healthy ones from prompt + the tokens already emitted, with max_tokens reduced: the client
+sees one stream with nothing lost and nothing repeated (under greedy decoding, the same tokens). With no
+healthy draft replica the verify service decodes target-only: slower, same output distribution.
+Errors that are the caller's (INVALID_ARGUMENT, ...) are never retried.
+
+Text: `TextStream` detokenizes incrementally, applies stop strings to the whole output text (so a stop
+string spanning a failover is still found) and holds back text that could be the start of one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field, replace
+
+import grpc
+
+from gateway.routing import Pool, Replica
+from specmesh import wire
+from specmesh.errors import InvalidArgument, ResourceExhausted, SpecmeshError, Unavailable
+from specmesh.loop import SpecStats
+from specmesh.sampling import SamplingParams
+from specmesh.v1 import draft_pb2, draft_pb2_grpc, verify_pb2, verify_pb2_grpc
+
+log = logging.getLogger("specmesh.gateway")
+
+NOT_RETRIED = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION,
+               grpc.StatusCode.OUT_OF_RANGE, grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED}
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    verify: tuple[str, ...] = ()
+    draft: tuple[str, ...] = ()
+    model_name: str = "specmesh"
+    speculative_num_steps: int = 0  # 0 = the draft service's default
+    max_prompt_tokens: int = 4096
+    max_tokens_limit: int = 4096
+    request_timeout_s: float = 300.0
+    max_concurrency: int = 64
+    max_queue: int = 256
+    max_failovers: int = 3
+    health_interval_s: float = 2.0
+    fail_threshold: int = 3
+    success_threshold: int = 2
+    load_factor: float = 1.25
+
+
+@dataclass
+class GenRequest:
+    prompt_ids: list[int]
+    params: SamplingParams
+    session_id: str = ""
+    num_speculative_tokens: int = 0
+
+
+@dataclass
+class Chunk:
+    token_ids: list[int]
+    text: str  # the text delta
+    finish_reason: str | None = None
+
+
+@dataclass
+class Outcome:
+    """Totals of a finished generation (usage and speculation stats)."""
+
+    prompt_tokens: int
+    completion_tokens: int = 0
+    cached_prompt_tokens: int = 0
+    stats: SpecStats = field(default_factory=SpecStats)
+    failovers: int = 0
+    target_only: bool = False
+    verify_replica: str = ""
+
+    def spec_dict(self) -> dict:
+        s = self.stats
+        return {"rounds": s.rounds, "drafted": s.drafted, "accepted": s.accepted,
+                "acceptance_rate": round(s.acceptance_rate, 4),
+                "mean_accepted_length": round(s.mean_accepted_length, 4),
+                "acceptance_per_pos": [round(a, 4) for a in s.acceptance_per_pos],
+                "cached_prompt_tokens": self.cached_prompt_tokens, "failovers": self.failovers,
+                "target_only": self.target_only, "verify_replica": self.verify_replica}
+
+
+class TextStream:
+    """Incremental detokenization with stop strings applied to the whole output."""
+
+    def __init__(self, tokenizer, stop: tuple[str, ...]):
+        self.tokenizer = tokenizer
+        self.stop = stop
+        self.hold = max((len(s) for s in stop), default=1) - 1
+        self.ids: list[int] = []
+        self.sent = 0  # characters of text already emitted
+        self.stopped = False
+
+    def _decode(self) -> str:
+        return self.tokenizer.decode(self.ids, skip_special_tokens=True) if self.tokenizer else ""
+
+    def add(self, ids: list[int], final: bool = False) -> str:
+        self.ids += ids
+        text = self._decode()
+        for s in self.stop:
+            i = text.find(s, max(0, self.sent - len(s) + 1))
+            if i >= 0:
+                cut = min(i, *[j for t in self.stop if (j := text.find(t)) >= 0])
+                self.stopped = True
+                delta, self.sent = text[self.sent:cut], max(self.sent, cut)
+                return delta
+        end = len(text) if final else max(self.sent, len(text) - self.hold)
+        if not final:
+            while end > self.sent and text[end - 1] == "\ufffd":  # an incomplete UTF-8 sequence
+                end -= 1
+        delta, self.sent = text[self.sent:end], end
+        return delta
+
+
+class Gateway:
+    def __init__(self, config: GatewayConfig, tokenizer=None):
+        self.config = config
+        self.tokenizer = tokenizer
+        kw = dict(load_factor=config.load_factor, fail_threshold=config.fail_threshold,
+                  success_threshold=config.success_threshold)
+        self.verify_pool = Pool("verify", list(config.verify), **kw)
+        self.draft_pool = Pool("draft", list(config.draft), **kw)
+        self._slots = asyncio.Semaphore(config.max_concurrency)
+        self.waiting = 0
+        self.inflight = 0
+        self._tasks: list[asyncio.Task] = []
+        self.failovers = 0
+        self.target_only_fallbacks = 0
+
+    async def start(self) -> None:
+        for pool in (self.verify_pool, self.draft_pool):
+            await pool.check_all()
+            self._tasks.append(asyncio.get_running_loop().create_task(
+                pool.run_health_checks(self.config.health_interval_s)))
+
+    async def close(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        await self.verify_pool.close()
+        await self.draft_pool.close()
+
+    # input -------------------------------------------------------------------------------------------
+    def encode(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            raise InvalidArgument("this gateway has no tokenizer: send token ids")
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def chat_prompt(self, messages: list[dict]) -> list[int]:
+        """The tokenizer's chat template when it has one; otherwise the plain template of the README:
+        each message as "<role>: <content>\\n", then "assistant:" to prompt the reply."""
+        if self.tokenizer is not None and getattr(self.tokenizer, "chat_template", None):
+            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+        text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
+        return self.encode(text)
+
+    def check(self, req: GenRequest) -> None:
+        if not req.prompt_ids:
+            raise InvalidArgument("the prompt is empty")
+        if len(req.prompt_ids) > self.config.max_prompt_tokens:
+            raise InvalidArgument(f"the prompt has {len(req.prompt_ids)} tokens; the limit is "
+                                  f"{self.config.max_prompt_tokens}")
+        if req.params.max_tokens > self.config.max_tokens_limit:
+            raise InvalidArgument(f"max_tokens must be <= {self.config.max_tokens_limit}, got {req.params.max_tokens}")
+        try:
+            req.params.validate()
+        except ValueError as e:
+            raise InvalidArgument(str(e)) from None
+        if req.params.stop and self.tokenizer is None:
+            raise InvalidArgument("stop strings need a tokenizer and this gateway has none")
+
+    # generation -------------------------------------------------------------------------------------
+    async def admit(self):
+        """Concurrency limit with a bounded queue: RESOURCE_EXHAUSTED (429) past it."""
+        if self._slots.locked() and self.waiting >= self.config.max_queue:
+            raise ResourceExhausted(f"the gateway is at capacity ({self.config.max_concurrency} running, "
+                                    f"{self.waiting} queued); retry later")
+        self.waiting += 1
+        try:
+            await self._slots.acquire()
+        finally:
+            self.waiting -= 1
+
+    async def generate(self, req: GenRequest, outcome: Outcome):
+        """Yield Chunks; the last has a finish_reason. `outcome` is filled in as it goes."""
+        self.check(req)
+        await self.admit()
+        self.inflight += 1
+        try:
+            async for chunk in self._generate(req, outcome):
+                yield chunk
+        finally:
+            self.inflight -= 1
+            self._slots.release()
+
+    async def _generate(self, req: GenRequest, outcome: Outcome):
+        text = TextStream(self.tokenizer, req.params.stop)
+        emitted: list[int] = []
+        excluded: set[str] = set()
+        deadline = time.monotonic() + self.config.request_timeout_s
+        while True:
+            verify = (self.verify_pool.for_session(req.session_id, excluded) if req.session_id
+                      else self.verify_pool.for_prompt(req.prompt_ids + emitted, excluded))
+            if verify is None:
+                raise Unavailable("no healthy verify replica")
+            draft = self.draft_pool.least_loaded() if self.draft_pool.replicas else None
+            outcome.verify_replica = verify.address
+            outcome.target_only = draft is None
+            if draft is None and self.draft_pool.replicas:
+                self.target_only_fallbacks += 1
+            params = replace(req.params, max_tokens=req.params.max_tokens - len(emitted))
+            prompt = req.prompt_ids + emitted
+            failed: Replica | None = None
+            try:
+                async for ids, finish in self._stream(verify, draft, prompt, params, req.session_id,
+                                                      req.num_speculative_tokens, deadline, outcome,
+                                                      first=not emitted):
+                    emitted += ids
+                    outcome.completion_tokens = len(emitted)
+                    delta = text.add(ids, final=finish is not None)
+                    if text.stopped:
+                        yield Chunk(ids, delta, "stop")
+                        return
+                    if finish is not None:
+                        yield Chunk(ids, delta, finish)
+                        return
+                    if ids:
+                        yield Chunk(ids, delta)
+                raise Unavailable("the generation stream ended without a finish reason")
+            except grpc.aio.AioRpcError as e:
+                if e.code() in NOT_RETRIED:
+                    raise _domain_error(e) from None
+                if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    raise ResourceExhausted(e.details() or "a replica is overloaded") from None
+                log.warning("generation failed on verify %s / draft %s: %s %s", verify.address,
+                            draft.address if draft else "-", e.code().name, e.details())
+                ok_v = await self._probe(self.verify_pool, verify)
+                if draft is not None:
+                    await self._probe(self.draft_pool, draft)
+                failed = verify if not ok_v else None
+            if outcome.failovers >= self.config.max_failovers or time.monotonic() > deadline:
+                raise Unavailable(f"generation failed after {outcome.failovers} failovers")
+            outcome.failovers += 1
+            self.failovers += 1
+            if failed is not None:
+                excluded.add(failed.address)
+            await asyncio.sleep(0.05 * outcome.failovers)
+
+    @staticmethod
+    async def _probe(pool: Pool, replica: Replica) -> bool:
+        await pool.suspect(replica)
+        return replica.healthy
+
+    async def _stream(self, verify: Replica, draft: Replica | None, prompt, params, session_id, k, deadline,
+                      outcome: Outcome, first: bool):
+        timeout = max(1.0, deadline - time.monotonic())
+        pb_params = wire.params_to_pb(params)
+        with verify.track():
+            if draft is not None:
+                with draft.track():
+                    stub = draft_pb2_grpc.DraftServiceStub(self.draft_pool.channel(draft))
+                    call = stub.Generate(draft_pb2.DraftGenerateRequest(
+                        session_id=session_id, prompt_ids=prompt, params=pb_params, verify_address=verify.address,
+                        num_speculative_tokens=k or self.config.speculative_num_steps), timeout=timeout)
+                    async for item in self._read(call, outcome, first):
+                        yield item
+            else:
+                stub = verify_pb2_grpc.VerifyServiceStub(self.verify_pool.channel(verify))
+                call = stub.Generate(verify_pb2.VerifyGenerateRequest(session_id=session_id, prompt_ids=prompt,
+                                                                      params=pb_params), timeout=timeout)
+                async for item in self._read(call, outcome, first):
+                    yield item
+
+    @staticmethod
+    async def _read(call, outcome: Outcome, first: bool):
+        try:
+            async for resp in call:
+                if resp.prompt_tokens and first:
+                    outcome.cached_prompt_tokens = resp.cached_prompt_tokens
+                if resp.HasField("stats"):
+                    _add_stats(outcome.stats, wire.stats_from_pb(resp.stats))
+                finish = wire.FINISH_FROM_PB[resp.finish_reason]
+                if resp.token_ids or finish is not None:
+                    yield list(resp.token_ids), finish
+        finally:
+            call.cancel()  # a client that went away, or a stop string found here: stop the work downstream
+
+
+def _add_stats(total: SpecStats, part: SpecStats) -> None:
+    total.rounds += part.rounds
+    total.drafted += part.drafted
+    total.accepted += part.accepted
+    for i in range(len(part.drafted_per_pos)):
+        if i >= len(total.drafted_per_pos):
+            total.drafted_per_pos.append(0)
+            total.accepted_per_pos.append(0)
+        total.drafted_per_pos[i] += part.drafted_per_pos[i]
+        total.accepted_per_pos[i] += part.accepted_per_pos[i]
+    total.draft_seconds += part.draft_seconds
+    total.verify_seconds += part.verify_seconds
+
+
+def _domain_error(e: grpc.aio.AioRpcError) -> SpecmeshError:
+    from specmesh import errors
+
+    cls = {grpc.StatusCode.INVALID_ARGUMENT: errors.InvalidArgument, grpc.StatusCode.NOT_FOUND: errors.NotFound,
+           grpc.StatusCode.FAILED_PRECONDITION: errors.FailedPrecondition}.get(e.code(), errors.InvalidArgument)
+    return cls(e.details() or e.code().name)

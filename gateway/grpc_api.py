@@ -1,0 +1,55 @@
+"""specmesh.v1.GatewayService over gRPC: protobuf <-> the gateway's domain object (core.py)."""
+
+from __future__ import annotations
+
+from gateway.core import Gateway, GenRequest, Outcome
+from specmesh import wire
+from specmesh.errors import InvalidArgument, NotFound
+from specmesh.serving import stream_errors, unary_errors
+from specmesh.v1 import gateway_pb2, gateway_pb2_grpc
+
+
+class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
+    def __init__(self, gateway: Gateway):
+        self.gateway = gateway
+
+    def _request(self, request) -> GenRequest:
+        if request.model and request.model != self.gateway.config.model_name:
+            raise NotFound(f"the model {request.model!r} does not exist; this gateway serves "
+                           f"{self.gateway.config.model_name!r}")
+        if bool(request.prompt) == bool(request.prompt_ids):
+            raise InvalidArgument("give exactly one of prompt (text) and prompt_ids")
+        ids = list(request.prompt_ids) or self.gateway.encode(request.prompt)
+        return GenRequest(ids, wire.params_from_pb(request.params), request.session_id,
+                          request.num_speculative_tokens)
+
+    @staticmethod
+    def _final(outcome: Outcome, finish) -> dict:
+        return dict(finish_reason=wire.FINISH_TO_PB[finish],
+                    usage=gateway_pb2.Usage(prompt_tokens=outcome.prompt_tokens,
+                                            completion_tokens=outcome.completion_tokens,
+                                            cached_prompt_tokens=outcome.cached_prompt_tokens),
+                    stats=wire.stats_to_pb(outcome.stats), failovers=outcome.failovers,
+                    target_only=outcome.target_only)
+
+    @unary_errors
+    async def Generate(self, request, context):
+        req = self._request(request)
+        outcome = Outcome(prompt_tokens=len(req.prompt_ids))
+        text, ids, finish = [], [], None
+        async for chunk in self.gateway.generate(req, outcome):
+            text.append(chunk.text)
+            ids += chunk.token_ids
+            finish = chunk.finish_reason or finish
+        return gateway_pb2.GatewayGenerateResponse(text="".join(text), token_ids=ids, **self._final(outcome, finish))
+
+    @stream_errors
+    async def GenerateStream(self, request, context):
+        req = self._request(request)
+        outcome = Outcome(prompt_tokens=len(req.prompt_ids))
+        async for chunk in self.gateway.generate(req, outcome):
+            if chunk.finish_reason is None:
+                yield gateway_pb2.GatewayGenerateResponse(text=chunk.text, token_ids=chunk.token_ids)
+            else:
+                yield gateway_pb2.GatewayGenerateResponse(text=chunk.text, token_ids=chunk.token_ids,
+                                                          **self._final(outcome, chunk.finish_reason))

@@ -1,0 +1,246 @@
+"""The gateway over real services: the official openai client, the gRPC front, sessions, errors, limits."""
+
+from pathlib import Path
+
+import json
+import urllib.error
+import urllib.request
+
+import grpc
+import openai
+import pytest
+from transformers import AutoTokenizer
+
+from conftest import noisy_copy, tiny_model
+from services import GatewayServer, start_draft, start_verify
+from specmesh.engine import SpeculativeEngine
+from specmesh.sampling import SamplingParams
+from specmesh.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class Reply:
+    def __init__(self, status, body):
+        self.status_code, self._body = status, body
+
+    def json(self):
+        return json.loads(self._body)
+
+
+def http(method, url, body: bytes | None = None, json_body=None) -> Reply:
+    """A plain HTTP call (stdlib only), for requests the openai client would never send."""
+    if json_body is not None:
+        body = json.dumps(json_body).encode()
+    req = urllib.request.Request(url, data=body, method=method, headers={"content-type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return Reply(r.status, r.read())
+    except urllib.error.HTTPError as e:
+        return Reply(e.code, e.read())
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return AutoTokenizer.from_pretrained(ROOT / "models" / "demo" / "target")
+
+
+@pytest.fixture(scope="module")
+def target(tokenizer):
+    return tiny_model("llama", vocab=len(tokenizer), seed=31)
+
+
+@pytest.fixture(scope="module")
+def reference(target, tokenizer):
+    engine = SpeculativeEngine.from_models(target, tokenizer=tokenizer)
+
+    def run(prompt_ids, max_tokens=24, **kw):
+        r = engine.generate(prompt_ids, SamplingParams(temperature=0.0, max_tokens=max_tokens, **kw), 0)
+        return r.token_ids, r.text, r.finish_reason
+    return run
+
+
+@pytest.fixture(scope="module")
+def stack(target, tokenizer):
+    verifies = [start_verify(target, tokenizer) for _ in range(2)]
+    draft = start_draft(noisy_copy(target, 0.03), verifies[0].address)
+    gw = GatewayServer([v.address for v in verifies], [draft.address], tokenizer)
+    yield gw, verifies, draft
+    gw.stop()
+    draft.stop()
+    for v in verifies:
+        v.stop()
+
+
+@pytest.fixture
+def client(stack):
+    return openai.OpenAI(base_url=stack[0].base_url + "/v1", api_key="unused", max_retries=0)
+
+
+def test_completions(client, tokenizer, reference):
+    prompt = "def parse(text):\n"
+    ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    want_ids, want_text, _ = reference(ids)
+    r = client.completions.create(model="demo", prompt=prompt, max_tokens=24, temperature=0)
+    assert r.object == "text_completion" and r.choices[0].text == want_text
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == len(want_ids) == 24
+    spec = r.model_extra["specmesh"]
+    assert spec["drafted"] > 0 and 0 <= spec["acceptance_rate"] <= 1 and spec["mean_accepted_length"] >= 1
+    # token ids as the prompt
+    r2 = client.completions.create(model="demo", prompt=ids, max_tokens=24, temperature=0)
+    assert r2.choices[0].text == want_text
+
+
+def test_completions_stream_with_usage(client, tokenizer, reference):
+    prompt = "import os\n"
+    ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    want_ids, want_text, _ = reference(ids, 30)
+    chunks = list(client.completions.create(model="demo", prompt=prompt, max_tokens=30, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == want_text
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finishes[-1] == "length" and all(f is None for f in finishes[:-1])
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(want_ids)
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_chat_plain_and_streaming(stack, client, reference):
+    gw = stack[0]
+    messages = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "A loop, please."}]
+    ids = gw.gateway.chat_prompt(messages)
+    _, want_text, _ = reference(ids, 20)
+    r = client.chat.completions.create(model="demo", messages=messages, max_tokens=20, temperature=0)
+    assert r.object == "chat.completion" and r.choices[0].message.role == "assistant"
+    assert r.choices[0].message.content == want_text
+    chunks = list(client.chat.completions.create(model="demo", messages=messages, max_tokens=20, temperature=0,
+                                                 stream=True))
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == want_text
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_stop_string_ends_text_before_it(client, tokenizer, reference):
+    prompt = "class A:\n"
+    ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    _, full, _ = reference(ids, 40)
+    stop = full[len(full) // 2: len(full) // 2 + 2]
+    assert stop
+    r = client.completions.create(model="demo", prompt=prompt, max_tokens=40, temperature=0, stop=[stop])
+    assert r.choices[0].finish_reason == "stop"
+    assert r.choices[0].text == full[: full.find(stop)]
+    chunks = list(client.completions.create(model="demo", prompt=prompt, max_tokens=40, temperature=0, stop=stop,
+                                            stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == full[: full.find(stop)]
+
+
+def test_models_and_health(stack, client):
+    models = client.models.list()
+    assert [m.id for m in models.data] == ["demo"] and models.data[0].object == "model"
+    h = http("GET", stack[0].base_url + "/health").json()
+    assert h["status"] == "ok" and h["verify_healthy"] == 2 and h["draft_healthy"] == 1
+
+
+@pytest.mark.parametrize("kwargs,param", [
+    (dict(max_tokens=-1), "max_tokens"),
+    (dict(max_tokens=10**9), None),
+    (dict(temperature="hot"), "temperature"),
+    (dict(top_p=0), "top_p"),
+    (dict(n=2), "n"),
+    (dict(stop=[1, 2]), "stop"),
+])
+def test_bad_requests_are_openai_400s(client, kwargs, param):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="demo", prompt="x = 1", **kwargs)
+    err = e.value.body
+    assert e.value.status_code == 400 and err["type"] == "invalid_request_error" and err["message"]
+    if param:
+        assert err["param"] == param
+
+
+def test_raw_bad_input(stack):
+    base = stack[0].base_url
+    r = http("POST", base + "/v1/completions", b"{not json")
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
+    r = http("POST", base + "/v1/chat/completions", json_body={"model": "demo"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    r = http("POST", base + "/v1/chat/completions", json_body={"model": "demo", "messages": [{"role": "pirate"}]})
+    assert r.status_code == 400 and "role" in r.json()["error"]["message"]
+    r = http("POST", base + "/v1/completions", json_body={"model": "demo", "prompt": "x" * (2 << 20)})
+    assert r.status_code == 413
+    r = http("POST", base + "/v1/completions", json_body={"model": "demo", "prompt": [1, 10**6]})
+    assert r.status_code == 400 and "out of range" in r.json()["error"]["message"]
+    r = http("GET", base + "/v1/nothing")
+    assert r.status_code == 404 and "error" in r.json()
+    assert http("GET", base + "/health").status_code == 200  # still serving
+
+
+def test_unknown_model_is_404(client):
+    with pytest.raises(openai.NotFoundError) as e:
+        client.completions.create(model="gpt-9", prompt="x", max_tokens=2)
+    assert e.value.body["code"] == "model_not_found"
+
+
+def test_api_keys_and_overload(stack, tokenizer):
+    _, verifies, draft = stack
+    gw = GatewayServer([verifies[0].address], [draft.address], tokenizer, api_keys=("sk-good",),
+                       max_concurrency=1, max_queue=0)
+    try:
+        bad = openai.OpenAI(base_url=gw.base_url + "/v1", api_key="sk-bad", max_retries=0)
+        with pytest.raises(openai.AuthenticationError):
+            bad.models.list()
+        good = openai.OpenAI(base_url=gw.base_url + "/v1", api_key="sk-good", max_retries=0)
+        stream = good.completions.create(model="demo", prompt="def f():", max_tokens=400, temperature=0,
+                                         stream=True, extra_body={"ignore_eos": True})
+        next(iter(stream))  # one generation holds the only slot
+        with pytest.raises(openai.RateLimitError):
+            good.completions.create(model="demo", prompt="x", max_tokens=2)
+        stream.close()  # a client disconnect releases the slot and cancels the work downstream
+        import time
+
+        for _ in range(100):
+            if gw.gateway.inflight == 0:
+                break
+            time.sleep(0.05)
+        assert gw.gateway.inflight == 0
+        assert good.completions.create(model="demo", prompt="x", max_tokens=2).choices[0].finish_reason
+    finally:
+        gw.stop()
+
+
+def test_grpc_front_unary_and_streaming(stack, tokenizer, reference):
+    gw = stack[0]
+    stub = gateway_pb2_grpc.GatewayServiceStub(grpc.insecure_channel(gw.grpc_address))
+    prompt = "for i in range(10):\n"
+    ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    want_ids, want_text, _ = reference(ids, 16)
+    params = common_pb2.SamplingParams(temperature=0.0, max_tokens=16)
+    r = stub.Generate(gateway_pb2.GatewayGenerateRequest(prompt=prompt, params=params))
+    assert r.text == want_text and list(r.token_ids) == want_ids
+    assert r.finish_reason == common_pb2.FINISH_REASON_LENGTH and r.usage.completion_tokens == 16
+    chunks = list(stub.GenerateStream(gateway_pb2.GatewayGenerateRequest(prompt_ids=ids, params=params)))
+    assert "".join(c.text for c in chunks) == want_text
+    assert chunks[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
+    with pytest.raises(grpc.RpcError) as e:
+        stub.Generate(gateway_pb2.GatewayGenerateRequest(params=params))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    with pytest.raises(grpc.RpcError) as e:
+        stub.Generate(gateway_pb2.GatewayGenerateRequest(prompt="x", params=common_pb2.SamplingParams(top_p=3)))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_session_sticks_to_its_replica_and_reuses_kv(stack, client, reference):
+    gw = stack[0]
+    messages = [{"role": "user", "content": "Write a function."}]
+    first = client.chat.completions.create(model="demo", messages=messages, max_tokens=12, temperature=0,
+                                           extra_body={"session_id": "conv-7"})
+    replica = first.model_extra["specmesh"]["verify_replica"]
+    messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                 {"role": "user", "content": "Now test it."}]
+    second = client.chat.completions.create(model="demo", messages=messages, max_tokens=12, temperature=0,
+                                            extra_headers={"X-Session-Id": "conv-7"})
+    assert second.model_extra["specmesh"]["verify_replica"] == replica
+    assert second.usage.prompt_tokens_details.cached_tokens > 0  # the earlier turn's KV was reused
+    _, want_text, _ = reference(gw.gateway.chat_prompt(messages), 12)
+    assert second.choices[0].message.content == want_text
