@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 run: venv
-	$(PY) -m specmesh.demo
+	$(PY) -m specmesh.stack
 
 test: venv
 	$(PY) -m pytest -q
@@ -28,6 +28,7 @@ proto: venv
 
 bench: venv
 	$(PY) -m bench.inprocess
+	$(PY) -m bench.services
 
 # Reproduce models/demo from the standard library's sources (about 1.5 h on 2 cores; see README).
 DISTILL := $(PY) -m specmesh.training.distill --target models/demo/target --stdlib --steps 800 --batch-size 8 \

@@ -6,6 +6,14 @@ subprocesses as well.
 
 from __future__ import annotations
 
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
 import grpc
 
 from draft_service.engine import DraftConfig, DraftEngine
@@ -114,3 +122,42 @@ class GatewayServer:
         self.call(down())
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(10)
+
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def save_tiny_checkpoints(base: Path, seed: int = 8) -> tuple[Path, Path]:
+    """A tiny target and a noisy-copy draft on disk, with the demo tokenizer (so text and stop strings work)."""
+    from transformers import AutoTokenizer
+
+    from conftest import noisy_copy, tiny_model
+
+    tok = AutoTokenizer.from_pretrained(ROOT / "models" / "demo" / "target")
+    target = tiny_model("llama", vocab=len(tok), seed=seed)
+    target.save_pretrained(base / "target")
+    noisy_copy(target, 0.03).save_pretrained(base / "draft")
+    for d in ("target", "draft"):
+        tok.save_pretrained(base / d)
+    return base / "target", base / "draft"
+
+
+def spawn(module: str, args: list[str], env: dict) -> tuple[subprocess.Popen, str]:
+    proc = subprocess.Popen([sys.executable, "-m", module, "--port", "0", "--threads", "1", *args],
+                            cwd=ROOT, env={**os.environ, **env}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    lines = []
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        lines.append(line)
+        m = re.search(r"listening on (\S+)", line)
+        if m:
+            threading.Thread(target=proc.stdout.read, daemon=True).start()  # keep the pipe drained
+            return proc, m.group(1)
+    proc.kill()
+    raise RuntimeError(f"{module} did not start:\n{''.join(lines)}")
+
+

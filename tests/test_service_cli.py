@@ -1,8 +1,6 @@
 """The services as users run them: `python -m verify_service` / `python -m draft_service` subprocesses,
 flags from the environment, health, reflection, and a graceful SIGTERM that lets in-flight work finish."""
 
-import os
-import re
 import signal
 import subprocess
 import sys
@@ -14,10 +12,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
-from transformers import AutoTokenizer
 
-from conftest import noisy_copy, tiny_model
-from services import generate
+from services import generate, save_tiny_checkpoints, spawn
 from specmesh.engine import SpeculativeEngine
 from specmesh.sampling import SamplingParams
 from specmesh.v1 import common_pb2, draft_pb2, draft_pb2_grpc, verify_pb2, verify_pb2_grpc
@@ -27,34 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    """A tiny target and draft on disk with the demo tokenizer (so stop strings work)."""
-    tok = AutoTokenizer.from_pretrained(ROOT / "models" / "demo" / "target")
-    base = tmp_path_factory.mktemp("ckpt")
-    target = tiny_model("llama", vocab=len(tok), seed=8)
-    target.save_pretrained(base / "target")
-    noisy_copy(target, 0.03).save_pretrained(base / "draft")
-    for d in ("target", "draft"):
-        tok.save_pretrained(base / d)
-    return base / "target", base / "draft"
-
-
-def spawn(module: str, args: list[str], env: dict) -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen([sys.executable, "-m", module, "--port", "0", "--threads", "1", *args],
-                            cwd=ROOT, env={**os.environ, **env}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
-    lines = []
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        lines.append(line)
-        m = re.search(r"listening on (\S+)", line)
-        if m:
-            threading.Thread(target=proc.stdout.read, daemon=True).start()  # keep the pipe drained
-            return proc, m.group(1)
-    proc.kill()
-    raise RuntimeError(f"{module} did not start:\n{''.join(lines)}")
+    return save_tiny_checkpoints(tmp_path_factory.mktemp("ckpt"))
 
 
 def health(address: str, service: str = "") -> int:
