@@ -210,3 +210,31 @@ def test_bad_requests_do_not_disturb_a_running_batch(servers, target):
     for p in prompts:
         want = engine.generate(p, SamplingParams(temperature=0, max_tokens=64, ignore_eos=True), 0).token_ids
         assert results[tuple(p)] == want
+
+
+def test_kv_budget_evicts_idle_sessions_lru_and_ttl(target):
+    # 512 bytes of KV per token for this model: a 12 KiB budget holds 24 tokens
+    verify = start_verify(target, kv_cache_budget_mb=12 / 1024, session_ttl_s=0.5)
+    try:
+        vs = verify_stub(verify)
+        open_session(vs, list(range(1, 13)), session_id="a")
+        open_session(vs, list(range(1, 13)), session_id="b")  # 22 cached tokens: both fit
+        open_session(vs, list(range(20, 32)), session_id="c")  # evicts "a", the least recently used
+        info = vs.Info(verify_pb2.InfoRequest())
+        assert info.evicted_sessions == 1 and info.sessions == 2 and info.kv_cache_bytes <= 12 * 1024
+        s = Stream(vs)
+        s.send(session_id="a", epoch=0, base_position=12)
+        assert code_of(s.read) == C.NOT_FOUND
+        held = Stream(vs)  # "b" attached: it cannot be evicted, so room for a long prompt runs out
+        held.send(session_id="b", epoch=0, base_position=12)
+        held.read()
+        assert code_of(lambda: open_session(vs, list(range(1, 20)), session_id="d")) == C.RESOURCE_EXHAUSTED
+        held.close()
+        held.responses.cancel()
+        import time
+
+        time.sleep(2.0)  # past the TTL: the reaper drops idle sessions
+        info = vs.Info(verify_pb2.InfoRequest())
+        assert info.sessions == 0 and info.kv_cache_bytes == 0
+    finally:
+        verify.stop()
