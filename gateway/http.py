@@ -1,4 +1,5 @@
-"""OpenAI-compatible REST front (FastAPI): /v1/completions, /v1/chat/completions, /v1/models, /health.
+"""OpenAI-compatible REST front (FastAPI): /v1/completions, /v1/chat/completions, /v1/models, /health
+(ready: 503 while no verify replica is healthy) and /health/live (the process answers).
 
 Requests are validated field by field here, so a bad one gets a 400 naming the parameter, in OpenAI's
 error shape `{"error": {"message", "type", "param", "code"}}`. Streaming uses server-sent events
@@ -166,12 +167,18 @@ def create_app(gateway: Gateway, api_keys: tuple[str, ...] = (), max_body_bytes:
 
     async def read_body(request: Request) -> dict:
         authorize(request)
-        length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > max_body_bytes:
+        # Read (and drop) an oversized body up to a hard cap before answering 413: a client that is still
+        # sending when the answer comes would see a broken pipe instead of the error.
+        parts, size = [], 0
+        async for part in request.stream():
+            size += len(part)
+            if size <= max_body_bytes:
+                parts.append(part)
+            elif size > 64 * max_body_bytes:
+                break
+        if size > max_body_bytes:
             raise HTTPError(413, f"request body larger than {max_body_bytes} bytes", None, "body_too_large")
-        raw = await request.body()
-        if len(raw) > max_body_bytes:
-            raise HTTPError(413, f"request body larger than {max_body_bytes} bytes", None, "body_too_large")
+        raw = b"".join(parts)
         try:
             body = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -196,6 +203,10 @@ def create_app(gateway: Gateway, api_keys: tuple[str, ...] = (), max_body_bytes:
         ok = v > 0
         return JSONResponse({"status": "ok" if ok else "unavailable", "verify_healthy": v, "draft_healthy": d,
                              "target_only": ok and d == 0}, status_code=200 if ok else 503)
+
+    @app.get("/health/live")
+    async def live():
+        return {"status": "ok"}  # liveness: the process serves HTTP (readiness is /health)
 
     @app.get("/v1/models")
     async def models(request: Request):

@@ -140,6 +140,7 @@ def test_models_and_health(stack, client):
     assert [m.id for m in models.data] == ["demo"] and models.data[0].object == "model"
     h = http("GET", stack[0].base_url + "/health").json()
     assert h["status"] == "ok" and h["verify_healthy"] == 2 and h["draft_healthy"] == 1
+    assert http("GET", stack[0].base_url + "/health/live").json() == {"status": "ok"}
 
 
 @pytest.mark.parametrize("kwargs,param", [
