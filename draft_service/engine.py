@@ -13,19 +13,22 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import grpc
 import torch
+from opentelemetry import context as otel_context
 
 from specmesh.drafting import ModelDrafter, NgramDrafter
 from specmesh.errors import FailedPrecondition, InvalidArgument, ResourceExhausted, Unavailable
-from specmesh.loop import AdaptiveK, FixedK, GenerationResult, SpecStats, speculative_generate
+from specmesh.loop import AdaptiveK, FixedK, GenerationResult, RoundRecord, SpecStats, speculative_generate
 from specmesh.fast_runner import StaticCacheRunner
 from specmesh.models import ModelRunner, load_model
 from specmesh.sampling import SamplingParams, StopChecker
+from specmesh.telemetry import outgoing_metadata, tracer, wall_ns
 from specmesh.v1 import verify_pb2, verify_pb2_grpc
 from draft_service.remote import RemoteVerifier
 
@@ -50,6 +53,7 @@ class DraftConfig:
     max_cached_sessions: int = 256  # per-session draft KV caches kept for later turns (LRU)
     verify_timeout_s: float = 60.0  # per verify call / round
     grace_period_s: float = 10.0
+    metrics_port: int = -1  # Prometheus /metrics over HTTP; -1 = not served (the CLI defaults to 9464)
 
     def __post_init__(self):
         if self.speculative_algorithm not in ALGORITHMS:
@@ -69,14 +73,6 @@ class Opened:
     cached_prompt_tokens: int
 
 
-@dataclass
-class DraftCounters:
-    rounds: int = 0
-    drafted: int = 0
-    accepted: int = 0
-    pipelined_used: int = 0
-    pipelined_discarded: int = 0
-    totals: SpecStats = field(default_factory=SpecStats)
 
 
 class DraftEngine:
@@ -88,7 +84,9 @@ class DraftEngine:
         self.runner = runner_cls(model) if model is not None else None
         self.vocab_size = self.runner.vocab_size if self.runner else 0
         self.pool = ThreadPoolExecutor(max_workers=config.max_sessions, thread_name_prefix="draft")
-        self.counters = DraftCounters()
+        self.totals = SpecStats()  # every finished generation's speculation statistics
+        self.tracer = tracer("draft")
+        self.stream_metrics = None  # StreamMetrics (TTFT, inter-token latency), set by the server
         self._drafters: OrderedDict[str, ModelDrafter] = OrderedDict()
         self._busy: set[str] = set()
         self._active = 0
@@ -171,12 +169,26 @@ class DraftEngine:
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
         put = lambda *item: loop.call_soon_threadsafe(events.put_nowait, item)  # noqa: E731
-        remote = RemoteVerifier(loop, stub, session_id, self.config.verify_timeout_s, metadata=metadata,
+        remote = RemoteVerifier(loop, stub, session_id, self.config.verify_timeout_s,
+                                metadata=metadata or outgoing_metadata(),
                                 on_open=lambda r: events.put_nowait(("open", Opened(r.session_id, len(prompt_ids),
                                                                                     r.cached_prompt_tokens))))
         drafter = self._drafter(session_id)
         policy = AdaptiveK(k_max) if self.config.adaptive else FixedK(k_max)
         cancelled = threading.Event()
+        parent = otel_context.get_current()  # the Generate server span: rounds are its children
+        timer = self.stream_metrics.timer() if self.stream_metrics is not None else None
+
+        def on_round(r: RoundRecord) -> None:
+            now = time.perf_counter()
+            span = self.tracer.start_span("draft.round", context=parent, start_time=wall_ns(r.t_start, now),
+                                          attributes={"specmesh.k": r.k, "specmesh.drafted": r.num_drafted,
+                                                      "specmesh.accepted": r.num_accepted,
+                                                      "specmesh.committed": r.num_committed,
+                                                      "specmesh.draft_seconds": r.t_sent - r.t_start,
+                                                      "specmesh.verify_wait_seconds": r.t_verdict - r.t_sent,
+                                                      "specmesh.from_pipeline": r.from_pipeline})
+            span.end(end_time=wall_ns(r.t_verdict, now))
 
         def work():
             # EOS and stop strings are the verifier's to apply (its verdicts carry the finish reason).
@@ -185,7 +197,8 @@ class DraftEngine:
                 with torch.inference_mode():
                     result = speculative_generate(remote, drafter, prompt_ids, params, policy, stop,
                                                   on_tokens=lambda toks: put("tokens", toks),
-                                                  pipeline=self.config.pipeline, cancelled=cancelled.is_set)
+                                                  pipeline=self.config.pipeline, cancelled=cancelled.is_set,
+                                                  on_round=on_round)
                 put("done", result)
             except BaseException as e:  # noqa: BLE001 — delivered to the caller as a status
                 put("error", e)
@@ -218,6 +231,8 @@ class DraftEngine:
                     if isinstance(value, asyncio.TimeoutError):
                         raise Unavailable(f"the verify service did not answer within {self.config.verify_timeout_s} s")
                     raise value
+                if kind == "tokens" and timer is not None:
+                    timer.tokens(len(value))
                 if kind == "done":
                     self._count(value)
                     await cleanup(value.finish_reason != "cancelled")
@@ -228,19 +243,7 @@ class DraftEngine:
             await cleanup(False)
 
     def _count(self, result: GenerationResult) -> None:
-        s, c = result.stats, self.counters
-        c.rounds += s.rounds
-        c.drafted += s.drafted
-        c.accepted += s.accepted
-        c.pipelined_used += s.pipelined_used
-        c.pipelined_discarded += s.pipelined_discarded
-        t = c.totals
-        for i in range(len(s.drafted_per_pos)):
-            if i >= len(t.drafted_per_pos):
-                t.drafted_per_pos.append(0)
-                t.accepted_per_pos.append(0)
-            t.drafted_per_pos[i] += s.drafted_per_pos[i]
-            t.accepted_per_pos[i] += s.accepted_per_pos[i]
+        self.totals.merge(result.stats)
 
     @property
     def active(self) -> int:
@@ -252,11 +255,12 @@ class DraftEngine:
         return seconds / tokens if tokens else 0.0
 
     def info(self) -> dict:
-        c = self.counters
+        c = self.totals
         return dict(model_path=self.config.model_path if self.runner else "",
                     algorithm=self.config.speculative_algorithm, vocab_size=self.vocab_size,
                     speculative_num_steps=self.config.speculative_num_steps, adaptive=self.config.adaptive,
                     pipelined=self.config.pipeline, default_verify_address=self.config.verify_address,
                     active_sessions=self._active, rounds=c.rounds, drafted=c.drafted, accepted=c.accepted,
-                    pipelined_blocks_used=c.pipelined_used, pipelined_blocks_discarded=c.pipelined_discarded,
+                    pipelined_blocks_used=c.pipelined_used,
+                    pipelined_blocks_discarded=c.pipelined_discarded,
                     draft_seconds_per_token=self.draft_seconds_per_token())

@@ -7,7 +7,6 @@ Every flag can also be set by an environment variable SPECMESH_GATEWAY_<FLAG>.
 from __future__ import annotations
 
 import asyncio
-import logging
 import signal
 from pathlib import Path
 
@@ -17,7 +16,9 @@ from gateway.core import Gateway, GatewayConfig
 from gateway.grpc_api import GatewayServicer
 from gateway.http import create_app
 from specmesh.config import EnvArgumentParser
-from specmesh.serving import GrpcServer
+from gateway.telemetry import GatewayMetrics
+from specmesh.serving import GrpcServer, ServiceTelemetry
+from specmesh.telemetry import setup_logging, setup_tracing
 from specmesh.v1 import gateway_pb2, gateway_pb2_grpc
 
 SERVICE_NAME = gateway_pb2.DESCRIPTOR.services_by_name["GatewayService"].full_name
@@ -53,6 +54,7 @@ def parse_args(argv=None):
     ap.flag("--success-threshold", type=int, default=d.success_threshold, help="good checks that bring it back")
     ap.flag("--load-factor", type=float, default=d.load_factor, help="bounded-load hashing: max load / mean load")
     ap.flag("--log-level", default="INFO", help="logging level")
+    ap.flag("--log-format", default="text", choices=["text", "json"], help="json: one object per line with trace ids")
     a = ap.parse_args(argv)
     name = a.model_name or (Path(a.tokenizer_path).name if a.tokenizer_path else "specmesh")
     config = GatewayConfig(verify=_list(a.verify), draft=_list(a.draft), model_name=name,
@@ -76,15 +78,17 @@ def load_tokenizer(path: str):
 
 async def serve(config: GatewayConfig, args) -> None:
     gateway = Gateway(config, load_tokenizer(args.tokenizer_path))
+    metrics = GatewayMetrics(gateway)
     await gateway.start()
-    app = create_app(gateway, _list(args.api_key), args.max_body_bytes)
+    app = create_app(gateway, _list(args.api_key), args.max_body_bytes, metrics)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
                                            timeout_graceful_shutdown=10))
     grpc_server = None
     if args.grpc_port >= 0:
+        servicer = GatewayServicer(gateway)
+        servicer.telemetry = ServiceTelemetry("gateway", metrics.rpc)
         grpc_server = GrpcServer(args.host, args.grpc_port, [SERVICE_NAME],
-                                 lambda s: gateway_pb2_grpc.add_GatewayServiceServicer_to_server(
-                                     GatewayServicer(gateway), s),
+                                 lambda s: gateway_pb2_grpc.add_GatewayServiceServicer_to_server(servicer, s),
                                  grace_seconds=10, active=lambda: gateway.inflight)
         port = await grpc_server.start()
         print(f"gateway gRPC listening on {args.host}:{port}", flush=True)
@@ -104,7 +108,8 @@ async def serve(config: GatewayConfig, args) -> None:
 
 def main(argv=None) -> None:
     config, args = parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(args.log_level, args.log_format, "gateway")
+    setup_tracing("gateway")
     asyncio.run(serve(config, args))
 
 

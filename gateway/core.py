@@ -26,6 +26,7 @@ from specmesh import wire
 from specmesh.errors import InvalidArgument, ResourceExhausted, SpecmeshError, Unavailable
 from specmesh.loop import SpecStats
 from specmesh.sampling import SamplingParams
+from specmesh.telemetry import outgoing_metadata
 from specmesh.v1 import draft_pb2, draft_pb2_grpc, verify_pb2, verify_pb2_grpc
 
 log = logging.getLogger("specmesh.gateway")
@@ -58,6 +59,7 @@ class GenRequest:
     params: SamplingParams
     session_id: str = ""
     num_speculative_tokens: int = 0
+    metadata: tuple = ()  # gRPC metadata for downstream calls (trace context, request id)
 
 
 @dataclass
@@ -81,7 +83,7 @@ class Outcome:
 
     def spec_dict(self) -> dict:
         s = self.stats
-        return {"rounds": s.rounds, "drafted": s.drafted, "accepted": s.accepted,
+        return {"rounds": s.rounds, "drafts": s.drafts, "drafted": s.drafted, "accepted": s.accepted,
                 "acceptance_rate": round(s.acceptance_rate, 4),
                 "mean_accepted_length": round(s.mean_accepted_length, 4),
                 "acceptance_per_pos": [round(a, 4) for a in s.acceptance_per_pos],
@@ -135,6 +137,8 @@ class Gateway:
         self._tasks: list[asyncio.Task] = []
         self.failovers = 0
         self.target_only_fallbacks = 0
+        self.totals = SpecStats()  # speculation statistics of every finished generation
+        self.stream_metrics = None  # StreamMetrics (TTFT, inter-token latency), set by GatewayMetrics
 
     async def start(self) -> None:
         for pool in (self.verify_pool, self.draft_pool):
@@ -193,14 +197,20 @@ class Gateway:
     async def generate(self, req: GenRequest, outcome: Outcome):
         """Yield Chunks; the last has a finish_reason. `outcome` is filled in as it goes."""
         self.check(req)
+        if not req.metadata:
+            req.metadata = outgoing_metadata()  # the caller's span is current here
         await self.admit()
         self.inflight += 1
+        timer = self.stream_metrics.timer() if self.stream_metrics is not None else None
         try:
             async for chunk in self._generate(req, outcome):
+                if timer is not None:
+                    timer.tokens(len(chunk.token_ids))
                 yield chunk
         finally:
             self.inflight -= 1
             self._slots.release()
+            self.totals.merge(outcome.stats)
 
     async def _generate(self, req: GenRequest, outcome: Outcome):
         text = TextStream(self.tokenizer, req.params.stop)
@@ -223,7 +233,7 @@ class Gateway:
             try:
                 async for ids, finish in self._stream(verify, draft, prompt, params, req.session_id,
                                                       req.num_speculative_tokens, deadline, outcome,
-                                                      first=not emitted):
+                                                      first=not emitted, metadata=req.metadata):
                     emitted += ids
                     outcome.completion_tokens = len(emitted)
                     delta = text.add(ids, final=finish is not None)
@@ -261,7 +271,7 @@ class Gateway:
         return replica.healthy
 
     async def _stream(self, verify: Replica, draft: Replica | None, prompt, params, session_id, k, deadline,
-                      outcome: Outcome, first: bool):
+                      outcome: Outcome, first: bool, metadata: tuple = ()):
         timeout = max(1.0, deadline - time.monotonic())
         pb_params = wire.params_to_pb(params)
         with verify.track():
@@ -270,13 +280,15 @@ class Gateway:
                     stub = draft_pb2_grpc.DraftServiceStub(self.draft_pool.channel(draft))
                     call = stub.Generate(draft_pb2.DraftGenerateRequest(
                         session_id=session_id, prompt_ids=prompt, params=pb_params, verify_address=verify.address,
-                        num_speculative_tokens=k or self.config.speculative_num_steps), timeout=timeout)
+                        num_speculative_tokens=k or self.config.speculative_num_steps), timeout=timeout,
+                        metadata=metadata)
                     async for item in self._read(call, outcome, first):
                         yield item
             else:
                 stub = verify_pb2_grpc.VerifyServiceStub(self.verify_pool.channel(verify))
                 call = stub.Generate(verify_pb2.VerifyGenerateRequest(session_id=session_id, prompt_ids=prompt,
-                                                                      params=pb_params), timeout=timeout)
+                                                                      params=pb_params), timeout=timeout,
+                                     metadata=metadata)
                 async for item in self._read(call, outcome, first):
                     yield item
 
@@ -287,26 +299,12 @@ class Gateway:
                 if resp.prompt_tokens and first:
                     outcome.cached_prompt_tokens = resp.cached_prompt_tokens
                 if resp.HasField("stats"):
-                    _add_stats(outcome.stats, wire.stats_from_pb(resp.stats))
+                    outcome.stats.merge(wire.stats_from_pb(resp.stats))
                 finish = wire.FINISH_FROM_PB[resp.finish_reason]
                 if resp.token_ids or finish is not None:
                     yield list(resp.token_ids), finish
         finally:
             call.cancel()  # a client that went away, or a stop string found here: stop the work downstream
-
-
-def _add_stats(total: SpecStats, part: SpecStats) -> None:
-    total.rounds += part.rounds
-    total.drafted += part.drafted
-    total.accepted += part.accepted
-    for i in range(len(part.drafted_per_pos)):
-        if i >= len(total.drafted_per_pos):
-            total.drafted_per_pos.append(0)
-            total.accepted_per_pos.append(0)
-        total.drafted_per_pos[i] += part.drafted_per_pos[i]
-        total.accepted_per_pos[i] += part.accepted_per_pos[i]
-    total.draft_seconds += part.draft_seconds
-    total.verify_seconds += part.verify_seconds
 
 
 def _domain_error(e: grpc.aio.AioRpcError) -> SpecmeshError:

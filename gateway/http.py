@@ -18,8 +18,11 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from opentelemetry import propagate, trace
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from gateway.core import Gateway, GenRequest, Outcome
+from specmesh import telemetry
 from specmesh.errors import SpecmeshError
 from specmesh.sampling import MAX_STOP_STRINGS, SamplingParams
 
@@ -134,12 +137,45 @@ def chat_messages(body: dict) -> list[dict]:
     return out
 
 
+class CountRequests:
+    """Plain ASGI middleware (it leaves streaming and disconnects alone): requests by route and status,
+    and their duration to the last byte."""
+
+    def __init__(self, app, rpc):
+        self.app, self.rpc = app, rpc
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["path"] == "/metrics":
+            return await self.app(scope, receive, send)
+        status = {"code": 500}
+        t0 = time.perf_counter()
+
+        async def send_and_note(message):
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_and_note)
+        finally:
+            self.rpc.observe(f"{scope['method']} {scope['path']}", str(status["code"]), time.perf_counter() - t0)
+
+
 # the app ---------------------------------------------------------------------------------------------
 def create_app(gateway: Gateway, api_keys: tuple[str, ...] = (), max_body_bytes: int = 1 << 20,
-               metrics_handler=None) -> FastAPI:
+               metrics=None) -> FastAPI:
+    """The REST app. `metrics` (GatewayMetrics) adds /metrics and request counting."""
     app = FastAPI(title="specmesh gateway", docs_url=None, redoc_url=None)
     model_name = gateway.config.model_name
     created = int(time.time())
+    tracer = telemetry.tracer("gateway")
+
+    if metrics is not None:
+        app.add_middleware(CountRequests, rpc=metrics.rpc)
+
+        @app.get("/metrics")
+        async def prometheus():
+            return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.exception_handler(HTTPError)
     async def _http_error(request, exc: HTTPError):
@@ -214,9 +250,6 @@ def create_app(gateway: Gateway, api_keys: tuple[str, ...] = (), max_body_bytes:
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
                                             "owned_by": "specmesh"}]}
 
-    if metrics_handler is not None:
-        app.add_api_route("/metrics", metrics_handler, methods=["GET"])
-
     @app.post("/v1/completions")
     async def completions(request: Request):
         body = await read_body(request)
@@ -235,7 +268,7 @@ def create_app(gateway: Gateway, api_keys: tuple[str, ...] = (), max_body_bytes:
         req = GenRequest(ids, sampling_from(body), session_of(request, body),
                          _get(body, "num_speculative_tokens", int, 0, lambda v: 0 <= v <= 32, "an integer in [0, 32]"))
         stream = _get(body, "stream", bool, False, None, "a boolean")
-        return await respond(req, stream, stream_options(body) if stream else False, chat=False)
+        return await respond(request, req, stream, stream_options(body) if stream else False, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
@@ -246,17 +279,41 @@ def create_app(gateway: Gateway, api_keys: tuple[str, ...] = (), max_body_bytes:
         req = GenRequest(ids, params, session_of(request, body),
                          _get(body, "num_speculative_tokens", int, 0, lambda v: 0 <= v <= 32, "an integer in [0, 32]"))
         stream = _get(body, "stream", bool, False, None, "a boolean")
-        return await respond(req, stream, stream_options(body) if stream else False, chat=True)
+        return await respond(request, req, stream, stream_options(body) if stream else False, chat=True)
 
     def usage(outcome: Outcome) -> dict:
         return {"prompt_tokens": outcome.prompt_tokens, "completion_tokens": outcome.completion_tokens,
                 "total_tokens": outcome.prompt_tokens + outcome.completion_tokens,
                 "prompt_tokens_details": {"cached_tokens": outcome.cached_prompt_tokens}}
 
-    async def respond(req: GenRequest, stream: bool, include_usage: bool, chat: bool):
+    async def respond(request: Request, req: GenRequest, stream: bool, include_usage: bool, chat: bool):
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         obj = "chat.completion" if chat else "text_completion"
         outcome = Outcome(prompt_tokens=len(req.prompt_ids))
+        telemetry.REQUEST_ID.set(rid)
+        span = tracer.start_span("gateway." + ("chat" if chat else "completions"), kind=trace.SpanKind.SERVER,
+                                 context=propagate.extract(dict(request.headers)),
+                                 attributes={"specmesh.request_id": rid, "specmesh.stream": stream,
+                                             "specmesh.prompt_tokens": len(req.prompt_ids),
+                                             "specmesh.session_id": req.session_id})
+        with trace.use_span(span, end_on_exit=False):
+            req.metadata = telemetry.outgoing_metadata()
+        ended = False
+
+        def end_span(error: str | None = None):
+            nonlocal ended
+            if ended:
+                return
+            ended = True
+            span.set_attributes({"specmesh.completion_tokens": outcome.completion_tokens,
+                                 "specmesh.failovers": outcome.failovers, "specmesh.target_only": outcome.target_only,
+                                 "specmesh.verify_replica": outcome.verify_replica,
+                                 "specmesh.accepted": outcome.stats.accepted,
+                                 "specmesh.drafted": outcome.stats.drafted})
+            if error:
+                span.set_status(trace.Status(trace.StatusCode.ERROR, error))
+            span.end()
+
         gen = gateway.generate(req, outcome)
         # Run up to the first chunk before answering, so errors found before any output (bad input,
         # overload, no replica) are real HTTP statuses rather than stream events.
@@ -266,6 +323,7 @@ def create_app(gateway: Gateway, api_keys: tuple[str, ...] = (), max_body_bytes:
             first = None
         except SpecmeshError as e:
             await gen.aclose()
+            end_span(str(e))
             return error_response(from_domain(e), retried=e.http_status == 503)
         if not stream:
             pieces, finish = [], None
@@ -276,15 +334,18 @@ def create_app(gateway: Gateway, api_keys: tuple[str, ...] = (), max_body_bytes:
                     finish = chunk.finish_reason or finish
                     chunk = await gen.__anext__() if chunk.finish_reason is None else None
             except SpecmeshError as e:
+                end_span(str(e))
                 return error_response(from_domain(e), retried=e.http_status == 503)
             finally:
                 await gen.aclose()
+                end_span()
             text = "".join(pieces)
             choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
                        "finish_reason": finish} if chat else
                       {"index": 0, "text": text, "logprobs": None, "finish_reason": finish})
-            return {"id": rid, "object": obj, "created": int(time.time()), "model": model_name,
-                    "choices": [choice], "usage": usage(outcome), "specmesh": outcome.spec_dict()}
+            return JSONResponse({"id": rid, "object": obj, "created": int(time.time()), "model": model_name,
+                                 "choices": [choice], "usage": usage(outcome), "specmesh": outcome.spec_dict()},
+                                headers={"x-request-id": rid})
 
         chunk_obj = "chat.completion.chunk" if chat else "text_completion"
         created_at = int(time.time())
@@ -320,14 +381,18 @@ def create_app(gateway: Gateway, api_keys: tuple[str, ...] = (), max_body_bytes:
                 if include_usage:
                     yield event([], usage=usage(outcome), specmesh=outcome.spec_dict())
             except SpecmeshError as e:
+                end_span(str(e))
                 yield f"data: {json.dumps(error_body(e.http_status, str(e)))}\n\n"
             except Exception as e:  # noqa: BLE001 — never a silent close
+                end_span(repr(e))
                 yield f"data: {json.dumps(error_body(500, f'internal error: {type(e).__name__}: {e}'))}\n\n"
             finally:
                 await gen.aclose()  # also when the client went away: cancels the work downstream
+                end_span()
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(events(), media_type="text/event-stream",
-                                 headers={"cache-control": "no-cache", "x-accel-buffering": "no"})
+                                 headers={"cache-control": "no-cache", "x-accel-buffering": "no",
+                                          "x-request-id": rid})
 
     return app

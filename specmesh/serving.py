@@ -2,7 +2,8 @@
 
 - Servicer methods are wrapped by `unary_errors` / `stream_errors`: a domain error (specmesh.errors) or
   a ValueError becomes its status code with its message; anything else is logged and becomes INTERNAL,
-  so one bad request never takes the server down.
+  so one bad request never takes the server down. The wrappers also open the server span (a child of
+  the caller's trace context from the metadata) and count the request by method and final code.
 - `GrpcServer` runs a `grpc.aio` server with `grpc.health.v1` and reflection. Shutdown (SIGTERM/SIGINT
   or `stop()`) drains: health turns NOT_SERVING (load balancers and the gateway stop sending work) and
   stays answerable, the service refuses new work with UNAVAILABLE, in-flight work gets up to the grace
@@ -14,10 +15,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import signal
 import threading
+import time
 from typing import Awaitable, Callable
 
 import grpc
@@ -50,33 +53,102 @@ async def _abort(context, exc: BaseException):
     await context.abort(code, str(exc))
 
 
+class ServiceTelemetry:
+    """What a servicer's methods report to: RPC metrics and a tracer (both optional)."""
+
+    def __init__(self, service: str, metrics=None):
+        from specmesh.telemetry import tracer
+
+        self.service = service
+        self.metrics = metrics  # RpcMetrics or None
+        self.tracer = tracer(service)
+
+
+def _code_after(exc: BaseException, context) -> str:
+    if isinstance(exc, grpc.aio.AbortError):
+        code = context.code() if hasattr(context, "code") else None
+        return code.name if isinstance(code, grpc.StatusCode) else "UNKNOWN"
+    if isinstance(exc, asyncio.CancelledError):
+        return "CANCELLED"
+    if isinstance(exc, grpc.aio.AioRpcError):
+        return exc.code().name
+    return status_code(exc).name
+
+
+def _begin(self, method, context):
+    """Server span (child of the caller's trace context), the request id from metadata, a start time."""
+    from opentelemetry import trace
+
+    from specmesh.telemetry import incoming_context
+
+    tel: ServiceTelemetry | None = getattr(self, "telemetry", None)
+    parent = incoming_context(context)
+    span = None
+    if tel is not None:
+        span = tel.tracer.start_span(f"{tel.service}/{method.__name__}", context=parent,
+                                     kind=trace.SpanKind.SERVER)
+    return tel, span, time.perf_counter()
+
+
+def _end(tel, span, method, t0: float, code: str) -> None:
+    if tel is not None and tel.metrics is not None:
+        tel.metrics.observe(method.__name__, code, time.perf_counter() - t0)
+    if span is not None:
+        span.set_attribute("rpc.grpc.status_code", code)
+        if code not in ("OK", "CANCELLED"):
+            from opentelemetry.trace import Status, StatusCode
+
+            span.set_status(Status(StatusCode.ERROR, code))
+        span.end()
+
+
 def unary_errors(method):
+    """Errors to status codes, plus a server span and request metrics for a unary method."""
+
     @functools.wraps(method)
     async def wrapper(self, request, context):
+        from opentelemetry import trace
+
+        tel, span, t0 = _begin(self, method, context)
+        code = "OK"
         try:
-            return await method(self, request, context)
-        except asyncio.CancelledError:
-            raise
-        except grpc.aio.AbortError:
-            raise
-        except Exception as exc:  # noqa: BLE001 — every error reaches the caller as a status
-            await _abort(context, exc)
+            with trace.use_span(span, end_on_exit=False) if span is not None else contextlib.nullcontext():
+                try:
+                    return await method(self, request, context)
+                except (asyncio.CancelledError, grpc.aio.AbortError) as exc:
+                    code = _code_after(exc, context)
+                    raise
+                except Exception as exc:  # noqa: BLE001 — every error reaches the caller as a status
+                    code = _code_after(exc, context)
+                    await _abort(context, exc)
+        finally:
+            _end(tel, span, method, t0, code)
 
     return wrapper
 
 
 def stream_errors(method):
+    """Errors to status codes, plus a server span and request metrics for a server-streaming method."""
+
     @functools.wraps(method)
     async def wrapper(self, request, context):
+        from opentelemetry import trace
+
+        tel, span, t0 = _begin(self, method, context)
+        code = "OK"
         try:
-            async for item in method(self, request, context):
-                yield item
-        except asyncio.CancelledError:
-            raise
-        except grpc.aio.AbortError:
-            raise
-        except Exception as exc:  # noqa: BLE001
-            await _abort(context, exc)
+            with trace.use_span(span, end_on_exit=False) if span is not None else contextlib.nullcontext():
+                try:
+                    async for item in method(self, request, context):
+                        yield item
+                except (asyncio.CancelledError, grpc.aio.AbortError) as exc:
+                    code = _code_after(exc, context)
+                    raise
+                except Exception as exc:  # noqa: BLE001
+                    code = _code_after(exc, context)
+                    await _abort(context, exc)
+        finally:
+            _end(tel, span, method, t0, code)
 
     return wrapper
 

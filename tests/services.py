@@ -90,15 +90,20 @@ class GatewayServer:
         self.thread.start()
 
         async def build():
+            from gateway.telemetry import GatewayMetrics
+            from specmesh.serving import ServiceTelemetry
+
             self.gateway = Gateway(self.config, tokenizer)
+            self.metrics = GatewayMetrics(self.gateway)
             await self.gateway.start()
-            app = create_app(self.gateway, tuple(api_keys), max_body_bytes)
+            app = create_app(self.gateway, tuple(api_keys), max_body_bytes, self.metrics)
             self.http = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
             self.http.install_signal_handlers = lambda: None
             self.http_task = asyncio.ensure_future(self.http.serve())
+            servicer = GatewayServicer(self.gateway)
+            servicer.telemetry = ServiceTelemetry("gateway", self.metrics.rpc)
             self.grpc = GrpcServer("127.0.0.1", 0, ["specmesh.v1.GatewayService"],
-                                   lambda s: gateway_pb2_grpc.add_GatewayServiceServicer_to_server(
-                                       GatewayServicer(self.gateway), s))
+                                   lambda s: gateway_pb2_grpc.add_GatewayServiceServicer_to_server(servicer, s))
             self.grpc_address = f"127.0.0.1:{await self.grpc.start()}"
 
         asyncio.run_coroutine_threadsafe(build(), self.loop).result(60)
@@ -143,7 +148,8 @@ def save_tiny_checkpoints(base: Path, seed: int = 8) -> tuple[Path, Path]:
 
 
 def spawn(module: str, args: list[str], env: dict) -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen([sys.executable, "-m", module, "--port", "0", "--threads", "1", *args],
+    proc = subprocess.Popen([sys.executable, "-m", module, "--port", "0", "--metrics-port", "0", "--threads", "1",
+                             *args],
                             cwd=ROOT, env={**os.environ, **env}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
     lines = []

@@ -111,6 +111,13 @@ def test_eight_concurrent_sessions_are_batched(stack, reference):
     blocks = after.batched_blocks - before.batched_blocks
     assert after.max_batch_size_seen > 1
     assert blocks / batches > 1.2, (blocks, batches)  # one forward verified several sessions' blocks
+    # target-only sessions resubmit at once: the batch window gathers (nearly) all of them every tick
+    before = vstub.Info(verify_pb2.InfoRequest())
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(lambda p: generate(vstub, p, GREEDY)[0], ps))
+    assert all(tokens == reference(p) for p, tokens in zip(ps, results))
+    after = vstub.Info(verify_pb2.InfoRequest())
+    assert (after.batched_blocks - before.batched_blocks) / (after.batches - before.batches) > 5
 
 
 def test_session_turns_reuse_the_kv_cache(stack, target):

@@ -11,6 +11,7 @@ import logging
 import torch
 
 from specmesh.config import EnvArgumentParser
+from specmesh.telemetry import setup_logging, setup_tracing
 from verify_service.engine import VerifyConfig
 from verify_service.rejection import MAX_SPEC_LEN
 from verify_service.server import build_server
@@ -32,6 +33,8 @@ def parse_args(argv=None) -> tuple[VerifyConfig, dict]:
     ap.flag("--session-ttl-s", type=float, default=d.session_ttl_s, help="idle sessions are evicted after this")
     ap.flag("--draft-deadline-ms", type=float, default=d.draft_deadline_ms,
             help="past this wait for a draft block, take a target-only step instead (0 = never)")
+    ap.flag("--batch-wait-ms", type=float, default=d.batch_wait_ms,
+            help="a batch waits up to this long for the other active sessions' blocks (0 = start at once)")
     ap.flag("--max-spec-len", type=int, default=d.max_spec_len,
             help=f"most draft tokens one block may carry (<= {MAX_SPEC_LEN})")
     ap.flag("--sampler-backend", default=d.sampler_backend, choices=["auto", "torch", "triton"],
@@ -39,10 +42,12 @@ def parse_args(argv=None) -> tuple[VerifyConfig, dict]:
     ap.flag("--seed", type=int, default=None, help="seed of the shared random stream (unseeded requests)")
     ap.flag("--grace-period-s", type=float, default=d.grace_period_s,
             help="on SIGTERM, in-flight sessions get this long to finish")
+    ap.flag("--metrics-port", type=int, default=9464, help="Prometheus /metrics HTTP port (-1 = off, 0 = any)")
     ap.flag("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
     ap.flag("--log-level", default="INFO", help="logging level")
+    ap.flag("--log-format", default="text", choices=["text", "json"], help="json: one object per line with trace ids")
     args = vars(ap.parse_args(argv))
-    extra = {k: args.pop(k) for k in ("threads", "log_level")}
+    extra = {k: args.pop(k) for k in ("threads", "log_level", "log_format")}
     try:
         return VerifyConfig(**args), extra
     except ValueError as e:
@@ -54,13 +59,14 @@ async def amain(config: VerifyConfig) -> None:
     port = await server.start()
     logging.getLogger("specmesh.verify").info("verify service on %s:%d (model %s)", config.host, port,
                                               config.model_path)
-    print(f"verify_service listening on {config.host}:{port}", flush=True)
+    print(f"verify_service listening on {config.host}:{port} (metrics port {server.metrics_port})", flush=True)
     await server.serve_forever()
 
 
 def main(argv=None) -> None:
     config, extra = parse_args(argv)
-    logging.basicConfig(level=extra["log_level"].upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(extra["log_level"], extra["log_format"], "verify")
+    setup_tracing("verify")
     if extra["threads"]:
         torch.set_num_threads(extra["threads"])
     asyncio.run(amain(config))

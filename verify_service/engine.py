@@ -19,6 +19,7 @@ from specmesh.errors import FailedPrecondition, InvalidArgument, ResourceExhaust
 from specmesh.loop import Proposal
 from specmesh.models import ModelRunner, load_model
 from specmesh.sampling import SamplingParams, StopChecker, make_generator
+from specmesh.telemetry import tracer, wall_ns
 from verify_service.rejection import MAX_SPEC_LEN, DraftBlock, RejectionSampler, validate_block
 from verify_service.scheduler import Scheduler, StepResult
 from verify_service.sessions import Session, SessionStore, kv_bytes_per_token
@@ -39,10 +40,12 @@ class VerifyConfig:
     kv_cache_budget_mb: float = 2048.0
     session_ttl_s: float = 600.0
     draft_deadline_ms: float = 250.0  # 0 = wait for the draft forever
+    batch_wait_ms: float = 3.0  # a tick waits this long for the other attached sessions' steps
     max_spec_len: int = 16  # most draft tokens per block
     sampler_backend: str = "auto"
     seed: int | None = None  # the shared random stream of unseeded requests
     grace_period_s: float = 10.0
+    metrics_port: int = -1  # Prometheus /metrics over HTTP; -1 = not served (the CLI defaults to 9464)
 
     def __post_init__(self):
         if not 1 <= self.max_spec_len <= MAX_SPEC_LEN:
@@ -93,7 +96,9 @@ class VerifyEngine:
         dtype = next(model.parameters()).dtype
         self.sessions = SessionStore(self.runner, int(config.kv_cache_budget_mb * 2**20), config.session_ttl_s,
                                      kv_bytes_per_token(model.config, dtype))
-        self.scheduler = Scheduler(self.runner, self.sampler, config.max_batch_size)
+        self.scheduler = Scheduler(self.runner, self.sampler, config.max_batch_size,
+                                   batch_wait_s=config.batch_wait_ms / 1000, expected=lambda: self.sessions.attached)
+        self.tracer = tracer("verify")
         self.counters = Counters()
         self.shutting_down = False
         self._reaper: asyncio.Task | None = None
@@ -213,6 +218,7 @@ class VerifyEngine:
                         self.counters.deadline_steps += 1
                         result = await self.scheduler.submit(session, DraftBlock([], session.params,
                                                                                  generator=session.generator))
+                        self._trace_round(result, deadline=True)
                         yield Verdict(**vars(result), deadline=True)
                         continue
                 if msg is END_OF_STREAM:
@@ -231,9 +237,23 @@ class VerifyEngine:
                     raise FailedPrecondition(f"block base_position {block_in.base_position} does not match the "
                                              f"session's {session.position} committed tokens")
                 result = await self.scheduler.submit(session, self._block(session, block_in.proposal))
+                self._trace_round(result)
                 yield Verdict(**vars(result))
         finally:
             self._detach(session)
+
+    def _trace_round(self, r: StepResult, deadline: bool = False) -> None:
+        """A span per verified round, under the session's stream span, with its queue and batch times."""
+        now = time.perf_counter()
+        batch_end = now
+        span = self.tracer.start_span("verify.round", start_time=wall_ns(now - r.batch_seconds - r.queue_seconds, now),
+                                      attributes={"specmesh.epoch": r.epoch, "specmesh.k": r.num_drafted,
+                                                  "specmesh.accepted": r.num_accepted,
+                                                  "specmesh.batch_size": r.batch_size,
+                                                  "specmesh.queue_seconds": r.queue_seconds,
+                                                  "specmesh.batch_seconds": r.batch_seconds,
+                                                  "specmesh.deadline": deadline})
+        span.end(end_time=wall_ns(batch_end, now))
 
     async def generate(self, session_id: str, prompt_ids: list[int], params: SamplingParams):
         """Target-only decoding: yields the Opened turn first, then one StepResult per token."""

@@ -1,0 +1,34 @@
+"""The draft service's Prometheus metrics: requests, time to first token, inter-token latency, tokens,
+vLLM's speculation metrics (per-position acceptance included), pipelining and draft speed."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from specmesh.telemetry import FnCollector, RpcMetrics, StreamMetrics, spec_families
+
+
+class DraftMetrics:
+    def __init__(self, engine, registry: CollectorRegistry | None = None):
+        self.registry = registry or CollectorRegistry()
+        self.rpc = RpcMetrics(self.registry, "draft")
+        self.stream = StreamMetrics(self.registry, "draft")
+        self.engine = engine
+        engine.stream_metrics = self.stream
+        self.registry.register(FnCollector(self.families))
+
+    def families(self):
+        e = self.engine
+        active = GaugeMetricFamily("specmesh_draft_active_sessions", "Generations in progress")
+        active.add_metric([], e.active)
+        cached = GaugeMetricFamily("specmesh_draft_cached_sessions", "Per-session draft KV caches kept for later turns")
+        cached.add_metric([], len(e._drafters))
+        per_token = GaugeMetricFamily("specmesh_draft_seconds_per_token", "Mean time to draft one token")
+        per_token.add_metric([], e.draft_seconds_per_token())
+        pipelined = CounterMetricFamily("specmesh_draft_pipelined_blocks",
+                                        "Blocks drafted while the previous one was verified, by outcome",
+                                        labels=["outcome"])
+        pipelined.add_metric(["used"], e.totals.pipelined_used)
+        pipelined.add_metric(["discarded"], e.totals.pipelined_discarded)
+        return [active, cached, per_token, pipelined] + spec_families("specmesh_draft", e.totals)

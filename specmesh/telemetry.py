@@ -1,0 +1,238 @@
+"""Tracing, metrics and logs, set up once per process.
+
+**Tracing** (OpenTelemetry). `setup_tracing(service)` installs the process's TracerProvider; the exporter
+follows the standard variables: `OTEL_TRACES_EXPORTER` = `otlp` | `console` | `none`; when it is unset,
+OTLP (gRPC) is used if `OTEL_EXPORTER_OTLP_ENDPOINT` or `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT` is set, and
+tracing is off otherwise. The service name is `OTEL_SERVICE_NAME`, else `specmesh-<service>`. Trace
+context crosses services in gRPC metadata (W3C `traceparent`), injected by `outgoing_metadata()` and
+extracted by `incoming_context()`.
+
+**Metrics** (Prometheus). Each service owns a `CollectorRegistry`; gRPC services serve it over a small HTTP
+server (`serve_metrics`), the gateway on its REST port at `/metrics`. `RpcMetrics` counts requests by
+method and status code and their latency; services add their own histograms and collectors.
+
+**Logs**. `setup_logging(level, fmt)`: plain text, or one JSON object per line (`--log-format json`) with
+the trace and span ids of the current span and the request id (`x-request-id`, set by the gateway and
+passed downstream in metadata).
+"""
+
+from __future__ import annotations
+
+import contextvars
+import json
+import logging
+import os
+import time
+from typing import Iterable
+
+from opentelemetry import propagate, trace
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SimpleSpanProcessor
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+
+REQUEST_ID = contextvars.ContextVar("specmesh_request_id", default="")
+REQUEST_ID_KEY = "x-request-id"
+
+
+# tracing -----------------------------------------------------------------------------------------------
+def tracing_exporter_kind() -> str:
+    kind = os.environ.get("OTEL_TRACES_EXPORTER", "").strip().lower()
+    if kind:
+        return kind.split(",")[0]
+    if os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"):
+        return "otlp"
+    return "none"
+
+
+def setup_tracing(service: str, exporter=None) -> TracerProvider | None:
+    """Install the global TracerProvider once. `exporter` (tests: an in-memory one) overrides the env."""
+    kind = "custom" if exporter is not None else tracing_exporter_kind()
+    if kind == "none":
+        return None
+    current = trace.get_tracer_provider()
+    if isinstance(current, TracerProvider):  # already set up in this process
+        if exporter is not None:
+            current.add_span_processor(SimpleSpanProcessor(exporter))
+        return current
+    name = os.environ.get("OTEL_SERVICE_NAME") or f"specmesh-{service}"
+    provider = TracerProvider(resource=Resource.create({"service.name": name}))
+    if exporter is not None:
+        provider.add_span_processor(SimpleSpanProcessor(exporter))
+    elif kind == "console":
+        provider.add_span_processor(SimpleSpanProcessor(ConsoleSpanExporter()))
+    elif kind == "otlp":
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+
+        provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+    else:
+        logging.getLogger("specmesh.telemetry").warning("unknown OTEL_TRACES_EXPORTER %r: tracing off", kind)
+        return None
+    trace.set_tracer_provider(provider)
+    return provider
+
+
+def tracer(service: str) -> trace.Tracer:
+    return trace.get_tracer(f"specmesh.{service}")
+
+
+def outgoing_metadata(extra: Iterable[tuple[str, str]] = ()) -> tuple[tuple[str, str], ...]:
+    """gRPC metadata carrying the current trace context and request id."""
+    carrier: dict[str, str] = {}
+    propagate.inject(carrier)
+    rid = REQUEST_ID.get()
+    if rid:
+        carrier[REQUEST_ID_KEY] = rid
+    return tuple(carrier.items()) + tuple(extra)
+
+
+def incoming_context(context):
+    """The trace context sent by the caller (or the current one), and set the request id from metadata."""
+    md = {k: v for k, v in (context.invocation_metadata() or ())}
+    if md.get(REQUEST_ID_KEY):
+        REQUEST_ID.set(md[REQUEST_ID_KEY])
+    return propagate.extract(md)
+
+
+def wall_ns(perf: float, now_perf: float | None = None) -> int:
+    """A perf_counter() instant as wall-clock ns (spans recorded after the fact)."""
+    now_perf = time.perf_counter() if now_perf is None else now_perf
+    return time.time_ns() - int((now_perf - perf) * 1e9)
+
+
+# metrics -----------------------------------------------------------------------------------------------
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+class RpcMetrics:
+    """Requests by method and final status code, and their duration, for one service."""
+
+    def __init__(self, registry: CollectorRegistry, service: str):
+        self.service = service
+        self.requests = Counter("specmesh_requests", "Requests handled, by method and status code",
+                                ["service", "method", "code"], registry=registry)
+        self.errors = Counter("specmesh_request_errors", "Requests that ended with an error, by status code",
+                              ["service", "method", "code"], registry=registry)
+        self.duration = Histogram("specmesh_request_duration_seconds", "Time from request to its last response",
+                                  ["service", "method"], buckets=LATENCY_BUCKETS, registry=registry)
+
+    def observe(self, method: str, code: str, seconds: float) -> None:
+        self.requests.labels(self.service, method, code).inc()
+        if code != "OK":
+            self.errors.labels(self.service, method, code).inc()
+        self.duration.labels(self.service, method).observe(seconds)
+
+
+def serve_metrics(registry: CollectorRegistry, host: str, port: int):
+    """Serve /metrics over HTTP on its own thread; returns the server (port 0 = any free port)."""
+    server, _thread = start_http_server(port, addr=host, registry=registry)
+    return server
+
+
+# logs --------------------------------------------------------------------------------------------------
+class JsonFormatter(logging.Formatter):
+    def __init__(self, service: str):
+        super().__init__()
+        self.service = service
+
+    def format(self, record: logging.LogRecord) -> str:
+        entry = {"ts": round(record.created, 6), "level": record.levelname, "service": self.service,
+                 "logger": record.name, "message": record.getMessage()}
+        ctx = trace.get_current_span().get_span_context()
+        if ctx.is_valid:
+            entry["trace_id"] = format(ctx.trace_id, "032x")
+            entry["span_id"] = format(ctx.span_id, "016x")
+        rid = REQUEST_ID.get()
+        if rid:
+            entry["request_id"] = rid
+        if record.exc_info:
+            entry["exception"] = self.formatException(record.exc_info)
+        return json.dumps(entry)
+
+
+def setup_logging(level: str, fmt: str, service: str) -> None:
+    handler = logging.StreamHandler()
+    if fmt == "json":
+        handler.setFormatter(JsonFormatter(service))
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+
+
+class FnCollector:
+    """A Prometheus collector whose metric families are built by `fn()` at scrape time, from live state."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def collect(self):
+        yield from self.fn()
+
+
+def spec_families(prefix: str, stats) -> list:
+    """vLLM's speculation metrics from a SpecStats-like total (rounds, drafted, accepted, per position)."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    rounds = CounterMetricFamily(f"{prefix}_spec_rounds", "Speculation rounds that verified a draft block")
+    rounds.add_metric([], stats.drafts)
+    drafted = CounterMetricFamily(f"{prefix}_spec_draft_tokens", "Draft tokens verified")
+    drafted.add_metric([], stats.drafted)
+    accepted = CounterMetricFamily(f"{prefix}_spec_accepted_tokens", "Draft tokens accepted")
+    accepted.add_metric([], stats.accepted)
+    per_pos_d = CounterMetricFamily(f"{prefix}_spec_draft_tokens_per_pos", "Rounds that drafted position i",
+                                    labels=["position"])
+    per_pos_a = CounterMetricFamily(f"{prefix}_spec_accepted_tokens_per_pos",
+                                    "Rounds that accepted the draft token at position i", labels=["position"])
+    rate_pos = GaugeMetricFamily(f"{prefix}_spec_acceptance_rate_per_pos",
+                                 "Acceptance at position i (accepted / drafted there), since start",
+                                 labels=["position"])
+    for i, (d, a) in enumerate(zip(stats.drafted_per_pos, stats.accepted_per_pos)):
+        per_pos_d.add_metric([str(i)], d)
+        per_pos_a.add_metric([str(i)], a)
+        rate_pos.add_metric([str(i)], a / d if d else 0.0)
+    rate = GaugeMetricFamily(f"{prefix}_spec_acceptance_rate", "Accepted / drafted tokens, since start")
+    rate.add_metric([], stats.acceptance_rate)
+    length = GaugeMetricFamily(f"{prefix}_spec_mean_accepted_length",
+                               "1 + accepted / drafts (tokens per drafted round, bonus included), since start")
+    length.add_metric([], stats.mean_accepted_length)
+    return [rounds, drafted, accepted, per_pos_d, per_pos_a, rate_pos, rate, length]
+
+
+class StreamMetrics:
+    """Latency of streamed generations: time to first token, inter-token latency, tokens generated."""
+
+    def __init__(self, registry: CollectorRegistry, service: str):
+        self.service = service
+        self.ttft = Histogram("specmesh_time_to_first_token_seconds", "From the request to its first token",
+                              ["service"], buckets=LATENCY_BUCKETS, registry=registry).labels(service)
+        self.itl = Histogram("specmesh_inter_token_latency_seconds",
+                             "Time between tokens of a stream (a chunk's gap spread over its tokens)", ["service"],
+                             buckets=LATENCY_BUCKETS, registry=registry).labels(service)
+        self.tokens = Counter("specmesh_generated_tokens", "Tokens generated (rate() gives tokens/s)",
+                              ["service"], registry=registry).labels(service)
+
+    def timer(self) -> "StreamTimer":
+        return StreamTimer(self)
+
+
+class StreamTimer:
+    def __init__(self, metrics: StreamMetrics):
+        self.m = metrics
+        self.start = self.last = time.perf_counter()
+        self.first = True
+
+    def tokens(self, n: int) -> None:
+        if n <= 0:
+            return
+        now = time.perf_counter()
+        if self.first:
+            self.m.ttft.observe(now - self.start)
+            self.first = False
+        else:
+            gap = (now - self.last) / n
+            for _ in range(n):
+                self.m.itl.observe(gap)
+        self.last = now
+        self.m.tokens.inc(n)

@@ -1,0 +1,166 @@
+"""Traces across the three services, Prometheus metrics on each, JSON logs with trace and request ids."""
+
+import io
+import json
+import logging
+import urllib.request
+from pathlib import Path
+
+import openai
+import pytest
+from opentelemetry import trace
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from prometheus_client.parser import text_string_to_metric_families
+from transformers import AutoTokenizer
+
+from conftest import noisy_copy, tiny_model
+from services import GatewayServer, start_draft, start_verify
+from specmesh import telemetry
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def spans():
+    exporter = InMemorySpanExporter()
+    assert telemetry.setup_tracing("tests", exporter=exporter) is not None
+    return exporter
+
+
+@pytest.fixture(scope="module")
+def stack(spans):
+    tok = AutoTokenizer.from_pretrained(ROOT / "models" / "demo" / "target")
+    target = tiny_model("llama", vocab=len(tok), seed=41)
+    verify = start_verify(target, tok, metrics_port=0)
+    draft = start_draft(noisy_copy(target, 0.03), verify.address, metrics_port=0)
+    gw = GatewayServer([verify.address], [draft.address], tok)
+    yield gw, verify, draft
+    gw.stop()
+    draft.stop()
+    verify.stop()
+
+
+def scrape(url: str) -> dict:
+    """name -> list of (labels, value) for every sample of a /metrics page (parsed by Prometheus' parser)."""
+    with urllib.request.urlopen(url, timeout=10) as r:
+        text = r.read().decode()
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            samples.setdefault(s.name, []).append((s.labels, s.value))
+    return samples
+
+
+def total(samples, name, **labels) -> float:
+    return sum(v for lab, v in samples.get(name, []) if all(lab.get(k) == w for k, w in labels.items()))
+
+
+def test_one_trace_spans_all_three_services(stack, spans):
+    gw, _, _ = stack
+    spans.clear()
+    client = openai.OpenAI(base_url=gw.base_url + "/v1", api_key="x", max_retries=0)
+    r = client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "hi"}], max_tokens=24,
+                                       temperature=0, extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 24
+    finished = spans.get_finished_spans()
+    root = next(s for s in finished if s.name == "gateway.chat")
+    tid = root.context.trace_id
+    in_trace = [s for s in finished if s.context.trace_id == tid]
+    scopes = {s.instrumentation_scope.name for s in in_trace}
+    assert {"specmesh.gateway", "specmesh.draft", "specmesh.verify"} <= scopes, scopes
+    names = {s.name for s in in_trace}
+    assert {"draft/Generate", "verify/OpenSession", "verify/Verify", "draft.round", "verify.round"} <= names
+    rounds = [s for s in in_trace if s.name == "draft.round"]
+    assert sum(s.attributes["specmesh.committed"] for s in rounds) >= 24
+    assert all("specmesh.k" in s.attributes and "specmesh.accepted" in s.attributes for s in rounds)
+    vround = next(s for s in in_trace if s.name == "verify.round")
+    assert vround.attributes["specmesh.batch_size"] >= 1 and "specmesh.queue_seconds" in vround.attributes
+    # every span of the trace hangs off the gateway's request span
+    by_id = {s.context.span_id: s for s in in_trace}
+    for s in in_trace:
+        node = s
+        while node.parent is not None and node.parent.span_id in by_id:
+            node = by_id[node.parent.span_id]
+        assert node is root, s.name
+    # verify batches are their own traces, linked to the sessions they served
+    batches = [s for s in finished if s.name == "verify.batch" and any(ln.context.trace_id == tid for ln in s.links)]
+    assert batches and all(b.attributes["specmesh.batch_size"] >= 1 for b in batches)
+
+
+def test_metrics_on_every_service_move_with_requests(stack):
+    gw, verify, draft = stack
+    urls = {"gateway": gw.base_url + "/metrics",
+            "verify": f"http://127.0.0.1:{verify.server.metrics_port}/metrics",
+            "draft": f"http://127.0.0.1:{draft.server.metrics_port}/metrics"}
+    before = {k: scrape(u) for k, u in urls.items()}
+    client = openai.OpenAI(base_url=gw.base_url + "/v1", api_key="x", max_retries=0)
+    for prompt in ("import re\n", "class Node:\n"):
+        list(client.completions.create(model="demo", prompt=prompt, max_tokens=20, temperature=0, stream=True))
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model="demo", prompt=[1, 10**7], max_tokens=2)
+    after = {k: scrape(u) for k, u in urls.items()}
+
+    def moved(service, name, **labels):
+        return total(after[service], name, **labels) - total(before[service], name, **labels)
+
+    g = "gateway"
+    assert moved(g, "specmesh_requests_total", method="POST /v1/completions", code="200") == 2
+    assert moved(g, "specmesh_request_errors_total", method="POST /v1/completions", code="400") == 1
+    assert moved(g, "specmesh_time_to_first_token_seconds_count") == 2
+    # one observation per token after each stream's first chunk (which counts in TTFT)
+    assert 0 < moved(g, "specmesh_inter_token_latency_seconds_count") <= 38
+    assert moved(g, "specmesh_generated_tokens_total") == 40
+    assert moved(g, "specmesh_gateway_spec_draft_tokens_total") > 0
+    assert total(after[g], "specmesh_gateway_replica_healthy", pool="verify") == 1
+    assert moved(g, "specmesh_gateway_routing_decisions_total", pool="verify") == 3  # the 400 was routed too
+    assert after[g]["specmesh_gateway_spec_acceptance_rate_per_pos"]  # per-position acceptance
+
+    d = "draft"
+    assert moved(d, "specmesh_requests_total", method="Generate", code="OK") == 2
+    # the out-of-range ids were refused by the draft service (the gateway has no vocabulary)
+    assert moved(d, "specmesh_request_errors_total", method="Generate", code="INVALID_ARGUMENT") == 1
+    assert moved(d, "specmesh_draft_spec_rounds_total") > 0
+    assert moved(d, "specmesh_draft_spec_accepted_tokens_per_pos_total", position="0") > 0
+    assert 0 < total(after[d], "specmesh_draft_spec_mean_accepted_length") <= 5
+    assert total(after[d], "specmesh_draft_seconds_per_token") > 0
+
+    v = "verify"
+    assert moved(v, "specmesh_requests_total", method="Verify", code="OK") == 2
+    assert moved(v, "specmesh_request_errors_total") == 0
+    assert moved(v, "specmesh_verify_batch_size_count") > 0
+    assert moved(v, "specmesh_verify_spec_draft_tokens_total") == moved(d, "specmesh_draft_spec_draft_tokens_total")
+    assert moved(v, "specmesh_verify_emitted_tokens_total") == 40
+    assert total(after[v], "specmesh_verify_sessions", state="active") == 0
+    assert "specmesh_verify_kv_cache_bytes" in after[v] and "specmesh_verify_queue_depth" in after[v]
+    assert after[v]["specmesh_verify_spec_acceptance_rate_per_pos"]
+
+
+def test_json_logs_carry_trace_and_request_ids(spans):
+    out = io.StringIO()
+    handler = logging.StreamHandler(out)
+    handler.setFormatter(telemetry.JsonFormatter("gateway"))
+    log = logging.getLogger("specmesh.test.json")
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    token = telemetry.REQUEST_ID.set("cmpl-123")
+    try:
+        with telemetry.tracer("gateway").start_as_current_span("work") as span:
+            log.info("hello %s", "world")
+        entry = json.loads(out.getvalue())
+        assert entry["message"] == "hello world" and entry["service"] == "gateway" and entry["level"] == "INFO"
+        assert entry["request_id"] == "cmpl-123"
+        assert entry["trace_id"] == format(span.get_span_context().trace_id, "032x")
+    finally:
+        telemetry.REQUEST_ID.reset(token)
+        log.removeHandler(handler)
+
+
+def test_tracing_exporter_follows_otel_env(monkeypatch):
+    for var in ("OTEL_TRACES_EXPORTER", "OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"):
+        monkeypatch.delenv(var, raising=False)
+    assert telemetry.tracing_exporter_kind() == "none"  # off by default
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://collector:4317")
+    assert telemetry.tracing_exporter_kind() == "otlp"
+    monkeypatch.setenv("OTEL_TRACES_EXPORTER", "console")
+    assert telemetry.tracing_exporter_kind() == "console"
+    assert isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider) is False
