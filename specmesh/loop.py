@@ -84,9 +84,11 @@ class Verifier(Protocol):
 
 @dataclass
 class SpecStats:
-    """vLLM's definitions: acceptance rate = accepted / drafted; mean accepted length = 1 + accepted / rounds."""
+    """vLLM's definitions: acceptance rate = accepted / drafted; mean accepted length = 1 + accepted / drafts,
+    where drafts counts the rounds that verified a draft block (rounds also counts K = 0 steps)."""
 
     rounds: int = 0
+    drafts: int = 0
     drafted: int = 0
     accepted: int = 0
     drafted_per_pos: list[int] = field(default_factory=list)
@@ -98,6 +100,7 @@ class SpecStats:
 
     def record(self, k: int, num_accepted: int) -> None:
         self.rounds += 1
+        self.drafts += k > 0
         self.drafted += k
         self.accepted += num_accepted
         grow = k - len(self.drafted_per_pos)
@@ -109,13 +112,26 @@ class SpecStats:
         for i in range(num_accepted):
             self.accepted_per_pos[i] += 1
 
+    def merge(self, other: "SpecStats") -> None:
+        """Add another generation's statistics (totals across requests, or across a failover)."""
+        for name in ("rounds", "drafts", "drafted", "accepted", "draft_seconds", "verify_seconds",
+                     "pipelined_used", "pipelined_discarded"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        grow = len(other.drafted_per_pos) - len(self.drafted_per_pos)
+        if grow > 0:
+            self.drafted_per_pos += [0] * grow
+            self.accepted_per_pos += [0] * grow
+        for i, (d, a) in enumerate(zip(other.drafted_per_pos, other.accepted_per_pos)):
+            self.drafted_per_pos[i] += d
+            self.accepted_per_pos[i] += a
+
     @property
     def acceptance_rate(self) -> float:
         return self.accepted / self.drafted if self.drafted else 0.0
 
     @property
     def mean_accepted_length(self) -> float:
-        return 1.0 + self.accepted / self.rounds if self.rounds else 0.0
+        return 1.0 + self.accepted / self.drafts if self.drafts else 1.0
 
     @property
     def acceptance_per_pos(self) -> list[float]:
@@ -123,7 +139,7 @@ class SpecStats:
 
     def as_dict(self) -> dict:
         return {
-            "rounds": self.rounds, "drafted": self.drafted, "accepted": self.accepted,
+            "rounds": self.rounds, "drafts": self.drafts, "drafted": self.drafted, "accepted": self.accepted,
             "acceptance_rate": round(self.acceptance_rate, 4),
             "mean_accepted_length": round(self.mean_accepted_length, 4),
             "acceptance_per_pos": [round(a, 4) for a in self.acceptance_per_pos],
@@ -138,6 +154,21 @@ class GenerationResult:
     finish_reason: str  # "stop" | "length" | "cancelled"
     stats: SpecStats
     text: str | None = None
+
+
+@dataclass
+class RoundRecord:
+    """One round's facts, for tracing. Times are time.perf_counter() instants."""
+
+    k: int  # draft tokens sent
+    num_drafted: int  # draft tokens the verifier verified (0 for a deadline step)
+    num_accepted: int
+    num_committed: int
+    t_start: float  # drafting began (or the drafted-ahead block was taken)
+    t_sent: float  # the block was submitted
+    t_ahead_done: float  # drafting ahead during verification ended
+    t_verdict: float  # the verdict arrived
+    from_pipeline: bool = False
 
 
 class FixedK:
@@ -216,9 +247,11 @@ def speculative_generate(
     on_tokens: Callable[[list[int]], None] | None = None,
     pipeline: bool = False,
     cancelled: Callable[[], bool] | None = None,
+    on_round: Callable[["RoundRecord"], None] | None = None,
 ) -> GenerationResult:
     """Run rounds until `stop` (or the verifier's verdict) says so. Tokens past a stop condition are
-    dropped, never emitted. `on_tokens` receives each round's kept tokens as soon as they are known."""
+    dropped, never emitted. `on_tokens` receives each round's kept tokens as soon as they are known;
+    `on_round` a RoundRecord per round (tracing)."""
     policy = num_speculative_tokens if not isinstance(num_speculative_tokens, int) else FixedK(num_speculative_tokens)
     if drafter is None:
         policy = FixedK(0)
@@ -235,7 +268,8 @@ def speculative_generate(
         budget = params.max_tokens - len(stop.token_ids) - 1
         k = min(policy.next_k(), budget)
         t0 = time.perf_counter()
-        if ahead is not None and ahead.k >= k:
+        from_ahead = ahead is not None and ahead.k >= k
+        if from_ahead:
             proposal = ahead[:k]
         elif k > 0:
             proposal = (ahead or Proposal([])) + drafter.propose(k - (ahead.k if ahead else 0),
@@ -255,7 +289,11 @@ def speculative_generate(
         stats.draft_seconds += (t1 - t0) + (t2 - t1)
         stats.verify_seconds += t3 - t2
         stats.record(drafted, verdict.num_accepted)
-        policy.observe(drafted, verdict.num_accepted, t1 - t0, t3 - t1)
+        # A block drafted during the previous verification cost no time here: no draft-speed sample.
+        policy.observe(drafted, verdict.num_accepted, 0.0 if from_ahead else t1 - t0, t3 - t1)
+        if on_round is not None:
+            on_round(RoundRecord(proposal.k, drafted, verdict.num_accepted, len(verdict.tokens), t0, t1, t2, t3,
+                                 from_pipeline=ahead is not None))
         kept = stop.extend(verdict.tokens)
         if verdict.finish_reason is not None and not stop.finished:
             stop.finish(verdict.finish_reason)

@@ -81,12 +81,12 @@ def proposal_from_pb(draft_ids, q_ids, q_probs, q_width: int) -> Proposal:
 
 
 def stats_to_pb(stats: SpecStats) -> common_pb2.SpecStats:
-    return common_pb2.SpecStats(rounds=stats.rounds, drafted=stats.drafted, accepted=stats.accepted,
-                                drafted_per_pos=stats.drafted_per_pos, accepted_per_pos=stats.accepted_per_pos,
+    return common_pb2.SpecStats(rounds=stats.rounds, drafts=stats.drafts, drafted=stats.drafted,
+                                accepted=stats.accepted, drafted_per_pos=stats.drafted_per_pos, accepted_per_pos=stats.accepted_per_pos,
                                 draft_seconds=stats.draft_seconds, verify_seconds=stats.verify_seconds)
 
 
 def stats_from_pb(pb: common_pb2.SpecStats) -> SpecStats:
-    return SpecStats(rounds=pb.rounds, drafted=pb.drafted, accepted=pb.accepted,
+    return SpecStats(rounds=pb.rounds, drafts=pb.drafts, drafted=pb.drafted, accepted=pb.accepted,
                      drafted_per_pos=list(pb.drafted_per_pos), accepted_per_pos=list(pb.accepted_per_pos),
                      draft_seconds=pb.draft_seconds, verify_seconds=pb.verify_seconds)

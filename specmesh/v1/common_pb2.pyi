@@ -39,7 +39,7 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., max_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
 
 class SpecStats(_message.Message):
-    __slots__ = ("rounds", "drafted", "accepted", "drafted_per_pos", "accepted_per_pos", "draft_seconds", "verify_seconds")
+    __slots__ = ("rounds", "drafted", "accepted", "drafted_per_pos", "accepted_per_pos", "draft_seconds", "verify_seconds", "drafts")
     ROUNDS_FIELD_NUMBER: _ClassVar[int]
     DRAFTED_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
@@ -47,6 +47,7 @@ class SpecStats(_message.Message):
     ACCEPTED_PER_POS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     VERIFY_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    DRAFTS_FIELD_NUMBER: _ClassVar[int]
     rounds: int
     drafted: int
     accepted: int
@@ -54,7 +55,8 @@ class SpecStats(_message.Message):
     accepted_per_pos: _containers.RepeatedScalarFieldContainer[int]
     draft_seconds: float
     verify_seconds: float
-    def __init__(self, rounds: _Optional[int] = ..., drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., drafted_per_pos: _Optional[_Iterable[int]] = ..., accepted_per_pos: _Optional[_Iterable[int]] = ..., draft_seconds: _Optional[float] = ..., verify_seconds: _Optional[float] = ...) -> None: ...
+    drafts: int
+    def __init__(self, rounds: _Optional[int] = ..., drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., drafted_per_pos: _Optional[_Iterable[int]] = ..., accepted_per_pos: _Optional[_Iterable[int]] = ..., draft_seconds: _Optional[float] = ..., verify_seconds: _Optional[float] = ..., drafts: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("token_ids", "finish_reason", "stats", "session_id", "prompt_tokens", "cached_prompt_tokens")
