@@ -19,6 +19,7 @@ import torch
 from tqdm import tqdm
 
 from specmesh.engine import SpeculativeEngine
+from specmesh.models import ModelRunner
 from specmesh.sampling import SamplingParams
 from specmesh.training.corpus import read_text, stdlib_files
 
@@ -129,6 +130,9 @@ def main(argv: list[str] | None = None) -> dict:
             ("hf assisted", lambda: run_hf(target, prompts, args.max_tokens, draft))]
     plan += [(f"specmesh K={k}", lambda k=k: run_engine(engine, prompts, params, k)) for k in args.ks]
     plan += [("specmesh ngram K=4", lambda: run_engine(engine, prompts, params, 4, "ngram"))]
+    # the same K = 4 with the stock HF forward as the draft's runner: what StaticCacheRunner buys
+    hf_draft = SpeculativeEngine(engine.target, ModelRunner(draft), engine.sampler, engine.tokenizer)
+    plan += [("specmesh K=4, HF draft runner", lambda: run_engine(hf_draft, prompts, params, 4))]
     methods, outputs = {}, {}
     for name, fn in tqdm(plan, desc="bench", unit="method"):
         methods[name], outputs[name] = fn()
@@ -140,7 +144,8 @@ def main(argv: list[str] | None = None) -> dict:
     t_ms, d_ms = decode_ms(target), decode_ms(draft)
     results = {
         "bench": "inprocess",
-        "decode_ms": {"target": round(t_ms, 3), "draft": round(d_ms, 3), "ratio": round(t_ms / d_ms, 2)}, "target": str(args.target), "draft": str(args.draft),
+        "decode_ms": {"target": round(t_ms, 3), "draft": round(d_ms, 3), "ratio": round(t_ms / d_ms, 2)},
+        "draft_runner": type(engine.draft).__name__, "target": str(args.target), "draft": str(args.draft),
         "target_params": sum(p.numel() for p in target.parameters()),
         "draft_params": sum(p.numel() for p in draft.parameters()),
         "prompts": len(prompts), "prompt_len": args.prompt_len, "max_tokens": args.max_tokens,

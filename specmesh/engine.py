@@ -13,6 +13,7 @@ import torch
 
 from specmesh.drafting import ModelDrafter, NgramDrafter
 from specmesh.loop import GenerationResult, speculative_generate
+from specmesh.fast_runner import StaticCacheRunner
 from specmesh.models import ModelRunner, load_model
 from specmesh.sampling import SamplingParams, StopChecker
 
@@ -42,12 +43,16 @@ class SpeculativeEngine:
 
     @classmethod
     def from_models(cls, target_model, draft_model=None, sampler=None, tokenizer=None, sampler_backend: str = "auto",
-                    draft_topk: int = 16) -> "SpeculativeEngine":
+                    draft_topk: int = 16, draft_runner: str = "static") -> "SpeculativeEngine":
+        """draft_runner: "static" (StaticCacheRunner, as the draft service uses) or "hf" (ModelRunner)."""
         if sampler is None:
             from verify_service.rejection import RejectionSampler
 
             sampler = RejectionSampler(sampler_backend, device=next(target_model.parameters()).device)
-        draft = ModelRunner(draft_model) if draft_model is not None else None
+        if draft_runner not in ("static", "hf"):
+            raise ValueError(f"draft_runner must be static or hf, got {draft_runner!r}")
+        runner_cls = StaticCacheRunner if draft_runner == "static" else ModelRunner
+        draft = runner_cls(draft_model) if draft_model is not None else None
         return cls(ModelRunner(target_model), draft, sampler, tokenizer, draft_topk)
 
     @classmethod

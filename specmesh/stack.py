@@ -26,7 +26,7 @@ DEMO = ROOT / "models" / "demo"
 
 
 def start(name: str, module: str, args: list[str], pattern: str = r"listening on (\S+)",
-          timeout: float = 180) -> tuple[subprocess.Popen, str]:
+          timeout: float = 180, ports: dict | None = None) -> tuple[subprocess.Popen, str]:
     """Start `python -m module args`, echo its output prefixed with its name, return it and its address."""
     proc = subprocess.Popen([sys.executable, "-m", module, *args], cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
@@ -39,6 +39,8 @@ def start(name: str, module: str, args: list[str], pattern: str = r"listening on
             m = re.search(pattern, line)
             if m and not ready.is_set():
                 found["address"] = m.group(1)
+                metrics = re.search(r"metrics port (\d+)", line)
+                found["metrics"] = metrics.group(1) if metrics else None
                 ready.set()
         ready.set()
 
@@ -46,6 +48,8 @@ def start(name: str, module: str, args: list[str], pattern: str = r"listening on
     if not ready.wait(timeout) or "address" not in found:
         proc.kill()
         raise RuntimeError(f"{name} did not start (exit code {proc.poll()})")
+    if ports is not None and found.get("metrics"):
+        ports[name] = found["metrics"]
     return proc, found["address"]
 
 
@@ -90,15 +94,17 @@ def main(argv=None) -> int:
 
     signal.signal(signal.SIGINT, shutdown)
     signal.signal(signal.SIGTERM, shutdown)
-    common = ["--host", "127.0.0.1", "--port", "0", "--threads", str(args.threads)]
+    # Any free ports (printed), so several stacks and services can share a machine.
+    common = ["--host", "127.0.0.1", "--port", "0", "--metrics-port", "0", "--threads", str(args.threads)]
+    metrics: dict[str, str] = {}
     try:
         verify = []
         for i in range(args.verify_replicas):
-            p, addr = start(f"verify-{i}", "verify_service", ["--model-path", args.target, *common])
+            p, addr = start(f"verify-{i}", "verify_service", ["--model-path", args.target, *common], ports=metrics)
             procs.append(p)
             verify.append(addr)
         p, draft = start("draft", "draft_service", ["--model-path", args.draft, "--verify-address", verify[0],
-                                                    *common])
+                                                    *common], ports=metrics)
         procs.append(p)
         p, _ = start("gateway", "gateway", ["--host", args.host, "--port", str(args.port), "--grpc-port",
                                             str(args.grpc_port), "--verify", ",".join(verify), "--draft", draft,
@@ -115,6 +121,8 @@ def main(argv=None) -> int:
               f"{args.host}:{args.grpc_port}")
         print(f"first answer ({answer['usage']['completion_tokens']} tokens, mean accepted length "
               f"{spec['mean_accepted_length']}):\ndef fibonacci(n):\n{text}")
+        print("metrics: " + ", ".join([f"{n} http://127.0.0.1:{p}/metrics" for n, p in metrics.items()]
+                                      + [f"gateway {base}/metrics"]))
         print("try:\n  curl -s " + base + "/v1/completions -H 'content-type: application/json' -d "
               "'{\"model\": \"demo\", \"prompt\": \"import os\\n\", \"max_tokens\": 32, \"temperature\": 0}'")
         print("=" * 78 + "\nCtrl-C stops the stack.", flush=True)
