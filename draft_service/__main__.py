@@ -4,14 +4,10 @@ the speculation loop. Every flag can also be set by an environment variable SPEC
 
 from __future__ import annotations
 
-import asyncio
-
-import torch
-
 from draft_service.engine import ALGORITHMS, DraftConfig
 from draft_service.server import build_server
-from specmesh.config import EnvArgumentParser
-from specmesh.telemetry import setup_logging, setup_tracing
+from specmesh.config import EnvArgumentParser, add_process_flags, split_process_flags
+from specmesh.serving import run_service
 
 
 def parse_args(argv=None) -> tuple[DraftConfig, dict]:
@@ -41,32 +37,18 @@ def parse_args(argv=None) -> tuple[DraftConfig, dict]:
     ap.flag("--verify-timeout-s", type=float, default=d.verify_timeout_s, help="timeout of each call to the verifier")
     ap.flag("--grace-period-s", type=float, default=d.grace_period_s,
             help="on SIGTERM, in-flight generations get this long to finish")
-    ap.flag("--metrics-port", type=int, default=9464, help="Prometheus /metrics HTTP port (-1 = off, 0 = any)")
-    ap.flag("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
-    ap.flag("--log-level", default="INFO", help="logging level")
-    ap.flag("--log-format", default="text", choices=["text", "json"], help="json: one object per line with trace ids")
+    add_process_flags(ap)
     args = vars(ap.parse_args(argv))
-    extra = {k: args.pop(k) for k in ("threads", "log_level", "log_format")}
+    extra = split_process_flags(args)
     try:
         return DraftConfig(**args), extra
     except ValueError as e:
         ap.error(str(e))
 
 
-async def amain(config: DraftConfig) -> None:
-    server = await build_server(config)
-    port = await server.start()
-    print(f"draft_service listening on {config.host}:{port} (metrics port {server.metrics_port})", flush=True)
-    await server.serve_forever()
-
-
 def main(argv=None) -> None:
-    config, extra = parse_args(argv)
-    setup_logging(extra["log_level"], extra["log_format"], "draft")
-    setup_tracing("draft")
-    if extra["threads"]:
-        torch.set_num_threads(extra["threads"])
-    asyncio.run(amain(config))
+    config, process = parse_args(argv)
+    run_service("draft_service", build_server, config, process)
 
 
 if __name__ == "__main__":

@@ -50,3 +50,21 @@ class EnvArgumentParser(argparse.ArgumentParser):
             required = False
         self.add_argument(name, type=type, default=default, choices=choices, required=required,
                           help=f"{help} [env {env}]")
+
+
+PROCESS_FLAGS = ("threads", "log_level", "log_format")
+
+
+def add_process_flags(ap: EnvArgumentParser, metrics_port: bool = True) -> None:
+    """Flags every service process has: metrics port, torch threads, logging."""
+    if metrics_port:
+        ap.flag("--metrics-port", type=int, default=9464, help="Prometheus /metrics HTTP port (-1 = off, 0 = any)")
+    ap.flag("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
+    ap.flag("--log-level", default="INFO", help="logging level")
+    ap.flag("--log-format", default="text", choices=["text", "json"],
+            help="json: one object per line with trace and request ids")
+
+
+def split_process_flags(args: dict) -> dict:
+    """Remove the process flags from parsed args (the rest builds the service's config); return them."""
+    return {k: args.pop(k) for k in PROCESS_FLAGS}

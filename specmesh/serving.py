@@ -159,8 +159,12 @@ class GrpcServer:
     def __init__(self, host: str, port: int, service_names: list[str],
                  add_servicers: Callable[[grpc.aio.Server], None], grace_seconds: float = 10.0,
                  on_shutdown: Callable[[], Awaitable[None]] | None = None, options=None,
-                 on_drain: Callable[[], None] | None = None, active: Callable[[], int] | None = None):
+                 on_drain: Callable[[], None] | None = None, active: Callable[[], int] | None = None,
+                 metrics_registry=None, metrics_port: int = -1):
         self.host, self.port = host, port
+        self.metrics_registry = metrics_registry  # served over HTTP on metrics_port (>= 0; 0 = any free)
+        self.metrics_port = metrics_port if metrics_registry is not None and metrics_port >= 0 else None
+        self._metrics_server = None
         self.on_drain = on_drain  # the service starts refusing new work
         self.active = active  # in-flight work items; the drain ends when this reaches 0
         self.service_names = service_names
@@ -185,6 +189,12 @@ class GrpcServer:
         if bound == 0:
             raise OSError(f"cannot bind {self.host}:{self.port}")
         self.port = bound
+        if self.metrics_port is not None:
+            from specmesh.telemetry import serve_metrics
+
+            self._metrics_server = serve_metrics(self.metrics_registry, self.host, self.metrics_port)
+            self.metrics_port = self._metrics_server.server_port
+            log.info("metrics on http://%s:%d/metrics", self.host, self.metrics_port)
         await self.server.start()
         for name in ["", *self.service_names]:
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -207,6 +217,8 @@ class GrpcServer:
         await self.server.stop(max(0.0, min(1.0, end - loop.time())))
         if self.on_shutdown is not None:
             await self.on_shutdown()
+        if self._metrics_server is not None:
+            self._metrics_server.shutdown()
         self._stopped.set()
 
     async def serve_forever(self) -> None:
@@ -239,3 +251,25 @@ class BackgroundServer:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(10)
         self.loop.close()
+
+
+def run_service(service: str, build: Callable[[object], Awaitable[GrpcServer]], config, process: dict) -> None:
+    """The `__main__` of a gRPC service: logging, tracing, torch threads, serve until SIGTERM / SIGINT.
+    Prints `<service> listening on HOST:PORT (metrics port N)` once serving (scripts parse it)."""
+    from specmesh.telemetry import setup_logging, setup_tracing
+
+    short = service.removesuffix("_service")  # "verify": the tracing / logging name
+    setup_logging(process["log_level"], process["log_format"], short)
+    setup_tracing(short)
+    if process["threads"]:
+        import torch
+
+        torch.set_num_threads(process["threads"])
+
+    async def serve() -> None:
+        server = await build(config)
+        port = await server.start()
+        print(f"{service} listening on {config.host}:{port} (metrics port {server.metrics_port})", flush=True)
+        await server.serve_forever()
+
+    asyncio.run(serve())
