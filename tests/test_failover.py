@@ -34,10 +34,11 @@ def cluster(tmp_path_factory):
             p.wait(10)
 
 
-def stream_and_kill(client, prompt, max_tokens, kill):
+def stream_and_kill(client, prompt, max_tokens, kill, session_id=None):
     chunks, killed = [], False
+    extra = {"ignore_eos": True, **({"session_id": session_id} if session_id else {})}
     for c in client.completions.create(model="demo", prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True,
-                                       stream_options={"include_usage": True}, extra_body={"ignore_eos": True}):
+                                       stream_options={"include_usage": True}, extra_body=extra):
         chunks.append(c)
         if len(chunks) == 4 and not killed:
             kill()
@@ -72,7 +73,8 @@ def test_verify_then_draft_die_mid_stream(cluster):
     def kill_draft():
         procs["draft"][0].send_signal(signal.SIGKILL)
 
-    text, last = stream_and_kill(client, prompt, n, kill_draft)
+    # with a session: the retry finds the verify session still held by the dead draft's stream, and waits
+    text, last = stream_and_kill(client, prompt, n, kill_draft, session_id="conversation-1")
     assert text == want
     assert last.model_extra["specmesh"]["target_only"]  # no draft replica left: target-only decoding
     # and new requests keep being served, target-only, by the surviving verify replica
@@ -80,6 +82,8 @@ def test_verify_then_draft_die_mid_stream(cluster):
         if not gw.gateway.draft_pool.healthy:
             break
         time.sleep(0.1)
-    r = client.completions.create(model="demo", prompt=prompt, max_tokens=20, temperature=0)
+    r = client.completions.create(model="demo", prompt=prompt, max_tokens=20, temperature=0,
+                                  extra_body={"session_id": "conversation-1"})
     assert r.choices[0].text == engine.generate(ids, SamplingParams(temperature=0, max_tokens=20), 0).text
     assert r.model_extra["specmesh"]["target_only"] and r.model_extra["specmesh"]["drafted"] == 0
+    assert r.usage.prompt_tokens_details.cached_tokens > 0  # the session's KV survived on its replica

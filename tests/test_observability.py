@@ -164,3 +164,23 @@ def test_tracing_exporter_follows_otel_env(monkeypatch):
     monkeypatch.setenv("OTEL_TRACES_EXPORTER", "console")
     assert telemetry.tracing_exporter_kind() == "console"
     assert isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider) is False
+
+
+def test_otlp_and_console_exporters_install_from_env():
+    import subprocess
+    import sys
+
+    code = ("from specmesh import telemetry\n"
+            "p = telemetry.setup_tracing('verify')\n"
+            "assert p is not None, 'tracing not set up'\n"
+            "print(type(p._active_span_processor._span_processors[0].span_exporter).__name__)\n"
+            "p.shutdown()\n")
+    for env, exporter in (({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:1"}, "OTLPSpanExporter"),
+                          ({"OTEL_TRACES_EXPORTER": "console"}, "ConsoleSpanExporter")):
+        import os
+
+        clean = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+        out = subprocess.run([sys.executable, "-c", code], env={**clean, **env}, capture_output=True, text=True,
+                             timeout=60, cwd=ROOT)
+        assert out.returncode == 0, out.stderr
+        assert exporter in out.stdout

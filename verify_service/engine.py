@@ -45,6 +45,7 @@ class VerifyConfig:
     sampler_backend: str = "auto"
     seed: int | None = None  # the shared random stream of unseeded requests
     grace_period_s: float = 10.0
+    attached_wait_s: float = 5.0  # a new turn waits this long for the session's previous stream to end
     metrics_port: int = -1  # Prometheus /metrics over HTTP; -1 = not served (the CLI defaults to 9464)
 
     def __post_init__(self):
@@ -152,6 +153,7 @@ class VerifyEngine:
         if self.sessions.attached >= self.config.max_sessions:
             raise ResourceExhausted(f"the verify service is at its limit of {self.config.max_sessions} "
                                     f"concurrent sessions; retry later")
+        await self._wait_detached(session_id)
         session = self.sessions.open(session_id, prompt_ids)
         decode = (lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)) if self.tokenizer else None
         session.params = params
@@ -163,6 +165,15 @@ class VerifyEngine:
         t0 = time.perf_counter()
         await self.scheduler.run_on_model(self._prefill, session)
         return Opened(session, self.runner.prefix_tokens_reused - before, time.perf_counter() - t0)
+
+    async def _wait_detached(self, session_id: str) -> None:
+        """A failover retry can arrive before the stream its caller abandoned has been torn down here
+        (a draft service that died mid-stream): give that stream a moment to end before refusing."""
+        session = self.sessions._sessions.get(session_id) if session_id else None
+        loop = asyncio.get_running_loop()
+        end = loop.time() + self.config.attached_wait_s
+        while session is not None and session.attached and loop.time() < end:
+            await asyncio.sleep(0.02)
 
     def _prefill(self, session: Session) -> None:
         with torch.inference_mode():
