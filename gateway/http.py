@@ -11,6 +11,7 @@ the request; a `specmesh` object with the speculation stats in the response (and
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
@@ -327,16 +328,31 @@ def create_app(gateway: Gateway, api_keys: tuple[str, ...] = (), max_body_bytes:
             return error_response(from_domain(e), retried=e.http_status == 503)
         if not stream:
             pieces, finish = [], None
-            try:
+
+            async def collect():
+                nonlocal finish
                 chunk = first
                 while chunk is not None:
                     pieces.append(chunk.text)
                     finish = chunk.finish_reason or finish
                     chunk = await gen.__anext__() if chunk.finish_reason is None else None
+
+            collector = asyncio.ensure_future(collect())
+            try:
+                # A client that goes away stops the work downstream (as a closed stream does).
+                while not collector.done():
+                    await asyncio.wait({collector}, timeout=0.25)
+                    if not collector.done() and await request.is_disconnected():
+                        collector.cancel()
+                        end_span("client disconnected")
+                        return Response(status_code=499)
+                collector.result()
             except SpecmeshError as e:
                 end_span(str(e))
                 return error_response(from_domain(e), retried=e.http_status == 503)
             finally:
+                if not collector.done():
+                    collector.cancel()
                 await gen.aclose()
                 end_span()
             text = "".join(pieces)

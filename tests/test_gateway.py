@@ -245,3 +245,30 @@ def test_session_sticks_to_its_replica_and_reuses_kv(stack, client, reference):
     assert second.usage.prompt_tokens_details.cached_tokens > 0  # the earlier turn's KV was reused
     _, want_text, _ = reference(gw.gateway.chat_prompt(messages), 12)
     assert second.choices[0].message.content == want_text
+
+
+def test_client_disconnect_cancels_a_non_streaming_generation(stack):
+    import socket
+    import time
+
+    gw, verifies, _ = stack
+    emitted = lambda: sum(v.server.engine.scheduler.stats.tokens for v in verifies)  # noqa: E731
+    body = json.dumps({"model": "demo", "prompt": "def f():", "max_tokens": 1000, "temperature": 0,
+                       "ignore_eos": True}).encode()
+    before = emitted()
+    sock = socket.create_connection(("127.0.0.1", gw.port))
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                 b"content-length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    for _ in range(200):
+        if gw.gateway.inflight:
+            break
+        time.sleep(0.01)
+    assert gw.gateway.inflight == 1
+    sock.close()  # the client goes away before the answer
+    for _ in range(300):
+        if gw.gateway.inflight == 0 and all(v.server.engine.sessions.attached == 0 for v in verifies):
+            break
+        time.sleep(0.01)
+    assert gw.gateway.inflight == 0 and all(v.server.engine.sessions.attached == 0 for v in verifies)
+    time.sleep(0.3)
+    assert emitted() - before < 1000  # the generation was stopped downstream, not run to the end
