@@ -174,7 +174,11 @@ class DraftEngine:
                                 on_open=lambda r: events.put_nowait(("open", Opened(r.session_id, len(prompt_ids),
                                                                                     r.cached_prompt_tokens))))
         drafter = self._drafter(session_id)
-        policy = AdaptiveK(k_max) if self.config.adaptive else FixedK(k_max)
+        # A seeded request must replay exactly: its random draws may not depend on timing, so it gets a
+        # fixed K and no drafting ahead (both adapt to how fast verdicts come back).
+        seeded = params.seed is not None
+        policy = AdaptiveK(k_max) if self.config.adaptive and not seeded else FixedK(k_max)
+        pipeline = self.config.pipeline and not seeded
         cancelled = threading.Event()
         parent = otel_context.get_current()  # the Generate server span: rounds are its children
         timer = self.stream_metrics.timer() if self.stream_metrics is not None else None
@@ -197,7 +201,7 @@ class DraftEngine:
                 with torch.inference_mode():
                     result = speculative_generate(remote, drafter, prompt_ids, params, policy, stop,
                                                   on_tokens=lambda toks: put("tokens", toks),
-                                                  pipeline=self.config.pipeline, cancelled=cancelled.is_set,
+                                                  pipeline=pipeline, cancelled=cancelled.is_set,
                                                   on_round=on_round)
                 put("done", result)
             except BaseException as e:  # noqa: BLE001 — delivered to the caller as a status

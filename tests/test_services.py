@@ -184,3 +184,14 @@ def test_sampled_output_is_the_target_distribution():
 
     assert pval(c12, joint) > 1e-3
     assert pval(c3, p3) > 1e-3
+
+
+def test_seeded_sampling_replays_through_the_pair(stack):
+    _, draft, _ = stack
+    stub = draft_stub(draft)
+    params = lambda seed: common_pb2.SamplingParams(temperature=0.8, top_p=0.95, seed=seed, max_tokens=40,  # noqa
+                                                    ignore_eos=True)
+    p = [3, 1, 4, 1, 5]
+    first = generate(stub, p, params(7))[0]
+    assert all(generate(stub, p, params(7))[0] == first for _ in range(3))
+    assert generate(stub, p, params(8))[0] != first
