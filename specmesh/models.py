@@ -99,13 +99,20 @@ class ModelRunner:
         return keep
 
     @torch.inference_mode()
-    def prefill(self, seq: Sequence) -> None:
-        """Cache every committed token but the last (the next forward feeds it), reusing a cached prefix."""
+    def prefill(self, seq: Sequence, max_tokens: int | None = None, count_reuse: bool = True) -> int:
+        """Cache every committed token but the last (the next forward feeds it), reusing a cached prefix.
+
+        With `max_tokens`, compute at most that many (chunked prefill: call again until it returns 0);
+        returns how many tokens are still to prefill. `count_reuse`: add the cached prefix to
+        `prefix_tokens_reused` (only on a turn's first call, so chunks are not counted as reuse)."""
         keep = self._sync(seq)
-        self.prefix_tokens_reused += keep
+        if count_reuse:
+            self.prefix_tokens_reused += keep
         feed = seq.token_ids[keep:-1]
-        if feed:
-            self._run_one(seq, feed, num_logits=1)
+        now = feed if max_tokens is None else feed[:max_tokens]
+        if now:
+            self._run_one(seq, now, num_logits=1)
+        return len(feed) - len(now)
 
     @torch.inference_mode()
     def forward(self, seqs: list[Sequence], extra: list[list[int]] | None = None) -> list[torch.Tensor]:

@@ -195,3 +195,17 @@ def test_seeded_sampling_replays_through_the_pair(stack):
     first = generate(stub, p, params(7))[0]
     assert all(generate(stub, p, params(7))[0] == first for _ in range(3))
     assert generate(stub, p, params(8))[0] != first
+
+
+def test_chunked_prefill_gives_the_same_output(target, reference):
+    verify = start_verify(target, prefill_chunk_tokens=4)
+    try:
+        vs = verify_stub(verify)
+        prompt = list(range(10, 40))  # 29 tokens to prefill: 8 chunks of <= 4
+        tokens, chunks = generate(vs, prompt, GREEDY, session_id="long")
+        assert tokens == reference(prompt)
+        assert verify.server.engine.counters.prefill_chunks == 8
+        again, chunks = generate(vs, prompt + tokens + [5, 6], GREEDY, session_id="long")
+        assert chunks[0].cached_prompt_tokens == len(prompt) + len(tokens) - 1  # counted once, not per chunk
+    finally:
+        verify.stop()

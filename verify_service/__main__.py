@@ -30,6 +30,8 @@ def parse_args(argv=None) -> tuple[VerifyConfig, dict]:
             help="past this wait for a draft block, take a target-only step instead (0 = never)")
     ap.flag("--batch-wait-ms", type=float, default=d.batch_wait_ms,
             help="a batch waits up to this long for the other active sessions' blocks (0 = start at once)")
+    ap.flag("--prefill-chunk-tokens", type=int, default=d.prefill_chunk_tokens,
+            help="prefill long prompts in chunks of this many tokens, letting batches run between (0 = whole)")
     ap.flag("--max-spec-len", type=int, default=d.max_spec_len,
             help=f"most draft tokens one block may carry (<= {MAX_SPEC_LEN})")
     ap.flag("--sampler-backend", default=d.sampler_backend, choices=["auto", "torch", "triton"],

@@ -45,6 +45,7 @@ class VerifyConfig:
     sampler_backend: str = "auto"
     seed: int | None = None  # the shared random stream of unseeded requests
     grace_period_s: float = 10.0
+    prefill_chunk_tokens: int = 512  # prompt tokens prefilled per model-thread turn (0 = all at once)
     attached_wait_s: float = 5.0  # a new turn waits this long for the session's previous stream to end
     metrics_port: int = -1  # Prometheus /metrics over HTTP; -1 = not served (the CLI defaults to 9464)
 
@@ -82,6 +83,7 @@ class Opened:
 class Counters:
     deadline_steps: int = 0
     stale_blocks: int = 0
+    prefill_chunks: int = 0
     requests: dict[str, int] = field(default_factory=dict)
 
 
@@ -163,8 +165,16 @@ class VerifyEngine:
         session.epoch = 0
         before = self.runner.prefix_tokens_reused
         t0 = time.perf_counter()
-        await self.scheduler.run_on_model(self._prefill, session)
-        return Opened(session, self.runner.prefix_tokens_reused - before, time.perf_counter() - t0)
+        # Chunked prefill: other sessions' batches run between chunks, so a long prompt does not stall them.
+        first = True
+        while True:
+            left = await self.scheduler.run_on_model(self._prefill, session, first)
+            reused = self.runner.prefix_tokens_reused - before if first else reused
+            first = False
+            self.counters.prefill_chunks += 1
+            if not left:
+                break
+        return Opened(session, reused, time.perf_counter() - t0)
 
     async def _wait_detached(self, session_id: str) -> None:
         """A failover retry can arrive before the stream its caller abandoned has been torn down here
@@ -175,9 +185,9 @@ class VerifyEngine:
         while session is not None and session.attached and loop.time() < end:
             await asyncio.sleep(0.02)
 
-    def _prefill(self, session: Session) -> None:
+    def _prefill(self, session: Session, first: bool) -> int:
         with torch.inference_mode():
-            self.runner.prefill(session.seq)
+            return self.runner.prefill(session.seq, self.config.prefill_chunk_tokens or None, count_reuse=first)
 
     def _attach(self, session: Session) -> None:
         if session.attached:
