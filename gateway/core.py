@@ -294,6 +294,7 @@ class Gateway:
 
     @staticmethod
     async def _read(call, outcome: Outcome, first: bool):
+        finished = False
         try:
             async for resp in call:
                 if resp.prompt_tokens and first:
@@ -301,10 +302,12 @@ class Gateway:
                 if resp.HasField("stats"):
                     outcome.stats.merge(wire.stats_from_pb(resp.stats))
                 finish = wire.FINISH_FROM_PB[resp.finish_reason]
-                if resp.token_ids or finish is not None:
+                finished = finish is not None
+                if resp.token_ids or finished:
                     yield list(resp.token_ids), finish
         finally:
-            call.cancel()  # a client that went away, or a stop string found here: stop the work downstream
+            if not finished:
+                call.cancel()  # a client that went away, or a stop string found here: stop the work downstream
 
 
 def _domain_error(e: grpc.aio.AioRpcError) -> SpecmeshError:

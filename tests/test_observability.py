@@ -62,10 +62,16 @@ def test_one_trace_spans_all_three_services(stack, spans):
     r = client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "hi"}], max_tokens=24,
                                        temperature=0, extra_body={"ignore_eos": True})
     assert r.usage.completion_tokens == 24
-    finished = spans.get_finished_spans()
-    root = next(s for s in finished if s.name == "gateway.chat")
-    tid = root.context.trace_id
-    in_trace = [s for s in finished if s.context.trace_id == tid]
+    import time
+
+    for _ in range(200):  # the services end their spans just after the client has its answer
+        finished = spans.get_finished_spans()
+        root = next(s for s in finished if s.name == "gateway.chat")
+        tid = root.context.trace_id
+        in_trace = [s for s in finished if s.context.trace_id == tid]
+        if {"draft/Generate", "verify/Verify"} <= {s.name for s in in_trace}:
+            break
+        time.sleep(0.01)
     scopes = {s.instrumentation_scope.name for s in in_trace}
     assert {"specmesh.gateway", "specmesh.draft", "specmesh.verify"} <= scopes, scopes
     names = {s.name for s in in_trace}
@@ -98,10 +104,17 @@ def test_metrics_on_every_service_move_with_requests(stack):
         list(client.completions.create(model="demo", prompt=prompt, max_tokens=20, temperature=0, stream=True))
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model="demo", prompt=[1, 10**7], max_tokens=2)
-    after = {k: scrape(u) for k, u in urls.items()}
+    import time
 
     def moved(service, name, **labels):
         return total(after[service], name, **labels) - total(before[service], name, **labels)
+
+    for _ in range(100):  # the services count a request when its handler ends, just after the client's answer
+        after = {k: scrape(u) for k, u in urls.items()}
+        if (moved("draft", "specmesh_requests_total", method="Generate") >= 3
+                and moved("verify", "specmesh_requests_total", method="Verify") >= 2):
+            break
+        time.sleep(0.02)
 
     g = "gateway"
     assert moved(g, "specmesh_requests_total", method="POST /v1/completions", code="200") == 2
