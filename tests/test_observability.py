@@ -112,7 +112,8 @@ def test_metrics_on_every_service_move_with_requests(stack):
     for _ in range(100):  # the services count a request when its handler ends, just after the client's answer
         after = {k: scrape(u) for k, u in urls.items()}
         if (moved("draft", "specmesh_requests_total", method="Generate") >= 3
-                and moved("verify", "specmesh_requests_total", method="Verify") >= 2):
+                and moved("verify", "specmesh_requests_total", method="Verify") >= 2
+                and moved("gateway", "specmesh_requests_total", method="POST /v1/completions") >= 3):
             break
         time.sleep(0.02)
 
