@@ -37,7 +37,7 @@ def parse_args(argv=None) -> tuple[DraftConfig, dict]:
     ap.flag("--verify-timeout-s", type=float, default=d.verify_timeout_s, help="timeout of each call to the verifier")
     ap.flag("--grace-period-s", type=float, default=d.grace_period_s,
             help="on SIGTERM, in-flight generations get this long to finish")
-    add_process_flags(ap)
+    add_process_flags(ap, metrics_port=9465)
     args = vars(ap.parse_args(argv))
     extra = split_process_flags(args)
     try:

@@ -55,10 +55,10 @@ class EnvArgumentParser(argparse.ArgumentParser):
 PROCESS_FLAGS = ("threads", "log_level", "log_format")
 
 
-def add_process_flags(ap: EnvArgumentParser, metrics_port: bool = True) -> None:
-    """Flags every service process has: metrics port, torch threads, logging."""
-    if metrics_port:
-        ap.flag("--metrics-port", type=int, default=9464, help="Prometheus /metrics HTTP port (-1 = off, 0 = any)")
+def add_process_flags(ap: EnvArgumentParser, metrics_port: int = 9464) -> None:
+    """Flags every service process has: metrics port (its default differs per service, so the services can
+    share a host with their defaults), torch threads, logging."""
+    ap.flag("--metrics-port", type=int, default=metrics_port, help="Prometheus /metrics HTTP port (-1 = off, 0 = any)")
     ap.flag("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
     ap.flag("--log-level", default="INFO", help="logging level")
     ap.flag("--log-format", default="text", choices=["text", "json"],
