@@ -27,7 +27,7 @@ from specmesh.errors import FailedPrecondition, InvalidArgument, ResourceExhaust
 from specmesh.loop import AdaptiveK, FixedK, GenerationResult, RoundRecord, SpecStats, speculative_generate
 from specmesh.fast_runner import StaticCacheRunner
 from specmesh.models import ModelRunner, load_model
-from specmesh.sampling import SamplingParams, StopChecker
+from specmesh.sampling import SamplingParams, StopChecker, check_token_ids
 from specmesh.telemetry import outgoing_metadata, tracer, wall_ns
 from specmesh.v1 import verify_pb2, verify_pb2_grpc
 from draft_service.remote import RemoteVerifier
@@ -146,10 +146,8 @@ class DraftEngine:
             raise InvalidArgument(str(e)) from None
         if not prompt_ids:
             raise InvalidArgument("prompt_ids must hold at least one token")
-        if self.vocab_size:
-            bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
-            if bad:
-                raise InvalidArgument(f"prompt_ids: token ids out of range [0, {self.vocab_size}): {bad[:8]}")
+        if self.vocab_size:  # the n-gram drafter has no vocabulary: the verify service checks the ids
+            check_token_ids(prompt_ids, self.vocab_size)
         if k > 32:
             raise InvalidArgument(f"num_speculative_tokens must be <= 32, got {k}")
         return k or self.config.speculative_num_steps
@@ -248,6 +246,10 @@ class DraftEngine:
 
     def _count(self, result: GenerationResult) -> None:
         self.totals.merge(result.stats)
+
+    @property
+    def cached_sessions(self) -> int:
+        return len(self._drafters)
 
     @property
     def active(self) -> int:

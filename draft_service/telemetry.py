@@ -23,7 +23,7 @@ class DraftMetrics:
         active = GaugeMetricFamily("specmesh_draft_active_sessions", "Generations in progress")
         active.add_metric([], e.active)
         cached = GaugeMetricFamily("specmesh_draft_cached_sessions", "Per-session draft KV caches kept for later turns")
-        cached.add_metric([], len(e._drafters))
+        cached.add_metric([], e.cached_sessions)
         per_token = GaugeMetricFamily("specmesh_draft_seconds_per_token", "Mean time to draft one token")
         per_token.add_metric([], e.draft_seconds_per_token())
         pipelined = CounterMetricFamily("specmesh_draft_pipelined_blocks",

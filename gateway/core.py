@@ -108,13 +108,13 @@ class TextStream:
     def add(self, ids: list[int], final: bool = False) -> str:
         self.ids += ids
         text = self._decode()
-        for s in self.stop:
-            i = text.find(s, max(0, self.sent - len(s) + 1))
-            if i >= 0:
-                cut = min(i, *[j for t in self.stop if (j := text.find(t)) >= 0])
-                self.stopped = True
-                delta, self.sent = text[self.sent:cut], max(self.sent, cut)
-                return delta
+        # Text before `sent` was searched already: a new match can only start in the last len(s) - 1 of it.
+        hits = [i for s in self.stop if (i := text.find(s, max(0, self.sent - len(s) + 1))) >= 0]
+        if hits:
+            self.stopped = True
+            cut = min(hits)
+            delta, self.sent = text[self.sent:cut], max(self.sent, cut)
+            return delta
         end = len(text) if final else max(self.sent, len(text) - self.hold)
         if not final:
             while end > self.sent and text[end - 1] == "\ufffd":  # an incomplete UTF-8 sequence

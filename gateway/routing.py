@@ -137,8 +137,8 @@ class Pool:
         for a in list(self.replicas):
             if a not in addresses:
                 r = self.replicas.pop(a)
-                if r.channel is not None:
-                    asyncio.ensure_future(r.channel.close()) if _loop_running() else None
+                if r.channel is not None:  # channels exist only once the pool runs on an event loop
+                    asyncio.get_running_loop().create_task(r.channel.close())
         self._ring = sorted((_h(f"{a}#{v}"), a) for a in self.replicas for v in range(VNODES))
 
     def add(self, address: str) -> None:
@@ -264,10 +264,3 @@ class Pool:
             if r.channel is not None:
                 await r.channel.close()
 
-
-def _loop_running() -> bool:
-    try:
-        asyncio.get_running_loop()
-        return True
-    except RuntimeError:
-        return False

@@ -15,7 +15,7 @@ from specmesh.drafting import ModelDrafter, NgramDrafter
 from specmesh.loop import GenerationResult, speculative_generate
 from specmesh.fast_runner import StaticCacheRunner
 from specmesh.models import ModelRunner, load_model
-from specmesh.sampling import SamplingParams, StopChecker
+from specmesh.sampling import SamplingParams, StopChecker, check_token_ids
 
 
 def eos_token_ids(model) -> frozenset[int]:
@@ -65,14 +65,11 @@ class SpeculativeEngine:
     def generate(self, prompt_ids: list[int], params: SamplingParams, num_speculative_tokens: int = 4,
                  algorithm: str = "standalone") -> GenerationResult:
         params.validate(self.target.vocab_size)
-        if not prompt_ids:
-            raise ValueError("prompt must hold at least one token")
+        check_token_ids(prompt_ids, self.target.vocab_size)
         from verify_service.rejection import MAX_SPEC_LEN
 
         if not 0 <= num_speculative_tokens <= MAX_SPEC_LEN:
             raise ValueError(f"num_speculative_tokens must be in [0, {MAX_SPEC_LEN}], got {num_speculative_tokens}")
-        if any(not 0 <= t < self.target.vocab_size for t in prompt_ids):
-            raise ValueError(f"prompt token ids out of range [0, {self.target.vocab_size})")
         if algorithm == "standalone":
             drafter = ModelDrafter(self.draft, self.draft_topk) if self.draft is not None else None
         elif algorithm == "ngram":

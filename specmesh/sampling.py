@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specmesh.errors import InvalidArgument
+
 MAX_STOP_STRINGS = 16
 GREEDY_TEMPERATURE = 1e-5  # below this, temperature scaling overflows fp32 logits: treated as greedy (as vLLM)
 
@@ -49,6 +51,17 @@ class SamplingParams:
             if bad:
                 raise ValueError(f"stop_token_ids out of range [0, {vocab_size}): {bad}")
         return self
+
+
+def check_token_ids(ids, vocab_size: int, what: str = "prompt_ids") -> list[int]:
+    """The ids as a list; InvalidArgument (a ValueError) if there are none or any lies outside the vocabulary."""
+    ids = list(ids)
+    if not ids:
+        raise InvalidArgument(f"{what} must hold at least one token")
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise InvalidArgument(f"{what}: token ids out of range [0, {vocab_size}): {bad[:8]}")
+    return ids
 
 
 @dataclass(frozen=True)

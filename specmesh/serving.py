@@ -27,8 +27,10 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
+from opentelemetry import trace
 
 from specmesh.errors import SpecmeshError
+from specmesh.telemetry import incoming_context, serve_metrics, setup_logging, setup_tracing, tracer
 
 log = logging.getLogger("specmesh.serving")
 
@@ -57,8 +59,6 @@ class ServiceTelemetry:
     """What a servicer's methods report to: RPC metrics and a tracer (both optional)."""
 
     def __init__(self, service: str, metrics=None):
-        from specmesh.telemetry import tracer
-
         self.service = service
         self.metrics = metrics  # RpcMetrics or None
         self.tracer = tracer(service)
@@ -77,10 +77,6 @@ def _code_after(exc: BaseException, context) -> str:
 
 def _begin(self, method, context):
     """Server span (child of the caller's trace context), the request id from metadata, a start time."""
-    from opentelemetry import trace
-
-    from specmesh.telemetry import incoming_context
-
     tel: ServiceTelemetry | None = getattr(self, "telemetry", None)
     parent = incoming_context(context)
     span = None
@@ -96,9 +92,7 @@ def _end(tel, span, method, t0: float, code: str) -> None:
     if span is not None:
         span.set_attribute("rpc.grpc.status_code", code)
         if code not in ("OK", "CANCELLED"):
-            from opentelemetry.trace import Status, StatusCode
-
-            span.set_status(Status(StatusCode.ERROR, code))
+            span.set_status(trace.Status(trace.StatusCode.ERROR, code))
         span.end()
 
 
@@ -107,8 +101,6 @@ def unary_errors(method):
 
     @functools.wraps(method)
     async def wrapper(self, request, context):
-        from opentelemetry import trace
-
         tel, span, t0 = _begin(self, method, context)
         code = "OK"
         try:
@@ -132,8 +124,6 @@ def stream_errors(method):
 
     @functools.wraps(method)
     async def wrapper(self, request, context):
-        from opentelemetry import trace
-
         tel, span, t0 = _begin(self, method, context)
         code = "OK"
         try:
@@ -190,8 +180,6 @@ class GrpcServer:
             raise OSError(f"cannot bind {self.host}:{self.port}")
         self.port = bound
         if self.metrics_port is not None:
-            from specmesh.telemetry import serve_metrics
-
             self._metrics_server = serve_metrics(self.metrics_registry, self.host, self.metrics_port)
             self.metrics_port = self._metrics_server.server_port
             log.info("metrics on http://%s:%d/metrics", self.host, self.metrics_port)
@@ -256,8 +244,6 @@ class BackgroundServer:
 def run_service(service: str, build: Callable[[object], Awaitable[GrpcServer]], config, process: dict) -> None:
     """The `__main__` of a gRPC service: logging, tracing, torch threads, serve until SIGTERM / SIGINT.
     Prints `<service> listening on HOST:PORT (metrics port N)` once serving (scripts parse it)."""
-    from specmesh.telemetry import setup_logging, setup_tracing
-
     short = service.removesuffix("_service")  # "verify": the tracing / logging name
     setup_logging(process["log_level"], process["log_format"], short)
     setup_tracing(short)

@@ -46,16 +46,6 @@ def params_to_pb(params: SamplingParams) -> common_pb2.SamplingParams:
     return pb
 
 
-def check_token_ids(ids, vocab_size: int, what: str = "prompt_ids", allow_empty: bool = False) -> list[int]:
-    ids = list(ids)
-    if not ids and not allow_empty:
-        raise ValueError(f"{what} must hold at least one token")
-    bad = [t for t in ids if not 0 <= t < vocab_size]
-    if bad:
-        raise ValueError(f"{what}: token ids out of range [0, {vocab_size}): {bad[:8]}")
-    return ids
-
-
 def proposal_to_pb_fields(proposal: Proposal) -> dict:
     """The DraftBlock fields that carry a proposal (ids, and the sparse q flattened [K, S])."""
     fields = {"draft_ids": proposal.token_ids}

@@ -18,7 +18,7 @@ from specmesh.engine import eos_token_ids
 from specmesh.errors import FailedPrecondition, InvalidArgument, ResourceExhausted, Unavailable
 from specmesh.loop import Proposal
 from specmesh.models import ModelRunner, load_model
-from specmesh.sampling import SamplingParams, StopChecker, make_generator
+from specmesh.sampling import SamplingParams, StopChecker, check_token_ids, make_generator
 from specmesh.telemetry import tracer, wall_ns
 from verify_service.rejection import MAX_SPEC_LEN, DraftBlock, RejectionSampler, validate_block
 from verify_service.scheduler import Scheduler, StepResult
@@ -132,11 +132,7 @@ class VerifyEngine:
 
     # requests -------------------------------------------------------------------------------------
     def check_prompt(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        if not prompt_ids:
-            raise InvalidArgument("prompt_ids must hold at least one token")
-        bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise InvalidArgument(f"prompt_ids: token ids out of range [0, {self.vocab_size}): {bad[:8]}")
+        check_token_ids(prompt_ids, self.vocab_size)
         if len(prompt_ids) + params.max_tokens > self.max_context:
             raise InvalidArgument(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
                                   f"the model's context length {self.max_context}")
@@ -179,7 +175,7 @@ class VerifyEngine:
     async def _wait_detached(self, session_id: str) -> None:
         """A failover retry can arrive before the stream its caller abandoned has been torn down here
         (a draft service that died mid-stream): give that stream a moment to end before refusing."""
-        session = self.sessions._sessions.get(session_id) if session_id else None
+        session = self.sessions.peek(session_id) if session_id else None
         loop = asyncio.get_running_loop()
         end = loop.time() + self.config.attached_wait_s
         while session is not None and session.attached and loop.time() < end:
@@ -265,8 +261,7 @@ class VerifyEngine:
 
     def _trace_round(self, r: StepResult, deadline: bool = False) -> None:
         """A span per verified round, under the session's stream span, with its queue and batch times."""
-        now = time.perf_counter()
-        batch_end = now
+        now = time.perf_counter()  # the round's batch has just ended
         span = self.tracer.start_span("verify.round", start_time=wall_ns(now - r.batch_seconds - r.queue_seconds, now),
                                       attributes={"specmesh.epoch": r.epoch, "specmesh.k": r.num_drafted,
                                                   "specmesh.accepted": r.num_accepted,
@@ -274,7 +269,7 @@ class VerifyEngine:
                                                   "specmesh.queue_seconds": r.queue_seconds,
                                                   "specmesh.batch_seconds": r.batch_seconds,
                                                   "specmesh.deadline": deadline})
-        span.end(end_time=wall_ns(batch_end, now))
+        span.end()
 
     async def generate(self, session_id: str, prompt_ids: list[int], params: SamplingParams):
         """Target-only decoding: yields the Opened turn first, then one StepResult per token."""
@@ -289,7 +284,7 @@ class VerifyEngine:
             self._detach(session)
 
     def release(self, session_id: str) -> bool:
-        session = self.sessions._sessions.get(session_id)
+        session = self.sessions.peek(session_id)
         if session is not None and session.attached:
             raise FailedPrecondition(f"session {session_id!r} is in use by a stream; it is released when the "
                                      f"stream ends if it was opened without an id")

@@ -73,6 +73,10 @@ class SessionStore:
     def kv_bytes(self) -> int:
         return sum(s.seq.num_cached for s in self._sessions.values()) * self.bytes_per_token
 
+    def peek(self, session_id: str) -> Session | None:
+        """The session if it exists, without touching its LRU position."""
+        return self._sessions.get(session_id)
+
     def get(self, session_id: str) -> Session:
         session = self._sessions.get(session_id)
         if session is None:
