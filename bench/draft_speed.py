@@ -35,9 +35,10 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache
 
-from specmesh.drafting import ModelDrafter
-from specmesh.fast_runner import StaticCacheRunner
-from specmesh.models import ModelRunner, load_model
+from specmesh.drafters import ModelDrafter
+from specmesh.runtime.static import StaticCacheRunner
+from specmesh.models import load_model
+from specmesh.runtime.hf import ModelRunner
 from specmesh.sampling import SamplingParams
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -19,7 +19,7 @@ import torch
 from tqdm import tqdm
 
 from specmesh.engine import SpeculativeEngine
-from specmesh.models import ModelRunner
+from specmesh.runtime.hf import ModelRunner
 from specmesh.sampling import SamplingParams
 from specmesh.training.corpus import read_text, stdlib_files
 

@@ -51,7 +51,7 @@ import transformers
 from tqdm import tqdm
 
 from bench.inprocess import decode_ms, heldout_prompts
-from specmesh.drafting import ModelDrafter
+from specmesh.drafters import ModelDrafter
 from specmesh.engine import SpeculativeEngine
 from specmesh.loop import Proposal
 from specmesh.sampling import SamplingParams

@@ -22,11 +22,12 @@ import grpc
 import torch
 from opentelemetry import context as otel_context
 
-from specmesh.drafting import ModelDrafter, NgramDrafter
+from specmesh.drafters import ModelDrafter, NgramDrafter
 from specmesh.errors import FailedPrecondition, InvalidArgument, ResourceExhausted, Unavailable
 from specmesh.loop import AdaptiveK, FixedK, GenerationResult, RoundRecord, SpecStats, speculative_generate
-from specmesh.fast_runner import StaticCacheRunner
-from specmesh.models import ModelRunner, load_model
+from specmesh.runtime.static import StaticCacheRunner
+from specmesh.models import load_model
+from specmesh.runtime.hf import ModelRunner
 from specmesh.sampling import SamplingParams, StopChecker, check_token_ids
 from specmesh.telemetry import outgoing_metadata, tracer, wall_ns
 from specmesh.v1 import verify_pb2, verify_pb2_grpc

@@ -1,8 +1,8 @@
 """In-process speculative generation: the loop with a local drafter and a local verifier.
 
-This is the composition root for one process (tests, benchmarks, the training tool's evaluation, the
-demo run command): it wires the core's loop and runners to verify_service's verifier and rejection
-sampler, imported lazily here and only here — the core's other modules never import a service.
+The same loop the draft service runs against a remote verifier, here with the core's `LocalVerifier` and
+rejection sampler in one process (tests, benchmarks, the training tool's evaluation). The difference
+between the two is exactly the cost of the network.
 """
 
 from __future__ import annotations
@@ -11,20 +11,15 @@ from pathlib import Path
 
 import torch
 
-from specmesh.drafting import ModelDrafter, NgramDrafter
+from specmesh.drafters import Algorithm, make_drafter
 from specmesh.loop import GenerationResult, speculative_generate
-from specmesh.fast_runner import StaticCacheRunner
-from specmesh.models import ModelRunner, load_model
+from specmesh.runtime.static import StaticCacheRunner
+from specmesh.errors import InvalidArgument
+from specmesh.models import eos_token_ids, load_model
+from specmesh.rejection import MAX_SPEC_LEN, RejectionSampler
+from specmesh.runtime.hf import ModelRunner
 from specmesh.sampling import SamplingParams, StopChecker, check_token_ids
-
-
-def eos_token_ids(model) -> frozenset[int]:
-    """Every EOS id of the model's config and generation config (Llama 3 and Qwen chat models list several)."""
-    ids: set[int] = set()
-    for cfg in (model.config, getattr(model, "generation_config", None)):
-        eos = getattr(cfg, "eos_token_id", None) if cfg is not None else None
-        ids.update(eos if isinstance(eos, (list, tuple)) else [] if eos is None else [eos])
-    return frozenset(ids)
+from specmesh.verifier import LocalVerifier
 
 
 class SpeculativeEngine:
@@ -46,8 +41,6 @@ class SpeculativeEngine:
                     draft_topk: int = 16, draft_runner: str = "static") -> "SpeculativeEngine":
         """draft_runner: "static" (StaticCacheRunner, as the draft service uses) or "hf" (ModelRunner)."""
         if sampler is None:
-            from verify_service.rejection import RejectionSampler
-
             sampler = RejectionSampler(sampler_backend, device=next(target_model.parameters()).device)
         if draft_runner not in ("static", "hf"):
             raise ValueError(f"draft_runner must be static or hf, got {draft_runner!r}")
@@ -66,20 +59,11 @@ class SpeculativeEngine:
                  algorithm: str = "standalone") -> GenerationResult:
         params.validate(self.target.vocab_size)
         check_token_ids(prompt_ids, self.target.vocab_size)
-        from verify_service.rejection import MAX_SPEC_LEN
-
         if not 0 <= num_speculative_tokens <= MAX_SPEC_LEN:
-            raise ValueError(f"num_speculative_tokens must be in [0, {MAX_SPEC_LEN}], got {num_speculative_tokens}")
-        if algorithm == "standalone":
-            drafter = ModelDrafter(self.draft, self.draft_topk) if self.draft is not None else None
-        elif algorithm == "ngram":
-            drafter = NgramDrafter()
-        else:
-            raise ValueError(f"unknown speculative algorithm {algorithm!r} (standalone | ngram)")
+            raise InvalidArgument(f"num_speculative_tokens must be in [0, {MAX_SPEC_LEN}], got {num_speculative_tokens}")
+        drafter = make_drafter(Algorithm.parse(algorithm), self.draft, self.draft_topk)
         decode = (lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)) if self.tokenizer else None
         stop = StopChecker(params, eos_token_ids(self.target.model), decode)
-        from verify_service.verifier import LocalVerifier
-
         with torch.inference_mode():
             result = speculative_generate(LocalVerifier(self.target, self.sampler), drafter, prompt_ids, params,
                                           num_speculative_tokens, stop)

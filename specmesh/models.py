@@ -1,24 +1,11 @@
-"""Load a local HF causal LM and run it: prefill, decode, and verification forwards with a KV cache per
-sequence that is rolled back exactly on rejection.
-
-A `Sequence` records which token ids its cache holds (`cached_ids`). Committing tokens never edits the
-cache directly: the next forward keeps the longest common prefix of `cached_ids` and the committed
-`token_ids` and crops the rest. One mechanism therefore covers rejected draft tokens, the draft's own
-speculative tokens, and multi-turn prefix reuse (a new turn shares its prefix with the cached one).
-
-`forward` runs several sequences with different cached lengths and different numbers of new tokens in
-one batched pass: caches are left-padded into one batch cache, new tokens left-padded too, with a 2D
-attention mask and explicit position ids; the new keys/values are then appended back to each sequence.
-The padding copy is the price of using stock HF caches (a paged cache would avoid it).
-"""
+"""Load a local HF causal LM checkpoint (weights, tokenizer) and read what serving needs from its config."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 
 def default_device() -> torch.device:
@@ -43,148 +30,12 @@ def load_model(path: str | Path, device: str | torch.device | None = None, dtype
     return model, tokenizer
 
 
-@dataclass
-class Sequence:
-    """One sequence's committed tokens and the KV cache of (a prefix of) them."""
-
-    token_ids: list[int]
-    cache: DynamicCache
-    cached_ids: list[int] = field(default_factory=list)  # ids whose KV the cache holds, in order
-
-    def commit(self, tokens: list[int]) -> None:
-        self.token_ids.extend(tokens)
-
-    def reset_tokens(self, token_ids: list[int]) -> None:
-        """Replace the committed tokens (a new turn); the cache keeps whatever prefix still matches."""
-        self.token_ids = list(token_ids)
-
-    @property
-    def num_cached(self) -> int:
-        return len(self.cached_ids)
 
 
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
-
-
-class ModelRunner:
-    """Runs one HF causal LM over `Sequence`s. Knows nothing of speculation or gRPC."""
-
-    def __init__(self, model: PreTrainedModel):
-        self.model = model
-        self.config = model.config
-        self.device = next(model.parameters()).device
-        self.vocab_size = model.get_output_embeddings().weight.size(0)
-        self.prefix_tokens_reused = 0  # tokens whose KV was found in a cache instead of recomputed
-        if any(getattr(layer, "is_sliding", False) for layer in DynamicCache(config=self.config).layers):
-            # Sliding-window layers keep only the window: cropping and padded batching assume full caches.
-            raise ValueError("models with sliding-window attention layers are not supported yet")
-
-    def new_sequence(self, token_ids: list[int]) -> Sequence:
-        if not token_ids:
-            raise ValueError("a sequence needs at least one token")
-        return Sequence(list(token_ids), DynamicCache(config=self.config))
-
-    def _sync(self, seq: Sequence) -> int:
-        """Crop the cache to the prefix still valid for token_ids, leaving >= 1 token to feed."""
-        keep = min(_common_prefix(seq.cached_ids, seq.token_ids), len(seq.token_ids) - 1)
-        drop = len(seq.cached_ids) - keep
-        if drop:
-            seq.cache.crop(-drop)
-            del seq.cached_ids[keep:]
-        return keep
-
-    @torch.inference_mode()
-    def prefill(self, seq: Sequence, max_tokens: int | None = None, count_reuse: bool = True) -> int:
-        """Cache every committed token but the last (the next forward feeds it), reusing a cached prefix.
-
-        With `max_tokens`, compute at most that many (chunked prefill: call again until it returns 0);
-        returns how many tokens are still to prefill. `count_reuse`: add the cached prefix to
-        `prefix_tokens_reused` (only on a turn's first call, so chunks are not counted as reuse)."""
-        keep = self._sync(seq)
-        if count_reuse:
-            self.prefix_tokens_reused += keep
-        feed = seq.token_ids[keep:-1]
-        now = feed if max_tokens is None else feed[:max_tokens]
-        if now:
-            self._run_one(seq, now, num_logits=1)
-        return len(feed) - len(now)
-
-    @torch.inference_mode()
-    def forward(self, seqs: list[Sequence], extra: list[list[int]] | None = None) -> list[torch.Tensor]:
-        """Feed each sequence its uncached committed tokens plus `extra[i]` (draft tokens).
-
-        Returns, per sequence, float32 logits [len(extra[i]) + 1, V]: row j predicts the token after the
-        j-th of (last committed token, extra...). Afterwards the cache holds everything fed; the next
-        forward crops what was not committed.
-        """
-        extra = extra if extra is not None else [[] for _ in seqs]
-        feeds, keeps = [], []
-        for seq, ext in zip(seqs, extra):
-            keep = self._sync(seq)
-            keeps.append(keep)
-            feeds.append(seq.token_ids[keep:] + list(ext))
-        nlog = [len(e) + 1 for e in extra]
-        if len(seqs) == 1 or any(k == 0 for k in keeps):
-            # A fresh sequence (nothing cached) would leave its padded queries nothing to attend to.
-            return [self._run_one(s, f, n) for s, f, n in zip(seqs, feeds, nlog)]
-        return self._run_batch(seqs, feeds, nlog)
-
-    def _run_one(self, seq: Sequence, feed: list[int], num_logits: int) -> torch.Tensor:
-        ids = torch.tensor([feed], dtype=torch.long, device=self.device)
-        start = seq.num_cached
-        pos = torch.arange(start, start + len(feed), device=self.device)[None, :]
-        try:
-            out = self.model(input_ids=ids, position_ids=pos, cache=seq.cache, use_cache=True,
-                             logits_to_keep=num_logits)
-        except BaseException:
-            # Some layers may already hold the new keys/values: cut every layer back to cached_ids.
-            for layer in seq.cache.layers:
-                extra = layer.get_seq_length() - start
-                if extra > 0:
-                    layer.crop(-extra)
-            raise
-        seq.cached_ids.extend(feed)
-        return out.logits[0].float()
-
-    def _run_batch(self, seqs: list[Sequence], feeds: list[list[int]], nlog: list[int]) -> list[torch.Tensor]:
-        n_seq = len(seqs)
-        lens = [s.num_cached for s in seqs]
-        l_max, n_max = max(lens), max(map(len, feeds))
-        dev = self.device
-        ids = torch.zeros((n_seq, n_max), dtype=torch.long, device=dev)
-        pos = torch.zeros((n_seq, n_max), dtype=torch.long, device=dev)
-        mask = torch.zeros((n_seq, l_max + n_max), dtype=torch.long, device=dev)
-        for i, (f, length) in enumerate(zip(feeds, lens)):
-            n = len(f)
-            ids[i, n_max - n :] = torch.tensor(f, device=dev)
-            pos[i, n_max - n :] = torch.arange(length, length + n, device=dev)
-            pos[i, : n_max - n] = length
-            mask[i, l_max - length : l_max] = 1
-            mask[i, l_max + n_max - n :] = 1
-        batch_cache = DynamicCache(config=self.config)
-        for layer_idx in range(len(seqs[0].cache.layers)):
-            ks, vs = [], []
-            for seq, length in zip(seqs, lens):
-                layer = seq.cache.layers[layer_idx]
-                k, v = layer.keys, layer.values  # [1, H, length, D]
-                pad = l_max - length
-                ks.append(torch.nn.functional.pad(k, (0, 0, pad, 0)))
-                vs.append(torch.nn.functional.pad(v, (0, 0, pad, 0)))
-            batch_cache.update(torch.cat(ks), torch.cat(vs), layer_idx)
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=batch_cache, use_cache=True,
-                         logits_to_keep=n_max)
-        logits = out.logits.float()
-        results = []
-        for i, (seq, f) in enumerate(zip(seqs, feeds)):
-            n = len(f)
-            for layer_idx, layer in enumerate(batch_cache.layers):
-                seq.cache.update(layer.keys[i : i + 1, :, l_max + n_max - n :], layer.values[i : i + 1, :, l_max + n_max - n :],
-                                 layer_idx)
-            seq.cached_ids.extend(f)
-            results.append(logits[i, n_max - nlog[i] :])
-        return results
+def eos_token_ids(model) -> frozenset[int]:
+    """Every EOS id of the model's config and generation config (Llama 3 and Qwen chat models list several)."""
+    ids: set[int] = set()
+    for cfg in (model.config, getattr(model, "generation_config", None)):
+        eos = getattr(cfg, "eos_token_id", None) if cfg is not None else None
+        ids.update(eos if isinstance(eos, (list, tuple)) else [] if eos is None else [eos])
+    return frozenset(ids)

@@ -29,18 +29,14 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 from opentelemetry import trace
 
-from specmesh.errors import SpecmeshError
+from specmesh.errors import grpc_code_name
 from specmesh.telemetry import incoming_context, serve_metrics, setup_logging, setup_tracing, tracer
 
 log = logging.getLogger("specmesh.serving")
 
 
 def status_code(exc: BaseException) -> grpc.StatusCode:
-    if isinstance(exc, SpecmeshError):
-        return grpc.StatusCode[exc.code]
-    if isinstance(exc, ValueError):
-        return grpc.StatusCode.INVALID_ARGUMENT
-    return grpc.StatusCode.INTERNAL
+    return grpc.StatusCode[grpc_code_name(exc)]
 
 
 async def _abort(context, exc: BaseException):

@@ -8,7 +8,7 @@ from __future__ import annotations
 from specmesh.config import EnvArgumentParser, add_process_flags, split_process_flags
 from specmesh.serving import run_service
 from verify_service.engine import VerifyConfig
-from verify_service.rejection import MAX_SPEC_LEN
+from specmesh.rejection import MAX_SPEC_LEN
 from verify_service.server import build_server
 
 

@@ -14,13 +14,14 @@ from typing import AsyncIterator
 
 import torch
 
-from specmesh.engine import eos_token_ids
+from specmesh.models import eos_token_ids
 from specmesh.errors import FailedPrecondition, InvalidArgument, ResourceExhausted, Unavailable
 from specmesh.loop import Proposal
-from specmesh.models import ModelRunner, load_model
+from specmesh.models import load_model
+from specmesh.runtime.hf import ModelRunner
 from specmesh.sampling import SamplingParams, StopChecker, check_token_ids, make_generator
 from specmesh.telemetry import tracer, wall_ns
-from verify_service.rejection import MAX_SPEC_LEN, DraftBlock, RejectionSampler, validate_block
+from specmesh.rejection import MAX_SPEC_LEN, DraftBlock, RejectionSampler, validate_block
 from verify_service.scheduler import Scheduler, StepResult
 from verify_service.sessions import Session, SessionStore, kv_bytes_per_token
 

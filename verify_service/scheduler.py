@@ -23,11 +23,11 @@ from dataclasses import dataclass, field
 import torch
 
 from specmesh.loop import SpecStats
-from specmesh.models import ModelRunner
+from specmesh.runtime.hf import ModelRunner
 from specmesh.telemetry import tracer, wall_ns
-from verify_service.rejection import DraftBlock, RejectionSampler
+from specmesh.rejection import DraftBlock, RejectionSampler
 from verify_service.sessions import Session
-from verify_service.verifier import verify_batch
+from specmesh.verifier import verify_batch
 
 log = logging.getLogger("specmesh.verify.scheduler")
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specmesh.errors import FailedPrecondition, NotFound, ResourceExhausted
-from specmesh.models import ModelRunner, Sequence
+from specmesh.runtime.hf import ModelRunner, Sequence
 from specmesh.sampling import SamplingParams, StopChecker
 
 

@@ -11,9 +11,9 @@ from concurrent.futures import Future
 import torch
 
 from specmesh.loop import Proposal, Verdict
-from specmesh.models import ModelRunner, Sequence
+from specmesh.runtime.hf import ModelRunner, Sequence
 from specmesh.sampling import SamplingParams, make_generator
-from verify_service.rejection import DraftBlock, RejectionSampler
+from specmesh.rejection import DraftBlock, RejectionSampler
 
 
 def verify_batch(runner: ModelRunner, sampler: RejectionSampler, seqs: list[Sequence],

@@ -4,13 +4,13 @@ import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, Qwen3Config, Qwen3ForCausalLM
 
-from conftest import noisy_copy, tiny_model
-from specmesh.drafting import ModelDrafter
+from tests.support.models import noisy_copy, tiny_model
+from specmesh.drafters import ModelDrafter
 from specmesh.engine import SpeculativeEngine
-from specmesh.fast_runner import StaticCacheRunner
-from specmesh.models import ModelRunner
+from specmesh.runtime.static import StaticCacheRunner
+from specmesh.runtime.hf import ModelRunner
 from specmesh.sampling import SamplingParams
-from verify_service.rejection import RejectionSampler
+from specmesh.rejection import RejectionSampler
 
 ATOL = 1e-4
 

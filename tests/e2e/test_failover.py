@@ -7,7 +7,7 @@ import time
 import openai
 import pytest
 
-from services import GatewayServer, save_tiny_checkpoints, spawn
+from tests.support.services import GatewayServer, save_tiny_checkpoints, spawn
 from specmesh.engine import SpeculativeEngine
 from specmesh.sampling import SamplingParams
 

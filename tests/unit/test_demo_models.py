@@ -10,7 +10,7 @@ from specmesh.engine import SpeculativeEngine
 from specmesh.sampling import SamplingParams
 from specmesh.training.corpus import read_text, stdlib_files
 
-DEMO = Path(__file__).resolve().parent.parent / "models" / "demo"
+DEMO = Path(__file__).resolve().parents[2] / "models" / "demo"
 
 
 @pytest.fixture(scope="module")

@@ -11,13 +11,13 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
-from conftest import noisy_copy, tiny_model
-from services import GatewayServer, start_draft, start_verify
+from tests.support.models import noisy_copy, tiny_model
+from tests.support.services import GatewayServer, start_draft, start_verify
 from specmesh.engine import SpeculativeEngine
 from specmesh.sampling import SamplingParams
 from specmesh.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 class Reply:

@@ -6,8 +6,8 @@ import threading
 import grpc
 import pytest
 
-from conftest import noisy_copy, tiny_model
-from services import draft_stub, generate, start_draft, start_verify, verify_stub
+from tests.support.models import noisy_copy, tiny_model
+from tests.support.services import draft_stub, generate, start_draft, start_verify, verify_stub
 from specmesh.engine import SpeculativeEngine
 from specmesh.sampling import SamplingParams
 from specmesh.v1 import common_pb2, draft_pb2, verify_pb2

@@ -13,12 +13,12 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
-from services import generate, save_tiny_checkpoints, spawn
+from tests.support.services import generate, save_tiny_checkpoints, spawn
 from specmesh.engine import SpeculativeEngine
 from specmesh.sampling import SamplingParams
 from specmesh.v1 import common_pb2, draft_pb2, draft_pb2_grpc, verify_pb2, verify_pb2_grpc
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

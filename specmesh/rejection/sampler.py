@@ -28,10 +28,9 @@ from dataclasses import dataclass
 
 import torch
 
+from specmesh.rejection.limits import MAX_SPEC_LEN, PLACEHOLDER_TOKEN_ID
 from specmesh.sampling import BatchSamplingParams, SamplingParams, process_logits
 
-PLACEHOLDER_TOKEN_ID = -1
-MAX_SPEC_LEN = 32  # compile-time bound of the Triton kernel; K per request is a runtime value
 _EXP_FLOOR = torch.finfo(torch.float32).tiny  # exponential_ can round to 0; keep p / E finite
 
 
@@ -119,7 +118,7 @@ class RejectionSampler:
         """target_logits: [sum(K_b + 1), V], request b's rows contiguous, bonus row last."""
         prep = prepare(target_logits, blocks, self.generator)
         if self.backend == "triton":
-            from verify_service.rejection_triton import rejection_sample_triton as kernel
+            from specmesh.rejection.triton_kernel import rejection_sample_triton as kernel
         else:
             kernel = rejection_sample_torch
         out = kernel(**prep.kernel_args())

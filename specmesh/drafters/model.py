@@ -1,4 +1,4 @@
-"""Drafters (torch, no gRPC): a draft model, and prompt-lookup n-grams.
+"""The draft-model drafter (torch, no gRPC).
 
 `ModelDrafter` samples each draft token from a truncated support of its processed distribution: the
 top `draft_topk` entries of `process_logits` output, renormalised. It sends exactly that sparse q, so
@@ -13,19 +13,19 @@ import time
 import torch
 
 from specmesh.loop import Proposal
-from specmesh.models import ModelRunner, Sequence
+from specmesh.runtime import Runner
 from specmesh.sampling import BatchSamplingParams, SamplingParams, process_logits
 
 DRAFT_SEED_SALT = 0x5EED_D4AF7  # the draft's stream must differ from the verifier's for the same seed
 
 
 class ModelDrafter:
-    def __init__(self, runner: ModelRunner, draft_topk: int = 16):
+    def __init__(self, runner: Runner, draft_topk: int = 16):
         if draft_topk < 1:
             raise ValueError("draft_topk must be >= 1")
         self.runner = runner
         self.draft_topk = draft_topk
-        self.seq: Sequence | None = None
+        self.seq = None
         self.tokens_drafted = 0  # including tokens drafted ahead and thrown away
         self.draft_seconds = 0.0
 
@@ -75,31 +75,3 @@ class ModelDrafter:
 
     def commit(self, tokens: list[int]) -> None:
         self.seq.commit(tokens)
-
-
-class NgramDrafter:
-    """Prompt lookup: find the latest earlier occurrence of the last n tokens, propose what followed.
-
-    No model, no probabilities (the verifier's point-mass rule keeps it lossless).
-    """
-
-    def __init__(self, max_ngram: int = 4, min_ngram: int = 1):
-        self.max_ngram, self.min_ngram = max_ngram, min_ngram
-        self.tokens: list[int] = []
-
-    def start(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        self.tokens = list(prompt_ids)
-
-    def propose(self, k: int, after: list[int] = (), should_stop=None) -> Proposal:
-        toks = self.tokens + list(after) if after else self.tokens
-        for n in range(min(self.max_ngram, len(toks) - 1), self.min_ngram - 1, -1):
-            tail = toks[-n:]
-            for start in range(len(toks) - n - 1, -1, -1):
-                if toks[start : start + n] == tail:
-                    follow = toks[start + n : start + n + k]
-                    if follow:
-                        return Proposal(follow)
-        return Proposal([])
-
-    def commit(self, tokens: list[int]) -> None:
-        self.tokens.extend(tokens)

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from conftest import noisy_copy, tiny_model
+from tests.support.models import noisy_copy, tiny_model
 from specmesh.engine import SpeculativeEngine
 from specmesh.sampling import SamplingParams
 

@@ -13,11 +13,11 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from prometheus_client.parser import text_string_to_metric_families
 from transformers import AutoTokenizer
 
-from conftest import noisy_copy, tiny_model
-from services import GatewayServer, start_draft, start_verify
+from tests.support.models import noisy_copy, tiny_model
+from tests.support.services import GatewayServer, start_draft, start_verify
 from specmesh import telemetry
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

@@ -129,14 +129,14 @@ class GatewayServer:
         self.thread.join(10)
 
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def save_tiny_checkpoints(base: Path, seed: int = 8) -> tuple[Path, Path]:
     """A tiny target and a noisy-copy draft on disk, with the demo tokenizer (so text and stop strings work)."""
     from transformers import AutoTokenizer
 
-    from conftest import noisy_copy, tiny_model
+    from tests.support.models import noisy_copy, tiny_model
 
     tok = AutoTokenizer.from_pretrained(ROOT / "models" / "demo" / "target")
     target = tiny_model("llama", vocab=len(tok), seed=seed)

@@ -4,7 +4,7 @@ One program per request, one launch per batch step. The loop over draft position
 compile-time bound MAX_SPEC_LEN with the request's runtime K as a mask, so a new K never recompiles.
 After the loop the program makes one pass over the vocabulary for the single token it emits (recovered
 at the first rejection, or bonus): argmax(residual / E), first index on ties, exactly like the torch
-reference in `rejection.py`, with which it must agree token for token.
+reference in `sampler.py`, with which it must agree token for token.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from verify_service.rejection import MAX_SPEC_LEN, PLACEHOLDER_TOKEN_ID
+from specmesh.rejection.limits import MAX_SPEC_LEN, PLACEHOLDER_TOKEN_ID
 
 
 # Sizes and strides are runtime values: no recompilation when K, the batch or the vocabulary changes shape.

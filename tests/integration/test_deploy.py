@@ -26,7 +26,7 @@ from grpc_health.v1._async import HealthServicer
 from specmesh import healthcheck
 from specmesh.v1 import draft_pb2, verify_pb2
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 COMPOSE_FILE = ROOT / "docker-compose.yml"
 COMPOSE_GPU_FILE = ROOT / "docker-compose.gpu.yml"
 K8S_DIR = ROOT / "deploy" / "k8s"

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from conftest import tiny_model
-from specmesh.models import ModelRunner
+from tests.support.models import tiny_model
+from specmesh.runtime.hf import ModelRunner
 
 
 def full_logits(model, ids, n):
@@ -80,8 +80,8 @@ def test_empty_sequence_is_refused():
 def test_verify_batch_of_eight_equals_one_by_one():
     """The scheduler's step: 8 sequences, ragged K, greedy, one forward + one sampler call."""
     from specmesh.sampling import SamplingParams
-    from verify_service.rejection import DraftBlock, RejectionSampler
-    from verify_service.verifier import verify_batch
+    from specmesh.rejection import DraftBlock, RejectionSampler
+    from specmesh.verifier import verify_batch
 
     model = tiny_model("llama", vocab=80, seed=9)
     runner, sampler = ModelRunner(model), RejectionSampler("torch", seed=0)

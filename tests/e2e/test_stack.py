@@ -8,7 +8,7 @@ import sys
 import threading
 import urllib.request
 
-from services import ROOT, free_port
+from tests.support.services import ROOT, free_port
 
 
 def readme_block(lang: str, must_contain: str) -> str:

@@ -6,9 +6,9 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-import verify_service.rejection as rejection
+import specmesh.rejection.sampler as rejection
 from specmesh.sampling import BatchSamplingParams, SamplingParams, process_logits
-from verify_service.rejection import DraftBlock, RejectionSampler, validate_block
+from specmesh.rejection import DraftBlock, RejectionSampler, validate_block
 
 GREEDY = SamplingParams(temperature=0.0)
 N_SAMPLES = 200_000
@@ -277,7 +277,7 @@ def test_triton_handles_all_empty_drafts():
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_triton_on_cuda_bf16_no_recompile_per_k():
-    from verify_service.rejection_triton import _rejection_kernel
+    from specmesh.rejection.triton_kernel import _rejection_kernel
 
     gen = torch.Generator().manual_seed(0)
     for trial, max_k in enumerate((2, 5, 8)):

@@ -1,0 +1,34 @@
+"""Prompt-lookup drafting: no model, no probabilities (the verifier's point-mass rule keeps it lossless)."""
+
+from __future__ import annotations
+
+from specmesh.loop import Proposal
+from specmesh.sampling import SamplingParams
+
+
+class NgramDrafter:
+    """Prompt lookup: find the latest earlier occurrence of the last n tokens, propose what followed.
+
+    No model, no probabilities (the verifier's point-mass rule keeps it lossless).
+    """
+
+    def __init__(self, max_ngram: int = 4, min_ngram: int = 1):
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+        self.tokens: list[int] = []
+
+    def start(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        self.tokens = list(prompt_ids)
+
+    def propose(self, k: int, after: list[int] = (), should_stop=None) -> Proposal:
+        toks = self.tokens + list(after) if after else self.tokens
+        for n in range(min(self.max_ngram, len(toks) - 1), self.min_ngram - 1, -1):
+            tail = toks[-n:]
+            for start in range(len(toks) - n - 1, -1, -1):
+                if toks[start : start + n] == tail:
+                    follow = toks[start + n : start + n + k]
+                    if follow:
+                        return Proposal(follow)
+        return Proposal([])
+
+    def commit(self, tokens: list[int]) -> None:
+        self.tokens.extend(tokens)

@@ -1,0 +1,30 @@
+"""Tiny randomly initialised Llama / Qwen2 models built from a config in the test."""
+
+import copy
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+
+def tiny_model(arch: str = "llama", vocab: int = 128, hidden: int = 64, layers: int = 2, seed: int = 0,
+               init_range: float = 0.2):
+    """A random model whose logits are peaked enough (init_range) that greedy has few near-ties."""
+    torch.manual_seed(seed)
+    kw = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+              initializer_range=init_range, eos_token_id=vocab - 1, bos_token_id=vocab - 1)
+    if arch == "llama":
+        return LlamaForCausalLM(LlamaConfig(**kw)).eval()
+    if arch == "qwen2":
+        return Qwen2ForCausalLM(Qwen2Config(**kw)).eval()
+    raise ValueError(arch)
+
+
+def noisy_copy(model, noise: float, seed: int = 1):
+    """A draft that agrees with the target often but not always: the target plus weight noise."""
+    draft = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * noise * p.std().clamp_min(1e-3))
+    return draft.eval()
