@@ -4,6 +4,9 @@ A later turn names its session and sends the whole conversation; the longest com
 cached tokens is reused and only the rest is prefilled (`ModelRunner.prefill`). Sessions that no stream
 is using are evicted least-recently-used first when the KV budget is exceeded, and after `ttl_seconds`
 idle. Attached sessions (a stream or generate call in progress) are never evicted.
+
+Every timestamp (LRU recency, TTL expiry) comes from the store's `clock`, so tests can drive time
+instead of sleeping.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -55,8 +59,10 @@ class Session:
 
 
 class SessionStore:
-    def __init__(self, runner: ModelRunner, budget_bytes: int, ttl_seconds: float, bytes_per_token: int):
+    def __init__(self, runner: ModelRunner, budget_bytes: int, ttl_seconds: float, bytes_per_token: int,
+                 clock: Callable[[], float] = time.monotonic):
         self.runner = runner
+        self.clock = clock  # seconds, monotonic: only differences between its readings matter
         self.budget_bytes = budget_bytes
         self.ttl_seconds = ttl_seconds
         self.bytes_per_token = bytes_per_token
@@ -82,7 +88,7 @@ class SessionStore:
         if session is None:
             raise NotFound(f"unknown session {session_id!r} (never opened, released or evicted)")
         self._sessions.move_to_end(session_id)
-        session.last_used = time.monotonic()
+        session.last_used = self.clock()
         return session
 
     def open(self, session_id: str, prompt_ids: list[int]) -> Session:
@@ -98,7 +104,7 @@ class SessionStore:
         else:
             session.seq.reset_tokens(prompt_ids)
         self._sessions.move_to_end(session.session_id)
-        session.last_used = time.monotonic()
+        session.last_used = self.clock()
         return session
 
     def make_room(self, new_tokens: int, keep: Session | None = None) -> None:
@@ -123,7 +129,7 @@ class SessionStore:
         return False
 
     def evict_expired(self, now: float | None = None) -> int:
-        now = time.monotonic() if now is None else now
+        now = self.clock() if now is None else now
         old = [sid for sid, s in self._sessions.items() if not s.attached and now - s.last_used > self.ttl_seconds]
         for sid in old:
             self._drop(sid)
