@@ -160,15 +160,17 @@ def engine_once(engine, prompt, max_tokens, k) -> tuple[list[int], tuple | None]
 
 
 def generate_once(stub, prompt, max_tokens) -> tuple[list[int], object]:
-    """All tokens and the last chunk of one DraftService / VerifyService Generate call."""
+    """All tokens and the finished chunk of one DraftService / VerifyService Generate call."""
     if isinstance(stub, draft_pb2_grpc.DraftServiceStub):
-        req = draft_pb2.DraftGenerateRequest(prompt_ids=prompt, params=greedy_pb(max_tokens), num_speculative_tokens=K)
+        req = draft_pb2.DraftServiceGenerateRequest(prompt_ids=prompt, params=greedy_pb(max_tokens),
+                                                    num_speculative_tokens=K)
     else:
-        req = verify_pb2.VerifyGenerateRequest(prompt_ids=prompt, params=greedy_pb(max_tokens))
+        req = verify_pb2.VerifyServiceGenerateRequest(prompt_ids=prompt, params=greedy_pb(max_tokens))
     tokens, last = [], None
     for chunk in stub.Generate(req, timeout=RPC_TIMEOUT):
-        tokens.extend(chunk.token_ids)
-        last = chunk
+        tokens.extend(chunk.tokens.token_ids)
+        if chunk.HasField("finished"):
+            last = chunk.finished
     return tokens, last
 
 
@@ -222,8 +224,8 @@ async def _raw_verify(address: str, draft_runner, prompts, max_tokens: int, k: i
             while True:
                 kk = min(k, max_tokens - len(out) - 1)
                 proposal = drafter.propose(kk) if kk > 0 else Proposal([])
-                msg = verify_pb2.DraftBlock(session_id=opened.session_id, epoch=epoch, base_position=position,
-                                            draft_ids=proposal.token_ids)
+                msg = verify_pb2.VerifyRequest(session_id=opened.session_id, epoch=epoch, base_position=position,
+                                               draft_ids=proposal.token_ids)
                 t0 = time.perf_counter()
                 await call.write(msg)
                 while True:
@@ -269,7 +271,7 @@ def run_concurrent(stubs, prompts, max_tokens) -> tuple[dict, list]:
 
 
 def verify_counters(stub) -> dict:
-    info = stub.Info(verify_pb2.InfoRequest(), timeout=30)
+    info = stub.Info(verify_pb2.VerifyServiceInfoRequest(), timeout=30)
     return {f: getattr(info, f) for f in ("batches", "batched_blocks", "max_batch_size_seen", "deadline_steps",
                                           "stale_blocks")}
 
@@ -413,7 +415,7 @@ def main(argv: list[str] | None = None) -> dict:
         vstub = verify_pb2_grpc.VerifyServiceStub(grpc.insecure_channel(vaddr))
         dstub = draft_pb2_grpc.DraftServiceStub(grpc.insecure_channel(daddr))
         fstub = draft_pb2_grpc.DraftServiceStub(grpc.insecure_channel(faddr))
-        vinfo = vstub.Info(verify_pb2.InfoRequest(), timeout=30)
+        vinfo = vstub.Info(verify_pb2.VerifyServiceInfoRequest(), timeout=30)
 
         # warm-up: every path once (and the batched verify path: a few concurrent sessions)
         for _ in tqdm(range(1), desc="warm-up", unit="pass"):
@@ -431,10 +433,10 @@ def main(argv: list[str] | None = None) -> dict:
                 (f"(c) services K={K} adaptive+pipeline", lambda p: service_once(dstub, p, args.max_tokens)),
                 (f"(d) services K={K} fixed, no pipeline", lambda p: service_once(fstub, p, args.max_tokens)),
                 ("(e) services target-only", lambda p: service_once(vstub, p, args.max_tokens))]
-        dinfo_before = dstub.Info(draft_pb2.DraftInfoRequest(), timeout=30)
+        dinfo_before = dstub.Info(draft_pb2.DraftServiceInfoRequest(), timeout=30)
         methods, outputs = run_interleaved(plan, p1, services.check_alive)
-        dinfo = dstub.Info(draft_pb2.DraftInfoRequest(), timeout=30)
-        finfo = fstub.Info(draft_pb2.DraftInfoRequest(), timeout=30)
+        dinfo = dstub.Info(draft_pb2.DraftServiceInfoRequest(), timeout=30)
+        finfo = fstub.Info(draft_pb2.DraftServiceInfoRequest(), timeout=30)
         a_name, e_name = plan[0][0], plan[-1][0]
         reference = outputs[a_name]
         for name, m in methods.items():

@@ -115,7 +115,7 @@ class DraftEngine:
             ch = self._channels[address] = grpc.aio.insecure_channel(address)
         stub = verify_pb2_grpc.VerifyServiceStub(ch)
         if self.runner is not None and address not in self._checked:
-            info = await stub.Info(verify_pb2.InfoRequest(), timeout=self.config.verify_timeout_s)
+            info = await stub.Info(verify_pb2.VerifyServiceInfoRequest(), timeout=self.config.verify_timeout_s)
             if info.vocab_size != self.vocab_size:
                 raise FailedPrecondition(f"the draft's vocabulary ({self.vocab_size}) differs from the target's "
                                          f"({info.vocab_size}) at {address}")

@@ -52,21 +52,21 @@ class RemoteVerifier:
             self.on_open(resp)
 
     def submit(self, proposal: Proposal) -> Future:
-        msg = verify_pb2.DraftBlock(session_id=self.session_id, epoch=self.epoch, base_position=self.position,
-                                    **wire.proposal_to_pb_fields(proposal))
+        msg = wire.block_to_pb(proposal, self.session_id, self.epoch, self.position)
         return asyncio.run_coroutine_threadsafe(asyncio.wait_for(self._round(msg), self.timeout), self.loop)
 
-    async def _round(self, msg: verify_pb2.DraftBlock) -> Verdict:
+    async def _round(self, msg: verify_pb2.VerifyRequest) -> Verdict:
         await self.call.write(msg)
         while True:
-            v = await self.call.read()
-            if v is grpc.aio.EOF:
+            pb = await self.call.read()
+            if pb is grpc.aio.EOF:
                 raise Unavailable("the verify service closed the session stream before the generation ended")
-            if not v.stale:
+            if not pb.stale:
                 break
-        self.epoch = v.epoch + 1
-        self.position += len(v.token_ids)
-        return Verdict(list(v.token_ids), v.num_accepted, v.num_drafted, wire.FINISH_FROM_PB[v.finish_reason])
+        verdict = wire.verdict_from_pb(pb)
+        self.epoch = verdict.epoch + 1
+        self.position += len(verdict.tokens)
+        return verdict
 
     async def aclose(self, finished: bool) -> None:
         """End the stream from the event loop: half-close and let the server end it after a finished

@@ -29,4 +29,4 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
 
     @unary_errors
     async def Info(self, request, context):
-        return draft_pb2.DraftInfo(**self.engine.info())
+        return draft_pb2.DraftServiceInfoResponse(**self.engine.info())

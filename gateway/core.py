@@ -278,7 +278,7 @@ class Gateway:
             if draft is not None:
                 with draft.track():
                     stub = draft_pb2_grpc.DraftServiceStub(self.draft_pool.channel(draft))
-                    call = stub.Generate(draft_pb2.DraftGenerateRequest(
+                    call = stub.Generate(draft_pb2.DraftServiceGenerateRequest(
                         session_id=session_id, prompt_ids=prompt, params=pb_params, verify_address=verify.address,
                         num_speculative_tokens=k or self.config.speculative_num_steps), timeout=timeout,
                         metadata=metadata)
@@ -286,8 +286,8 @@ class Gateway:
                         yield item
             else:
                 stub = verify_pb2_grpc.VerifyServiceStub(self.verify_pool.channel(verify))
-                call = stub.Generate(verify_pb2.VerifyGenerateRequest(session_id=session_id, prompt_ids=prompt,
-                                                                      params=pb_params), timeout=timeout,
+                call = stub.Generate(verify_pb2.VerifyServiceGenerateRequest(session_id=session_id, prompt_ids=prompt,
+                                                                             params=pb_params), timeout=timeout,
                                      metadata=metadata)
                 async for item in self._read(call, outcome, first):
                     yield item
@@ -297,14 +297,18 @@ class Gateway:
         finished = False
         try:
             async for resp in call:
-                if resp.prompt_tokens and first:
-                    outcome.cached_prompt_tokens = resp.cached_prompt_tokens
-                if resp.HasField("stats"):
-                    outcome.stats.merge(wire.stats_from_pb(resp.stats))
-                finish = wire.FINISH_FROM_PB[resp.finish_reason]
-                finished = finish is not None
-                if resp.token_ids or finished:
-                    yield list(resp.token_ids), finish
+                kind = resp.WhichOneof("chunk")
+                if kind == "opened" and first:
+                    outcome.cached_prompt_tokens = resp.opened.cached_prompt_tokens
+                elif kind == "tokens" and resp.tokens.token_ids:
+                    yield list(resp.tokens.token_ids), None
+                elif kind == "finished":
+                    if resp.finished.HasField("stats"):
+                        outcome.stats.merge(wire.stats_from_pb(resp.finished.stats))
+                    finish = wire.finish_from_pb(resp.finished.finish_reason)
+                    finished = finish is not None
+                    if finished:
+                        yield [], finish
         finally:
             if not finished:
                 call.cancel()  # a client that went away, or a stop string found here: stop the work downstream

@@ -8,6 +8,8 @@ from specmesh.errors import InvalidArgument, NotFound
 from specmesh.serving import stream_errors, unary_errors
 from specmesh.v1 import gateway_pb2, gateway_pb2_grpc
 
+Chunk = gateway_pb2.GatewayServiceGenerateStreamResponse
+
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
     def __init__(self, gateway: Gateway):
@@ -25,7 +27,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
 
     @staticmethod
     def _final(outcome: Outcome, finish) -> dict:
-        return dict(finish_reason=wire.FINISH_TO_PB[finish],
+        return dict(finish_reason=wire.finish_to_pb(finish),
                     usage=gateway_pb2.Usage(prompt_tokens=outcome.prompt_tokens,
                                             completion_tokens=outcome.completion_tokens,
                                             cached_prompt_tokens=outcome.cached_prompt_tokens),
@@ -41,7 +43,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             text.append(chunk.text)
             ids += chunk.token_ids
             finish = chunk.finish_reason or finish
-        return gateway_pb2.GatewayGenerateResponse(text="".join(text), token_ids=ids, **self._final(outcome, finish))
+        return gateway_pb2.GatewayServiceGenerateResponse(text="".join(text), token_ids=ids,
+                                                          **self._final(outcome, finish))
 
     @stream_errors
     async def GenerateStream(self, request, context):
@@ -49,7 +52,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         outcome = Outcome(prompt_tokens=len(req.prompt_ids))
         async for chunk in self.gateway.generate(req, outcome):
             if chunk.finish_reason is None:
-                yield gateway_pb2.GatewayGenerateResponse(text=chunk.text, token_ids=chunk.token_ids)
+                yield Chunk(delta=Chunk.Delta(text=chunk.text, token_ids=chunk.token_ids))
             else:
-                yield gateway_pb2.GatewayGenerateResponse(text=chunk.text, token_ids=chunk.token_ids,
-                                                          **self._final(outcome, chunk.finish_reason))
+                yield Chunk(finished=Chunk.Finished(text=chunk.text, token_ids=chunk.token_ids,
+                                                    **self._final(outcome, chunk.finish_reason)))

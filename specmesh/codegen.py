@@ -1,6 +1,6 @@
 """Generate the gRPC/protobuf Python code of `proto/specmesh/v1/*.proto` into `specmesh/v1/`.
 
-`python -m specmesh.codegen` (or `make proto`) rewrites the committed stubs; `tests/test_proto.py`
+`python -m specmesh.codegen` (or `make proto`) rewrites the committed stubs; `tests/unit/test_proto.py`
 regenerates into a temporary folder and fails if the committed files differ, so they are never stale.
 grpcio-tools is pinned in pyproject.toml because its bundled protoc decides the exact output.
 """

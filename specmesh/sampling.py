@@ -14,6 +14,7 @@ import torch
 from specmesh.errors import InvalidArgument
 
 MAX_STOP_STRINGS = 16
+DEFAULT_MAX_TOKENS = 16
 GREEDY_TEMPERATURE = 1e-5  # below this, temperature scaling overflows fp32 logits: treated as greedy (as vLLM)
 
 

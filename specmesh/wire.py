@@ -1,17 +1,24 @@
 """Translation between specmesh.v1 protobuf messages and the core's domain objects, in one place.
 
-Every service converts at its boundary with these functions and works with domain objects inside
-(`SamplingParams`, `Proposal`, `Verdict`, `SpecStats`). Conversions that read client input raise
-ValueError with a message naming the field, which the servicers turn into INVALID_ARGUMENT.
+Every service converts at its boundary with these functions and works with domain objects inside:
+`SamplingParams` (specmesh.sampling) and `DraftBlock`, `Verdict`, `SpecStats` and the generation events
+`Opened` / `Tokens` / `Finished` (specmesh.domain). The domain never imports protobuf, so each boundary is
+a `*_to_pb` / `*_from_pb` pair here rather than methods on the domain dataclasses.
+
+Conversions that read a caller's input raise `InvalidArgument` with a message naming the field, which
+every front answers with INVALID_ARGUMENT (HTTP 400); a plain ValueError would be an internal error.
 """
 
 from __future__ import annotations
 
+from typing import TypeVar
+
 import torch
 
-from specmesh.loop import Proposal, SpecStats
-from specmesh.sampling import SamplingParams
-from specmesh.v1 import common_pb2
+from specmesh.domain import BatchLoad, DraftBlock, Finished, GenerationEvent, Opened, SpecStats, Tokens, Verdict
+from specmesh.errors import InvalidArgument
+from specmesh.sampling import DEFAULT_MAX_TOKENS, SamplingParams
+from specmesh.v1 import common_pb2, verify_pb2
 
 FINISH_TO_PB = {
     None: common_pb2.FINISH_REASON_UNSPECIFIED,
@@ -22,19 +29,40 @@ FINISH_TO_PB = {
 FINISH_FROM_PB = {v: k for k, v in FINISH_TO_PB.items()}
 
 
+def finish_to_pb(reason: str | None) -> int:
+    """The FinishReason of a domain finish reason (None = not finished)."""
+    return FINISH_TO_PB[reason]
+
+
+def finish_from_pb(value: int) -> str | None:
+    """The domain finish reason of a FinishReason; a value this version does not know is refused (proto3
+    enums are open, so a newer peer could send one)."""
+    try:
+        return FINISH_FROM_PB[value]
+    except KeyError:
+        raise InvalidArgument(f"finish_reason: unknown value {value}") from None
+
+
+# Sampling parameters ---------------------------------------------------------------------------------
+
 def params_from_pb(pb: common_pb2.SamplingParams, vocab_size: int | None = None) -> SamplingParams:
-    """Validated SamplingParams; unset optional fields take the defaults the proto documents."""
+    """Validated SamplingParams; unset fields take the defaults the proto documents."""
     params = SamplingParams(
         temperature=pb.temperature if pb.HasField("temperature") else 1.0,
         top_k=pb.top_k,
         top_p=pb.top_p if pb.HasField("top_p") else 1.0,
         seed=pb.seed if pb.HasField("seed") else None,
-        max_tokens=pb.max_tokens or 16,
+        max_tokens=pb.max_tokens or DEFAULT_MAX_TOKENS,
         stop_token_ids=tuple(pb.stop_token_ids),
         stop=tuple(pb.stop),
         ignore_eos=pb.ignore_eos,
     )
-    return params.validate(vocab_size)
+    try:
+        return params.validate(vocab_size)
+    except InvalidArgument:
+        raise
+    except ValueError as e:  # validate's messages name the field; the class decides the status code
+        raise InvalidArgument(str(e)) from None
 
 
 def params_to_pb(params: SamplingParams) -> common_pb2.SamplingParams:
@@ -46,37 +74,97 @@ def params_to_pb(params: SamplingParams) -> common_pb2.SamplingParams:
     return pb
 
 
-def proposal_to_pb_fields(proposal: Proposal) -> dict:
-    """The DraftBlock fields that carry a proposal (ids, and the sparse q flattened [K, S])."""
-    fields = {"draft_ids": proposal.token_ids}
-    if proposal.q_ids is not None and proposal.k:
-        fields.update(q_ids=proposal.q_ids.flatten().tolist(), q_probs=proposal.q_probs.flatten().tolist(),
-                      q_width=proposal.q_ids.size(1))
-    return fields
+# The Verify stream: draft blocks up, verdicts down ---------------------------------------------------
+
+def block_to_pb(block: DraftBlock, session_id: str, epoch: int, base_position: int) -> verify_pb2.VerifyRequest:
+    """One VerifyRequest: the block's ids and, when it has them, its sparse q flattened row-major [K * S]."""
+    pb = verify_pb2.VerifyRequest(session_id=session_id, epoch=epoch, base_position=base_position,
+                                  draft_ids=block.token_ids)
+    if block.q_ids is not None and block.k:
+        pb.q_ids.extend(block.q_ids.flatten().tolist())
+        pb.q_probs.extend(block.q_probs.flatten().tolist())
+        pb.q_width = block.q_ids.size(1)
+    return pb
 
 
-def proposal_from_pb(draft_ids, q_ids, q_probs, q_width: int) -> Proposal:
-    """Rebuild a proposal; shape errors raise ValueError (value checks are the verifier's validate_block)."""
-    ids = list(draft_ids)
+def block_from_pb(pb: verify_pb2.VerifyRequest) -> DraftBlock:
+    """The block a VerifyRequest carries. Shape errors raise InvalidArgument here; the values (ids in the
+    vocabulary, rows summing to 1, ...) are the verifier's to check (specmesh.rejection.validate_block)."""
+    ids = list(pb.draft_ids)
     k = len(ids)
-    if not len(q_ids) and not len(q_probs):
-        return Proposal(ids)
+    if not len(pb.q_ids) and not len(pb.q_probs):
+        return DraftBlock(ids)
     if not k:
-        raise ValueError("draft probabilities sent without draft tokens")
-    if q_width < 1 or len(q_ids) != k * q_width or len(q_probs) != k * q_width:
-        raise ValueError(f"q_ids and q_probs must both hold K * q_width = {k} * {q_width} values, got "
-                         f"{len(q_ids)} and {len(q_probs)}")
-    return Proposal(ids, torch.tensor(list(q_ids), dtype=torch.long).view(k, q_width),
-                    torch.tensor(list(q_probs), dtype=torch.float32).view(k, q_width))
+        raise InvalidArgument("q_ids and q_probs: draft probabilities sent without draft_ids")
+    width = pb.q_width
+    if width < 1 or len(pb.q_ids) != k * width or len(pb.q_probs) != k * width:
+        raise InvalidArgument(f"q_ids and q_probs must both hold len(draft_ids) * q_width = {k} * {width} "
+                              f"values, got {len(pb.q_ids)} and {len(pb.q_probs)}")
+    return DraftBlock(ids, torch.tensor(list(pb.q_ids), dtype=torch.long).view(k, width),
+                      torch.tensor(list(pb.q_probs), dtype=torch.float32).view(k, width))
 
+
+def verdict_to_pb(v: Verdict) -> verify_pb2.VerifyResponse:
+    return verify_pb2.VerifyResponse(
+        epoch=v.epoch, num_drafted=v.num_drafted or 0, num_accepted=v.num_accepted, token_ids=v.tokens,
+        finish_reason=finish_to_pb(v.finish_reason), stale=v.stale, deadline=v.deadline,
+        timings=verify_pb2.VerifyTimings(queue_seconds=v.load.queue_seconds, batch_seconds=v.load.batch_seconds,
+                                         batch_size=v.load.batch_size))
+
+
+def verdict_from_pb(pb: verify_pb2.VerifyResponse) -> Verdict:
+    t = pb.timings
+    return Verdict(list(pb.token_ids), pb.num_accepted, pb.num_drafted, finish_from_pb(pb.finish_reason),
+                   epoch=pb.epoch, stale=pb.stale, deadline=pb.deadline,
+                   load=BatchLoad(t.queue_seconds, t.batch_seconds, t.batch_size))
+
+
+# Statistics and generation streams -------------------------------------------------------------------
 
 def stats_to_pb(stats: SpecStats) -> common_pb2.SpecStats:
     return common_pb2.SpecStats(rounds=stats.rounds, drafts=stats.drafts, drafted=stats.drafted,
-                                accepted=stats.accepted, drafted_per_pos=stats.drafted_per_pos, accepted_per_pos=stats.accepted_per_pos,
-                                draft_seconds=stats.draft_seconds, verify_seconds=stats.verify_seconds)
+                                accepted=stats.accepted, drafted_per_pos=stats.drafted_per_pos,
+                                accepted_per_pos=stats.accepted_per_pos, draft_seconds=stats.draft_seconds,
+                                verify_seconds=stats.verify_seconds)
 
 
 def stats_from_pb(pb: common_pb2.SpecStats) -> SpecStats:
     return SpecStats(rounds=pb.rounds, drafts=pb.drafts, drafted=pb.drafted, accepted=pb.accepted,
                      drafted_per_pos=list(pb.drafted_per_pos), accepted_per_pos=list(pb.accepted_per_pos),
                      draft_seconds=pb.draft_seconds, verify_seconds=pb.verify_seconds)
+
+
+# DraftServiceGenerateResponse or VerifyServiceGenerateResponse: the same `oneof chunk` in both.
+GenerateResponse = TypeVar("GenerateResponse")
+
+
+def event_to_pb(event: GenerationEvent, response_type: type[GenerateResponse]) -> GenerateResponse:
+    """The Generate stream chunk of one generation event, as a `response_type` message."""
+    if isinstance(event, Opened):
+        return response_type(opened=common_pb2.GenerationOpened(
+            session_id=event.session_id, prompt_tokens=event.prompt_tokens,
+            cached_prompt_tokens=event.cached_prompt_tokens))
+    if isinstance(event, Tokens):
+        return response_type(tokens=common_pb2.GenerationTokens(token_ids=event.token_ids))
+    if isinstance(event, Finished):
+        pb = response_type(finished=common_pb2.GenerationFinished(finish_reason=finish_to_pb(event.finish_reason)))
+        if event.stats != SpecStats():  # all zero (target-only decoding) travels as unset, so HasField tells
+            pb.finished.stats.CopyFrom(stats_to_pb(event.stats))
+        return pb
+    raise TypeError(f"not a generation event: {event!r}")
+
+
+def event_from_pb(pb) -> GenerationEvent:
+    """The generation event a Generate stream chunk carries."""
+    kind = pb.WhichOneof("chunk")
+    if kind == "opened":
+        o = pb.opened
+        return Opened(o.session_id, o.prompt_tokens, o.cached_prompt_tokens)
+    if kind == "tokens":
+        return Tokens(list(pb.tokens.token_ids))
+    if kind == "finished":
+        reason = finish_from_pb(pb.finished.finish_reason)
+        if reason is None:
+            raise InvalidArgument("finished.finish_reason: a finished chunk must say why the generation ended")
+        return Finished(reason, stats_from_pb(pb.finished.stats))
+    raise InvalidArgument("chunk: none of opened, tokens, finished is set")

@@ -10,14 +10,6 @@ from specmesh.v1 import common_pb2, verify_pb2, verify_pb2_grpc
 from verify_service.engine import END_OF_STREAM, BlockIn, VerifyEngine
 
 
-def _verdict_pb(v) -> verify_pb2.Verdict:
-    return verify_pb2.Verdict(
-        epoch=v.epoch, num_drafted=v.num_drafted, num_accepted=v.num_accepted, token_ids=v.tokens,
-        finish_reason=wire.FINISH_TO_PB[v.finish_reason], stale=v.stale, deadline=v.deadline,
-        timings=verify_pb2.VerifyTimings(queue_seconds=v.queue_seconds, batch_seconds=v.batch_seconds,
-                                         batch_size=v.batch_size))
-
-
 class VerifyServicer(verify_pb2_grpc.VerifyServiceServicer):
     def __init__(self, engine: VerifyEngine):
         self.engine = engine
@@ -41,11 +33,11 @@ class VerifyServicer(verify_pb2_grpc.VerifyServiceServicer):
             try:
                 async for pb in request_iterator:
                     try:
-                        proposal = wire.proposal_from_pb(pb.draft_ids, pb.q_ids, pb.q_probs, pb.q_width)
+                        block = wire.block_from_pb(pb)
                     except ValueError as e:
                         inbox.put_nowait(e)
                         return
-                    inbox.put_nowait(BlockIn(pb.session_id, pb.epoch, pb.base_position, proposal))
+                    inbox.put_nowait(BlockIn(pb.session_id, pb.epoch, pb.base_position, block))
                 inbox.put_nowait(END_OF_STREAM)
             except Exception as e:  # noqa: BLE001 — the stream broke: end the session's loop
                 inbox.put_nowait(END_OF_STREAM if context.cancelled() else e)
@@ -53,7 +45,7 @@ class VerifyServicer(verify_pb2_grpc.VerifyServiceServicer):
         reader = asyncio.get_running_loop().create_task(pump())
         try:
             async for verdict in self.engine.session_stream(inbox):
-                yield _verdict_pb(verdict)
+                yield wire.verdict_to_pb(verdict)
         finally:
             reader.cancel()
 
@@ -77,4 +69,4 @@ class VerifyServicer(verify_pb2_grpc.VerifyServiceServicer):
 
     @unary_errors
     async def Info(self, request, context):
-        return verify_pb2.VerifyInfo(**self.engine.info())
+        return verify_pb2.VerifyServiceInfoResponse(**self.engine.info())

@@ -24,21 +24,23 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18specmesh/v1/common.proto\x12\x0bspecmesh.v1\"\xd1\x01\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\r\n\x05top_k\x18\x02 \x01(\r\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x02\x88\x01\x01\x12\x12\n\nmax_tokens\x18\x05 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x05\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seed\"\xb0\x01\n\tSpecStats\x12\x0e\n\x06rounds\x18\x01 \x01(\r\x12\x0f\n\x07\x64rafted\x18\x02 \x01(\r\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x03 \x01(\r\x12\x17\n\x0f\x64rafted_per_pos\x18\x04 \x03(\r\x12\x18\n\x10\x61\x63\x63\x65pted_per_pos\x18\x05 \x03(\r\x12\x15\n\rdraft_seconds\x18\x06 \x01(\x01\x12\x16\n\x0everify_seconds\x18\x07 \x01(\x01\x12\x0e\n\x06\x64rafts\x18\x08 \x01(\r\"\xcb\x01\n\x10GenerateResponse\x12\x15\n\ttoken_ids\x18\x01 \x03(\x05\x42\x02\x10\x01\x12\x30\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x19.specmesh.v1.FinishReason\x12%\n\x05stats\x18\x03 \x01(\x0b\x32\x16.specmesh.v1.SpecStats\x12\x12\n\nsession_id\x18\x04 \x01(\t\x12\x15\n\rprompt_tokens\x18\x05 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x06 \x01(\r*|\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18specmesh/v1/common.proto\x12\x0bspecmesh.v1\"\xd1\x01\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\r\n\x05top_k\x18\x02 \x01(\r\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x02\x88\x01\x01\x12\x12\n\nmax_tokens\x18\x05 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x05\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seed\"\xb0\x01\n\tSpecStats\x12\x0e\n\x06rounds\x18\x01 \x01(\r\x12\x0f\n\x07\x64rafted\x18\x02 \x01(\r\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x03 \x01(\r\x12\x17\n\x0f\x64rafted_per_pos\x18\x04 \x03(\r\x12\x18\n\x10\x61\x63\x63\x65pted_per_pos\x18\x05 \x03(\r\x12\x15\n\rdraft_seconds\x18\x06 \x01(\x01\x12\x16\n\x0everify_seconds\x18\x07 \x01(\x01\x12\x0e\n\x06\x64rafts\x18\x08 \x01(\r\"[\n\x10GenerationOpened\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x15\n\rprompt_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"%\n\x10GenerationTokens\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"m\n\x12GenerationFinished\x12\x30\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x19.specmesh.v1.FinishReason\x12%\n\x05stats\x18\x02 \x01(\x0b\x32\x16.specmesh.v1.SpecStats*|\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specmesh.v1.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_GENERATERESPONSE'].fields_by_name['token_ids']._loaded_options = None
-  _globals['_GENERATERESPONSE'].fields_by_name['token_ids']._serialized_options = b'\020\001'
-  _globals['_FINISHREASON']._serialized_start=638
-  _globals['_FINISHREASON']._serialized_end=762
+  _globals['_FINISHREASON']._serialized_start=675
+  _globals['_FINISHREASON']._serialized_end=799
   _globals['_SAMPLINGPARAMS']._serialized_start=42
   _globals['_SAMPLINGPARAMS']._serialized_end=251
   _globals['_SPECSTATS']._serialized_start=254
   _globals['_SPECSTATS']._serialized_end=430
-  _globals['_GENERATERESPONSE']._serialized_start=433
-  _globals['_GENERATERESPONSE']._serialized_end=636
+  _globals['_GENERATIONOPENED']._serialized_start=432
+  _globals['_GENERATIONOPENED']._serialized_end=523
+  _globals['_GENERATIONTOKENS']._serialized_start=525
+  _globals['_GENERATIONTOKENS']._serialized_end=562
+  _globals['_GENERATIONFINISHED']._serialized_start=564
+  _globals['_GENERATIONFINISHED']._serialized_end=673
 # @@protoc_insertion_point(module_scope)

@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
-class DraftGenerateRequest(_message.Message):
+class DraftServiceGenerateRequest(_message.Message):
     __slots__ = ("session_id", "prompt_ids", "params", "verify_address", "num_speculative_tokens")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -21,11 +21,21 @@ class DraftGenerateRequest(_message.Message):
     num_speculative_tokens: int
     def __init__(self, session_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., verify_address: _Optional[str] = ..., num_speculative_tokens: _Optional[int] = ...) -> None: ...
 
-class DraftInfoRequest(_message.Message):
+class DraftServiceGenerateResponse(_message.Message):
+    __slots__ = ("opened", "tokens", "finished")
+    OPENED_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    opened: _common_pb2.GenerationOpened
+    tokens: _common_pb2.GenerationTokens
+    finished: _common_pb2.GenerationFinished
+    def __init__(self, opened: _Optional[_Union[_common_pb2.GenerationOpened, _Mapping]] = ..., tokens: _Optional[_Union[_common_pb2.GenerationTokens, _Mapping]] = ..., finished: _Optional[_Union[_common_pb2.GenerationFinished, _Mapping]] = ...) -> None: ...
+
+class DraftServiceInfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
-class DraftInfo(_message.Message):
+class DraftServiceInfoResponse(_message.Message):
     __slots__ = ("model_path", "algorithm", "vocab_size", "speculative_num_steps", "adaptive", "pipelined", "default_verify_address", "active_sessions", "rounds", "drafted", "accepted", "pipelined_blocks_used", "pipelined_blocks_discarded", "draft_seconds_per_token")
     MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
     ALGORITHM_FIELD_NUMBER: _ClassVar[int]

@@ -3,7 +3,6 @@
 import grpc
 import warnings
 
-from specmesh.v1 import common_pb2 as specmesh_dot_v1_dot_common__pb2
 from specmesh.v1 import draft_pb2 as specmesh_dot_v1_dot_draft__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
@@ -37,13 +36,13 @@ class DraftServiceStub:
         """
         self.Generate = channel.unary_stream(
                 '/specmesh.v1.DraftService/Generate',
-                request_serializer=specmesh_dot_v1_dot_draft__pb2.DraftGenerateRequest.SerializeToString,
-                response_deserializer=specmesh_dot_v1_dot_common__pb2.GenerateResponse.FromString,
+                request_serializer=specmesh_dot_v1_dot_draft__pb2.DraftServiceGenerateRequest.SerializeToString,
+                response_deserializer=specmesh_dot_v1_dot_draft__pb2.DraftServiceGenerateResponse.FromString,
                 _registered_method=True)
         self.Info = channel.unary_unary(
                 '/specmesh.v1.DraftService/Info',
-                request_serializer=specmesh_dot_v1_dot_draft__pb2.DraftInfoRequest.SerializeToString,
-                response_deserializer=specmesh_dot_v1_dot_draft__pb2.DraftInfo.FromString,
+                request_serializer=specmesh_dot_v1_dot_draft__pb2.DraftServiceInfoRequest.SerializeToString,
+                response_deserializer=specmesh_dot_v1_dot_draft__pb2.DraftServiceInfoResponse.FromString,
                 _registered_method=True)
 
 
@@ -51,13 +50,16 @@ class DraftServiceServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Generate(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Speculative generation of one prompt. Streams the opened chunk, token chunks as rounds commit them,
+        then the finished chunk with the speculation statistics.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Info(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """The draft model, its settings and live counters.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -67,13 +69,13 @@ def add_DraftServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Generate': grpc.unary_stream_rpc_method_handler(
                     servicer.Generate,
-                    request_deserializer=specmesh_dot_v1_dot_draft__pb2.DraftGenerateRequest.FromString,
-                    response_serializer=specmesh_dot_v1_dot_common__pb2.GenerateResponse.SerializeToString,
+                    request_deserializer=specmesh_dot_v1_dot_draft__pb2.DraftServiceGenerateRequest.FromString,
+                    response_serializer=specmesh_dot_v1_dot_draft__pb2.DraftServiceGenerateResponse.SerializeToString,
             ),
             'Info': grpc.unary_unary_rpc_method_handler(
                     servicer.Info,
-                    request_deserializer=specmesh_dot_v1_dot_draft__pb2.DraftInfoRequest.FromString,
-                    response_serializer=specmesh_dot_v1_dot_draft__pb2.DraftInfo.SerializeToString,
+                    request_deserializer=specmesh_dot_v1_dot_draft__pb2.DraftServiceInfoRequest.FromString,
+                    response_serializer=specmesh_dot_v1_dot_draft__pb2.DraftServiceInfoResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -101,8 +103,8 @@ class DraftService:
             request,
             target,
             '/specmesh.v1.DraftService/Generate',
-            specmesh_dot_v1_dot_draft__pb2.DraftGenerateRequest.SerializeToString,
-            specmesh_dot_v1_dot_common__pb2.GenerateResponse.FromString,
+            specmesh_dot_v1_dot_draft__pb2.DraftServiceGenerateRequest.SerializeToString,
+            specmesh_dot_v1_dot_draft__pb2.DraftServiceGenerateResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -128,8 +130,8 @@ class DraftService:
             request,
             target,
             '/specmesh.v1.DraftService/Info',
-            specmesh_dot_v1_dot_draft__pb2.DraftInfoRequest.SerializeToString,
-            specmesh_dot_v1_dot_draft__pb2.DraftInfo.FromString,
+            specmesh_dot_v1_dot_draft__pb2.DraftServiceInfoRequest.SerializeToString,
+            specmesh_dot_v1_dot_draft__pb2.DraftServiceInfoResponse.FromString,
             options,
             channel_credentials,
             insecure,

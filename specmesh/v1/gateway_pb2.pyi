@@ -7,7 +7,23 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
-class GatewayGenerateRequest(_message.Message):
+class GatewayServiceGenerateRequest(_message.Message):
+    __slots__ = ("model", "prompt", "prompt_ids", "params", "session_id", "num_speculative_tokens")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
+    PARAMS_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    prompt: str
+    prompt_ids: _containers.RepeatedScalarFieldContainer[int]
+    params: _common_pb2.SamplingParams
+    session_id: str
+    num_speculative_tokens: int
+    def __init__(self, model: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., session_id: _Optional[str] = ..., num_speculative_tokens: _Optional[int] = ...) -> None: ...
+
+class GatewayServiceGenerateStreamRequest(_message.Message):
     __slots__ = ("model", "prompt", "prompt_ids", "params", "session_id", "num_speculative_tokens")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
@@ -33,7 +49,7 @@ class Usage(_message.Message):
     cached_prompt_tokens: int
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ...) -> None: ...
 
-class GatewayGenerateResponse(_message.Message):
+class GatewayServiceGenerateResponse(_message.Message):
     __slots__ = ("text", "token_ids", "finish_reason", "usage", "stats", "failovers", "target_only")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -50,3 +66,35 @@ class GatewayGenerateResponse(_message.Message):
     failovers: int
     target_only: bool
     def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., stats: _Optional[_Union[_common_pb2.SpecStats, _Mapping]] = ..., failovers: _Optional[int] = ..., target_only: _Optional[bool] = ...) -> None: ...
+
+class GatewayServiceGenerateStreamResponse(_message.Message):
+    __slots__ = ("delta", "finished")
+    class Delta(_message.Message):
+        __slots__ = ("text", "token_ids")
+        TEXT_FIELD_NUMBER: _ClassVar[int]
+        TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+        text: str
+        token_ids: _containers.RepeatedScalarFieldContainer[int]
+        def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    class Finished(_message.Message):
+        __slots__ = ("text", "token_ids", "finish_reason", "usage", "stats", "failovers", "target_only")
+        TEXT_FIELD_NUMBER: _ClassVar[int]
+        TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+        FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+        USAGE_FIELD_NUMBER: _ClassVar[int]
+        STATS_FIELD_NUMBER: _ClassVar[int]
+        FAILOVERS_FIELD_NUMBER: _ClassVar[int]
+        TARGET_ONLY_FIELD_NUMBER: _ClassVar[int]
+        text: str
+        token_ids: _containers.RepeatedScalarFieldContainer[int]
+        finish_reason: _common_pb2.FinishReason
+        usage: Usage
+        stats: _common_pb2.SpecStats
+        failovers: int
+        target_only: bool
+        def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., stats: _Optional[_Union[_common_pb2.SpecStats, _Mapping]] = ..., failovers: _Optional[int] = ..., target_only: _Optional[bool] = ...) -> None: ...
+    DELTA_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    delta: GatewayServiceGenerateStreamResponse.Delta
+    finished: GatewayServiceGenerateStreamResponse.Finished
+    def __init__(self, delta: _Optional[_Union[GatewayServiceGenerateStreamResponse.Delta, _Mapping]] = ..., finished: _Optional[_Union[GatewayServiceGenerateStreamResponse.Finished, _Mapping]] = ...) -> None: ...

@@ -36,13 +36,13 @@ class GatewayServiceStub:
         """
         self.Generate = channel.unary_unary(
                 '/specmesh.v1.GatewayService/Generate',
-                request_serializer=specmesh_dot_v1_dot_gateway__pb2.GatewayGenerateRequest.SerializeToString,
-                response_deserializer=specmesh_dot_v1_dot_gateway__pb2.GatewayGenerateResponse.FromString,
+                request_serializer=specmesh_dot_v1_dot_gateway__pb2.GatewayServiceGenerateRequest.SerializeToString,
+                response_deserializer=specmesh_dot_v1_dot_gateway__pb2.GatewayServiceGenerateResponse.FromString,
                 _registered_method=True)
         self.GenerateStream = channel.unary_stream(
                 '/specmesh.v1.GatewayService/GenerateStream',
-                request_serializer=specmesh_dot_v1_dot_gateway__pb2.GatewayGenerateRequest.SerializeToString,
-                response_deserializer=specmesh_dot_v1_dot_gateway__pb2.GatewayGenerateResponse.FromString,
+                request_serializer=specmesh_dot_v1_dot_gateway__pb2.GatewayServiceGenerateStreamRequest.SerializeToString,
+                response_deserializer=specmesh_dot_v1_dot_gateway__pb2.GatewayServiceGenerateStreamResponse.FromString,
                 _registered_method=True)
 
 
@@ -57,7 +57,7 @@ class GatewayServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def GenerateStream(self, request, context):
-        """The generation as it is produced: text and token deltas, the last message with the finish reason.
+        """The generation as it is produced: text and token deltas, then the finished chunk.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -68,13 +68,13 @@ def add_GatewayServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Generate': grpc.unary_unary_rpc_method_handler(
                     servicer.Generate,
-                    request_deserializer=specmesh_dot_v1_dot_gateway__pb2.GatewayGenerateRequest.FromString,
-                    response_serializer=specmesh_dot_v1_dot_gateway__pb2.GatewayGenerateResponse.SerializeToString,
+                    request_deserializer=specmesh_dot_v1_dot_gateway__pb2.GatewayServiceGenerateRequest.FromString,
+                    response_serializer=specmesh_dot_v1_dot_gateway__pb2.GatewayServiceGenerateResponse.SerializeToString,
             ),
             'GenerateStream': grpc.unary_stream_rpc_method_handler(
                     servicer.GenerateStream,
-                    request_deserializer=specmesh_dot_v1_dot_gateway__pb2.GatewayGenerateRequest.FromString,
-                    response_serializer=specmesh_dot_v1_dot_gateway__pb2.GatewayGenerateResponse.SerializeToString,
+                    request_deserializer=specmesh_dot_v1_dot_gateway__pb2.GatewayServiceGenerateStreamRequest.FromString,
+                    response_serializer=specmesh_dot_v1_dot_gateway__pb2.GatewayServiceGenerateStreamResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -102,8 +102,8 @@ class GatewayService:
             request,
             target,
             '/specmesh.v1.GatewayService/Generate',
-            specmesh_dot_v1_dot_gateway__pb2.GatewayGenerateRequest.SerializeToString,
-            specmesh_dot_v1_dot_gateway__pb2.GatewayGenerateResponse.FromString,
+            specmesh_dot_v1_dot_gateway__pb2.GatewayServiceGenerateRequest.SerializeToString,
+            specmesh_dot_v1_dot_gateway__pb2.GatewayServiceGenerateResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -129,8 +129,8 @@ class GatewayService:
             request,
             target,
             '/specmesh.v1.GatewayService/GenerateStream',
-            specmesh_dot_v1_dot_gateway__pb2.GatewayGenerateRequest.SerializeToString,
-            specmesh_dot_v1_dot_gateway__pb2.GatewayGenerateResponse.FromString,
+            specmesh_dot_v1_dot_gateway__pb2.GatewayServiceGenerateStreamRequest.SerializeToString,
+            specmesh_dot_v1_dot_gateway__pb2.GatewayServiceGenerateStreamResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -25,45 +25,35 @@ _sym_db = _symbol_database.Default()
 from specmesh.v1 import common_pb2 as specmesh_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18specmesh/v1/verify.proto\x12\x0bspecmesh.v1\x1a\x18specmesh/v1/common.proto\"m\n\x12OpenSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x16\n\nprompt_ids\x18\x02 \x03(\x05\x42\x02\x10\x01\x12+\n\x06params\x18\x03 \x01(\x0b\x32\x1b.specmesh.v1.SamplingParams\"\x86\x01\n\x13OpenSessionResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x15\n\rbase_position\x18\x03 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x04 \x01(\r\x12\x17\n\x0fprefill_seconds\x18\x05 \x01(\x01\"\x96\x01\n\nDraftBlock\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x15\n\rbase_position\x18\x03 \x01(\r\x12\x15\n\tdraft_ids\x18\x04 \x03(\x05\x42\x02\x10\x01\x12\x11\n\x05q_ids\x18\x05 \x03(\x05\x42\x02\x10\x01\x12\x13\n\x07q_probs\x18\x06 \x03(\x02\x42\x02\x10\x01\x12\x0f\n\x07q_width\x18\x07 \x01(\r\"\xda\x01\n\x07Verdict\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x13\n\x0bnum_drafted\x18\x02 \x01(\r\x12\x14\n\x0cnum_accepted\x18\x03 \x01(\r\x12\x15\n\ttoken_ids\x18\x04 \x03(\x05\x42\x02\x10\x01\x12\x30\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x19.specmesh.v1.FinishReason\x12\r\n\x05stale\x18\x06 \x01(\x08\x12\x10\n\x08\x64\x65\x61\x64line\x18\x07 \x01(\x08\x12+\n\x07timings\x18\x08 \x01(\x0b\x32\x1a.specmesh.v1.VerifyTimings\"Q\n\rVerifyTimings\x12\x15\n\rqueue_seconds\x18\x01 \x01(\x01\x12\x15\n\rbatch_seconds\x18\x02 \x01(\x01\x12\x12\n\nbatch_size\x18\x03 \x01(\r\"p\n\x15VerifyGenerateRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x16\n\nprompt_ids\x18\x02 \x03(\x05\x42\x02\x10\x01\x12+\n\x06params\x18\x03 \x01(\x0b\x32\x1b.specmesh.v1.SamplingParams\"+\n\x15ReleaseSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"*\n\x16ReleaseSessionResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"\r\n\x0bInfoRequest\"\xc7\x03\n\nVerifyInfo\x12\x12\n\nmodel_path\x18\x01 \x01(\t\x12\x12\n\nmodel_type\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x1a\n\x12max_context_length\x18\x04 \x01(\r\x12\x14\n\x0cmax_spec_len\x18\x05 \x01(\r\x12\x16\n\x0emax_batch_size\x18\x06 \x01(\r\x12\x14\n\x0cmax_sessions\x18\x07 \x01(\r\x12\x15\n\reos_token_ids\x18\x08 \x03(\x05\x12\x17\n\x0fsampler_backend\x18\t \x01(\t\x12\x10\n\x08sessions\x18\n \x01(\r\x12\x17\n\x0f\x61\x63tive_sessions\x18\x0b \x01(\r\x12\x16\n\x0ekv_cache_bytes\x18\x0c \x01(\x04\x12\x0f\n\x07\x62\x61tches\x18\r \x01(\x04\x12\x16\n\x0e\x62\x61tched_blocks\x18\x0e \x01(\x04\x12\x1b\n\x13max_batch_size_seen\x18\x0f \x01(\r\x12\x16\n\x0e\x64\x65\x61\x64line_steps\x18\x10 \x01(\x04\x12\x14\n\x0cstale_blocks\x18\x11 \x01(\x04\x12\x1c\n\x14prefix_tokens_reused\x18\x12 \x01(\x04\x12\x18\n\x10\x65victed_sessions\x18\x13 \x01(\x04\x32\x85\x03\n\rVerifyService\x12P\n\x0bOpenSession\x12\x1f.specmesh.v1.OpenSessionRequest\x1a .specmesh.v1.OpenSessionResponse\x12;\n\x06Verify\x12\x17.specmesh.v1.DraftBlock\x1a\x14.specmesh.v1.Verdict(\x01\x30\x01\x12O\n\x08Generate\x12\".specmesh.v1.VerifyGenerateRequest\x1a\x1d.specmesh.v1.GenerateResponse0\x01\x12Y\n\x0eReleaseSession\x12\".specmesh.v1.ReleaseSessionRequest\x1a#.specmesh.v1.ReleaseSessionResponse\x12\x39\n\x04Info\x12\x18.specmesh.v1.InfoRequest\x1a\x17.specmesh.v1.VerifyInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18specmesh/v1/verify.proto\x12\x0bspecmesh.v1\x1a\x18specmesh/v1/common.proto\"i\n\x12OpenSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\x12+\n\x06params\x18\x03 \x01(\x0b\x32\x1b.specmesh.v1.SamplingParams\"\x86\x01\n\x13OpenSessionResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x15\n\rbase_position\x18\x03 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x04 \x01(\r\x12\x17\n\x0fprefill_seconds\x18\x05 \x01(\x01\"\x8d\x01\n\rVerifyRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x15\n\rbase_position\x18\x03 \x01(\r\x12\x11\n\tdraft_ids\x18\x04 \x03(\x05\x12\r\n\x05q_ids\x18\x05 \x03(\x05\x12\x0f\n\x07q_probs\x18\x06 \x03(\x02\x12\x0f\n\x07q_width\x18\x07 \x01(\r\"\xdd\x01\n\x0eVerifyResponse\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x13\n\x0bnum_drafted\x18\x02 \x01(\r\x12\x14\n\x0cnum_accepted\x18\x03 \x01(\r\x12\x11\n\ttoken_ids\x18\x04 \x03(\x05\x12\x30\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x19.specmesh.v1.FinishReason\x12\r\n\x05stale\x18\x06 \x01(\x08\x12\x10\n\x08\x64\x65\x61\x64line\x18\x07 \x01(\x08\x12+\n\x07timings\x18\x08 \x01(\x0b\x32\x1a.specmesh.v1.VerifyTimings\"Q\n\rVerifyTimings\x12\x15\n\rqueue_seconds\x18\x01 \x01(\x01\x12\x15\n\rbatch_seconds\x18\x02 \x01(\x01\x12\x12\n\nbatch_size\x18\x03 \x01(\r\"s\n\x1cVerifyServiceGenerateRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\x12+\n\x06params\x18\x03 \x01(\x0b\x32\x1b.specmesh.v1.SamplingParams\"\xbf\x01\n\x1dVerifyServiceGenerateResponse\x12/\n\x06opened\x18\x01 \x01(\x0b\x32\x1d.specmesh.v1.GenerationOpenedH\x00\x12/\n\x06tokens\x18\x02 \x01(\x0b\x32\x1d.specmesh.v1.GenerationTokensH\x00\x12\x33\n\x08\x66inished\x18\x03 \x01(\x0b\x32\x1f.specmesh.v1.GenerationFinishedH\x00\x42\x07\n\x05\x63hunk\"+\n\x15ReleaseSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"*\n\x16ReleaseSessionResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"\x1a\n\x18VerifyServiceInfoRequest\"\xd6\x03\n\x19VerifyServiceInfoResponse\x12\x12\n\nmodel_path\x18\x01 \x01(\t\x12\x12\n\nmodel_type\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x1a\n\x12max_context_length\x18\x04 \x01(\r\x12\x14\n\x0cmax_spec_len\x18\x05 \x01(\r\x12\x16\n\x0emax_batch_size\x18\x06 \x01(\r\x12\x14\n\x0cmax_sessions\x18\x07 \x01(\r\x12\x15\n\reos_token_ids\x18\x08 \x03(\x05\x12\x17\n\x0fsampler_backend\x18\t \x01(\t\x12\x10\n\x08sessions\x18\n \x01(\r\x12\x17\n\x0f\x61\x63tive_sessions\x18\x0b \x01(\r\x12\x16\n\x0ekv_cache_bytes\x18\x0c \x01(\x04\x12\x0f\n\x07\x62\x61tches\x18\r \x01(\x04\x12\x16\n\x0e\x62\x61tched_blocks\x18\x0e \x01(\x04\x12\x1b\n\x13max_batch_size_seen\x18\x0f \x01(\r\x12\x16\n\x0e\x64\x65\x61\x64line_steps\x18\x10 \x01(\x04\x12\x14\n\x0cstale_blocks\x18\x11 \x01(\x04\x12\x1c\n\x14prefix_tokens_reused\x18\x12 \x01(\x04\x12\x18\n\x10\x65victed_sessions\x18\x13 \x01(\x04\x32\xbf\x03\n\rVerifyService\x12P\n\x0bOpenSession\x12\x1f.specmesh.v1.OpenSessionRequest\x1a .specmesh.v1.OpenSessionResponse\x12\x45\n\x06Verify\x12\x1a.specmesh.v1.VerifyRequest\x1a\x1b.specmesh.v1.VerifyResponse(\x01\x30\x01\x12\x63\n\x08Generate\x12).specmesh.v1.VerifyServiceGenerateRequest\x1a*.specmesh.v1.VerifyServiceGenerateResponse0\x01\x12Y\n\x0eReleaseSession\x12\".specmesh.v1.ReleaseSessionRequest\x1a#.specmesh.v1.ReleaseSessionResponse\x12U\n\x04Info\x12%.specmesh.v1.VerifyServiceInfoRequest\x1a&.specmesh.v1.VerifyServiceInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specmesh.v1.verify_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_OPENSESSIONREQUEST'].fields_by_name['prompt_ids']._loaded_options = None
-  _globals['_OPENSESSIONREQUEST'].fields_by_name['prompt_ids']._serialized_options = b'\020\001'
-  _globals['_DRAFTBLOCK'].fields_by_name['draft_ids']._loaded_options = None
-  _globals['_DRAFTBLOCK'].fields_by_name['draft_ids']._serialized_options = b'\020\001'
-  _globals['_DRAFTBLOCK'].fields_by_name['q_ids']._loaded_options = None
-  _globals['_DRAFTBLOCK'].fields_by_name['q_ids']._serialized_options = b'\020\001'
-  _globals['_DRAFTBLOCK'].fields_by_name['q_probs']._loaded_options = None
-  _globals['_DRAFTBLOCK'].fields_by_name['q_probs']._serialized_options = b'\020\001'
-  _globals['_VERDICT'].fields_by_name['token_ids']._loaded_options = None
-  _globals['_VERDICT'].fields_by_name['token_ids']._serialized_options = b'\020\001'
-  _globals['_VERIFYGENERATEREQUEST'].fields_by_name['prompt_ids']._loaded_options = None
-  _globals['_VERIFYGENERATEREQUEST'].fields_by_name['prompt_ids']._serialized_options = b'\020\001'
   _globals['_OPENSESSIONREQUEST']._serialized_start=67
-  _globals['_OPENSESSIONREQUEST']._serialized_end=176
-  _globals['_OPENSESSIONRESPONSE']._serialized_start=179
-  _globals['_OPENSESSIONRESPONSE']._serialized_end=313
-  _globals['_DRAFTBLOCK']._serialized_start=316
-  _globals['_DRAFTBLOCK']._serialized_end=466
-  _globals['_VERDICT']._serialized_start=469
-  _globals['_VERDICT']._serialized_end=687
-  _globals['_VERIFYTIMINGS']._serialized_start=689
-  _globals['_VERIFYTIMINGS']._serialized_end=770
-  _globals['_VERIFYGENERATEREQUEST']._serialized_start=772
-  _globals['_VERIFYGENERATEREQUEST']._serialized_end=884
-  _globals['_RELEASESESSIONREQUEST']._serialized_start=886
-  _globals['_RELEASESESSIONREQUEST']._serialized_end=929
-  _globals['_RELEASESESSIONRESPONSE']._serialized_start=931
-  _globals['_RELEASESESSIONRESPONSE']._serialized_end=973
-  _globals['_INFOREQUEST']._serialized_start=975
-  _globals['_INFOREQUEST']._serialized_end=988
-  _globals['_VERIFYINFO']._serialized_start=991
-  _globals['_VERIFYINFO']._serialized_end=1446
-  _globals['_VERIFYSERVICE']._serialized_start=1449
-  _globals['_VERIFYSERVICE']._serialized_end=1838
+  _globals['_OPENSESSIONREQUEST']._serialized_end=172
+  _globals['_OPENSESSIONRESPONSE']._serialized_start=175
+  _globals['_OPENSESSIONRESPONSE']._serialized_end=309
+  _globals['_VERIFYREQUEST']._serialized_start=312
+  _globals['_VERIFYREQUEST']._serialized_end=453
+  _globals['_VERIFYRESPONSE']._serialized_start=456
+  _globals['_VERIFYRESPONSE']._serialized_end=677
+  _globals['_VERIFYTIMINGS']._serialized_start=679
+  _globals['_VERIFYTIMINGS']._serialized_end=760
+  _globals['_VERIFYSERVICEGENERATEREQUEST']._serialized_start=762
+  _globals['_VERIFYSERVICEGENERATEREQUEST']._serialized_end=877
+  _globals['_VERIFYSERVICEGENERATERESPONSE']._serialized_start=880
+  _globals['_VERIFYSERVICEGENERATERESPONSE']._serialized_end=1071
+  _globals['_RELEASESESSIONREQUEST']._serialized_start=1073
+  _globals['_RELEASESESSIONREQUEST']._serialized_end=1116
+  _globals['_RELEASESESSIONRESPONSE']._serialized_start=1118
+  _globals['_RELEASESESSIONRESPONSE']._serialized_end=1160
+  _globals['_VERIFYSERVICEINFOREQUEST']._serialized_start=1162
+  _globals['_VERIFYSERVICEINFOREQUEST']._serialized_end=1188
+  _globals['_VERIFYSERVICEINFORESPONSE']._serialized_start=1191
+  _globals['_VERIFYSERVICEINFORESPONSE']._serialized_end=1661
+  _globals['_VERIFYSERVICE']._serialized_start=1664
+  _globals['_VERIFYSERVICE']._serialized_end=2111
 # @@protoc_insertion_point(module_scope)

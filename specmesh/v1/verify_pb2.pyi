@@ -31,7 +31,7 @@ class OpenSessionResponse(_message.Message):
     prefill_seconds: float
     def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., base_position: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., prefill_seconds: _Optional[float] = ...) -> None: ...
 
-class DraftBlock(_message.Message):
+class VerifyRequest(_message.Message):
     __slots__ = ("session_id", "epoch", "base_position", "draft_ids", "q_ids", "q_probs", "q_width")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -49,7 +49,7 @@ class DraftBlock(_message.Message):
     q_width: int
     def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., base_position: _Optional[int] = ..., draft_ids: _Optional[_Iterable[int]] = ..., q_ids: _Optional[_Iterable[int]] = ..., q_probs: _Optional[_Iterable[float]] = ..., q_width: _Optional[int] = ...) -> None: ...
 
-class Verdict(_message.Message):
+class VerifyResponse(_message.Message):
     __slots__ = ("epoch", "num_drafted", "num_accepted", "token_ids", "finish_reason", "stale", "deadline", "timings")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAFTED_FIELD_NUMBER: _ClassVar[int]
@@ -79,7 +79,7 @@ class VerifyTimings(_message.Message):
     batch_size: int
     def __init__(self, queue_seconds: _Optional[float] = ..., batch_seconds: _Optional[float] = ..., batch_size: _Optional[int] = ...) -> None: ...
 
-class VerifyGenerateRequest(_message.Message):
+class VerifyServiceGenerateRequest(_message.Message):
     __slots__ = ("session_id", "prompt_ids", "params")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -88,6 +88,16 @@ class VerifyGenerateRequest(_message.Message):
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
     params: _common_pb2.SamplingParams
     def __init__(self, session_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
+
+class VerifyServiceGenerateResponse(_message.Message):
+    __slots__ = ("opened", "tokens", "finished")
+    OPENED_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    opened: _common_pb2.GenerationOpened
+    tokens: _common_pb2.GenerationTokens
+    finished: _common_pb2.GenerationFinished
+    def __init__(self, opened: _Optional[_Union[_common_pb2.GenerationOpened, _Mapping]] = ..., tokens: _Optional[_Union[_common_pb2.GenerationTokens, _Mapping]] = ..., finished: _Optional[_Union[_common_pb2.GenerationFinished, _Mapping]] = ...) -> None: ...
 
 class ReleaseSessionRequest(_message.Message):
     __slots__ = ("session_id",)
@@ -101,11 +111,11 @@ class ReleaseSessionResponse(_message.Message):
     released: bool
     def __init__(self, released: _Optional[bool] = ...) -> None: ...
 
-class InfoRequest(_message.Message):
+class VerifyServiceInfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
-class VerifyInfo(_message.Message):
+class VerifyServiceInfoResponse(_message.Message):
     __slots__ = ("model_path", "model_type", "vocab_size", "max_context_length", "max_spec_len", "max_batch_size", "max_sessions", "eos_token_ids", "sampler_backend", "sessions", "active_sessions", "kv_cache_bytes", "batches", "batched_blocks", "max_batch_size_seen", "deadline_steps", "stale_blocks", "prefix_tokens_reused", "evicted_sessions")
     MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
     MODEL_TYPE_FIELD_NUMBER: _ClassVar[int]

@@ -3,7 +3,6 @@
 import grpc
 import warnings
 
-from specmesh.v1 import common_pb2 as specmesh_dot_v1_dot_common__pb2
 from specmesh.v1 import verify_pb2 as specmesh_dot_v1_dot_verify__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
@@ -42,13 +41,13 @@ class VerifyServiceStub:
                 _registered_method=True)
         self.Verify = channel.stream_stream(
                 '/specmesh.v1.VerifyService/Verify',
-                request_serializer=specmesh_dot_v1_dot_verify__pb2.DraftBlock.SerializeToString,
-                response_deserializer=specmesh_dot_v1_dot_verify__pb2.Verdict.FromString,
+                request_serializer=specmesh_dot_v1_dot_verify__pb2.VerifyRequest.SerializeToString,
+                response_deserializer=specmesh_dot_v1_dot_verify__pb2.VerifyResponse.FromString,
                 _registered_method=True)
         self.Generate = channel.unary_stream(
                 '/specmesh.v1.VerifyService/Generate',
-                request_serializer=specmesh_dot_v1_dot_verify__pb2.VerifyGenerateRequest.SerializeToString,
-                response_deserializer=specmesh_dot_v1_dot_common__pb2.GenerateResponse.FromString,
+                request_serializer=specmesh_dot_v1_dot_verify__pb2.VerifyServiceGenerateRequest.SerializeToString,
+                response_deserializer=specmesh_dot_v1_dot_verify__pb2.VerifyServiceGenerateResponse.FromString,
                 _registered_method=True)
         self.ReleaseSession = channel.unary_unary(
                 '/specmesh.v1.VerifyService/ReleaseSession',
@@ -57,8 +56,8 @@ class VerifyServiceStub:
                 _registered_method=True)
         self.Info = channel.unary_unary(
                 '/specmesh.v1.VerifyService/Info',
-                request_serializer=specmesh_dot_v1_dot_verify__pb2.InfoRequest.SerializeToString,
-                response_deserializer=specmesh_dot_v1_dot_verify__pb2.VerifyInfo.FromString,
+                request_serializer=specmesh_dot_v1_dot_verify__pb2.VerifyServiceInfoRequest.SerializeToString,
+                response_deserializer=specmesh_dot_v1_dot_verify__pb2.VerifyServiceInfoResponse.FromString,
                 _registered_method=True)
 
 
@@ -73,7 +72,7 @@ class VerifyServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Verify(self, request_iterator, context):
-        """The per-session speculation stream: DraftBlock up, Verdict down. The first block names the session.
+        """The per-session speculation stream: draft blocks up, verdicts down. The first block names the session.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -81,6 +80,7 @@ class VerifyServiceServicer:
 
     def Generate(self, request, context):
         """Target-only decoding (no draft): the baseline, and the fallback when no draft replica is healthy.
+        Streams the opened chunk, a token chunk per target step, then the finished chunk.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -110,13 +110,13 @@ def add_VerifyServiceServicer_to_server(servicer, server):
             ),
             'Verify': grpc.stream_stream_rpc_method_handler(
                     servicer.Verify,
-                    request_deserializer=specmesh_dot_v1_dot_verify__pb2.DraftBlock.FromString,
-                    response_serializer=specmesh_dot_v1_dot_verify__pb2.Verdict.SerializeToString,
+                    request_deserializer=specmesh_dot_v1_dot_verify__pb2.VerifyRequest.FromString,
+                    response_serializer=specmesh_dot_v1_dot_verify__pb2.VerifyResponse.SerializeToString,
             ),
             'Generate': grpc.unary_stream_rpc_method_handler(
                     servicer.Generate,
-                    request_deserializer=specmesh_dot_v1_dot_verify__pb2.VerifyGenerateRequest.FromString,
-                    response_serializer=specmesh_dot_v1_dot_common__pb2.GenerateResponse.SerializeToString,
+                    request_deserializer=specmesh_dot_v1_dot_verify__pb2.VerifyServiceGenerateRequest.FromString,
+                    response_serializer=specmesh_dot_v1_dot_verify__pb2.VerifyServiceGenerateResponse.SerializeToString,
             ),
             'ReleaseSession': grpc.unary_unary_rpc_method_handler(
                     servicer.ReleaseSession,
@@ -125,8 +125,8 @@ def add_VerifyServiceServicer_to_server(servicer, server):
             ),
             'Info': grpc.unary_unary_rpc_method_handler(
                     servicer.Info,
-                    request_deserializer=specmesh_dot_v1_dot_verify__pb2.InfoRequest.FromString,
-                    response_serializer=specmesh_dot_v1_dot_verify__pb2.VerifyInfo.SerializeToString,
+                    request_deserializer=specmesh_dot_v1_dot_verify__pb2.VerifyServiceInfoRequest.FromString,
+                    response_serializer=specmesh_dot_v1_dot_verify__pb2.VerifyServiceInfoResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -181,8 +181,8 @@ class VerifyService:
             request_iterator,
             target,
             '/specmesh.v1.VerifyService/Verify',
-            specmesh_dot_v1_dot_verify__pb2.DraftBlock.SerializeToString,
-            specmesh_dot_v1_dot_verify__pb2.Verdict.FromString,
+            specmesh_dot_v1_dot_verify__pb2.VerifyRequest.SerializeToString,
+            specmesh_dot_v1_dot_verify__pb2.VerifyResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -208,8 +208,8 @@ class VerifyService:
             request,
             target,
             '/specmesh.v1.VerifyService/Generate',
-            specmesh_dot_v1_dot_verify__pb2.VerifyGenerateRequest.SerializeToString,
-            specmesh_dot_v1_dot_common__pb2.GenerateResponse.FromString,
+            specmesh_dot_v1_dot_verify__pb2.VerifyServiceGenerateRequest.SerializeToString,
+            specmesh_dot_v1_dot_verify__pb2.VerifyServiceGenerateResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -262,8 +262,8 @@ class VerifyService:
             request,
             target,
             '/specmesh.v1.VerifyService/Info',
-            specmesh_dot_v1_dot_verify__pb2.InfoRequest.SerializeToString,
-            specmesh_dot_v1_dot_verify__pb2.VerifyInfo.FromString,
+            specmesh_dot_v1_dot_verify__pb2.VerifyServiceInfoRequest.SerializeToString,
+            specmesh_dot_v1_dot_verify__pb2.VerifyServiceInfoResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -65,9 +65,9 @@ def test_health_reflection_and_env_flags(processes):
         assert health(addr, service) == health_pb2.HealthCheckResponse.SERVING
         services = ProtoReflectionDescriptorDatabase(grpc.insecure_channel(addr)).get_services()
         assert service in services and "grpc.health.v1.Health" in services
-    info = verify_pb2_grpc.VerifyServiceStub(grpc.insecure_channel(vaddr)).Info(verify_pb2.InfoRequest())
+    info = verify_pb2_grpc.VerifyServiceStub(grpc.insecure_channel(vaddr)).Info(verify_pb2.VerifyServiceInfoRequest())
     assert info.max_batch_size == 3  # from SPECMESH_VERIFY_MAX_BATCH_SIZE
-    dinfo = draft_pb2_grpc.DraftServiceStub(grpc.insecure_channel(daddr)).Info(draft_pb2.DraftInfoRequest())
+    dinfo = draft_pb2_grpc.DraftServiceStub(grpc.insecure_channel(daddr)).Info(draft_pb2.DraftServiceInfoRequest())
     assert dinfo.default_verify_address == vaddr  # from SPECMESH_DRAFT_VERIFY_ADDRESS
 
 
@@ -85,7 +85,7 @@ def test_greedy_with_stop_string_matches_in_process(processes, checkpoints):
     if stop.strip():
         want = engine.generate(prompt, SamplingParams(temperature=0, max_tokens=40, stop=(stop,)), 0)
         got, chunks = generate(stub, prompt, common_pb2.SamplingParams(temperature=0.0, max_tokens=40, stop=[stop]))
-        assert got == want.token_ids and chunks[-1].finish_reason == common_pb2.FINISH_REASON_STOP
+        assert got == want.token_ids and chunks[-1].finished.finish_reason == common_pb2.FINISH_REASON_STOP
 
 
 def test_sigterm_drains_in_flight_work(processes):
@@ -97,7 +97,7 @@ def test_sigterm_drains_in_flight_work(processes):
     def run():
         chunks = []
         try:
-            for c in stub.Generate(draft_pb2.DraftGenerateRequest(
+            for c in stub.Generate(draft_pb2.DraftServiceGenerateRequest(
                     prompt_ids=[5, 6, 7], params=common_pb2.SamplingParams(temperature=0.0, max_tokens=600,
                                                                            ignore_eos=True)), timeout=120):
                 chunks.append(c)
@@ -127,6 +127,6 @@ def test_sigterm_drains_in_flight_work(processes):
     assert e.value.code() == grpc.StatusCode.UNAVAILABLE
     t.join(120)
     assert "error" not in result, result.get("error")
-    assert result["chunks"][-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
-    assert sum(len(c.token_ids) for c in result["chunks"]) == 600  # the in-flight generation finished
+    assert result["chunks"][-1].finished.finish_reason == common_pb2.FINISH_REASON_LENGTH
+    assert sum(len(c.tokens.token_ids) for c in result["chunks"]) == 600  # the in-flight generation finished
     assert verify.wait(60) == 0

@@ -217,17 +217,19 @@ def test_grpc_front_unary_and_streaming(stack, tokenizer, reference):
     ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
     want_ids, want_text, _ = reference(ids, 16)
     params = common_pb2.SamplingParams(temperature=0.0, max_tokens=16)
-    r = stub.Generate(gateway_pb2.GatewayGenerateRequest(prompt=prompt, params=params))
+    r = stub.Generate(gateway_pb2.GatewayServiceGenerateRequest(prompt=prompt, params=params))
     assert r.text == want_text and list(r.token_ids) == want_ids
     assert r.finish_reason == common_pb2.FINISH_REASON_LENGTH and r.usage.completion_tokens == 16
-    chunks = list(stub.GenerateStream(gateway_pb2.GatewayGenerateRequest(prompt_ids=ids, params=params)))
-    assert "".join(c.text for c in chunks) == want_text
-    assert chunks[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
+    chunks = list(stub.GenerateStream(gateway_pb2.GatewayServiceGenerateStreamRequest(prompt_ids=ids, params=params)))
+    assert all(c.HasField("delta") for c in chunks[:-1]) and chunks[-1].HasField("finished")
+    assert "".join(c.delta.text + c.finished.text for c in chunks) == want_text
+    assert chunks[-1].finished.finish_reason == common_pb2.FINISH_REASON_LENGTH
+    assert chunks[-1].finished.usage.completion_tokens == 16
     with pytest.raises(grpc.RpcError) as e:
-        stub.Generate(gateway_pb2.GatewayGenerateRequest(params=params))
+        stub.Generate(gateway_pb2.GatewayServiceGenerateRequest(params=params))
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     with pytest.raises(grpc.RpcError) as e:
-        stub.Generate(gateway_pb2.GatewayGenerateRequest(prompt="x", params=common_pb2.SamplingParams(top_p=3)))
+        stub.Generate(gateway_pb2.GatewayServiceGenerateRequest(prompt="x", params=common_pb2.SamplingParams(top_p=3)))
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
 

@@ -39,7 +39,7 @@ class Stream:
         self.responses = stub.Verify(iter(self.q.get, None), timeout=30)
 
     def send(self, **fields):
-        self.q.put(verify_pb2.DraftBlock(**fields))
+        self.q.put(verify_pb2.VerifyRequest(**fields))
 
     def read(self):
         return next(self.responses)
@@ -153,7 +153,7 @@ def test_a_late_draft_gets_a_deadline_step(target):
         while stale.deadline:  # the machine may be slow enough for more deadline steps
             stale = s.read()
         assert stale.stale
-        info = vs.Info(verify_pb2.InfoRequest())
+        info = vs.Info(verify_pb2.VerifyServiceInfoRequest())
         assert info.deadline_steps >= 1 and info.stale_blocks >= 1
         reference = SpeculativeEngine.from_models(target).generate(
             [9, 8, 7], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True), 0).token_ids
@@ -220,7 +220,7 @@ def test_kv_budget_evicts_idle_sessions_lru_and_ttl(target):
         open_session(vs, list(range(1, 13)), session_id="a")
         open_session(vs, list(range(1, 13)), session_id="b")  # 22 cached tokens: both fit
         open_session(vs, list(range(20, 32)), session_id="c")  # evicts "a", the least recently used
-        info = vs.Info(verify_pb2.InfoRequest())
+        info = vs.Info(verify_pb2.VerifyServiceInfoRequest())
         assert info.evicted_sessions == 1 and info.sessions == 2 and info.kv_cache_bytes <= 12 * 1024
         s = Stream(vs)
         s.send(session_id="a", epoch=0, base_position=12)
@@ -234,7 +234,7 @@ def test_kv_budget_evicts_idle_sessions_lru_and_ttl(target):
         import time
 
         time.sleep(2.0)  # past the TTL: the reaper drops idle sessions
-        info = vs.Info(verify_pb2.InfoRequest())
+        info = vs.Info(verify_pb2.VerifyServiceInfoRequest())
         assert info.sessions == 0 and info.kv_cache_bytes == 0
     finally:
         verify.stop()

@@ -51,13 +51,13 @@ def test_greedy_through_the_pair_equals_target_only(stack, reference):
     for p in prompts(10):
         tokens, chunks = generate(stub, p, GREEDY)
         assert tokens == reference(p)
-        assert chunks[0].prompt_tokens == len(p) and chunks[0].session_id
+        assert chunks[0].opened.prompt_tokens == len(p) and chunks[0].opened.session_id
         last = chunks[-1]
-        assert last.finish_reason == common_pb2.FINISH_REASON_LENGTH
-        drafted += last.stats.drafted
-        accepted += last.stats.accepted
+        assert last.finished.finish_reason == common_pb2.FINISH_REASON_LENGTH
+        drafted += last.finished.stats.drafted
+        accepted += last.finished.stats.accepted
     assert 0.1 < accepted / drafted < 0.99  # both paths ran
-    info = stub.Info(draft_pb2.DraftInfoRequest())
+    info = stub.Info(draft_pb2.DraftServiceInfoRequest())
     assert info.algorithm == "standalone" and info.adaptive and info.pipelined
     assert info.pipelined_blocks_used > 0  # some blocks were drafted while the previous one was verified
     assert info.draft_seconds_per_token > 0
@@ -71,7 +71,8 @@ def test_fixed_k_without_pipelining_is_lossless_too(target, reference):
         for p in prompts(4, seed=1):
             tokens, chunks = generate(draft_stub(draft), p, GREEDY)
             assert tokens == reference(p)
-            assert max(chunks[-1].stats.drafted_per_pos and range(len(chunks[-1].stats.drafted_per_pos))) == 2
+            per_pos = chunks[-1].finished.stats.drafted_per_pos
+            assert max(per_pos and range(len(per_pos))) == 2
     finally:
         draft.stop()
         verify.stop()
@@ -82,7 +83,7 @@ def test_target_only_generate_equals_reference(stack, reference):
     for p in prompts(3, seed=2):
         tokens, chunks = generate(verify_stub(verify), p, GREEDY)
         assert tokens == reference(p)
-        assert chunks[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
+        assert chunks[-1].finished.finish_reason == common_pb2.FINISH_REASON_LENGTH
 
 
 def test_ngram_algorithm_is_lossless(stack, reference):
@@ -92,31 +93,31 @@ def test_ngram_algorithm_is_lossless(stack, reference):
     for p in [[5, 6, 7, 8] * 4, *prompts(3, seed=3)]:
         tokens, chunks = generate(stub, p, GREEDY)
         assert tokens == reference(p)
-        accepted += chunks[-1].stats.accepted
+        accepted += chunks[-1].finished.stats.accepted
     assert accepted > 0
-    assert stub.Info(draft_pb2.DraftInfoRequest()).algorithm == "ngram"
+    assert stub.Info(draft_pb2.DraftServiceInfoRequest()).algorithm == "ngram"
 
 
 def test_eight_concurrent_sessions_are_batched(stack, reference):
     verify, draft, _ = stack
     vstub = verify_stub(verify)
-    before = vstub.Info(verify_pb2.InfoRequest())
+    before = vstub.Info(verify_pb2.VerifyServiceInfoRequest())
     ps = prompts(8, seed=4)
     with ThreadPoolExecutor(8) as pool:
         results = list(pool.map(lambda p: generate(draft_stub(draft), p, GREEDY)[0], ps))
     for p, tokens in zip(ps, results):
         assert tokens == reference(p)
-    after = vstub.Info(verify_pb2.InfoRequest())
+    after = vstub.Info(verify_pb2.VerifyServiceInfoRequest())
     batches = after.batches - before.batches
     blocks = after.batched_blocks - before.batched_blocks
     assert after.max_batch_size_seen > 1
     assert blocks / batches > 1.2, (blocks, batches)  # one forward verified several sessions' blocks
     # target-only sessions resubmit at once: the batch window gathers (nearly) all of them every tick
-    before = vstub.Info(verify_pb2.InfoRequest())
+    before = vstub.Info(verify_pb2.VerifyServiceInfoRequest())
     with ThreadPoolExecutor(8) as pool:
         results = list(pool.map(lambda p: generate(vstub, p, GREEDY)[0], ps))
     assert all(tokens == reference(p) for p, tokens in zip(ps, results))
-    after = vstub.Info(verify_pb2.InfoRequest())
+    after = vstub.Info(verify_pb2.VerifyServiceInfoRequest())
     assert (after.batched_blocks - before.batched_blocks) / (after.batches - before.batches) > 5
 
 
@@ -128,11 +129,11 @@ def test_session_turns_reuse_the_kv_cache(stack, target):
     short = common_pb2.SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     turn1 = [3, 4, 5, 6, 7, 8, 9]
     out1, chunks1 = generate(stub, turn1, short, session_id="chat-1")
-    assert chunks1[0].cached_prompt_tokens == 0
+    assert chunks1[0].opened.cached_prompt_tokens == 0
     turn2 = turn1 + out1 + [10, 11, 12]
     out2, chunks2 = generate(stub, turn2, short, session_id="chat-1")
     # everything but the new message's tokens (and the last committed one) came from the cache
-    assert chunks2[0].cached_prompt_tokens >= len(turn1) + len(out1) - 1
+    assert chunks2[0].opened.cached_prompt_tokens >= len(turn1) + len(out1) - 1
     assert out2 == engine.generate(turn2, params, 0).token_ids
     vstub = verify_stub(verify)
     assert vstub.ReleaseSession(verify_pb2.ReleaseSessionRequest(session_id="chat-1")).released
@@ -161,7 +162,7 @@ def test_sampled_output_is_the_target_distribution():
     try:
         with ThreadPoolExecutor(8) as pool:
             runs = list(pool.map(lambda _: generate(stub, prompt, params), range(n)))
-        info = stub.Info(draft_pb2.DraftInfoRequest())
+        info = stub.Info(draft_pb2.DraftServiceInfoRequest())
     finally:
         draft.stop()
         verify.stop()
@@ -170,8 +171,8 @@ def test_sampled_output_is_the_target_distribution():
     for tokens, _ in runs:
         c12[tokens[0] * vocab + tokens[1]] += 1
         c3[tokens[2]] += 1
-    accepted = sum(chunks[-1].stats.accepted for _, chunks in runs)
-    drafted = sum(chunks[-1].stats.drafted for _, chunks in runs)
+    accepted = sum(chunks[-1].finished.stats.accepted for _, chunks in runs)
+    drafted = sum(chunks[-1].finished.stats.drafted for _, chunks in runs)
     assert 0.2 < accepted / drafted < 0.95
     assert info.pipelined_blocks_used > 0  # the pipelined path was exercised by the law under test
 
@@ -206,6 +207,6 @@ def test_chunked_prefill_gives_the_same_output(target, reference):
         assert tokens == reference(prompt)
         assert verify.server.engine.counters.prefill_chunks == 8
         again, chunks = generate(vs, prompt + tokens + [5, 6], GREEDY, session_id="long")
-        assert chunks[0].cached_prompt_tokens == len(prompt) + len(tokens) - 1  # counted once, not per chunk
+        assert chunks[0].opened.cached_prompt_tokens == len(prompt) + len(tokens) - 1  # counted once, not per chunk
     finally:
         verify.stop()

@@ -19,7 +19,7 @@ import grpc
 from draft_service.engine import DraftConfig, DraftEngine
 from draft_service.server import build_server as build_draft
 from specmesh.serving import BackgroundServer
-from specmesh.v1 import draft_pb2, draft_pb2_grpc, verify_pb2_grpc
+from specmesh.v1 import draft_pb2, draft_pb2_grpc, verify_pb2, verify_pb2_grpc
 from verify_service.engine import VerifyConfig, VerifyEngine
 from verify_service.server import build_server as build_verify
 
@@ -45,14 +45,12 @@ def draft_stub(server: BackgroundServer):
 
 
 def generate(stub, prompt, params, **kw) -> tuple[list[int], list]:
-    """All tokens and all response chunks of one DraftService / VerifyService Generate call."""
-    req_type = draft_pb2.DraftGenerateRequest if isinstance(stub, draft_pb2_grpc.DraftServiceStub) else None
-    if req_type is None:
-        from specmesh.v1 import verify_pb2
-
-        req_type = verify_pb2.VerifyGenerateRequest
+    """All tokens and all response chunks of one DraftService / VerifyService Generate call (chunks[0] is
+    the opened chunk, chunks[-1] the finished one)."""
+    req_type = (draft_pb2.DraftServiceGenerateRequest if isinstance(stub, draft_pb2_grpc.DraftServiceStub)
+                else verify_pb2.VerifyServiceGenerateRequest)
     chunks = list(stub.Generate(req_type(prompt_ids=prompt, params=params, **kw), timeout=120))
-    return [t for c in chunks for t in c.token_ids], chunks
+    return [t for c in chunks for t in c.tokens.token_ids], chunks
 
 
 def free_port() -> int:
