@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.specmesh-installed
 
-.PHONY: venv run test bench proto demo-models clean
+.PHONY: venv run test lint bench proto demo-models clean
 
 venv: $(STAMP)
 
@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --progress-bar on -q --upgrade pip
 	$(PY) -m pip install --progress-bar on torch==2.13.0
-	$(PY) -m pip install --progress-bar on -e '.[test,bench]'
+	$(PY) -m pip install --progress-bar on -e '.[test,bench,lint]'
 	touch $(STAMP)
 
 run: venv
@@ -21,6 +21,13 @@ run: venv
 
 test: venv
 	$(PY) -m pytest -q
+
+# What CI runs before the tests: layer contracts, lint and format, types, and the proto's buf lint.
+lint: venv
+	$(VENV)/bin/lint-imports
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
 
 # Regenerate specmesh/v1/*_pb2*.py from proto/ (tests/test_proto.py fails while they are stale).
 proto: venv

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from specmesh.domain import SpecStats
 from specmesh.engine import SpeculativeEngine
 from specmesh.runtime.hf import ModelRunner
 from specmesh.sampling import SamplingParams
@@ -40,19 +41,20 @@ def heldout_prompts(tokenizer, n: int, length: int) -> list[list[int]]:
 
 
 def run_engine(engine, prompts, params, k, algorithm="standalone"):
-    tokens, seconds, outputs, rounds, drafted, accepted = 0, 0.0, [], 0, 0, 0
+    tokens, seconds, outputs, stats = 0, 0.0, [], SpecStats()
     for p in prompts:
         t0 = time.perf_counter()
         r = engine.generate(p, params, k, algorithm)
         seconds += time.perf_counter() - t0
         tokens += len(r.token_ids)
         outputs.append(r.token_ids)
-        rounds, drafted, accepted = rounds + r.stats.rounds, drafted + r.stats.drafted, accepted + r.stats.accepted
+        stats.merge(r.stats)
+    d = stats.as_dict()
     return {
         "tokens": tokens, "seconds": round(seconds, 4), "tokens_per_s": round(tokens / seconds, 2),
-        "rounds": rounds, "drafted": drafted, "accepted": accepted,
-        "acceptance_rate": round(accepted / drafted, 4) if drafted else None,
-        "mean_accepted_length": round(1 + accepted / rounds, 4) if rounds else None,
+        "rounds": d["rounds"], "drafts": d["drafts"], "drafted": d["drafted"], "accepted": d["accepted"],
+        "acceptance_rate": d["acceptance_rate"] if stats.drafted else None,
+        "mean_accepted_length": d["mean_accepted_length"] if stats.drafts else None,
     }, outputs
 
 

@@ -53,7 +53,8 @@ from tqdm import tqdm
 from bench.inprocess import decode_ms, heldout_prompts
 from specmesh.drafters import ModelDrafter
 from specmesh.engine import SpeculativeEngine
-from specmesh.loop import Proposal
+from specmesh import wire
+from specmesh.domain import DraftBlock, SpecStats
 from specmesh.sampling import SamplingParams
 from specmesh.v1 import common_pb2, draft_pb2, draft_pb2_grpc, verify_pb2, verify_pb2_grpc
 
@@ -148,15 +149,15 @@ def summary(tokens: int, seconds: float, **extra) -> dict:
     return {"tokens": tokens, "seconds": round(seconds, 4), "tokens_per_s": round(tokens / seconds, 2), **extra}
 
 
-def spec_summary(rounds: int, drafted: int, accepted: int) -> dict:
-    return {"rounds": rounds, "drafted": drafted, "accepted": accepted,
-            "acceptance_rate": round(accepted / drafted, 4) if drafted else None,
-            "mean_accepted_length": round(1 + accepted / rounds, 4) if rounds else None}
+def spec_summary(stats: SpecStats) -> dict:
+    """The speculation figures a result reports, by SpecStats' (vLLM's) definitions."""
+    d = stats.as_dict()
+    return {k: d[k] for k in ("rounds", "drafts", "drafted", "accepted", "acceptance_rate", "mean_accepted_length")}
 
 
-def engine_once(engine, prompt, max_tokens, k) -> tuple[list[int], tuple | None]:
+def engine_once(engine, prompt, max_tokens, k) -> tuple[list[int], SpecStats | None]:
     r = engine.generate(prompt, greedy(max_tokens), k)
-    return r.token_ids, (r.stats.rounds, r.stats.drafted, r.stats.accepted)
+    return r.token_ids, r.stats
 
 
 def generate_once(stub, prompt, max_tokens) -> tuple[list[int], object]:
@@ -174,10 +175,9 @@ def generate_once(stub, prompt, max_tokens) -> tuple[list[int], object]:
     return tokens, last
 
 
-def service_once(stub, prompt, max_tokens) -> tuple[list[int], tuple | None]:
+def service_once(stub, prompt, max_tokens) -> tuple[list[int], SpecStats | None]:
     out, last = generate_once(stub, prompt, max_tokens)
-    stats = (last.stats.rounds, last.stats.drafted, last.stats.accepted) if last.HasField("stats") else None
-    return out, stats
+    return out, wire.stats_from_pb(last.stats) if last.HasField("stats") else None
 
 
 def run_interleaved(plan, prompts, check) -> tuple[dict, dict]:
@@ -194,14 +194,15 @@ def run_interleaved(plan, prompts, check) -> tuple[dict, dict]:
             a["tokens"] += len(out)
             a["seconds"] += dt
             a["per_prompt_s"].append(round(dt, 4))
-            if stats is not None and stats[1]:
-                a["spec"] = stats if a["spec"] is None else tuple(x + y for x, y in zip(a["spec"], stats))
+            if stats is not None and stats.drafted:
+                a["spec"] = a["spec"] or SpecStats()
+                a["spec"].merge(stats)
             outputs[name].append(out)
         check()
     methods = {}
     for name, a in acc.items():
         per_prompt = [len(o) / t for o, t in zip(outputs[name], a["per_prompt_s"])]
-        extra = spec_summary(*a["spec"]) if a["spec"] is not None else {}
+        extra = spec_summary(a["spec"]) if a["spec"] is not None else {}
         methods[name] = summary(a["tokens"], a["seconds"], **extra,
                                 median_prompt_tokens_per_s=round(float(np.median(per_prompt)), 2),
                                 per_prompt_seconds=a["per_prompt_s"])
@@ -223,7 +224,7 @@ async def _raw_verify(address: str, draft_runner, prompts, max_tokens: int, k: i
             epoch, position, out = opened.epoch, opened.base_position, []
             while True:
                 kk = min(k, max_tokens - len(out) - 1)
-                proposal = drafter.propose(kk) if kk > 0 else Proposal([])
+                proposal = drafter.propose(kk) if kk > 0 else DraftBlock([])
                 msg = verify_pb2.VerifyRequest(session_id=opened.session_id, epoch=epoch, base_position=position,
                                                draft_ids=proposal.token_ids)
                 t0 = time.perf_counter()
@@ -265,8 +266,10 @@ def run_concurrent(stubs, prompts, max_tokens) -> tuple[dict, list]:
     extra = {}
     lasts = [r[1] for r in results]
     if all(last is not None and last.HasField("stats") for last in lasts):
-        extra = spec_summary(sum(x.stats.rounds for x in lasts), sum(x.stats.drafted for x in lasts),
-                             sum(x.stats.accepted for x in lasts))
+        total = SpecStats()
+        for last in lasts:
+            total.merge(wire.stats_from_pb(last.stats))
+        extra = spec_summary(total)
     return summary(sum(map(len, outputs)), wall, **extra), outputs
 
 
@@ -454,16 +457,16 @@ def main(argv: list[str] | None = None) -> dict:
             rounds, raw_out = asyncio.run(_raw_verify(vaddr, engine.draft, p1, args.max_tokens, K))
             after = verify_counters(vstub)
             bar.update()
-        drafted = sum(r["drafted"] for r in rounds)
-        accepted = sum(r["accepted"] for r in rounds)
+        raw_stats = SpecStats()
+        for r in rounds:
+            raw_stats.record(r["drafted"], r["accepted"])
         round_overhead = {
             "k": K, "rounds": len(rounds), "tokens": sum(map(len, raw_out)),
             "round_ms": pct([r["round_s"] for r in rounds]), "batch_ms": pct([r["batch_s"] for r in rounds]),
             "queue_ms": pct([r["queue_s"] for r in rounds]),
             "overhead_ms": pct([r["round_s"] - r["batch_s"] for r in rounds]),
             "deadline_verdicts": sum(r["deadline"] for r in rounds), "verify_counters": batch_delta(before, after),
-            "acceptance_rate": round(accepted / drafted, 4) if drafted else None,
-            "mean_accepted_length": round(1 + accepted / len(rounds), 4) if rounds else None,
+            **{k: v for k, v in spec_summary(raw_stats).items() if k in ("acceptance_rate", "mean_accepted_length")},
             "output_equals_target_only": raw_out == reference,
         }
 

@@ -1,6 +1,3 @@
-"""draft_service: the draft model's gRPC server (issue 4).
-
-Its domain logic — the model drafter and the n-gram drafter — lives in `specmesh.drafting` and already
-serves the in-process engine; the server that streams draft blocks to a verify replica lands with the
-service-pair issue.
-"""
+"""draft_service: the draft model's gRPC server. It runs the speculation loop per session against a verify
+replica over one bidirectional stream (pipelined drafting, adaptive K) and streams committed tokens to its
+caller. The drafters themselves live in the core (`specmesh.drafters`)."""

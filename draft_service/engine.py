@@ -17,24 +17,26 @@ import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
+from typing import AsyncIterator
 
 import grpc
 import torch
 from opentelemetry import context as otel_context
 
-from specmesh.drafters import ModelDrafter, NgramDrafter
-from specmesh.errors import FailedPrecondition, InvalidArgument, ResourceExhausted, Unavailable
-from specmesh.loop import AdaptiveK, FixedK, GenerationResult, RoundRecord, SpecStats, speculative_generate
-from specmesh.runtime.static import StaticCacheRunner
-from specmesh.models import load_model
-from specmesh.runtime.hf import ModelRunner
-from specmesh.sampling import SamplingParams, StopChecker, check_token_ids
-from specmesh.telemetry import outgoing_metadata, tracer, wall_ns
-from specmesh.v1 import verify_pb2, verify_pb2_grpc
 from draft_service.remote import RemoteVerifier
+from specmesh.domain import Finished, GenerationEvent, Opened, SpecStats, Tokens
+from specmesh.drafters import ALGORITHMS, Algorithm, ModelDrafter, make_drafter
+from specmesh.errors import FailedPrecondition, InvalidArgument, ResourceExhausted, Unavailable
+from specmesh.loop import AdaptiveK, FixedK, RoundRecord, speculative_generate
+from specmesh.models import load_model
+from specmesh.rejection import MAX_SPEC_LEN
+from specmesh.runtime.hf import ModelRunner
+from specmesh.runtime.static import StaticCacheRunner
+from specmesh.sampling import SamplingParams, StopChecker, check_token_ids
+from specmesh.telemetry import StreamMetrics, outgoing_metadata, tracer, wall_ns
+from specmesh.v1 import verify_pb2, verify_pb2_grpc
 
 log = logging.getLogger("specmesh.draft")
-ALGORITHMS = ("standalone", "ngram")
 
 
 @dataclass(frozen=True)
@@ -54,30 +56,32 @@ class DraftConfig:
     max_cached_sessions: int = 256  # per-session draft KV caches kept for later turns (LRU)
     verify_timeout_s: float = 60.0  # per verify call / round
     grace_period_s: float = 10.0
-    metrics_port: int = -1  # Prometheus /metrics over HTTP; -1 = not served (the CLI defaults to 9464)
+    metrics_port: int = -1  # Prometheus /metrics over HTTP; -1 = not served (the CLI defaults to 9465)
 
     def __post_init__(self):
         if self.speculative_algorithm not in ALGORITHMS:
             raise ValueError(f"speculative_algorithm must be one of {ALGORITHMS}, got {self.speculative_algorithm!r}")
-        if self.speculative_algorithm == "standalone" and not self.model_path:
+        if self.algorithm.needs_model and not self.model_path:
             raise ValueError("the standalone algorithm needs --model-path (the draft model)")
         if self.draft_runner not in ("static", "hf"):
             raise ValueError(f"draft_runner must be static or hf, got {self.draft_runner!r}")
-        if not 0 <= self.speculative_num_steps <= 32:
-            raise ValueError("speculative_num_steps must be in [0, 32]")
+        if not 0 <= self.speculative_num_steps <= MAX_SPEC_LEN:
+            raise ValueError(f"speculative_num_steps must be in [0, {MAX_SPEC_LEN}]")
+
+    @property
+    def algorithm(self) -> Algorithm:
+        return Algorithm(self.speculative_algorithm)
 
 
-@dataclass
-class Opened:
-    session_id: str
-    prompt_tokens: int
-    cached_prompt_tokens: int
+@dataclass(frozen=True)
+class _Failed:
+    """The worker thread's error, handed to the event loop that answers the caller."""
 
-
+    error: BaseException
 
 
 class DraftEngine:
-    def __init__(self, config: DraftConfig, model=None):
+    def __init__(self, config: DraftConfig, model=None, stream_metrics: StreamMetrics | None = None):
         self.config = config
         # The draft's numerics cannot affect the output distribution (the q it sends is the q it sampled
         # from), so the fastest runner is always safe to use here.
@@ -87,7 +91,7 @@ class DraftEngine:
         self.pool = ThreadPoolExecutor(max_workers=config.max_sessions, thread_name_prefix="draft")
         self.totals = SpecStats()  # every finished generation's speculation statistics
         self.tracer = tracer("draft")
-        self.stream_metrics = None  # StreamMetrics (TTFT, inter-token latency), set by the server
+        self.stream_metrics = stream_metrics  # TTFT and inter-token latency of Generate streams
         self._drafters: OrderedDict[str, ModelDrafter] = OrderedDict()
         self._busy: set[str] = set()
         self._active = 0
@@ -98,9 +102,9 @@ class DraftEngine:
         self.shutting_down = False
 
     @classmethod
-    def from_config(cls, config: DraftConfig) -> "DraftEngine":
-        model = load_model(config.model_path, config.device)[0] if config.speculative_algorithm == "standalone" else None
-        return cls(config, model)
+    def from_config(cls, config: DraftConfig, stream_metrics: StreamMetrics | None = None) -> "DraftEngine":
+        model = load_model(config.model_path, config.device)[0] if config.algorithm.needs_model else None
+        return cls(config, model, stream_metrics)
 
     async def close(self) -> None:
         for ch in self._channels.values():
@@ -123,14 +127,14 @@ class DraftEngine:
         return stub
 
     def _drafter(self, session_id: str):
-        if self.config.speculative_algorithm == "ngram":
-            return NgramDrafter()
-        if not session_id:
-            return ModelDrafter(self.runner, self.config.draft_topk)
-        drafter = self._drafters.pop(session_id, None) or ModelDrafter(self.runner, self.config.draft_topk)
+        """The session's drafter: a cached one keeps its draft KV cache for the session's next turn."""
+        algorithm = self.config.algorithm
+        if not algorithm.needs_model or not session_id:
+            return make_drafter(algorithm, self.runner, self.config.draft_topk)
+        drafter = self._drafters.pop(session_id, None) or make_drafter(algorithm, self.runner, self.config.draft_topk)
         self._drafters[session_id] = drafter  # most recently used last
         while len(self._drafters) > self.config.max_cached_sessions:
-            sid, old = next(iter(self._drafters.items()))
+            sid = next(iter(self._drafters))
             if sid in self._busy:
                 break
             self._retire(self._drafters.pop(sid))
@@ -141,22 +145,17 @@ class DraftEngine:
         self._retired_seconds += getattr(drafter, "draft_seconds", 0.0)
 
     def check(self, prompt_ids: list[int], params: SamplingParams, k: int) -> int:
-        try:
-            params.validate(self.vocab_size or None)
-        except ValueError as e:
-            raise InvalidArgument(str(e)) from None
+        """Validate a request; returns its K max (0 asks for the service's default)."""
+        params.validate(self.vocab_size or None)
         if not prompt_ids:
             raise InvalidArgument("prompt_ids must hold at least one token")
         if self.vocab_size:  # the n-gram drafter has no vocabulary: the verify service checks the ids
             check_token_ids(prompt_ids, self.vocab_size)
-        if k > 32:
-            raise InvalidArgument(f"num_speculative_tokens must be <= 32, got {k}")
+        if k > MAX_SPEC_LEN:
+            raise InvalidArgument(f"num_speculative_tokens must be <= {MAX_SPEC_LEN}, got {k}")
         return k or self.config.speculative_num_steps
 
-    async def generate(self, session_id: str, prompt_ids: list[int], params: SamplingParams, verify_address: str,
-                       num_speculative_tokens: int = 0, metadata: tuple = ()):
-        """Yields Opened, then lists of committed tokens, then the GenerationResult."""
-        k_max = self.check(prompt_ids, params, num_speculative_tokens)
+    def _admit(self, session_id: str) -> None:
         if self.shutting_down:
             raise Unavailable("the draft service is shutting down")
         if self._active >= self.config.max_sessions:
@@ -164,89 +163,35 @@ class DraftEngine:
                                     f"generations; retry later")
         if session_id and session_id in self._busy:
             raise FailedPrecondition(f"session {session_id!r} is already generating")
+
+    async def generate(self, session_id: str, prompt_ids: list[int], params: SamplingParams, verify_address: str,
+                       num_speculative_tokens: int = 0, metadata: tuple = ()) -> AsyncIterator[GenerationEvent]:
+        """Yields Opened, then Tokens as rounds commit them, then Finished."""
+        k_max = self.check(prompt_ids, params, num_speculative_tokens)
+        self._admit(session_id)
         stub = await self._stub(verify_address or self.config.verify_address)
-        loop = asyncio.get_running_loop()
-        events: asyncio.Queue = asyncio.Queue()
-        put = lambda *item: loop.call_soon_threadsafe(events.put_nowait, item)  # noqa: E731
-        remote = RemoteVerifier(loop, stub, session_id, self.config.verify_timeout_s,
-                                metadata=metadata or outgoing_metadata(),
-                                on_open=lambda r: events.put_nowait(("open", Opened(r.session_id, len(prompt_ids),
-                                                                                    r.cached_prompt_tokens))))
-        drafter = self._drafter(session_id)
-        # A seeded request must replay exactly: its random draws may not depend on timing, so it gets a
-        # fixed K and no drafting ahead (both adapt to how fast verdicts come back).
-        seeded = params.seed is not None
-        policy = AdaptiveK(k_max) if self.config.adaptive and not seeded else FixedK(k_max)
-        pipeline = self.config.pipeline and not seeded
-        cancelled = threading.Event()
-        parent = otel_context.get_current()  # the Generate server span: rounds are its children
-        timer = self.stream_metrics.timer() if self.stream_metrics is not None else None
-
-        def on_round(r: RoundRecord) -> None:
-            now = time.perf_counter()
-            span = self.tracer.start_span("draft.round", context=parent, start_time=wall_ns(r.t_start, now),
-                                          attributes={"specmesh.k": r.k, "specmesh.drafted": r.num_drafted,
-                                                      "specmesh.accepted": r.num_accepted,
-                                                      "specmesh.committed": r.num_committed,
-                                                      "specmesh.draft_seconds": r.t_sent - r.t_start,
-                                                      "specmesh.verify_wait_seconds": r.t_verdict - r.t_sent,
-                                                      "specmesh.from_pipeline": r.from_pipeline})
-            span.end(end_time=wall_ns(r.t_verdict, now))
-
-        def work():
-            # EOS and stop strings are the verifier's to apply (its verdicts carry the finish reason).
-            stop = StopChecker(replace(params, stop=()), frozenset())
-            try:
-                with torch.inference_mode():
-                    result = speculative_generate(remote, drafter, prompt_ids, params, policy, stop,
-                                                  on_tokens=lambda toks: put("tokens", toks),
-                                                  pipeline=pipeline, cancelled=cancelled.is_set,
-                                                  on_round=on_round)
-                put("done", result)
-            except BaseException as e:  # noqa: BLE001 — delivered to the caller as a status
-                put("error", e)
-
+        gen = _Generation(self, stub, session_id, prompt_ids, params, k_max, metadata or outgoing_metadata())
         self._active += 1
         if session_id:
             self._busy.add(session_id)
-        job = loop.run_in_executor(self.pool, work)
-        cleaned = False
-
-        async def cleanup(finished: bool) -> None:
-            # Before the final chunk goes out: a caller's next turn must find the session free here and
-            # on the verify service (aclose waits for the verify stream's status).
-            nonlocal cleaned
-            if cleaned:
-                return
-            cleaned = True
-            cancelled.set()
-            await remote.aclose(finished)
-            await asyncio.shield(job)  # the worker ends at its next round
-            self._active -= 1
-            self._busy.discard(session_id)
-            if not session_id:
-                self._retire(drafter)
-
+        gen.start()
         try:
-            while True:
-                kind, value = await events.get()
-                if kind == "error":
-                    if isinstance(value, asyncio.TimeoutError):
-                        raise Unavailable(f"the verify service did not answer within {self.config.verify_timeout_s} s")
-                    raise value
-                if kind == "tokens" and timer is not None:
-                    timer.tokens(len(value))
-                if kind == "done":
-                    self._count(value)
-                    await cleanup(value.finish_reason != "cancelled")
-                    yield value
-                    return
-                yield value
+            async for event in gen.events():
+                if isinstance(event, Finished):
+                    self.totals.merge(event.stats)
+                    # Before the final event goes out: a caller's next turn must find the session free here
+                    # and on the verify service.
+                    await self._end(gen, event.finish_reason != "cancelled")
+                yield event
         finally:
-            await cleanup(False)
+            await self._end(gen, False)
 
-    def _count(self, result: GenerationResult) -> None:
-        self.totals.merge(result.stats)
+    async def _end(self, gen: "_Generation", finished: bool) -> None:
+        if await gen.stop(finished):
+            self._active -= 1
+            self._busy.discard(gen.session_id)
+            if not gen.session_id:
+                self._retire(gen.drafter)
 
     @property
     def cached_sessions(self) -> int:
@@ -271,3 +216,83 @@ class DraftEngine:
                     pipelined_blocks_used=c.pipelined_used,
                     pipelined_blocks_discarded=c.pipelined_discarded,
                     draft_seconds_per_token=self.draft_seconds_per_token())
+
+
+class _Generation:
+    """One Generate call: the speculation loop on a worker thread, its events handed to the event loop."""
+
+    def __init__(self, engine: DraftEngine, stub, session_id: str, prompt_ids: list[int], params: SamplingParams,
+                 k_max: int, metadata: tuple):
+        self.engine, self.session_id, self.prompt_ids, self.params = engine, session_id, prompt_ids, params
+        self.loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue[GenerationEvent | _Failed] = asyncio.Queue()
+        self.remote = RemoteVerifier(self.loop, stub, session_id, engine.config.verify_timeout_s, metadata=metadata,
+                                     on_open=self._opened)
+        self.drafter = engine._drafter(session_id)
+        # A seeded request must replay exactly: its random draws may not depend on timing, so it gets a
+        # fixed K and no drafting ahead (both adapt to how fast verdicts come back).
+        seeded = params.seed is not None
+        self.policy = AdaptiveK(k_max) if engine.config.adaptive and not seeded else FixedK(k_max)
+        self.pipeline = engine.config.pipeline and not seeded
+        self.cancelled = threading.Event()
+        self.parent = otel_context.get_current()  # the Generate server span: rounds are its children
+        self.timer = engine.stream_metrics.timer() if engine.stream_metrics is not None else None
+        self.job: asyncio.Future | None = None
+        self.stopped = False
+
+    def _opened(self, resp) -> None:
+        self.queue.put_nowait(Opened(resp.session_id, len(self.prompt_ids), resp.cached_prompt_tokens))
+
+    def _put(self, item) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+    def start(self) -> None:
+        self.job = self.loop.run_in_executor(self.engine.pool, self._work)
+
+    def _work(self) -> None:
+        # EOS and stop strings are the verifier's to apply (its verdicts carry the finish reason).
+        stop = StopChecker(replace(self.params, stop=()), frozenset())
+        try:
+            with torch.inference_mode():
+                result = speculative_generate(self.remote, self.drafter, self.prompt_ids, self.params, self.policy,
+                                              stop, on_tokens=lambda toks: self._put(Tokens(toks)),
+                                              pipeline=self.pipeline, cancelled=self.cancelled.is_set,
+                                              on_round=self._trace_round)
+            self._put(Finished(result.finish_reason, result.stats))
+        except BaseException as e:  # noqa: BLE001 - delivered to the caller as a status
+            self._put(_Failed(e))
+
+    def _trace_round(self, r: RoundRecord) -> None:
+        now = time.perf_counter()
+        span = self.engine.tracer.start_span(
+            "draft.round", context=self.parent, start_time=wall_ns(r.t_start, now),
+            attributes={"specmesh.k": r.k, "specmesh.drafted": r.num_drafted, "specmesh.accepted": r.num_accepted,
+                        "specmesh.committed": r.num_committed, "specmesh.draft_seconds": r.t_sent - r.t_start,
+                        "specmesh.verify_wait_seconds": r.t_verdict - r.t_sent,
+                        "specmesh.from_pipeline": r.from_pipeline})
+        span.end(end_time=wall_ns(r.t_verdict, now))
+
+    async def events(self) -> AsyncIterator[GenerationEvent]:
+        while True:
+            event = await self.queue.get()
+            if isinstance(event, _Failed):
+                if isinstance(event.error, asyncio.TimeoutError):
+                    raise Unavailable(f"the verify service did not answer within "
+                                      f"{self.engine.config.verify_timeout_s} s")
+                raise event.error
+            if isinstance(event, Tokens) and self.timer is not None:
+                self.timer.tokens(len(event.token_ids))
+            yield event
+            if isinstance(event, Finished):
+                return
+
+    async def stop(self, finished: bool) -> bool:
+        """End the verify stream and the worker; True the first time (the caller releases its slot)."""
+        if self.stopped:
+            return False
+        self.stopped = True
+        self.cancelled.set()
+        await self.remote.aclose(finished)
+        if self.job is not None:
+            await asyncio.shield(self.job)  # the worker ends at its next round
+        return True

@@ -16,7 +16,7 @@ import grpc
 
 from specmesh import wire
 from specmesh.errors import Unavailable
-from specmesh.loop import Proposal, Verdict
+from specmesh.domain import DraftBlock, Verdict
 from specmesh.sampling import SamplingParams
 from specmesh.v1 import verify_pb2, verify_pb2_grpc
 
@@ -51,7 +51,7 @@ class RemoteVerifier:
         if self.on_open is not None:
             self.on_open(resp)
 
-    def submit(self, proposal: Proposal) -> Future:
+    def submit(self, proposal: DraftBlock) -> Future:
         msg = wire.block_to_pb(proposal, self.session_id, self.epoch, self.position)
         return asyncio.run_coroutine_threadsafe(asyncio.wait_for(self._round(msg), self.timeout), self.loop)
 

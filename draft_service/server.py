@@ -11,20 +11,23 @@ from specmesh.v1 import draft_pb2, draft_pb2_grpc
 SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name
 
 
-async def build_server(config: DraftConfig, engine: DraftEngine | None = None) -> GrpcServer:
-    engine = engine or DraftEngine.from_config(config)
-    metrics = DraftMetrics(engine)
+async def build_server(config: DraftConfig, model=None) -> GrpcServer:
+    """The service around `model` (an nn.Module; None = load what the config names), unstarted."""
+    metrics = DraftMetrics()
+    if model is not None:
+        engine = DraftEngine(config, model, metrics.stream)
+    else:
+        engine = DraftEngine.from_config(config, metrics.stream)
+    metrics.watch(engine)
 
     def add(server):
         servicer = DraftServicer(engine)
-        servicer.telemetry = ServiceTelemetry("draft", metrics.rpc)
         draft_pb2_grpc.add_DraftServiceServicer_to_server(servicer, server)
 
     def drain():
         engine.shutting_down = True
 
-    server = GrpcServer(config.host, config.port, [SERVICE_NAME], add, config.grace_period_s, engine.close,
+    return GrpcServer(config.host, config.port, [SERVICE_NAME], add, config.grace_period_s, engine.close,
                         on_drain=drain, active=lambda: engine.active,
-                        metrics_registry=metrics.registry, metrics_port=config.metrics_port)
-    server.engine, server.metrics = engine, metrics
-    return server
+                        metrics_registry=metrics.registry, metrics_port=config.metrics_port,
+                        telemetry=ServiceTelemetry("draft", metrics.rpc), engine=engine, metrics=metrics)

@@ -10,13 +10,18 @@ from specmesh.telemetry import FnCollector, RpcMetrics, StreamMetrics, spec_fami
 
 
 class DraftMetrics:
-    def __init__(self, engine, registry: CollectorRegistry | None = None):
+    """Built before the engine (which reports stream timings to `stream`); `watch` adds the engine's state."""
+
+    def __init__(self, registry: CollectorRegistry | None = None):
         self.registry = registry or CollectorRegistry()
         self.rpc = RpcMetrics(self.registry, "draft")
         self.stream = StreamMetrics(self.registry, "draft")
+        self.engine = None
+
+    def watch(self, engine) -> "DraftMetrics":
         self.engine = engine
-        engine.stream_metrics = self.stream
         self.registry.register(FnCollector(self.families))
+        return self
 
     def families(self):
         e = self.engine

@@ -86,10 +86,10 @@ async def serve(config: GatewayConfig, args) -> None:
     grpc_server = None
     if args.grpc_port >= 0:
         servicer = GatewayServicer(gateway)
-        servicer.telemetry = ServiceTelemetry("gateway", metrics.rpc)
         grpc_server = GrpcServer(args.host, args.grpc_port, [SERVICE_NAME],
                                  lambda s: gateway_pb2_grpc.add_GatewayServiceServicer_to_server(servicer, s),
-                                 grace_seconds=10, active=lambda: gateway.inflight)
+                                 grace_seconds=10, active=lambda: gateway.inflight,
+                                 telemetry=ServiceTelemetry("gateway", metrics.rpc))
         port = await grpc_server.start()
         print(f"gateway gRPC listening on {args.host}:{port}", flush=True)
     loop = asyncio.get_running_loop()

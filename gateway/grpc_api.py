@@ -5,7 +5,6 @@ from __future__ import annotations
 from gateway.core import Gateway, GenRequest, Outcome
 from specmesh import wire
 from specmesh.errors import InvalidArgument, NotFound
-from specmesh.serving import stream_errors, unary_errors
 from specmesh.v1 import gateway_pb2, gateway_pb2_grpc
 
 Chunk = gateway_pb2.GatewayServiceGenerateStreamResponse
@@ -34,7 +33,6 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
                     stats=wire.stats_to_pb(outcome.stats), failovers=outcome.failovers,
                     target_only=outcome.target_only)
 
-    @unary_errors
     async def Generate(self, request, context):
         req = self._request(request)
         outcome = Outcome(prompt_tokens=len(req.prompt_ids))
@@ -46,7 +44,6 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         return gateway_pb2.GatewayServiceGenerateResponse(text="".join(text), token_ids=ids,
                                                           **self._final(outcome, finish))
 
-    @stream_errors
     async def GenerateStream(self, request, context):
         req = self._request(request)
         outcome = Outcome(prompt_tokens=len(req.prompt_ids))

@@ -8,11 +8,13 @@ between the two is exactly the cost of the network.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from specmesh.drafters import Algorithm, make_drafter
 from specmesh.loop import GenerationResult, speculative_generate
+from specmesh.runtime import Runner
 from specmesh.runtime.static import StaticCacheRunner
 from specmesh.errors import InvalidArgument
 from specmesh.models import eos_token_ids, load_model
@@ -25,8 +27,8 @@ from specmesh.verifier import LocalVerifier
 class SpeculativeEngine:
     """prompt ids + SamplingParams -> tokens + stats. K = 0 (or no draft) is target-only decoding."""
 
-    def __init__(self, target_runner: ModelRunner, draft_runner: ModelRunner | None, sampler, tokenizer=None,
-                 draft_topk: int = 16):
+    def __init__(self, target_runner: Runner[Any], draft_runner: Runner[Any] | None, sampler: RejectionSampler,
+                 tokenizer=None, draft_topk: int = 16):
         if draft_runner is not None and draft_runner.vocab_size != target_runner.vocab_size:
             raise ValueError(f"draft vocabulary ({draft_runner.vocab_size}) differs from the target's "
                              f"({target_runner.vocab_size})")

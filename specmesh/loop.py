@@ -16,59 +16,19 @@ tokens before them. A local verifier completes at once, so nothing is drafted ah
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Protocol
 
-import torch
-
+from specmesh.domain import DraftBlock, SpecStats, Verdict
 from specmesh.sampling import SamplingParams, StopChecker
-
-
-@dataclass
-class Proposal:
-    """A draft block: K tokens and, optionally, the sparse draft distribution each was sampled from."""
-
-    token_ids: list[int]  # x_1..x_K
-    q_ids: torch.Tensor | None = None  # [K, S] int64; None = point masses (greedy / n-gram drafts)
-    q_probs: torch.Tensor | None = None  # [K, S] float32
-
-    @property
-    def k(self) -> int:
-        return len(self.token_ids)
-
-    def __getitem__(self, s: slice) -> "Proposal":
-        if self.q_ids is None:
-            return Proposal(self.token_ids[s])
-        return Proposal(self.token_ids[s], self.q_ids[s], self.q_probs[s])
-
-    def __add__(self, other: "Proposal") -> "Proposal":
-        if not other.k:
-            return self
-        if not self.k:
-            return other
-        if (self.q_ids is None) != (other.q_ids is None):
-            raise ValueError("cannot join a block with draft probabilities to one without")
-        if self.q_ids is None:
-            return Proposal(self.token_ids + other.token_ids)
-        width = max(self.q_ids.size(1), other.q_ids.size(1))
-        pad = lambda t, v: torch.nn.functional.pad(t, (0, width - t.size(1)), value=v)  # noqa: E731
-        return Proposal(self.token_ids + other.token_ids, torch.cat([pad(self.q_ids, -1), pad(other.q_ids, -1)]),
-                        torch.cat([pad(self.q_probs, 0.0), pad(other.q_probs, 0.0)]))
-
-
-@dataclass
-class Verdict:
-    tokens: list[int]  # committed this round: accepted drafts + one recovered or bonus token
-    num_accepted: int
-    num_drafted: int | None = None  # K actually verified (a remote verifier may take a target-only step)
-    finish_reason: str | None = None  # set by a verifier that applies the stop rules itself
 
 
 class Drafter(Protocol):
     def start(self, prompt_ids: list[int], params: SamplingParams) -> None: ...
 
-    def propose(self, k: int, after: list[int] = (), should_stop: Callable[[], bool] | None = None) -> Proposal:
+    def propose(self, k: int, after: Sequence[int] = (), should_stop: Callable[[], bool] | None = None) -> DraftBlock:
         """Draft up to k tokens continuing the committed tokens + `after` (tokens assumed, not committed);
         return early, with fewer tokens, once should_stop() is true."""
 
@@ -78,74 +38,8 @@ class Drafter(Protocol):
 class Verifier(Protocol):
     def start(self, prompt_ids: list[int], params: SamplingParams) -> None: ...
 
-    def submit(self, proposal: Proposal) -> Future:
+    def submit(self, proposal: DraftBlock) -> Future[Verdict]:
         """Start verifying; the Future's result is the Verdict."""
-
-
-@dataclass
-class SpecStats:
-    """vLLM's definitions: acceptance rate = accepted / drafted; mean accepted length = 1 + accepted / drafts,
-    where drafts counts the rounds that verified a draft block (rounds also counts K = 0 steps)."""
-
-    rounds: int = 0
-    drafts: int = 0
-    drafted: int = 0
-    accepted: int = 0
-    drafted_per_pos: list[int] = field(default_factory=list)
-    accepted_per_pos: list[int] = field(default_factory=list)
-    draft_seconds: float = 0.0
-    verify_seconds: float = 0.0  # waiting for verdicts (network and queueing included)
-    pipelined_used: int = 0  # blocks drafted ahead during verification and then sent
-    pipelined_discarded: int = 0
-
-    def record(self, k: int, num_accepted: int) -> None:
-        self.rounds += 1
-        self.drafts += k > 0
-        self.drafted += k
-        self.accepted += num_accepted
-        grow = k - len(self.drafted_per_pos)
-        if grow > 0:
-            self.drafted_per_pos += [0] * grow
-            self.accepted_per_pos += [0] * grow
-        for i in range(k):
-            self.drafted_per_pos[i] += 1
-        for i in range(num_accepted):
-            self.accepted_per_pos[i] += 1
-
-    def merge(self, other: "SpecStats") -> None:
-        """Add another generation's statistics (totals across requests, or across a failover)."""
-        for name in ("rounds", "drafts", "drafted", "accepted", "draft_seconds", "verify_seconds",
-                     "pipelined_used", "pipelined_discarded"):
-            setattr(self, name, getattr(self, name) + getattr(other, name))
-        grow = len(other.drafted_per_pos) - len(self.drafted_per_pos)
-        if grow > 0:
-            self.drafted_per_pos += [0] * grow
-            self.accepted_per_pos += [0] * grow
-        for i, (d, a) in enumerate(zip(other.drafted_per_pos, other.accepted_per_pos)):
-            self.drafted_per_pos[i] += d
-            self.accepted_per_pos[i] += a
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.accepted / self.drafted if self.drafted else 0.0
-
-    @property
-    def mean_accepted_length(self) -> float:
-        return 1.0 + self.accepted / self.drafts if self.drafts else 1.0
-
-    @property
-    def acceptance_per_pos(self) -> list[float]:
-        return [a / d if d else 0.0 for a, d in zip(self.accepted_per_pos, self.drafted_per_pos)]
-
-    def as_dict(self) -> dict:
-        return {
-            "rounds": self.rounds, "drafts": self.drafts, "drafted": self.drafted, "accepted": self.accepted,
-            "acceptance_rate": round(self.acceptance_rate, 4),
-            "mean_accepted_length": round(self.mean_accepted_length, 4),
-            "acceptance_per_pos": [round(a, 4) for a in self.acceptance_per_pos],
-            "draft_seconds": round(self.draft_seconds, 4), "verify_seconds": round(self.verify_seconds, 4),
-            "pipelined_used": self.pipelined_used, "pipelined_discarded": self.pipelined_discarded,
-        }
 
 
 @dataclass
@@ -211,7 +105,7 @@ class AdaptiveK:
         return min(self.accepted / self.trials, 0.999) if self.trials else 0.0
 
     def observe(self, k: int, num_accepted: int, draft_seconds: float, verify_seconds: float) -> None:
-        ema = lambda old, new: new if old is None else 0.8 * old + 0.2 * new  # noqa: E731
+        ema = lambda old, new: new if old is None else 0.8 * old + 0.2 * new
         if k > 0:
             self.accepted = self.decay * self.accepted + num_accepted
             self.trials = self.decay * self.trials + num_accepted + (num_accepted < k)
@@ -226,7 +120,7 @@ class AdaptiveK:
     def next_k(self) -> int:
         if self.t_draft is None or self.t_verify is None:
             return self.k_max  # measure first
-        rate = lambda k: self.expected_tokens(k) / (k * self.t_draft + self.t_verify)  # noqa: E731
+        rate = lambda k: self.expected_tokens(k) / (k * self.t_draft + self.t_verify)
         best = max(range(self.k_max + 1), key=lambda k: (rate(k), -k))
         if best == 0:
             self.rounds_at_zero += 1
@@ -257,29 +151,30 @@ def speculative_generate(
         policy = FixedK(0)
     stats = SpecStats()
     verifier.start(prompt_ids, params)
-    if policy.k_max:
+    if drafter is not None and policy.k_max:
         drafter.start(prompt_ids, params)
-    ahead: Proposal | None = None  # the next block, drafted while the previous one was being verified
+    ahead: DraftBlock | None = None  # the next block, drafted while the previous one was being verified
     while not stop.finished:
         if cancelled is not None and cancelled():
             stop.finish("cancelled")
             break
-        # One token is always emitted; drafting past the budget would be wasted work.
-        budget = params.max_tokens - len(stop.token_ids) - 1
+        budget = params.draft_budget(len(stop.token_ids))
         k = min(policy.next_k(), budget)
         t0 = time.perf_counter()
-        from_ahead = ahead is not None and ahead.k >= k
-        if from_ahead:
-            proposal = ahead[:k]
+        from_ahead = False
+        if ahead is not None and ahead.k >= k:
+            proposal, from_ahead = ahead[:k], True
         elif k > 0:
-            proposal = (ahead or Proposal([])) + drafter.propose(k - (ahead.k if ahead else 0),
+            assert drafter is not None  # k <= policy.k_max, and that is 0 without a drafter
+            proposal = (ahead or DraftBlock([])) + drafter.propose(k - (ahead.k if ahead else 0),
                                                                  after=ahead.token_ids if ahead else ())
         else:
-            proposal = Proposal([])
+            proposal = DraftBlock([])
         t1 = time.perf_counter()
         pending = verifier.submit(proposal)
         guess = None
         if pipeline and proposal.k and proposal.k == k and budget - k > 1:
+            assert drafter is not None  # a non-empty proposal was drafted
             # Guess the bonus, then draft the next block, until the verdict arrives.
             guess = drafter.propose(k + 1, after=proposal.token_ids, should_stop=pending.done)
         t2 = time.perf_counter()
@@ -307,6 +202,7 @@ def speculative_generate(
                 stats.pipelined_used += 1
             elif guess.k > 1:
                 stats.pipelined_discarded += 1
-        if policy.k_max and not stop.finished:
+        if drafter is not None and policy.k_max and not stop.finished:
             drafter.commit(verdict.tokens)
+    assert stop.finish_reason is not None  # the loop ends only once stop.finished
     return GenerationResult(stop.token_ids, stop.finish_reason, stats)

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specmesh.errors import InvalidArgument
+from specmesh.text import IncrementalDetokenizer, find_stop
 
 MAX_STOP_STRINGS = 16
 DEFAULT_MAX_TOKENS = 16
@@ -33,24 +34,29 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE
 
+    def draft_budget(self, emitted: int) -> int:
+        """Most draft tokens worth verifying after `emitted` output tokens: a round always emits one token
+        of its own, so drafts beyond max_tokens - emitted - 1 could never be kept."""
+        return max(0, self.max_tokens - emitted - 1)
+
     def validate(self, vocab_size: int | None = None) -> "SamplingParams":
-        """Raise ValueError naming the offending field; returns self so it chains."""
+        """Raise InvalidArgument naming the offending field; returns self so it chains."""
         if not (self.temperature >= 0.0) or self.temperature > 100.0:
-            raise ValueError(f"temperature must be in [0, 100], got {self.temperature}")
+            raise InvalidArgument(f"temperature must be in [0, 100], got {self.temperature}")
         if not isinstance(self.top_k, int) or not 0 <= self.top_k < 2**31:
-            raise ValueError(f"top_k must be an integer in [0, 2**31) (0 disables it), got {self.top_k}")
+            raise InvalidArgument(f"top_k must be an integer in [0, 2**31) (0 disables it), got {self.top_k}")
         if not (0.0 < self.top_p <= 1.0):
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise InvalidArgument(f"top_p must be in (0, 1], got {self.top_p}")
         if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+            raise InvalidArgument(f"max_tokens must be >= 1, got {self.max_tokens}")
         if self.seed is not None and not (0 <= self.seed < 2**63):
-            raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
+            raise InvalidArgument(f"seed must be in [0, 2**63), got {self.seed}")
         if len(self.stop) > MAX_STOP_STRINGS or any(not s for s in self.stop):
-            raise ValueError(f"stop must hold at most {MAX_STOP_STRINGS} non-empty strings")
+            raise InvalidArgument(f"stop must hold at most {MAX_STOP_STRINGS} non-empty strings")
         if vocab_size is not None:
             bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
             if bad:
-                raise ValueError(f"stop_token_ids out of range [0, {vocab_size}): {bad}")
+                raise InvalidArgument(f"stop_token_ids out of range [0, {vocab_size}): {bad}")
         return self
 
 
@@ -137,7 +143,8 @@ class StopChecker:
 
     `extend` returns how many of the new tokens are kept and sets `finish_reason` once generation ends.
     Stop tokens (EOS included) are kept in the token ids; stop strings are cut from the text by
-    `text()`. `decode` turns ids into text (needed only for stop strings).
+    `text()`. `decode` turns ids into text (needed only for stop strings); with stop strings the text is
+    decoded incrementally, one new token at a time (`specmesh.text`).
     """
 
     params: SamplingParams
@@ -145,12 +152,14 @@ class StopChecker:
     decode: object = None  # Callable[[list[int]], str]
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
-    _stop_text_at: int | None = None
-    _checked_len: int = 0
+    _stop_text_at: int | None = field(default=None, init=False)
+    _detokenizer: IncrementalDetokenizer | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self):
         if self.params.stop and self.decode is None:
             raise ValueError("stop strings need a tokenizer to decode with")
+        if self.params.stop:
+            self._detokenizer = IncrementalDetokenizer(self.decode)
         stops = set(self.params.stop_token_ids)
         if not self.params.ignore_eos:
             stops |= set(self.eos_token_ids)
@@ -165,23 +174,25 @@ class StopChecker:
             kept += 1
             if tok in self._stop_ids:
                 self.finish_reason = "stop"
-            elif self.params.stop and self._check_stop_strings():
+            elif self._detokenizer is not None and self._check_stop_strings(tok):
                 self.finish_reason = "stop"
             elif len(self.token_ids) >= self.params.max_tokens:
                 self.finish_reason = "length"
         return kept
 
-    def _check_stop_strings(self) -> bool:
-        # Only text that the newest token touched can hold a new match.
-        text = self.decode(self.token_ids)
-        longest = max(map(len, self.params.stop))
-        window_start = max(0, self._checked_len - longest + 1)
-        self._checked_len = len(text)
-        hits = [i for s in self.params.stop if (i := text.find(s, window_start)) >= 0]
-        if hits:
-            self._stop_text_at = min(hits)
+    def _check_stop_strings(self, tok: int) -> bool:
+        detok = self._detokenizer
+        searched = len(detok.text)
+        detok.add([tok])
+        at = find_stop(detok.text, self.params.stop, searched)
+        if at >= 0:
+            self._stop_text_at = at
             return True
         return False
+
+    def _catch_up(self) -> None:
+        # A token that ended generation by its id was never searched for stop strings; its text still counts.
+        self._detokenizer.add(self.token_ids[len(self._detokenizer.token_ids):])
 
     def finish(self, reason: str) -> None:
         """End generation for a reason decided elsewhere (a remote verifier's stop rules, a cancel)."""
@@ -193,5 +204,8 @@ class StopChecker:
         return self.finish_reason is not None
 
     def text(self) -> str:
-        text = self.decode(self.token_ids) if self.decode else ""
+        if self._detokenizer is None:
+            return self.decode(self.token_ids) if self.decode else ""
+        self._catch_up()
+        text = self._detokenizer.text + self._detokenizer.tail()
         return text[: self._stop_text_at] if self._stop_text_at is not None else text

@@ -1,9 +1,9 @@
 """gRPC server plumbing shared by every specmesh service: error mapping, health, reflection, lifecycle.
 
-- Servicer methods are wrapped by `unary_errors` / `stream_errors`: a domain error (specmesh.errors) or
-  a ValueError becomes its status code with its message; anything else is logged and becomes INTERNAL,
-  so one bad request never takes the server down. The wrappers also open the server span (a child of
-  the caller's trace context from the metadata) and count the request by method and final code.
+- `ServiceInterceptor` wraps every specmesh RPC: a domain error (specmesh.errors) becomes its status code
+  with its message; anything else is logged and becomes INTERNAL, so one bad request never takes the
+  server down. It also opens the server span (a child of the caller's trace context from the metadata)
+  and counts the request by method and final code.
 - `GrpcServer` runs a `grpc.aio` server with `grpc.health.v1` and reflection. Shutdown (SIGTERM/SIGINT
   or `stop()`) drains: health turns NOT_SERVING (load balancers and the gateway stop sending work) and
   stays answerable, the service refuses new work with UNAVAILABLE, in-flight work gets up to the grace
@@ -15,13 +15,12 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import functools
 import logging
 import signal
 import threading
 import time
 from typing import Awaitable, Callable
+from wsgiref.simple_server import WSGIServer
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -52,7 +51,7 @@ async def _abort(context, exc: BaseException):
 
 
 class ServiceTelemetry:
-    """What a servicer's methods report to: RPC metrics and a tracer (both optional)."""
+    """What a service's RPCs report to: RPC metrics (optional) and a tracer."""
 
     def __init__(self, service: str, metrics=None):
         self.service = service
@@ -71,72 +70,88 @@ def _code_after(exc: BaseException, context) -> str:
     return status_code(exc).name
 
 
-def _begin(self, method, context):
-    """Server span (child of the caller's trace context), the request id from metadata, a start time."""
-    tel: ServiceTelemetry | None = getattr(self, "telemetry", None)
-    parent = incoming_context(context)
-    span = None
-    if tel is not None:
-        span = tel.tracer.start_span(f"{tel.service}/{method.__name__}", context=parent,
-                                     kind=trace.SpanKind.SERVER)
-    return tel, span, time.perf_counter()
+class _Call:
+    """One RPC's server span (a child of the caller's trace context) and its timing, ended with its code."""
+
+    def __init__(self, tel: ServiceTelemetry, method: str, context):
+        self.tel, self.method, self.context = tel, method, context
+        self.span = tel.tracer.start_span(f"{tel.service}/{method}", context=incoming_context(context),
+                                          kind=trace.SpanKind.SERVER)
+        self.t0 = time.perf_counter()
+        self.code = "OK"
+
+    async def fail(self, exc: Exception) -> None:
+        """Record the error's code and answer the call with it (this raises grpc.aio.AbortError)."""
+        self.code = _code_after(exc, self.context)
+        await _abort(self.context, exc)
+
+    def end(self) -> None:
+        if self.tel.metrics is not None:
+            self.tel.metrics.observe(self.method, self.code, time.perf_counter() - self.t0)
+        self.span.set_attribute("rpc.grpc.status_code", self.code)
+        if self.code not in ("OK", "CANCELLED"):
+            self.span.set_status(trace.Status(trace.StatusCode.ERROR, self.code))
+        self.span.end()
 
 
-def _end(tel, span, method, t0: float, code: str) -> None:
-    if tel is not None and tel.metrics is not None:
-        tel.metrics.observe(method.__name__, code, time.perf_counter() - t0)
-    if span is not None:
-        span.set_attribute("rpc.grpc.status_code", code)
-        if code not in ("OK", "CANCELLED"):
-            span.set_status(trace.Status(trace.StatusCode.ERROR, code))
-        span.end()
+class ServiceInterceptor(grpc.aio.ServerInterceptor):
+    """Every specmesh RPC of a server, in one place: domain errors become their status codes (anything else
+    is logged and becomes INTERNAL, so one bad request never takes the server down), each call gets a
+    server span and is counted by method and final code. Health and reflection pass through untouched."""
 
+    def __init__(self, telemetry: ServiceTelemetry, prefix: str = "/specmesh."):
+        self.telemetry = telemetry
+        self.prefix = prefix
 
-def unary_errors(method):
-    """Errors to status codes, plus a server span and request metrics for a unary method."""
+    async def intercept_service(self, continuation, details):
+        handler = await continuation(details)
+        if handler is None or not details.method.startswith(self.prefix):
+            return handler
+        method = details.method.rsplit("/", 1)[-1]
+        ser = dict(request_deserializer=handler.request_deserializer,
+                   response_serializer=handler.response_serializer)
+        if handler.unary_unary:
+            return grpc.unary_unary_rpc_method_handler(self._unary(handler.unary_unary, method), **ser)
+        if handler.unary_stream:
+            return grpc.unary_stream_rpc_method_handler(self._streaming(handler.unary_stream, method), **ser)
+        if handler.stream_stream:
+            return grpc.stream_stream_rpc_method_handler(self._streaming(handler.stream_stream, method), **ser)
+        return handler
 
-    @functools.wraps(method)
-    async def wrapper(self, request, context):
-        tel, span, t0 = _begin(self, method, context)
-        code = "OK"
-        try:
-            with trace.use_span(span, end_on_exit=False) if span is not None else contextlib.nullcontext():
-                try:
-                    return await method(self, request, context)
-                except (asyncio.CancelledError, grpc.aio.AbortError) as exc:
-                    code = _code_after(exc, context)
-                    raise
-                except Exception as exc:  # noqa: BLE001 — every error reaches the caller as a status
-                    code = _code_after(exc, context)
-                    await _abort(context, exc)
-        finally:
-            _end(tel, span, method, t0, code)
+    def _unary(self, behavior, method: str):
+        async def unary(request, context):
+            call = _Call(self.telemetry, method, context)
+            try:
+                with trace.use_span(call.span, end_on_exit=False):
+                    return await behavior(request, context)
+            except (asyncio.CancelledError, grpc.aio.AbortError) as exc:
+                call.code = _code_after(exc, context)
+                raise
+            except Exception as exc:  # every error reaches the caller as a status
+                await call.fail(exc)
+                raise
+            finally:
+                call.end()
 
-    return wrapper
+        return unary
 
-
-def stream_errors(method):
-    """Errors to status codes, plus a server span and request metrics for a server-streaming method."""
-
-    @functools.wraps(method)
-    async def wrapper(self, request, context):
-        tel, span, t0 = _begin(self, method, context)
-        code = "OK"
-        try:
-            with trace.use_span(span, end_on_exit=False) if span is not None else contextlib.nullcontext():
-                try:
-                    async for item in method(self, request, context):
+    def _streaming(self, behavior, method: str):
+        async def streaming(request, context):
+            call = _Call(self.telemetry, method, context)
+            try:
+                with trace.use_span(call.span, end_on_exit=False):
+                    async for item in behavior(request, context):
                         yield item
-                except (asyncio.CancelledError, grpc.aio.AbortError) as exc:
-                    code = _code_after(exc, context)
-                    raise
-                except Exception as exc:  # noqa: BLE001
-                    code = _code_after(exc, context)
-                    await _abort(context, exc)
-        finally:
-            _end(tel, span, method, t0, code)
+            except (asyncio.CancelledError, grpc.aio.AbortError) as exc:
+                call.code = _code_after(exc, context)
+                raise
+            except Exception as exc:  # every error reaches the caller as a status
+                await call.fail(exc)
+                raise
+            finally:
+                call.end()
 
-    return wrapper
+        return streaming
 
 
 class GrpcServer:
@@ -146,17 +161,20 @@ class GrpcServer:
                  add_servicers: Callable[[grpc.aio.Server], None], grace_seconds: float = 10.0,
                  on_shutdown: Callable[[], Awaitable[None]] | None = None, options=None,
                  on_drain: Callable[[], None] | None = None, active: Callable[[], int] | None = None,
-                 metrics_registry=None, metrics_port: int = -1):
+                 metrics_registry=None, metrics_port: int = -1, telemetry: ServiceTelemetry | None = None,
+                 engine=None, metrics=None):
         self.host, self.port = host, port
+        self.engine, self.metrics = engine, metrics  # the domain object and metrics behind the servicers
         self.metrics_registry = metrics_registry  # served over HTTP on metrics_port (>= 0; 0 = any free)
         self.metrics_port = metrics_port if metrics_registry is not None and metrics_port >= 0 else None
-        self._metrics_server = None
+        self._metrics_server: WSGIServer | None = None
         self.on_drain = on_drain  # the service starts refusing new work
         self.active = active  # in-flight work items; the drain ends when this reaches 0
         self.service_names = service_names
         self.grace_seconds = grace_seconds
         self.on_shutdown = on_shutdown
-        self.server = grpc.aio.server(options=options or [
+        interceptors = [ServiceInterceptor(telemetry)] if telemetry is not None else []
+        self.server = grpc.aio.server(interceptors=interceptors, options=options or [
             ("grpc.max_receive_message_length", 16 * 1024 * 1024),
             ("grpc.max_send_message_length", 16 * 1024 * 1024),
         ])

@@ -33,8 +33,11 @@ def start(name: str, module: str, args: list[str], pattern: str = r"listening on
     found: dict = {}
     ready = threading.Event()
 
+    stdout = proc.stdout
+    assert stdout is not None  # stdout=PIPE
+
     def pump():
-        for line in proc.stdout:
+        for line in stdout:
             print(f"[{name}] {line}", end="", flush=True)
             m = re.search(pattern, line)
             if m and not ready.is_set():

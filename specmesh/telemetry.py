@@ -24,6 +24,7 @@ import logging
 import os
 import time
 from typing import Iterable
+from wsgiref.simple_server import WSGIServer
 
 from opentelemetry import propagate, trace
 from opentelemetry.sdk.resources import Resource
@@ -123,7 +124,7 @@ class RpcMetrics:
         self.duration.labels(self.service, method).observe(seconds)
 
 
-def serve_metrics(registry: CollectorRegistry, host: str, port: int):
+def serve_metrics(registry: CollectorRegistry, host: str, port: int) -> WSGIServer:
     """Serve /metrics over HTTP on its own thread; returns the server (port 0 = any free port)."""
     server, _thread = start_http_server(port, addr=host, registry=registry)
     return server
@@ -188,7 +189,7 @@ def spec_families(prefix: str, stats) -> list:
     rate_pos = GaugeMetricFamily(f"{prefix}_spec_acceptance_rate_per_pos",
                                  "Acceptance at position i (accepted / drafted there), since start",
                                  labels=["position"])
-    for i, (d, a) in enumerate(zip(stats.drafted_per_pos, stats.accepted_per_pos)):
+    for i, (d, a) in enumerate(zip(stats.drafted_per_pos, stats.accepted_per_pos, strict=True)):
         per_pos_d.add_metric([str(i)], d)
         per_pos_a.add_metric([str(i)], a)
         rate_pos.add_metric([str(i)], a / d if d else 0.0)

@@ -7,17 +7,18 @@ the in-process `LocalVerifier` runs for its one sequence: a single code path for
 from __future__ import annotations
 
 from concurrent.futures import Future
+from typing import Any
 
 import torch
 
-from specmesh.loop import Proposal, Verdict
-from specmesh.runtime.hf import ModelRunner, Sequence
+from specmesh.domain import DraftBlock, Verdict
+from specmesh.runtime import Runner, RunnerSequence, SeqT
+from specmesh.rejection import RejectionInput, RejectionSampler
 from specmesh.sampling import SamplingParams, make_generator
-from specmesh.rejection import DraftBlock, RejectionSampler
 
 
-def verify_batch(runner: ModelRunner, sampler: RejectionSampler, seqs: list[Sequence],
-                 blocks: list[DraftBlock]) -> list[Verdict]:
+def verify_batch(runner: Runner[SeqT], sampler: RejectionSampler, seqs: list[SeqT],
+                 blocks: list[RejectionInput]) -> list[Verdict]:
     """Verify each sequence's block; commit the results to the sequences. Blocks must be validated."""
     logits = runner.forward(seqs, [b.token_ids for b in blocks])
     out = sampler(torch.cat(logits), blocks)
@@ -32,10 +33,10 @@ def verify_batch(runner: ModelRunner, sampler: RejectionSampler, seqs: list[Sequ
 class LocalVerifier:
     """The `Verifier` of in-process generation: one sequence, verified in this process."""
 
-    def __init__(self, runner: ModelRunner, sampler: RejectionSampler):
+    def __init__(self, runner: Runner[Any], sampler: RejectionSampler):
         self.runner = runner
         self.sampler = sampler
-        self.seq: Sequence | None = None
+        self.seq: RunnerSequence | None = None
 
     def start(self, prompt_ids: list[int], params: SamplingParams) -> None:
         self.params = params
@@ -46,8 +47,9 @@ class LocalVerifier:
             self.seq.reset_tokens(prompt_ids)  # a new turn: the cached common prefix is reused
         self.runner.prefill(self.seq)
 
-    def submit(self, proposal: Proposal) -> Future:
-        block = DraftBlock(proposal.token_ids, self.params, proposal.q_ids, proposal.q_probs, self.generator)
-        done = Future()
+    def submit(self, proposal: DraftBlock) -> Future:
+        assert self.seq is not None  # start() comes first
+        block = RejectionInput(proposal, self.params, self.generator)
+        done: Future[Verdict] = Future()
         done.set_result(verify_batch(self.runner, self.sampler, [self.seq], [block])[0])
         return done

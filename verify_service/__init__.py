@@ -1,1 +1,2 @@
-"""verify_service: the target model, per-session KV caches, the batching scheduler, the rejection sampler."""
+"""verify_service: the target model's gRPC server: per-session KV caches, the batching scheduler that runs
+one target forward and one rejection-sampler call per tick (the sampler lives in `specmesh.rejection`)."""

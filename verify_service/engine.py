@@ -9,20 +9,20 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 import torch
 
 from specmesh.models import eos_token_ids
 from specmesh.errors import FailedPrecondition, InvalidArgument, ResourceExhausted, Unavailable
-from specmesh.loop import Proposal
+from specmesh.domain import DraftBlock, Finished, GenerationEvent, Opened, Tokens, Verdict
 from specmesh.models import load_model
 from specmesh.runtime.hf import ModelRunner
 from specmesh.sampling import SamplingParams, StopChecker, check_token_ids, make_generator
 from specmesh.telemetry import tracer, wall_ns
-from specmesh.rejection import MAX_SPEC_LEN, DraftBlock, RejectionSampler, validate_block
-from verify_service.scheduler import Scheduler, StepResult
+from specmesh.rejection import MAX_SPEC_LEN, RejectionInput, RejectionSampler, validate_block
+from verify_service.scheduler import Scheduler
 from verify_service.sessions import Session, SessionStore, kv_bytes_per_token
 
 log = logging.getLogger("specmesh.verify")
@@ -59,25 +59,12 @@ class VerifyConfig:
 
 @dataclass
 class BlockIn:
-    """A draft block as it arrives on a session's stream (the domain side of specmesh.v1.DraftBlock)."""
+    """A draft block as it arrives on a session's Verify stream, with where the draft believes it goes."""
 
     session_id: str
     epoch: int
     base_position: int
-    proposal: Proposal
-
-
-@dataclass
-class Verdict(StepResult):
-    stale: bool = False
-    deadline: bool = False
-
-
-@dataclass
-class Opened:
-    session: Session
-    cached_prompt_tokens: int
-    prefill_seconds: float
+    block: DraftBlock
 
 
 @dataclass
@@ -89,7 +76,8 @@ class Counters:
 
 
 class VerifyEngine:
-    def __init__(self, config: VerifyConfig, model, tokenizer=None):
+    def __init__(self, config: VerifyConfig, model, tokenizer=None, on_batch=None):
+        """`on_batch(size, seconds)` is told of every batch the scheduler runs (metrics)."""
         self.config = config
         self.runner = ModelRunner(model)
         self.tokenizer = tokenizer
@@ -100,7 +88,7 @@ class VerifyEngine:
         dtype = next(model.parameters()).dtype
         self.sessions = SessionStore(self.runner, int(config.kv_cache_budget_mb * 2**20), config.session_ttl_s,
                                      kv_bytes_per_token(model.config, dtype))
-        self.scheduler = Scheduler(self.runner, self.sampler, config.max_batch_size,
+        self.scheduler = Scheduler(self.runner, self.sampler, config.max_batch_size, on_batch=on_batch,
                                    batch_wait_s=config.batch_wait_ms / 1000, expected=lambda: self.sessions.attached)
         self.tracer = tracer("verify")
         self.counters = Counters()
@@ -108,9 +96,9 @@ class VerifyEngine:
         self._reaper: asyncio.Task | None = None
 
     @classmethod
-    def from_config(cls, config: VerifyConfig) -> "VerifyEngine":
+    def from_config(cls, config: VerifyConfig, on_batch=None) -> "VerifyEngine":
         model, tokenizer = load_model(config.model_path, config.device)
-        return cls(config, model, tokenizer)
+        return cls(config, model, tokenizer, on_batch)
 
     # lifecycle ------------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -144,10 +132,7 @@ class VerifyEngine:
         """Start a turn: create or continue the session and prefill what its cache lacks."""
         if self.shutting_down:
             raise Unavailable("the verify service is shutting down")
-        try:
-            params.validate(self.vocab_size)
-        except ValueError as e:
-            raise InvalidArgument(str(e)) from None
+        params.validate(self.vocab_size)
         self.check_prompt(prompt_ids, params)
         if self.sessions.attached >= self.config.max_sessions:
             raise ResourceExhausted(f"the verify service is at its limit of {self.config.max_sessions} "
@@ -163,15 +148,14 @@ class VerifyEngine:
         before = self.runner.prefix_tokens_reused
         t0 = time.perf_counter()
         # Chunked prefill: other sessions' batches run between chunks, so a long prompt does not stall them.
-        first = True
-        while True:
-            left = await self.scheduler.run_on_model(self._prefill, session, first)
-            reused = self.runner.prefix_tokens_reused - before if first else reused
-            first = False
+        left = await self.scheduler.run_on_model(self._prefill, session, True)
+        reused = self.runner.prefix_tokens_reused - before
+        self.counters.prefill_chunks += 1
+        while left:
+            left = await self.scheduler.run_on_model(self._prefill, session, False)
             self.counters.prefill_chunks += 1
-            if not left:
-                break
-        return Opened(session, reused, time.perf_counter() - t0)
+        return Opened(session.session_id, len(prompt_ids), reused, time.perf_counter() - t0, session.epoch,
+                      session.position)
 
     async def _wait_detached(self, session_id: str) -> None:
         """A failover retry can arrive before the stream its caller abandoned has been torn down here
@@ -198,20 +182,15 @@ class VerifyEngine:
         if session.ephemeral:
             self.sessions.release(session.session_id)
 
-    def _block(self, session: Session, proposal: Proposal) -> DraftBlock:
-        block = DraftBlock(proposal.token_ids, session.params, proposal.q_ids, proposal.q_probs, session.generator)
-        try:
-            validate_block(block, self.vocab_size, self.config.max_spec_len)
-        except ValueError as e:
-            raise InvalidArgument(str(e)) from None
+    def _to_verify(self, session: Session, block: DraftBlock) -> RejectionInput:
+        validate_block(block, self.vocab_size, self.config.max_spec_len)
         # Drafting past max_tokens is wasted work: verify only the prefix that can still be emitted (a
         # prefix of a draft is itself a valid draft, so this keeps the output distribution).
-        room = max(0, session.params.max_tokens - len(session.stop.token_ids) - 1)
-        if block.k > room:
-            block = replace(block, token_ids=block.token_ids[:room],
-                            q_ids=None if block.q_ids is None else block.q_ids[:room],
-                            q_probs=None if block.q_probs is None else block.q_probs[:room])
-        return block
+        room = session.params.draft_budget(len(session.stop.token_ids))
+        return RejectionInput(block[:room] if block.k > room else block, session.params, session.generator)
+
+    def _target_only(self, session: Session) -> RejectionInput:
+        return RejectionInput(DraftBlock([]), session.params, session.generator)
 
     async def session_stream(self, inbox: asyncio.Queue) -> AsyncIterator[Verdict]:
         """Serve one session's Verify stream: `inbox` yields BlockIn, END_OF_STREAM, or an exception to raise."""
@@ -224,63 +203,75 @@ class VerifyEngine:
             raise InvalidArgument("the first block of a Verify stream must name its session_id")
         session = self.sessions.get(first.session_id)
         self._attach(session)
-        deadline = self.config.draft_deadline_ms / 1000 or None
         try:
             msg = first
             while not session.finished:
                 if msg is None:
-                    try:
-                        msg = await asyncio.wait_for(inbox.get(), deadline)
-                    except asyncio.TimeoutError:
-                        # The draft is late: take a target-only step rather than stall this session.
-                        self.counters.deadline_steps += 1
-                        result = await self.scheduler.submit(session, DraftBlock([], session.params,
-                                                                                 generator=session.generator))
-                        self._trace_round(result, deadline=True)
-                        yield Verdict(**vars(result), deadline=True)
-                        continue
+                    msg = await self._next_block(session, inbox)
                 if msg is END_OF_STREAM:
                     return
                 if isinstance(msg, BaseException):
                     raise msg
-                block_in, msg = msg, None
-                if block_in.epoch < session.epoch:
-                    self.counters.stale_blocks += 1  # crossed a verdict on the wire, or sent twice
-                    yield Verdict(block_in.epoch, [], 0, 0, None, 0.0, 0.0, 0, stale=True)
-                    continue
-                if block_in.epoch > session.epoch:
-                    raise FailedPrecondition(f"block epoch {block_in.epoch} is ahead of the session's epoch "
-                                             f"{session.epoch}")
-                if block_in.base_position != session.position:
-                    raise FailedPrecondition(f"block base_position {block_in.base_position} does not match the "
-                                             f"session's {session.position} committed tokens")
-                result = await self.scheduler.submit(session, self._block(session, block_in.proposal))
-                self._trace_round(result)
-                yield Verdict(**vars(result))
+                if isinstance(msg, Verdict):  # the draft was late: a target-only step was taken
+                    verdict, msg = msg, None
+                else:
+                    verdict, msg = await self._verify_block(session, msg), None
+                yield verdict
         finally:
             self._detach(session)
 
-    def _trace_round(self, r: StepResult, deadline: bool = False) -> None:
+    async def _next_block(self, session: Session, inbox: asyncio.Queue):
+        """The stream's next message; past the draft deadline, a target-only step's Verdict instead, so a
+        late draft never stalls its session."""
+        try:
+            return await asyncio.wait_for(inbox.get(), self.config.draft_deadline_ms / 1000 or None)
+        except asyncio.TimeoutError:
+            self.counters.deadline_steps += 1
+            verdict = await self.scheduler.submit(session, self._target_only(session))
+            verdict.deadline = True
+            self._trace_round(verdict)
+            return verdict
+
+    async def _verify_block(self, session: Session, block_in: BlockIn) -> Verdict:
+        if block_in.epoch < session.epoch:
+            self.counters.stale_blocks += 1  # crossed a verdict on the wire, or sent twice
+            return Verdict([], 0, 0, epoch=block_in.epoch, stale=True)
+        if block_in.epoch > session.epoch:
+            raise FailedPrecondition(f"block epoch {block_in.epoch} is ahead of the session's epoch {session.epoch}")
+        if block_in.base_position != session.position:
+            raise FailedPrecondition(f"block base_position {block_in.base_position} does not match the "
+                                     f"session's {session.position} committed tokens")
+        verdict = await self.scheduler.submit(session, self._to_verify(session, block_in.block))
+        self._trace_round(verdict)
+        return verdict
+
+    def _trace_round(self, v: Verdict) -> None:
         """A span per verified round, under the session's stream span, with its queue and batch times."""
         now = time.perf_counter()  # the round's batch has just ended
-        span = self.tracer.start_span("verify.round", start_time=wall_ns(now - r.batch_seconds - r.queue_seconds, now),
-                                      attributes={"specmesh.epoch": r.epoch, "specmesh.k": r.num_drafted,
-                                                  "specmesh.accepted": r.num_accepted,
-                                                  "specmesh.batch_size": r.batch_size,
-                                                  "specmesh.queue_seconds": r.queue_seconds,
-                                                  "specmesh.batch_seconds": r.batch_seconds,
-                                                  "specmesh.deadline": deadline})
+        load = v.load
+        span = self.tracer.start_span("verify.round", start_time=wall_ns(now - load.batch_seconds - load.queue_seconds,
+                                                                         now),
+                                      attributes={"specmesh.epoch": v.epoch, "specmesh.k": v.num_drafted or 0,
+                                                  "specmesh.accepted": v.num_accepted,
+                                                  "specmesh.batch_size": load.batch_size,
+                                                  "specmesh.queue_seconds": load.queue_seconds,
+                                                  "specmesh.batch_seconds": load.batch_seconds,
+                                                  "specmesh.deadline": v.deadline})
         span.end()
 
-    async def generate(self, session_id: str, prompt_ids: list[int], params: SamplingParams):
-        """Target-only decoding: yields the Opened turn first, then one StepResult per token."""
+    async def generate(self, session_id: str, prompt_ids: list[int],
+                       params: SamplingParams) -> AsyncIterator[GenerationEvent]:
+        """Target-only decoding: yields Opened, then Tokens per step, then Finished."""
         opened = await self.open(session_id, prompt_ids, params)
-        session = opened.session
+        session = self.sessions.get(opened.session_id)
         self._attach(session)
         try:
             yield opened
             while not session.finished:
-                yield await self.scheduler.submit(session, DraftBlock([], params, generator=session.generator))
+                verdict = await self.scheduler.submit(session, self._target_only(session))
+                if verdict.tokens:
+                    yield Tokens(verdict.tokens)
+            yield Finished(session.stop.finish_reason)
         finally:
             self._detach(session)
 

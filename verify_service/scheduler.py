@@ -22,10 +22,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specmesh.loop import SpecStats
-from specmesh.runtime.hf import ModelRunner
+from specmesh.domain import BatchLoad, SpecStats, Verdict
+from specmesh.runtime import Runner
 from specmesh.telemetry import tracer, wall_ns
-from specmesh.rejection import DraftBlock, RejectionSampler
+from specmesh.rejection import RejectionInput, RejectionSampler
 from verify_service.sessions import Session
 from specmesh.verifier import verify_batch
 
@@ -33,21 +33,9 @@ log = logging.getLogger("specmesh.verify.scheduler")
 
 
 @dataclass
-class StepResult:
-    epoch: int  # the epoch the step advanced from
-    tokens: list[int]  # committed and kept (cut after a stop condition)
-    num_drafted: int
-    num_accepted: int
-    finish_reason: str | None
-    queue_seconds: float
-    batch_seconds: float
-    batch_size: int
-
-
-@dataclass
 class _Step:
     session: Session
-    block: DraftBlock
+    block: RejectionInput
     arrived: float
     future: asyncio.Future
     span_context: object = None  # the submitting stream's span: the batch span links to it
@@ -65,7 +53,7 @@ class SchedulerStats:
 
 
 class Scheduler:
-    def __init__(self, runner: ModelRunner, sampler: RejectionSampler, max_batch_size: int, on_batch=None,
+    def __init__(self, runner: Runner, sampler: RejectionSampler, max_batch_size: int, on_batch=None,
                  batch_wait_s: float = 0.0, expected=None):
         if max_batch_size < 1:
             raise ValueError("max_batch_size must be >= 1")
@@ -105,7 +93,7 @@ class Scheduler:
         """Run model work (a prefill) on the model thread, between ticks."""
         return await asyncio.get_running_loop().run_in_executor(self.model_thread, fn, *args)
 
-    async def submit(self, session: Session, block: DraftBlock) -> StepResult:
+    async def submit(self, session: Session, block: RejectionInput) -> Verdict:
         from opentelemetry import trace
 
         future = asyncio.get_running_loop().create_future()
@@ -128,7 +116,11 @@ class Scheduler:
                         batch.append(step)
                 if not batch:
                     continue
-                results = await loop.run_in_executor(self.model_thread, self._execute, batch)
+                try:
+                    results = await loop.run_in_executor(self.model_thread, self._execute, batch)
+                except Exception:  # a bug after the forward must fail this batch, never the scheduler
+                    log.exception("a batch of %d failed after verification", len(batch))
+                    results = [RuntimeError("verification failed on the target model")] * len(batch)
                 for step, result in zip(batch, results):
                     if step.future.done():
                         continue
@@ -153,7 +145,7 @@ class Scheduler:
             except asyncio.TimeoutError:
                 return
 
-    def _execute(self, batch: list[_Step]) -> list[StepResult | BaseException]:
+    def _execute(self, batch: list[_Step]) -> list[Verdict | BaseException]:
         start = time.perf_counter()
         try:
             with torch.inference_mode():
@@ -200,12 +192,12 @@ class Scheduler:
 
     @staticmethod
     def _commit(step: _Step, tokens: list[int], num_accepted: int, start: float, seconds: float,
-                batch_size: int) -> StepResult:
+                batch_size: int) -> Verdict:
         session = step.session
         kept = session.stop.extend(tokens)
         if kept < len(tokens):  # the session holds exactly what was emitted
             del session.seq.token_ids[len(session.seq.token_ids) - (len(tokens) - kept):]
         epoch = session.epoch
         session.epoch += 1
-        return StepResult(epoch, tokens[:kept], step.block.k, num_accepted, session.stop.finish_reason,
-                          start - step.arrived, seconds, batch_size)
+        return Verdict(tokens[:kept], num_accepted, step.block.k, session.stop.finish_reason, epoch=epoch,
+                       load=BatchLoad(start - step.arrived, seconds, batch_size))

@@ -11,22 +11,25 @@ from verify_service.telemetry import VerifyMetrics
 SERVICE_NAME = verify_pb2.DESCRIPTOR.services_by_name["VerifyService"].full_name
 
 
-async def build_server(config: VerifyConfig, engine: VerifyEngine | None = None) -> GrpcServer:
-    """A started engine behind an unstarted server (call `await server.start()`)."""
-    engine = engine or VerifyEngine.from_config(config)
+async def build_server(config: VerifyConfig, model=None, tokenizer=None) -> GrpcServer:
+    """A started engine around `model` (None = load what the config names) behind an unstarted server
+    (call `await server.start()`)."""
+    metrics = VerifyMetrics()
+    if model is not None:
+        engine = VerifyEngine(config, model, tokenizer, on_batch=metrics.on_batch)
+    else:
+        engine = VerifyEngine.from_config(config, on_batch=metrics.on_batch)
+    metrics.watch(engine)
     await engine.start()
-    metrics = VerifyMetrics(engine)
 
     def add(server):
         servicer = VerifyServicer(engine)
-        servicer.telemetry = ServiceTelemetry("verify", metrics.rpc)
         verify_pb2_grpc.add_VerifyServiceServicer_to_server(servicer, server)
 
     def drain():
         engine.shutting_down = True
 
-    server = GrpcServer(config.host, config.port, [SERVICE_NAME], add, config.grace_period_s, engine.close,
+    return GrpcServer(config.host, config.port, [SERVICE_NAME], add, config.grace_period_s, engine.close,
                         on_drain=drain, active=lambda: engine.sessions.attached,
-                        metrics_registry=metrics.registry, metrics_port=config.metrics_port)
-    server.engine, server.metrics = engine, metrics
-    return server
+                        metrics_registry=metrics.registry, metrics_port=config.metrics_port,
+                        telemetry=ServiceTelemetry("verify", metrics.rpc), engine=engine, metrics=metrics)

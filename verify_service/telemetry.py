@@ -12,7 +12,9 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
 class VerifyMetrics:
-    def __init__(self, engine, registry: CollectorRegistry | None = None):
+    """Built before the engine (whose scheduler reports each batch to `on_batch`); `watch` adds its state."""
+
+    def __init__(self, registry: CollectorRegistry | None = None):
         self.registry = registry or CollectorRegistry()
         self.rpc = RpcMetrics(self.registry, "verify")
         self.batch_size = Histogram("specmesh_verify_batch_size", "Blocks (sessions) verified per batched forward",
@@ -20,9 +22,12 @@ class VerifyMetrics:
         self.batch_seconds = Histogram("specmesh_verify_batch_duration_seconds",
                                        "One batched target forward + rejection sampling", buckets=LATENCY_BUCKETS,
                                        registry=self.registry)
+        self.engine = None
+
+    def watch(self, engine) -> "VerifyMetrics":
         self.engine = engine
-        engine.scheduler.on_batch = self.on_batch
         self.registry.register(FnCollector(self.families))
+        return self
 
     def on_batch(self, size: int, seconds: float) -> None:
         self.batch_size.observe(size)

@@ -6,11 +6,13 @@
 from __future__ import annotations
 
 import enum
+from typing import Any
 
 from specmesh.drafters.model import ModelDrafter
 from specmesh.drafters.ngram import NgramDrafter
 from specmesh.errors import InvalidArgument
 from specmesh.loop import Drafter
+from specmesh.runtime import Runner
 
 
 class Algorithm(str, enum.Enum):
@@ -32,7 +34,7 @@ class Algorithm(str, enum.Enum):
 ALGORITHMS = tuple(a.value for a in Algorithm)
 
 
-def make_drafter(algorithm: Algorithm | str, runner=None, draft_topk: int = 16) -> Drafter | None:
+def make_drafter(algorithm: Algorithm | str, runner: Runner[Any] | None = None, draft_topk: int = 16) -> Drafter | None:
     """A fresh drafter for one generation; None when the method needs a model and there is none."""
     algorithm = Algorithm.parse(algorithm) if isinstance(algorithm, str) else algorithm
     if algorithm is Algorithm.NGRAM:

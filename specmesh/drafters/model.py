@@ -9,23 +9,25 @@ Used in-process by the engine and, over gRPC, by draft_service.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
-from specmesh.loop import Proposal
-from specmesh.runtime import Runner
+from specmesh.domain import DraftBlock
+from specmesh.runtime import Runner, RunnerSequence
 from specmesh.sampling import BatchSamplingParams, SamplingParams, process_logits
 
 DRAFT_SEED_SALT = 0x5EED_D4AF7  # the draft's stream must differ from the verifier's for the same seed
 
 
 class ModelDrafter:
-    def __init__(self, runner: Runner, draft_topk: int = 16):
+    def __init__(self, runner: Runner[Any], draft_topk: int = 16):
         if draft_topk < 1:
             raise ValueError("draft_topk must be >= 1")
         self.runner = runner
         self.draft_topk = draft_topk
-        self.seq = None
+        self.seq: RunnerSequence | None = None  # made by the first start(), then reused turn after turn
         self.tokens_drafted = 0  # including tokens drafted ahead and thrown away
         self.draft_seconds = 0.0
 
@@ -43,9 +45,12 @@ class ModelDrafter:
             self.seq.reset_tokens(prompt_ids)  # a new turn: the cached common prefix is reused
         self.runner.prefill(self.seq)
 
-    def propose(self, k: int, after: list[int] = (), should_stop=None) -> Proposal:
-        seq, committed = self.seq, len(self.seq.token_ids)
-        q_ids, q_probs = [], []
+    def propose(self, k: int, after: Sequence[int] = (), should_stop: Callable[[], bool] | None = None) -> DraftBlock:
+        seq = self.seq
+        assert seq is not None  # start() comes first
+        committed = len(seq.token_ids)
+        q_ids: list[torch.Tensor] = []
+        q_probs: list[torch.Tensor] = []
         seq.token_ids.extend(after)
         start = len(seq.token_ids)
         t0 = time.perf_counter()
@@ -70,8 +75,9 @@ class ModelDrafter:
         self.tokens_drafted += len(drafted)
         self.draft_seconds += time.perf_counter() - t0
         if self.params.greedy or not drafted:
-            return Proposal(drafted)
-        return Proposal(drafted, torch.stack(q_ids).cpu(), torch.stack(q_probs).float().cpu())
+            return DraftBlock(drafted)
+        return DraftBlock(drafted, torch.stack(q_ids).cpu(), torch.stack(q_probs).float().cpu())
 
     def commit(self, tokens: list[int]) -> None:
+        assert self.seq is not None  # start() comes first
         self.seq.commit(tokens)

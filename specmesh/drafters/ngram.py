@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from specmesh.loop import Proposal
+from collections.abc import Callable, Sequence
+
+from specmesh.domain import DraftBlock
 from specmesh.sampling import SamplingParams
 
 
@@ -19,7 +21,7 @@ class NgramDrafter:
     def start(self, prompt_ids: list[int], params: SamplingParams) -> None:
         self.tokens = list(prompt_ids)
 
-    def propose(self, k: int, after: list[int] = (), should_stop=None) -> Proposal:
+    def propose(self, k: int, after: Sequence[int] = (), should_stop: Callable[[], bool] | None = None) -> DraftBlock:
         toks = self.tokens + list(after) if after else self.tokens
         for n in range(min(self.max_ngram, len(toks) - 1), self.min_ngram - 1, -1):
             tail = toks[-n:]
@@ -27,8 +29,8 @@ class NgramDrafter:
                 if toks[start : start + n] == tail:
                     follow = toks[start + n : start + n + k]
                     if follow:
-                        return Proposal(follow)
-        return Proposal([])
+                        return DraftBlock(follow)
+        return DraftBlock([])
 
     def commit(self, tokens: list[int]) -> None:
         self.tokens.extend(tokens)

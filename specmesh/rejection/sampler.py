@@ -28,63 +28,77 @@ from dataclasses import dataclass
 
 import torch
 
+from specmesh.errors import InvalidArgument
 from specmesh.rejection.limits import MAX_SPEC_LEN, PLACEHOLDER_TOKEN_ID
+from specmesh.domain import DraftBlock
 from specmesh.sampling import BatchSamplingParams, SamplingParams, process_logits
 
 _EXP_FLOOR = torch.finfo(torch.float32).tiny  # exponential_ can round to 0; keep p / E finite
 
 
 @dataclass
-class DraftBlock:
-    """One request's draft for one batch step.
+class RejectionInput:
+    """One request's input to the sampler for one batch step: its draft block, and the sampling parameters
+    and random stream it is verified under."""
 
-    q_ids / q_probs hold the sparse draft distribution of each position (the support the draft really
-    sampled from, renormalised). None = no draft probabilities (n-gram or greedy drafts): point mass.
-    """
-
-    token_ids: list[int]  # K draft tokens x_1..x_K
+    block: DraftBlock
     params: SamplingParams
-    q_ids: torch.Tensor | None = None  # [K, S] int64
-    q_probs: torch.Tensor | None = None  # [K, S] float32
     generator: torch.Generator | None = None  # per-request stream (seeded requests); None = shared
+
+    @classmethod
+    def of(cls, token_ids: list[int], params: SamplingParams, q_ids: torch.Tensor | None = None,
+           q_probs: torch.Tensor | None = None, generator: torch.Generator | None = None) -> "RejectionInput":
+        return cls(DraftBlock(list(token_ids), q_ids, q_probs), params, generator)
 
     @property
     def k(self) -> int:
-        return len(self.token_ids)
+        return self.block.k
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.block.token_ids
+
+    @property
+    def q_ids(self) -> torch.Tensor | None:
+        return self.block.q_ids
+
+    @property
+    def q_probs(self) -> torch.Tensor | None:
+        return self.block.q_probs
 
 
-def validate_block(block: DraftBlock, vocab_size: int, max_spec_len: int = MAX_SPEC_LEN) -> None:
-    """Raise ValueError saying what is wrong; called before a block joins a batch, so it cannot poison it."""
+def validate_block(block: DraftBlock | RejectionInput, vocab_size: int, max_spec_len: int = MAX_SPEC_LEN) -> None:
+    """Raise InvalidArgument saying what is wrong; called before a block joins a batch, so it cannot poison it."""
     k = block.k
     if k > max_spec_len:
-        raise ValueError(f"draft block has {k} tokens, the limit is {max_spec_len}")
+        raise InvalidArgument(f"draft block has {k} tokens, the limit is {max_spec_len}")
     bad = [t for t in block.token_ids if not 0 <= t < vocab_size]
     if bad:
-        raise ValueError(f"draft token ids out of range [0, {vocab_size}): {bad[:8]}")
-    if (block.q_ids is None) != (block.q_probs is None):
-        raise ValueError("draft probabilities need both ids and probs")
-    if block.q_ids is None:
+        raise InvalidArgument(f"draft token ids out of range [0, {vocab_size}): {bad[:8]}")
+    q_ids, probs = block.q_ids, block.q_probs
+    if q_ids is None and probs is None:
         return
-    if block.q_ids.shape != block.q_probs.shape or block.q_ids.dim() != 2 or block.q_ids.size(0) != k:
-        raise ValueError(f"draft probabilities must be [K={k}, S] ids and probs, got "
-                         f"{tuple(block.q_ids.shape)} and {tuple(block.q_probs.shape)}")
-    valid = block.q_ids >= 0
-    if bool(((block.q_ids >= vocab_size) & valid).any()):
-        raise ValueError(f"draft probability ids out of range [0, {vocab_size})")
-    probs = block.q_probs
+    if q_ids is None or probs is None:
+        raise InvalidArgument("draft probabilities need both ids and probs")
+    if q_ids.shape != probs.shape or q_ids.dim() != 2 or q_ids.size(0) != k:
+        raise InvalidArgument(f"draft probabilities must be [K={k}, S] ids and probs, got "
+                         f"{tuple(q_ids.shape)} and {tuple(probs.shape)}")
+    valid = q_ids >= 0
+    if bool(((q_ids >= vocab_size) & valid).any()):
+        raise InvalidArgument(f"draft probability ids out of range [0, {vocab_size})")
     if not bool(torch.isfinite(probs).all()) or bool((probs < 0).any()):
-        raise ValueError("draft probabilities must be finite and >= 0")
+        raise InvalidArgument("draft probabilities must be finite and >= 0")
     sums = torch.where(valid, probs, 0).sum(dim=1)
     if bool(((sums - 1).abs() > 1e-3).any()):
-        raise ValueError(f"draft probabilities must sum to 1 per position, got {sums.tolist()}")
-    ids = torch.where(valid, block.q_ids, -1 - torch.arange(block.q_ids.size(1)))
+        raise InvalidArgument(f"draft probabilities must sum to 1 per position, got {sums.tolist()}")
+    ids = torch.where(valid, q_ids, -1 - torch.arange(q_ids.size(1)))
     if bool((ids.sort(dim=1).values.diff(dim=1) == 0).any()):
-        raise ValueError("draft probability ids repeat within a position")
+        raise InvalidArgument("draft probability ids repeat within a position")
     # A token the draft says it could not have sampled would bias the residual: refuse it.
-    x = torch.tensor(block.token_ids, dtype=block.q_ids.dtype)[:, None]
-    q_x = torch.where(block.q_ids == x, probs, 0).sum(dim=1)
+    x = torch.tensor(block.token_ids, dtype=q_ids.dtype)[:, None]
+    q_x = torch.where(q_ids == x, probs, 0).sum(dim=1)
     if bool((q_x <= 0).any()):
-        raise ValueError("a draft token is outside its own draft distribution's support (q(x) = 0)")
+        raise InvalidArgument("a draft token is outside its own draft distribution's support (q(x) = 0)")
 
 
 @dataclass
@@ -114,7 +128,7 @@ class RejectionSampler:
             self.generator.seed()
 
     @torch.inference_mode()
-    def __call__(self, target_logits: torch.Tensor, blocks: list[DraftBlock]) -> RejectionOutput:
+    def __call__(self, target_logits: torch.Tensor, blocks: list[RejectionInput]) -> RejectionOutput:
         """target_logits: [sum(K_b + 1), V], request b's rows contiguous, bonus row last."""
         prep = prepare(target_logits, blocks, self.generator)
         if self.backend == "triton":
@@ -148,7 +162,7 @@ class PreparedBatch:
         return ((out != PLACEHOLDER_TOKEN_ID).sum(dim=1) - 1).tolist()
 
 
-def prepare(target_logits: torch.Tensor, blocks: list[DraftBlock], shared: torch.Generator) -> PreparedBatch:
+def prepare(target_logits: torch.Tensor, blocks: list[RejectionInput], shared: torch.Generator) -> PreparedBatch:
     device = target_logits.device
     num_draft = [b.k for b in blocks]
     n_req, n_tok = len(blocks), sum(num_draft)
@@ -184,6 +198,7 @@ def prepare(target_logits: torch.Tensor, blocks: list[DraftBlock], shared: torch
             ids = torch.tensor(b.token_ids, dtype=torch.int64)[:, None]
             probs_b = torch.ones((b.k, 1))
         else:
+            assert b.q_probs is not None  # blocks are validated: ids and probs come together
             ids, probs_b = b.q_ids.long(), b.q_probs.float()
         pad = s_max - ids.size(1)
         if pad:

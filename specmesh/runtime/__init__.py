@@ -13,9 +13,12 @@ that still matches. Implementations:
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, TypeVar, runtime_checkable
 
 import torch
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 @runtime_checkable
@@ -28,16 +31,24 @@ class RunnerSequence(Protocol):
     def reset_tokens(self, token_ids: list[int]) -> None: ...
 
 
+# A runner takes only the sequences it made (their caches are its own kind): the type parameter says which.
+SeqT = TypeVar("SeqT", bound=RunnerSequence)
+
+
 @runtime_checkable
-class Runner(Protocol):
+class Runner(Protocol[SeqT]):
+    model: PreTrainedModel
     device: torch.device
     vocab_size: int
     prefix_tokens_reused: int
 
-    def new_sequence(self, token_ids: list[int]) -> RunnerSequence: ...
+    def new_sequence(self, token_ids: list[int]) -> SeqT: ...
 
-    def prefill(self, seq, *args, **kwargs): ...
+    def prefill(self, seq: SeqT) -> int | None:
+        """Cache every committed token of `seq` but the last (the next forward feeds it), reusing a cached
+        prefix. Runners that prefill in chunks take more (optional) arguments and return the tokens left."""
+        ...
 
-    def forward(self, seqs: list, extra: list[list[int]] | None = None) -> list[torch.Tensor]:
+    def forward(self, seqs: list[SeqT], extra: list[list[int]] | None = None) -> list[torch.Tensor]:
         """Per sequence, float32 logits [len(extra[i]) + 1, V] for the last committed token and the extras."""
         ...

@@ -100,14 +100,14 @@ class ModelRunner:
         """
         extra = extra if extra is not None else [[] for _ in seqs]
         feeds, keeps = [], []
-        for seq, ext in zip(seqs, extra):
+        for seq, ext in zip(seqs, extra, strict=True):
             keep = self._sync(seq)
             keeps.append(keep)
             feeds.append(seq.token_ids[keep:] + list(ext))
         nlog = [len(e) + 1 for e in extra]
         if len(seqs) == 1 or any(k == 0 for k in keeps):
             # A fresh sequence (nothing cached) would leave its padded queries nothing to attend to.
-            return [self._run_one(s, f, n) for s, f, n in zip(seqs, feeds, nlog)]
+            return [self._run_one(s, f, n) for s, f, n in zip(seqs, feeds, nlog, strict=True)]
         return self._run_batch(seqs, feeds, nlog)
 
     def _run_one(self, seq: Sequence, feed: list[int], num_logits: int) -> torch.Tensor:
@@ -135,7 +135,7 @@ class ModelRunner:
         ids = torch.zeros((n_seq, n_max), dtype=torch.long, device=dev)
         pos = torch.zeros((n_seq, n_max), dtype=torch.long, device=dev)
         mask = torch.zeros((n_seq, l_max + n_max), dtype=torch.long, device=dev)
-        for i, (f, length) in enumerate(zip(feeds, lens)):
+        for i, (f, length) in enumerate(zip(feeds, lens, strict=True)):
             n = len(f)
             ids[i, n_max - n :] = torch.tensor(f, device=dev)
             pos[i, n_max - n :] = torch.arange(length, length + n, device=dev)
@@ -145,7 +145,7 @@ class ModelRunner:
         batch_cache = DynamicCache(config=self.config)
         for layer_idx in range(len(seqs[0].cache.layers)):
             ks, vs = [], []
-            for seq, length in zip(seqs, lens):
+            for seq, length in zip(seqs, lens, strict=True):
                 layer = seq.cache.layers[layer_idx]
                 k, v = layer.keys, layer.values  # [1, H, length, D]
                 pad = l_max - length
@@ -156,7 +156,7 @@ class ModelRunner:
                          logits_to_keep=n_max)
         logits = out.logits.float()
         results = []
-        for i, (seq, f) in enumerate(zip(seqs, feeds)):
+        for i, (seq, f) in enumerate(zip(seqs, feeds, strict=True)):
             n = len(f)
             for layer_idx, layer in enumerate(batch_cache.layers):
                 seq.cache.update(layer.keys[i : i + 1, :, l_max + n_max - n :], layer.values[i : i + 1, :, l_max + n_max - n :],

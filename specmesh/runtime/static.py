@@ -24,9 +24,12 @@ inductor (dynamic=True, also with freezing) compiled in 7-32 s and ran no faster
 
 from __future__ import annotations
 
+import operator
 import sys
 import threading
 import warnings
+from collections.abc import Iterable
+from typing import Any, Self, SupportsIndex
 
 import torch
 import torch.nn.functional as F
@@ -42,7 +45,7 @@ _FAST_ARCHS = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qw
 _STATIC_ROPE = {"default", "linear", "llama3", "yarn"}
 
 
-class _TrackedIds(list):
+class _TrackedIds(list[int]):
     """A list of token ids that records the lowest index changed since the runner last synced it.
 
     Every mutating list method is overridden; positions below `low` are known to be unchanged.
@@ -50,7 +53,7 @@ class _TrackedIds(list):
 
     __slots__ = ("low",)
 
-    def __init__(self, iterable=()):
+    def __init__(self, iterable: Iterable[int] = ()) -> None:
         super().__init__(iterable)
         self.low = 0
 
@@ -62,51 +65,55 @@ class _TrackedIds(list):
         r = range(*s.indices(len(self)))
         self._touch(min(r.start, r[-1]) if r else min(r.start, len(self)))
 
-    def append(self, x) -> None:
+    def append(self, x: int) -> None:
         n = len(self)
         if n < self.low:
             self.low = n
         list.append(self, x)
 
-    def extend(self, xs) -> None:
+    def extend(self, xs: Iterable[int]) -> None:
         n = len(self)
         if n < self.low:
             self.low = n
         list.extend(self, xs)
 
-    def __iadd__(self, xs):
+    # mypy checks __iadd__ against __add__, which typeshed overloads for list: every list subclass's
+    # __iadd__ fails that check (typeshed's own list.__iadd__ carries the same ignore).
+    def __iadd__(self, xs: Iterable[int]) -> Self:  # type: ignore[misc,override]  # overloaded list.__add__ stub
         self.extend(xs)
         return self
 
-    def __imul__(self, k):
+    def __imul__(self, k: SupportsIndex) -> Self:
         self._touch(0)
         return list.__imul__(self, k)
 
-    def insert(self, i, x) -> None:
-        n = len(self)
+    def insert(self, i: SupportsIndex, x: int) -> None:
+        i, n = operator.index(i), len(self)
         self._touch(min(max(i + n if i < 0 else i, 0), n))
         list.insert(self, i, x)
 
-    def pop(self, i=-1):
-        n = len(self)
+    def pop(self, i: SupportsIndex = -1) -> int:
+        i, n = operator.index(i), len(self)
         self._touch(max(i + n if i < 0 else i, 0))
         return list.pop(self, i)
 
-    def remove(self, x) -> None:
+    def remove(self, x: int) -> None:
         self._touch(self.index(x))
         list.remove(self, x)
 
-    def __setitem__(self, i, x) -> None:
+    def __setitem__(self, i: SupportsIndex | slice, x: Any) -> None:
         if isinstance(i, slice):
             self._touch_slice(i)
         else:
+            i = operator.index(i)
             self._touch(max(i + len(self) if i < 0 else i, 0))
         list.__setitem__(self, i, x)
 
-    def __delitem__(self, i) -> None:
+    def __delitem__(self, i: SupportsIndex | slice) -> None:
         if isinstance(i, slice):
             self._touch_slice(i)
         else:
+            i = operator.index(i)
             self._touch(max(i + len(self) if i < 0 else i, 0))
         list.__delitem__(self, i)
 
@@ -114,7 +121,7 @@ class _TrackedIds(list):
         self._touch(0)
         list.clear(self)
 
-    def sort(self, *a, **kw) -> None:
+    def sort(self, *a: Any, **kw: Any) -> None:
         self._touch(0)
         list.sort(self, *a, **kw)
 
@@ -172,8 +179,8 @@ class _PreallocLayer(DynamicLayer):
         while cap < needed:
             cap *= 2
         self.capacity = cap
-        if self.k_buf is not None:
-            old_k, old_v, n = self.k_buf, self.v_buf, self.length
+        old_k, old_v, n = self.k_buf, self.v_buf, self.length
+        if old_k is not None and old_v is not None:  # allocate() sets both; before it there is nothing to copy
             shape_k, shape_v = list(old_k.shape), list(old_v.shape)
             shape_k[2] = shape_v[2] = cap
             self.k_buf = old_k.new_zeros(shape_k)
@@ -187,10 +194,12 @@ class _PreallocLayer(DynamicLayer):
         start = self.length
         end = start + key_states.shape[-2]
         self.reserve(end)
-        self.k_buf[:, :, start:end].copy_(key_states)
-        self.v_buf[:, :, start:end].copy_(value_states)
+        k_buf, v_buf = self.k_buf, self.v_buf
+        assert k_buf is not None and v_buf is not None  # is_initialized: allocate() has run
+        k_buf[:, :, start:end].copy_(key_states)
+        v_buf[:, :, start:end].copy_(value_states)
         self.length = end
-        return self.k_buf[:, :, :end], self.v_buf[:, :, :end]
+        return k_buf[:, :, :end], v_buf[:, :, :end]
 
     def get_seq_length(self) -> int:
         return self.length
@@ -278,7 +287,8 @@ class _FastDecoder:
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.half = self.head_dim // 2
         self.gqa = self.n_heads != self.n_kv
-        self.cos = self.sin = None
+        self.cos: torch.Tensor  # [pos, 1, D] rotary tables for positions [0, table_len), built by reserve()
+        self.sin: torch.Tensor
         self.table_len = 0
         self._lock = threading.Lock()  # the draft service decodes several sessions on worker threads
         self.reserve(256)
@@ -386,11 +396,12 @@ class _FastDecoder:
         hd, half, nh, nkv, rms, gqa = self.head_dim, self.half, self.n_heads, self.n_kv, self._rms, self.gqa
         nqk = nh + nkv
         for layer, (ln1, eps1, wqkv, bqkv, wo, bo, scale, qn, kn, ln2, eps2, wgu, bgu, inter, wd, bd,
-                    act) in zip(cache.layers, self.layers):
+                    act) in zip(cache.layers, self.layers, strict=True):
             h = rms(x, ln1, eps1)
             qkv = F.linear(h, wqkv, bqkv).view(n, nqk + nkv, hd)
             qk = qkv[:, :nqk]
             if qn is not None:
+                assert kn is not None  # q_norm and k_norm come together (Qwen3)
                 qk = torch.cat((rms(qk[:, :nh], qn.weight, qn.variance_epsilon),
                                 rms(qk[:, nh:], kn.weight, kn.variance_epsilon)), dim=1)
             qk = qk * cos + qk.roll(half, -1) * sin
@@ -505,9 +516,9 @@ class StaticCacheRunner:
 
         Returns, per sequence, float32 logits [len(extra[i]) + 1, V]. Sequences run one after another.
         """
-        extra = extra if extra is not None else [()] * len(seqs)
+        extra = extra if extra is not None else [[] for _ in seqs]
         out = []
-        for seq, ext in zip(seqs, extra):
+        for seq, ext in zip(seqs, extra, strict=True):
             keep = self._sync(seq)
             feed = seq.token_ids[keep:]
             if ext:

@@ -32,7 +32,8 @@ def is_heldout(relpath: str) -> bool:
 def stdlib_files(root: Path | None = None) -> tuple[list[Path], list[Path]]:
     """(train, heldout) `.py` files of the standard library, sorted by relative path."""
     root = root or stdlib_root()
-    train, heldout = [], []
+    train: list[Path] = []
+    heldout: list[Path] = []
     for path in sorted(root.rglob("*.py"), key=lambda p: p.relative_to(root).as_posix()):
         rel = path.relative_to(root)
         if _EXCLUDED_PARTS.intersection(rel.parts[:-1]):

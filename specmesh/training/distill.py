@@ -235,7 +235,8 @@ def distill(draft, windows: TokenWindows, teacher: Teacher | None, cfg: TrainCon
 
     def loss_fn(step: int):
         batch = windows.batch(step).to(device)
-        targets = teacher(step, batch[:, :-1]) if kl_weight > 0 else None
+        # kl_weight > 0 implies a teacher (checked above); the test is repeated for the type checker.
+        targets = teacher(step, batch[:, :-1]) if kl_weight > 0 and teacher is not None else None
         return distill_loss(draft, batch, targets, kl_weight, autocast).loss, batch[:, 1:].numel()
 
     return train(draft, loss_fn, cfg, resume=resume, stop_after=stop_after, on_checkpoint=on_checkpoint)
@@ -282,7 +283,8 @@ def heldout_metrics(target, draft, windows: TokenWindows, max_batches: int | Non
         inputs = batch[:, :-1]
         with _autocast(device, autocast):
             t_logits, d_logits = (m(input_ids=inputs, use_cache=False).logits for m in (target, draft))
-        for t_row, d_row, y in zip(t_logits, d_logits, batch[:, 1:]):  # one row at a time: [T, V] float32 copies
+        # one row at a time: [T, V] float32 copies
+        for t_row, d_row, y in zip(t_logits, d_logits, batch[:, 1:], strict=True):
             logp, logq = torch.log_softmax(t_row.float(), -1), torch.log_softmax(d_row.float(), -1)
             agree += (logp.argmax(-1) == logq.argmax(-1)).sum().item()
             kl += (logp.exp() * (logp - logq)).sum().item()
@@ -308,7 +310,6 @@ def require_engine(target, draft) -> None:
     """Fail now, not after hours of training, if the engine (or what it imports) is missing."""
     try:
         from specmesh.engine import SpeculativeEngine
-        from specmesh.sampling import SamplingParams  # noqa: F401
 
         SpeculativeEngine.from_models(target, draft)  # cheap: imports the rejection sampler, allocates nothing
     except ImportError as e:
@@ -320,6 +321,7 @@ def require_engine(target, draft) -> None:
 def measure_acceptance(target, draft, prompts: list[list[int]], k: int = MEASURE_K,
                        new_tokens: int = NEW_TOKENS) -> dict:
     """Greedy speculative generation with the in-process engine; vLLM's metric definitions, over all prompts."""
+    from specmesh.domain import SpecStats
     from specmesh.engine import SpeculativeEngine
     from specmesh.sampling import SamplingParams
 
@@ -327,30 +329,27 @@ def measure_acceptance(target, draft, prompts: list[list[int]], k: int = MEASURE
     draft.eval()
     engine = SpeculativeEngine.from_models(target, draft)
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
-    rounds = drafted = accepted = tokens = 0
-    drafted_per_pos, accepted_per_pos = [0] * k, [0] * k
+    total = SpecStats()
+    tokens = 0
     per_prompt = []
     t0 = time.perf_counter()
     for prompt in prompts:
         result = engine.generate(prompt, params, num_speculative_tokens=k)
-        stats = result.stats
-        rounds, drafted, accepted = rounds + stats.rounds, drafted + stats.drafted, accepted + stats.accepted
-        for i, (d, a) in enumerate(zip(stats.drafted_per_pos[:k], stats.accepted_per_pos[:k])):
-            drafted_per_pos[i] += d
-            accepted_per_pos[i] += a
+        total.merge(result.stats)
         tokens += len(result.token_ids)
-        per_prompt.append(stats.mean_accepted_length)
+        per_prompt.append(result.stats.mean_accepted_length)
     return {
         "k": k,
         "prompts": len(prompts),
         "prompt_tokens": PROMPT_LEN,
         "new_tokens": new_tokens,
-        "rounds": rounds,
-        "drafted": drafted,
-        "accepted": accepted,
-        "mean_accepted_length": 1 + accepted / rounds if rounds else 0.0,
-        "acceptance_rate": accepted / drafted if drafted else 0.0,
-        "acceptance_per_pos": [a / d if d else 0.0 for a, d in zip(accepted_per_pos, drafted_per_pos)],
+        "rounds": total.rounds,
+        "drafts": total.drafts,
+        "drafted": total.drafted,
+        "accepted": total.accepted,
+        "mean_accepted_length": total.mean_accepted_length,
+        "acceptance_rate": total.acceptance_rate,
+        "acceptance_per_pos": total.acceptance_per_pos[:k],
         "per_prompt_mean_accepted_length": per_prompt,
         "tokens_per_second": tokens / (time.perf_counter() - t0),
     }
@@ -410,6 +409,8 @@ def corpus_texts(stdlib: bool, corpus: list[str] | None, heldout: list[str] | No
         train_texts = [t for t in map(read_text, train_files) if t]
         default_heldout = [t for t in map(read_text, heldout_files) if t]
     else:
+        if corpus is None:
+            raise ValueError("corpus_texts needs corpus specs unless stdlib is set")
         train_texts, default_heldout = split_heldout(load_texts(corpus)) if not heldout else (load_texts(corpus), [])
     return train_texts, (load_texts(heldout) if heldout else default_heldout)
 

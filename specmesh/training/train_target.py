@@ -82,7 +82,7 @@ def prepare_corpus(work: Path, vocab_size: int, root: Path | None = None):
         train_tokenizer(texts, vocab_size).save_pretrained(tok_dir)
     tokenizer = PreTrainedTokenizerFast.from_pretrained(tok_dir)
     if not cache.exists():
-        streams = {
+        streams: dict[str, torch.Tensor | dict[str, int]] = {
             name: encode_texts(tokenizer, [t for t in map(read_text, files) if t], tokenizer.eos_token_id)
             for name, files in (("train", train_files), ("heldout", heldout_files))
         }

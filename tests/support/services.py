@@ -16,24 +16,24 @@ from pathlib import Path
 
 import grpc
 
-from draft_service.engine import DraftConfig, DraftEngine
+from draft_service.engine import DraftConfig
 from draft_service.server import build_server as build_draft
 from specmesh.serving import BackgroundServer
 from specmesh.v1 import draft_pb2, draft_pb2_grpc, verify_pb2, verify_pb2_grpc
-from verify_service.engine import VerifyConfig, VerifyEngine
+from verify_service.engine import VerifyConfig
 from verify_service.server import build_server as build_verify
 
 
 def start_verify(model, tokenizer=None, **kw) -> BackgroundServer:
     kw.setdefault("draft_deadline_ms", 5000)  # tests of the deadline set their own
     config = VerifyConfig(model_path="(in-memory)", port=0, **kw)
-    return BackgroundServer(lambda: build_verify(config, VerifyEngine(config, model, tokenizer)))
+    return BackgroundServer(lambda: build_verify(config, model, tokenizer))
 
 
 def start_draft(model, verify_address: str, **kw) -> BackgroundServer:
     config = DraftConfig(model_path="(in-memory)" if model is not None else "", port=0,
                          verify_address=verify_address, **kw)
-    return BackgroundServer(lambda: build_draft(config, DraftEngine(config, model)))
+    return BackgroundServer(lambda: build_draft(config, model))
 
 
 def verify_stub(server: BackgroundServer):
@@ -99,9 +99,9 @@ class GatewayServer:
             self.http.install_signal_handlers = lambda: None
             self.http_task = asyncio.ensure_future(self.http.serve())
             servicer = GatewayServicer(self.gateway)
-            servicer.telemetry = ServiceTelemetry("gateway", self.metrics.rpc)
             self.grpc = GrpcServer("127.0.0.1", 0, ["specmesh.v1.GatewayService"],
-                                   lambda s: gateway_pb2_grpc.add_GatewayServiceServicer_to_server(servicer, s))
+                                   lambda s: gateway_pb2_grpc.add_GatewayServiceServicer_to_server(servicer, s),
+                                   telemetry=ServiceTelemetry("gateway", self.metrics.rpc))
             self.grpc_address = f"127.0.0.1:{await self.grpc.start()}"
 
         asyncio.run_coroutine_threadsafe(build(), self.loop).result(60)

@@ -4,7 +4,8 @@ import threading
 import time
 from concurrent.futures import Future
 
-from specmesh.loop import AdaptiveK, Proposal, Verdict, speculative_generate
+from specmesh.domain import DraftBlock, Verdict
+from specmesh.loop import AdaptiveK, speculative_generate
 from specmesh.sampling import SamplingParams, StopChecker
 
 
@@ -71,7 +72,7 @@ class CountingDrafter:
             if should_stop is not None and should_stop():
                 break
             out.append((ctx + out)[-1] + 1)
-        return Proposal(out)
+        return DraftBlock(out)
 
     def commit(self, tokens):
         self.tokens += tokens

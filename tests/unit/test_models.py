@@ -80,7 +80,7 @@ def test_empty_sequence_is_refused():
 def test_verify_batch_of_eight_equals_one_by_one():
     """The scheduler's step: 8 sequences, ragged K, greedy, one forward + one sampler call."""
     from specmesh.sampling import SamplingParams
-    from specmesh.rejection import DraftBlock, RejectionSampler
+    from specmesh.rejection import RejectionInput, RejectionSampler
     from specmesh.verifier import verify_batch
 
     model = tiny_model("llama", vocab=80, seed=9)
@@ -94,14 +94,14 @@ def test_verify_batch_of_eight_equals_one_by_one():
         runner.prefill(s)
     for _ in range(3):  # several rounds on the same sequences: rejected drafts are rolled back in between
         drafts = [torch.randint(0, 80, (int(k),), generator=g).tolist() for k in torch.randint(0, 6, (8,), generator=g)]
-        vb = verify_batch(runner, sampler, batched, [DraftBlock(d, greedy) for d in drafts])
-        vs = [verify_batch(runner, sampler, [s], [DraftBlock(d, greedy)])[0] for s, d in zip(single, drafts)]
+        vb = verify_batch(runner, sampler, batched, [RejectionInput.of(d, greedy) for d in drafts])
+        vs = [verify_batch(runner, sampler, [s], [RejectionInput.of(d, greedy)])[0] for s, d in zip(single, drafts)]
         assert [v.tokens for v in vb] == [v.tokens for v in vs]
         assert [s.token_ids for s in batched] == [s.token_ids for s in single]
     # a fresh sequence (nothing cached) joining a batch takes the per-sequence path, same result
     fresh_b, fresh_s = runner.new_sequence([5]), runner.new_sequence([5])
-    vb = verify_batch(runner, sampler, batched[:2] + [fresh_b], [DraftBlock([1], greedy)] * 3)
-    vs = verify_batch(runner, sampler, [fresh_s], [DraftBlock([1], greedy)])
+    vb = verify_batch(runner, sampler, batched[:2] + [fresh_b], [RejectionInput.of([1], greedy)] * 3)
+    vs = verify_batch(runner, sampler, [fresh_s], [RejectionInput.of([1], greedy)])
     assert vb[2].tokens == vs[0].tokens
     for s in batched:  # every last committed token is the target's own greedy choice
         with torch.inference_mode():

@@ -8,7 +8,7 @@ from scipy.stats import chisquare
 
 import specmesh.rejection.sampler as rejection
 from specmesh.sampling import BatchSamplingParams, SamplingParams, process_logits
-from specmesh.rejection import DraftBlock, RejectionSampler, validate_block
+from specmesh.rejection import RejectionInput, RejectionSampler, validate_block
 
 GREEDY = SamplingParams(temperature=0.0)
 N_SAMPLES = 200_000
@@ -31,7 +31,7 @@ def test_greedy_rules(backend):
         ([], [6], [6]),  # no draft: plain decode
         ([9], [9, 0], [9, 0]),
     ]
-    blocks = [DraftBlock(d, GREEDY) for d, _, _ in cases]
+    blocks = [RejectionInput.of(d, GREEDY) for d, _, _ in cases]
     logits = one_hot_logits([t for _, tgt, _ in cases for t in tgt])
     out = s(logits, blocks)
     assert out.output_token_ids.shape == (5, 4)
@@ -66,7 +66,7 @@ def run_round(sampler, logits, q, params, n, sparse_support=None, send_q=True, g
     else:
         q_ids = torch.arange(vocab).expand(k, vocab)
     q_probs = q.gather(1, q_ids)
-    blocks = [DraftBlock(row, params, q_ids if send_q else None, q_probs if send_q else None)
+    blocks = [RejectionInput.of(row, params, q_ids if send_q else None, q_probs if send_q else None)
               for row in drafts.tolist()]
     out = sampler(logits.repeat(n, 1), blocks)
     return out.output_token_ids, torch.tensor(out.num_accepted)
@@ -155,13 +155,13 @@ def test_no_zero_probability_token_when_the_residual_vanishes():
     logits = torch.randn(2, vocab)
     logits[0, 5] = 50.0
     params = SamplingParams(temperature=1.0, top_k=1)
-    blocks = [DraftBlock([5], params, torch.tensor([[5]]), torch.tensor([[1.0009]])) for _ in range(n)]
+    blocks = [RejectionInput.of([5], params, torch.tensor([[5]]), torch.tensor([[1.0009]])) for _ in range(n)]
     out = RejectionSampler("torch", seed=0)(logits.repeat(n, 1), blocks)
     assert (out.output_token_ids[:, 0] == 5).all()
     # and a rejection forced by rounding (u just below 1, p(x)/q(x) a hair under 1) still emits from p
     probs = torch.softmax(torch.randn(vocab), 0)
     q_ids = torch.arange(vocab)[None]
-    block = DraftBlock([3], SamplingParams(temperature=1.0), q_ids, (probs * 1.0000005)[None])
+    block = RejectionInput.of([3], SamplingParams(temperature=1.0), q_ids, (probs * 1.0000005)[None])
     prep = rejection.prepare(torch.stack([probs.log(), probs.log()]), [block], torch.Generator().manual_seed(0))
     prep.uniforms.fill_(1 - 1e-12)
     tok = rejection.rejection_sample_torch(**prep.kernel_args())[0, 0]
@@ -180,9 +180,9 @@ def test_mixed_batch_each_request_gets_its_own_distribution():
     ids_a = torch.arange(8).expand(3, 8)
     blocks, rows = [], []
     for i in range(n):
-        blocks.append(DraftBlock(xa[i], pa, ids_a, qa))
-        blocks.append(DraftBlock(xb[i], pb))  # no q: point masses
-        blocks.append(DraftBlock([int(lg[0].argmax())], GREEDY))
+        blocks.append(RejectionInput.of(xa[i], pa, ids_a, qa))
+        blocks.append(RejectionInput.of(xb[i], pb))  # no q: point masses
+        blocks.append(RejectionInput.of([int(lg[0].argmax())], GREEDY))
         rows += [la, lb, lg]
     out = RejectionSampler("torch", seed=2)(torch.cat(rows), blocks)
     toks = out.output_token_ids
@@ -201,15 +201,15 @@ def test_seeded_requests_replay_whatever_their_batch():
     logits_seeded = torch.randn(k + 1, vocab, generator=g)
     seen = set()
     for trial in range(20):
-        others = [DraftBlock(torch.randint(0, vocab, (j,)).tolist(), SamplingParams(temperature=0.9))
+        others = [RejectionInput.of(torch.randint(0, vocab, (j,)).tolist(), SamplingParams(temperature=0.9))
                   for j in range(trial % 3)]
-        blocks = others + [DraftBlock(draft, params, generator=torch.Generator().manual_seed(params.seed))]
+        blocks = others + [RejectionInput.of(draft, params, generator=torch.Generator().manual_seed(params.seed))]
         rows = torch.cat([torch.randn(sum(b.k + 1 for b in others), vocab), logits_seeded])
         out = RejectionSampler("torch")(rows, blocks)  # fresh unseeded shared stream each time
         seen.add(tuple(out.tokens(len(others))))
     assert len(seen) == 1
     # a different seed gives different results (across several draws)
-    outs = {tuple(RejectionSampler("torch")(logits_seeded, [DraftBlock(draft, params,
+    outs = {tuple(RejectionSampler("torch")(logits_seeded, [RejectionInput.of(draft, params,
             generator=torch.Generator().manual_seed(s))]).tokens(0)) for s in range(10)}
     assert len(outs) > 1
 
@@ -231,7 +231,7 @@ def random_batch(gen, vocab, n_req=16, max_k=6, device="cpu"):
             q_probs = torch.rand(q_ids.shape, generator=gen) + 0.01
             q_probs = q_probs / q_probs.sum(1, keepdim=True)
         gen_i = torch.Generator(device).manual_seed(params.seed) if params.seed is not None else None
-        blocks.append(DraftBlock(draft, params, q_ids, q_probs, gen_i))
+        blocks.append(RejectionInput.of(draft, params, q_ids, q_probs, gen_i))
     rows = sum(b.k + 1 for b in blocks)
     logits = torch.randn(rows, vocab, generator=gen) * 3
     # make some greedy drafts match the target so acceptance paths are exercised
@@ -245,7 +245,7 @@ def random_batch(gen, vocab, n_req=16, max_k=6, device="cpu"):
 
 
 def clone_blocks(blocks, device="cpu"):
-    return [DraftBlock(b.token_ids, b.params, b.q_ids, b.q_probs,
+    return [RejectionInput.of(b.token_ids, b.params, b.q_ids, b.q_probs,
                        torch.Generator(device).manual_seed(b.params.seed) if b.params.seed is not None else None)
             for b in blocks]
 
@@ -266,8 +266,8 @@ def test_triton_matches_torch(vocab):
 
 def test_triton_handles_all_empty_drafts():
     logits = torch.randn(3, 40)
-    blocks = [DraftBlock([], SamplingParams(temperature=1.0)), DraftBlock([], GREEDY),
-              DraftBlock([], SamplingParams(temperature=0.5))]
+    blocks = [RejectionInput.of([], SamplingParams(temperature=1.0)), RejectionInput.of([], GREEDY),
+              RejectionInput.of([], SamplingParams(temperature=0.5))]
     a = RejectionSampler("torch", seed=5)(logits.clone(), clone_blocks(blocks))
     b = RejectionSampler("triton", seed=5)(logits.clone(), clone_blocks(blocks))
     assert torch.equal(a.output_token_ids, b.output_token_ids)
@@ -292,17 +292,17 @@ def test_triton_on_cuda_bf16_no_recompile_per_k():
 
 # ---------------------------------------------------------------- validation
 @pytest.mark.parametrize("block, message", [
-    (DraftBlock([1, 2, 99], GREEDY), "out of range"),
-    (DraftBlock([-1], GREEDY), "out of range"),
-    (DraftBlock(list(range(40)), GREEDY), "limit"),
-    (DraftBlock([1], GREEDY, torch.tensor([[1, 2]]), None), "both"),
-    (DraftBlock([1], GREEDY, torch.tensor([[1, 2]]), torch.tensor([[0.5, 0.6]])), "sum to 1"),
-    (DraftBlock([1], GREEDY, torch.tensor([[1, 1]]), torch.tensor([[0.5, 0.5]])), "repeat"),
-    (DraftBlock([1], GREEDY, torch.tensor([[1, 80]]), torch.tensor([[0.5, 0.5]])), "out of range"),
-    (DraftBlock([1], GREEDY, torch.tensor([[1, 2]]), torch.tensor([[float("nan"), 1.0]])), "finite"),
-    (DraftBlock([1, 2], GREEDY, torch.tensor([[1, 2]]), torch.tensor([[0.5, 0.5]])), "K=2"),
-    (DraftBlock([3], GREEDY, torch.tensor([[1, 2]]), torch.tensor([[0.5, 0.5]])), "support"),
-    (DraftBlock([1], GREEDY, torch.tensor([[1, 2]]), torch.tensor([[0.0, 1.0]])), "support"),
+    (RejectionInput.of([1, 2, 99], GREEDY), "out of range"),
+    (RejectionInput.of([-1], GREEDY), "out of range"),
+    (RejectionInput.of(list(range(40)), GREEDY), "limit"),
+    (RejectionInput.of([1], GREEDY, torch.tensor([[1, 2]]), None), "both"),
+    (RejectionInput.of([1], GREEDY, torch.tensor([[1, 2]]), torch.tensor([[0.5, 0.6]])), "sum to 1"),
+    (RejectionInput.of([1], GREEDY, torch.tensor([[1, 1]]), torch.tensor([[0.5, 0.5]])), "repeat"),
+    (RejectionInput.of([1], GREEDY, torch.tensor([[1, 80]]), torch.tensor([[0.5, 0.5]])), "out of range"),
+    (RejectionInput.of([1], GREEDY, torch.tensor([[1, 2]]), torch.tensor([[float("nan"), 1.0]])), "finite"),
+    (RejectionInput.of([1, 2], GREEDY, torch.tensor([[1, 2]]), torch.tensor([[0.5, 0.5]])), "K=2"),
+    (RejectionInput.of([3], GREEDY, torch.tensor([[1, 2]]), torch.tensor([[0.5, 0.5]])), "support"),
+    (RejectionInput.of([1], GREEDY, torch.tensor([[1, 2]]), torch.tensor([[0.0, 1.0]])), "support"),
 ])
 def test_validate_block_rejects_bad_input(block, message):
     with pytest.raises(ValueError, match=message):
@@ -310,4 +310,4 @@ def test_validate_block_rejects_bad_input(block, message):
 
 
 def test_validate_block_accepts_good_input():
-    validate_block(DraftBlock([1, 3], GREEDY, torch.tensor([[1, -1], [2, 3]]), torch.tensor([[1.0, 0.0], [0.4, 0.6]])), 50)
+    validate_block(RejectionInput.of([1, 3], GREEDY, torch.tensor([[1, -1], [2, 3]]), torch.tensor([[1.0, 0.0], [0.4, 0.6]])), 50)

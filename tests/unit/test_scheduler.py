@@ -292,3 +292,23 @@ def test_commit_trims_the_tokens_past_max_tokens(model, runner):
     result, _ = run(body, runner)
     assert result.tokens == truth[:3] and result.finish_reason == "length"
     assert session.seq.token_ids == PROMPTS[1] + truth[:3]
+
+
+def test_an_error_after_the_forward_fails_its_batch_and_the_scheduler_keeps_serving(runner):
+    """A failing metrics callback (anything after verify_batch) answers that batch with an error; the next
+    step is still verified, instead of every later submit hanging on a dead scheduler task."""
+    calls = []
+
+    def on_batch(size, seconds):
+        calls.append(size)
+        if len(calls) == 1:
+            raise RuntimeError("metrics backend down")
+
+    async def body(scheduler):
+        s = make_session(runner, "s", PROMPTS[0])
+        with pytest.raises(RuntimeError, match="verification failed"):
+            await asyncio.wait_for(scheduler.submit(s, block(s)), 30)
+        return await asyncio.wait_for(scheduler.submit(s, block(s)), 30)
+
+    verdict, _ = run(body, runner, on_batch=on_batch)
+    assert len(verdict.tokens) == 1 and len(calls) == 2

@@ -1,0 +1,167 @@
+"""The domain objects every layer exchanges, each concept with one name: a draft block, a verdict, the
+verifier's load, and the events of one generation stream. Services convert them to and from protobuf at
+their boundary (`specmesh.wire`) and work with these inside.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+
+@dataclass
+class SpecStats:
+    """vLLM's definitions: acceptance rate = accepted / drafted; mean accepted length = 1 + accepted / drafts,
+    where drafts counts the rounds that verified a draft block (rounds also counts K = 0 steps)."""
+
+    rounds: int = 0
+    drafts: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    drafted_per_pos: list[int] = field(default_factory=list)
+    accepted_per_pos: list[int] = field(default_factory=list)
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0  # waiting for verdicts (network and queueing included)
+    pipelined_used: int = 0  # blocks drafted ahead during verification and then sent
+    pipelined_discarded: int = 0
+
+    def record(self, k: int, num_accepted: int) -> None:
+        self.rounds += 1
+        self.drafts += k > 0
+        self.drafted += k
+        self.accepted += num_accepted
+        grow = k - len(self.drafted_per_pos)
+        if grow > 0:
+            self.drafted_per_pos += [0] * grow
+            self.accepted_per_pos += [0] * grow
+        for i in range(k):
+            self.drafted_per_pos[i] += 1
+        for i in range(num_accepted):
+            self.accepted_per_pos[i] += 1
+
+    def merge(self, other: "SpecStats") -> None:
+        """Add another generation's statistics (totals across requests, or across a failover)."""
+        for name in ("rounds", "drafts", "drafted", "accepted", "draft_seconds", "verify_seconds",
+                     "pipelined_used", "pipelined_discarded"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        grow = len(other.drafted_per_pos) - len(self.drafted_per_pos)
+        if grow > 0:
+            self.drafted_per_pos += [0] * grow
+            self.accepted_per_pos += [0] * grow
+        # Not strict: `other` may come off the wire (wire.stats_from_pb), where a peer's two lists need not match.
+        for i, (d, a) in enumerate(zip(other.drafted_per_pos, other.accepted_per_pos, strict=False)):
+            self.drafted_per_pos[i] += d
+            self.accepted_per_pos[i] += a
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        return 1.0 + self.accepted / self.drafts if self.drafts else 1.0
+
+    @property
+    def acceptance_per_pos(self) -> list[float]:
+        # Not strict, as in merge: stats read off the wire may carry lists of different lengths.
+        return [a / d if d else 0.0 for a, d in zip(self.accepted_per_pos, self.drafted_per_pos, strict=False)]
+
+    def as_dict(self) -> dict:
+        return {
+            "rounds": self.rounds, "drafts": self.drafts, "drafted": self.drafted, "accepted": self.accepted,
+            "acceptance_rate": round(self.acceptance_rate, 4),
+            "mean_accepted_length": round(self.mean_accepted_length, 4),
+            "acceptance_per_pos": [round(a, 4) for a in self.acceptance_per_pos],
+            "draft_seconds": round(self.draft_seconds, 4), "verify_seconds": round(self.verify_seconds, 4),
+            "pipelined_used": self.pipelined_used, "pipelined_discarded": self.pipelined_discarded,
+        }
+
+
+@dataclass
+class DraftBlock:
+    """A draft's proposal for one round: K tokens and, optionally, the sparse draft distribution each was
+    sampled from (the support the draft really sampled from, renormalised)."""
+
+    token_ids: list[int]  # x_1..x_K
+    q_ids: torch.Tensor | None = None  # [K, S] int64; None = point masses (greedy / n-gram drafts); -1 pads
+    q_probs: torch.Tensor | None = None  # [K, S] float32
+
+    @property
+    def k(self) -> int:
+        return len(self.token_ids)
+
+    def __getitem__(self, s: slice) -> "DraftBlock":
+        if self.q_ids is None:
+            return DraftBlock(self.token_ids[s])
+        assert self.q_probs is not None  # a block has both q_ids and q_probs or neither
+        return DraftBlock(self.token_ids[s], self.q_ids[s], self.q_probs[s])
+
+    def __add__(self, other: "DraftBlock") -> "DraftBlock":
+        if not other.k:
+            return self
+        if not self.k:
+            return other
+        if self.q_ids is None and other.q_ids is None:
+            return DraftBlock(self.token_ids + other.token_ids)
+        if self.q_ids is None or other.q_ids is None:
+            raise ValueError("cannot join a block with draft probabilities to one without")
+        # a block has both q_ids and q_probs or neither
+        assert self.q_probs is not None and other.q_probs is not None
+        width = max(self.q_ids.size(1), other.q_ids.size(1))
+
+        def pad(t: torch.Tensor, value: float) -> torch.Tensor:
+            return torch.nn.functional.pad(t, (0, width - t.size(1)), value=value)
+
+        return DraftBlock(self.token_ids + other.token_ids, torch.cat([pad(self.q_ids, -1), pad(other.q_ids, -1)]),
+                          torch.cat([pad(self.q_probs, 0.0), pad(other.q_probs, 0.0)]))
+
+
+@dataclass(frozen=True)
+class BatchLoad:
+    """How the verifier's batch that served a verdict went: what a draft needs to see the verifier's load."""
+
+    queue_seconds: float = 0.0  # the block waited this long for its batch
+    batch_seconds: float = 0.0  # the batched target forward + rejection sampling
+    batch_size: int = 0  # blocks in that batch
+
+
+@dataclass
+class Verdict:
+    """The answer to one draft block: the tokens committed this round (accepted drafts, then one recovered
+    or bonus token) and what the verifier knows about the round."""
+
+    tokens: list[int]
+    num_accepted: int
+    num_drafted: int | None = None  # K actually verified (a remote verifier may take a target-only step)
+    finish_reason: str | None = None  # set by a verifier that applies the stop rules itself
+    epoch: int = 0  # the session epoch the round advanced from
+    stale: bool = False  # answers a block for a past epoch: nothing was verified
+    deadline: bool = False  # a target-only step taken because the draft was late
+    load: BatchLoad = field(default_factory=BatchLoad)
+
+
+# The events of one generation stream, in order: Opened, then Tokens (any number), then Finished.
+@dataclass(frozen=True)
+class Opened:
+    session_id: str
+    prompt_tokens: int
+    cached_prompt_tokens: int  # prompt tokens whose KV was already cached (prefix reuse)
+    prefill_seconds: float = 0.0
+    epoch: int = 0
+    base_position: int = 0  # committed tokens of the session when the turn opened
+
+
+@dataclass(frozen=True)
+class Tokens:
+    token_ids: list[int]
+
+
+@dataclass(frozen=True)
+class Finished:
+    finish_reason: str  # "stop" | "length" | "cancelled"
+    stats: SpecStats = field(default_factory=SpecStats)
+
+
+GenerationEvent = Opened | Tokens | Finished
