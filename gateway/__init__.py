@@ -1,1 +1,3 @@
-"""gateway: OpenAI-compatible REST and gRPC fronts, sessions and KV-cache affinity (issue 5; not built yet)."""
+"""gateway: the front door. OpenAI-compatible REST (`http`, `openai/`) and gRPC (`grpc_api`) fronts over one
+domain object (`core.Gateway`: sessions, replica choice with KV-cache affinity, failover, target-only
+fallback, limits), replica pools (`routing`), metrics (`telemetry`); `python -m gateway` runs it."""

@@ -15,8 +15,8 @@ import uvicorn
 from gateway.core import Gateway, GatewayConfig
 from gateway.grpc_api import GatewayServicer
 from gateway.http import create_app
-from specmesh.config import EnvArgumentParser
 from gateway.telemetry import GatewayMetrics
+from specmesh.config import EnvArgumentParser
 from specmesh.serving import GrpcServer, ServiceTelemetry
 from specmesh.telemetry import setup_logging, setup_tracing
 from specmesh.v1 import gateway_pb2, gateway_pb2_grpc
@@ -34,9 +34,13 @@ def parse_args(argv=None):
     ap.flag("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for all interfaces)")
     ap.flag("--port", type=int, default=8000, help="REST port (OpenAI-compatible API, /health, /metrics)")
     ap.flag("--grpc-port", type=int, default=50070, help="gRPC port (specmesh.v1.GatewayService); -1 = off")
-    ap.flag("--verify", default="", required=True,
-            help="verify replicas, comma-separated host:port; a host that resolves to several addresses "
-                 "(a headless Service) gives one replica per address, re-resolved every health round")
+    ap.flag(
+        "--verify",
+        default="",
+        required=True,
+        help="verify replicas, comma-separated host:port; a host that resolves to several addresses "
+        "(a headless Service) gives one replica per address, re-resolved every health round",
+    )
     ap.flag("--draft", default="", help="draft replicas, comma-separated host:port (none = target-only)")
     ap.flag("--tokenizer-path", default="", help="directory with the target's tokenizer (text in and out)")
     ap.flag("--model-name", default="", help="the model id clients send (default: the tokenizer directory's name)")
@@ -57,12 +61,22 @@ def parse_args(argv=None):
     ap.flag("--log-format", default="text", choices=["text", "json"], help="json: one object per line with trace ids")
     a = ap.parse_args(argv)
     name = a.model_name or (Path(a.tokenizer_path).name if a.tokenizer_path else "specmesh")
-    config = GatewayConfig(verify=_list(a.verify), draft=_list(a.draft), model_name=name,
-                           speculative_num_steps=a.speculative_num_steps, max_prompt_tokens=a.max_prompt_tokens,
-                           max_tokens_limit=a.max_tokens_limit, request_timeout_s=a.request_timeout_s,
-                           max_concurrency=a.max_concurrency, max_queue=a.max_queue, max_failovers=a.max_failovers,
-                           health_interval_s=a.health_interval_s, fail_threshold=a.fail_threshold,
-                           success_threshold=a.success_threshold, load_factor=a.load_factor)
+    config = GatewayConfig(
+        verify=_list(a.verify),
+        draft=_list(a.draft),
+        model_name=name,
+        speculative_num_steps=a.speculative_num_steps,
+        max_prompt_tokens=a.max_prompt_tokens,
+        max_tokens_limit=a.max_tokens_limit,
+        request_timeout_s=a.request_timeout_s,
+        max_concurrency=a.max_concurrency,
+        max_queue=a.max_queue,
+        max_failovers=a.max_failovers,
+        health_interval_s=a.health_interval_s,
+        fail_threshold=a.fail_threshold,
+        success_threshold=a.success_threshold,
+        load_factor=a.load_factor,
+    )
     if not config.verify:
         ap.error("--verify needs at least one host:port")
     return config, a
@@ -81,21 +95,28 @@ async def serve(config: GatewayConfig, args) -> None:
     metrics = GatewayMetrics(gateway)
     await gateway.start()
     app = create_app(gateway, _list(args.api_key), args.max_body_bytes, metrics)
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
-                                           timeout_graceful_shutdown=10))
+    server = uvicorn.Server(
+        uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=10)
+    )
     grpc_server = None
     if args.grpc_port >= 0:
         servicer = GatewayServicer(gateway)
-        grpc_server = GrpcServer(args.host, args.grpc_port, [SERVICE_NAME],
-                                 lambda s: gateway_pb2_grpc.add_GatewayServiceServicer_to_server(servicer, s),
-                                 grace_seconds=10, active=lambda: gateway.inflight,
-                                 telemetry=ServiceTelemetry("gateway", metrics.rpc))
+        grpc_server = GrpcServer(
+            args.host,
+            args.grpc_port,
+            [SERVICE_NAME],
+            lambda s: gateway_pb2_grpc.add_GatewayServiceServicer_to_server(servicer, s),
+            grace_seconds=10,
+            active=lambda: gateway.inflight,
+            telemetry=ServiceTelemetry("gateway", metrics.rpc),
+        )
         port = await grpc_server.start()
         print(f"gateway gRPC listening on {args.host}:{port}", flush=True)
     loop = asyncio.get_running_loop()
 
     def stop():
         server.should_exit = True
+
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop)
     server.install_signal_handlers = lambda: None  # ours stop both fronts

@@ -6,10 +6,12 @@ a deadline, an internal error), the replicas are probed, dead ones leave the poo
 replayed on healthy ones from prompt + the tokens already emitted, with max_tokens reduced: the client
 sees one stream with nothing lost and nothing repeated (under greedy decoding, the same tokens). With no
 healthy draft replica the verify service decodes target-only: slower, same output distribution.
-Errors that are the caller's (INVALID_ARGUMENT, ...) are never retried.
+Errors that are the caller's (INVALID_ARGUMENT, ...) are never retried, nor is overload (429): the
+status of a downstream error comes from the one table in `specmesh.errors`.
 
-Text: `TextStream` detokenizes incrementally, applies stop strings to the whole output text (so a stop
-string spanning a failover is still found) and holds back text that could be the start of one.
+Text: `TextStream` detokenizes incrementally (`specmesh.text`), applies stop strings to the whole output
+text (so a stop string spanning a failover is still found) and holds back text that could be the start
+of one.
 """
 
 from __future__ import annotations
@@ -18,21 +20,20 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field, replace
+from functools import partial
 
 import grpc
 
 from gateway.routing import Pool, Replica
 from specmesh import wire
-from specmesh.errors import InvalidArgument, ResourceExhausted, SpecmeshError, Unavailable
+from specmesh.errors import CALLER_ERRORS, InvalidArgument, ResourceExhausted, Unavailable, from_grpc_code
 from specmesh.loop import SpecStats
 from specmesh.sampling import SamplingParams
 from specmesh.telemetry import outgoing_metadata
+from specmesh.text import IncrementalDetokenizer, find_stop
 from specmesh.v1 import draft_pb2, draft_pb2_grpc, verify_pb2, verify_pb2_grpc
 
 log = logging.getLogger("specmesh.gateway")
-
-NOT_RETRIED = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION,
-               grpc.StatusCode.OUT_OF_RANGE, grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED}
 
 
 @dataclass(frozen=True)
@@ -81,45 +82,38 @@ class Outcome:
     target_only: bool = False
     verify_replica: str = ""
 
-    def spec_dict(self) -> dict:
-        s = self.stats
-        return {"rounds": s.rounds, "drafts": s.drafts, "drafted": s.drafted, "accepted": s.accepted,
-                "acceptance_rate": round(s.acceptance_rate, 4),
-                "mean_accepted_length": round(s.mean_accepted_length, 4),
-                "acceptance_per_pos": [round(a, 4) for a in s.acceptance_per_pos],
-                "cached_prompt_tokens": self.cached_prompt_tokens, "failovers": self.failovers,
-                "target_only": self.target_only, "verify_replica": self.verify_replica}
-
 
 class TextStream:
-    """Incremental detokenization with stop strings applied to the whole output."""
+    """The text of one generation, across failovers, as deltas: decoded incrementally, ended at the first
+    stop string, and holding back its last len(longest stop) - 1 characters (they could begin one) until
+    the generation ends."""
 
     def __init__(self, tokenizer, stop: tuple[str, ...]):
-        self.tokenizer = tokenizer
         self.stop = stop
         self.hold = max((len(s) for s in stop), default=1) - 1
-        self.ids: list[int] = []
+        self.detokenizer = (
+            IncrementalDetokenizer(partial(tokenizer.decode, skip_special_tokens=True))
+            if tokenizer is not None
+            else None
+        )
         self.sent = 0  # characters of text already emitted
         self.stopped = False
 
-    def _decode(self) -> str:
-        return self.tokenizer.decode(self.ids, skip_special_tokens=True) if self.tokenizer else ""
-
     def add(self, ids: list[int], final: bool = False) -> str:
-        self.ids += ids
-        text = self._decode()
-        # Text before `sent` was searched already: a new match can only start in the last len(s) - 1 of it.
-        hits = [i for s in self.stop if (i := text.find(s, max(0, self.sent - len(s) + 1))) >= 0]
-        if hits:
+        if self.detokenizer is None:
+            return ""
+        searched = len(self.detokenizer.text)
+        self.detokenizer.add(ids)
+        if final:
+            self.detokenizer.flush()
+        text = self.detokenizer.text
+        cut = find_stop(text, self.stop, searched)
+        if cut >= 0:
             self.stopped = True
-            cut = min(hits)
-            delta, self.sent = text[self.sent:cut], max(self.sent, cut)
-            return delta
-        end = len(text) if final else max(self.sent, len(text) - self.hold)
-        if not final:
-            while end > self.sent and text[end - 1] == "\ufffd":  # an incomplete UTF-8 sequence
-                end -= 1
-        delta, self.sent = text[self.sent:end], end
+            end = max(self.sent, cut)
+        else:
+            end = len(text) if final else max(self.sent, len(text) - self.hold)
+        delta, self.sent = text[self.sent : end], end
         return delta
 
 
@@ -127,8 +121,11 @@ class Gateway:
     def __init__(self, config: GatewayConfig, tokenizer=None):
         self.config = config
         self.tokenizer = tokenizer
-        kw = dict(load_factor=config.load_factor, fail_threshold=config.fail_threshold,
-                  success_threshold=config.success_threshold)
+        kw = dict(
+            load_factor=config.load_factor,
+            fail_threshold=config.fail_threshold,
+            success_threshold=config.success_threshold,
+        )
         self.verify_pool = Pool("verify", list(config.verify), **kw)
         self.draft_pool = Pool("draft", list(config.draft), **kw)
         self._slots = asyncio.Semaphore(config.max_concurrency)
@@ -143,8 +140,9 @@ class Gateway:
     async def start(self) -> None:
         for pool in (self.verify_pool, self.draft_pool):
             await pool.check_all()
-            self._tasks.append(asyncio.get_running_loop().create_task(
-                pool.run_health_checks(self.config.health_interval_s)))
+            self._tasks.append(
+                asyncio.get_running_loop().create_task(pool.run_health_checks(self.config.health_interval_s))
+            )
 
     async def close(self) -> None:
         for t in self._tasks:
@@ -171,8 +169,9 @@ class Gateway:
         if not req.prompt_ids:
             raise InvalidArgument("the prompt is empty")
         if len(req.prompt_ids) > self.config.max_prompt_tokens:
-            raise InvalidArgument(f"the prompt has {len(req.prompt_ids)} tokens; the limit is "
-                                  f"{self.config.max_prompt_tokens}")
+            raise InvalidArgument(
+                f"the prompt has {len(req.prompt_ids)} tokens; the limit is {self.config.max_prompt_tokens}"
+            )
         if req.params.max_tokens > self.config.max_tokens_limit:
             raise InvalidArgument(f"max_tokens must be <= {self.config.max_tokens_limit}, got {req.params.max_tokens}")
         try:
@@ -186,8 +185,10 @@ class Gateway:
     async def admit(self):
         """Concurrency limit with a bounded queue: RESOURCE_EXHAUSTED (429) past it."""
         if self._slots.locked() and self.waiting >= self.config.max_queue:
-            raise ResourceExhausted(f"the gateway is at capacity ({self.config.max_concurrency} running, "
-                                    f"{self.waiting} queued); retry later")
+            raise ResourceExhausted(
+                f"the gateway is at capacity ({self.config.max_concurrency} running, "
+                f"{self.waiting} queued); retry later"
+            )
         self.waiting += 1
         try:
             await self._slots.acquire()
@@ -218,22 +219,23 @@ class Gateway:
         excluded: set[str] = set()
         deadline = time.monotonic() + self.config.request_timeout_s
         while True:
-            verify = (self.verify_pool.for_session(req.session_id, excluded) if req.session_id
-                      else self.verify_pool.for_prompt(req.prompt_ids + emitted, excluded))
-            if verify is None:
-                raise Unavailable("no healthy verify replica")
-            draft = self.draft_pool.least_loaded() if self.draft_pool.replicas else None
-            outcome.verify_replica = verify.address
-            outcome.target_only = draft is None
-            if draft is None and self.draft_pool.replicas:
-                self.target_only_fallbacks += 1
+            verify, draft = self._choose(req, emitted, excluded, outcome)
             params = replace(req.params, max_tokens=req.params.max_tokens - len(emitted))
             prompt = req.prompt_ids + emitted
             failed: Replica | None = None
             try:
-                async for ids, finish in self._stream(verify, draft, prompt, params, req.session_id,
-                                                      req.num_speculative_tokens, deadline, outcome,
-                                                      first=not emitted, metadata=req.metadata):
+                async for ids, finish in self._stream(
+                    verify,
+                    draft,
+                    prompt,
+                    params,
+                    req.session_id,
+                    req.num_speculative_tokens,
+                    deadline,
+                    outcome,
+                    first=not emitted,
+                    metadata=req.metadata,
+                ):
                     emitted += ids
                     outcome.completion_tokens = len(emitted)
                     delta = text.add(ids, final=finish is not None)
@@ -247,16 +249,7 @@ class Gateway:
                         yield Chunk(ids, delta)
                 raise Unavailable("the generation stream ended without a finish reason")
             except grpc.aio.AioRpcError as e:
-                if e.code() in NOT_RETRIED:
-                    raise _domain_error(e) from None
-                if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
-                    raise ResourceExhausted(e.details() or "a replica is overloaded") from None
-                log.warning("generation failed on verify %s / draft %s: %s %s", verify.address,
-                            draft.address if draft else "-", e.code().name, e.details())
-                ok_v = await self._probe(self.verify_pool, verify)
-                if draft is not None:
-                    await self._probe(self.draft_pool, draft)
-                failed = verify if not ok_v else None
+                failed = await self._on_failure(e, verify, draft)
             if outcome.failovers >= self.config.max_failovers or time.monotonic() > deadline:
                 raise Unavailable(f"generation failed after {outcome.failovers} failovers")
             outcome.failovers += 1
@@ -265,30 +258,89 @@ class Gateway:
                 excluded.add(failed.address)
             await asyncio.sleep(0.05 * outcome.failovers)
 
+    def _choose(
+        self, req: GenRequest, emitted: list[int], excluded: set[str], outcome: Outcome
+    ) -> tuple[Replica, Replica | None]:
+        """The verify replica (the session's, or prefix-aware) and the least loaded draft replica (None:
+        decode target-only)."""
+        verify = (
+            self.verify_pool.for_session(req.session_id, excluded)
+            if req.session_id
+            else self.verify_pool.for_prompt(req.prompt_ids + emitted, excluded)
+        )
+        if verify is None:
+            raise Unavailable("no healthy verify replica")
+        draft = self.draft_pool.least_loaded() if self.draft_pool.replicas else None
+        outcome.verify_replica = verify.address
+        outcome.target_only = draft is None
+        if draft is None and self.draft_pool.replicas:
+            self.target_only_fallbacks += 1
+        return verify, draft
+
+    async def _on_failure(self, e: grpc.aio.AioRpcError, verify: Replica, draft: Replica | None) -> Replica | None:
+        """Raise an error that another replica would give too; otherwise probe both replicas and return the
+        verify replica if it is down (the retry must avoid it)."""
+        name = e.code().name
+        if name in CALLER_ERRORS:
+            raise from_grpc_code(name, e.details()) from None
+        if name == ResourceExhausted.code:  # overload: the caller backs off rather than loading another replica
+            raise ResourceExhausted(e.details() or "a replica is overloaded") from None
+        log.warning(
+            "generation failed on verify %s / draft %s: %s %s",
+            verify.address,
+            draft.address if draft else "-",
+            name,
+            e.details(),
+        )
+        ok_v = await self._probe(self.verify_pool, verify)
+        if draft is not None:
+            await self._probe(self.draft_pool, draft)
+        return verify if not ok_v else None
+
     @staticmethod
     async def _probe(pool: Pool, replica: Replica) -> bool:
         await pool.suspect(replica)
         return replica.healthy
 
-    async def _stream(self, verify: Replica, draft: Replica | None, prompt, params, session_id, k, deadline,
-                      outcome: Outcome, first: bool, metadata: tuple = ()):
+    async def _stream(
+        self,
+        verify: Replica,
+        draft: Replica | None,
+        prompt,
+        params,
+        session_id,
+        k,
+        deadline,
+        outcome: Outcome,
+        first: bool,
+        metadata: tuple = (),
+    ):
         timeout = max(1.0, deadline - time.monotonic())
         pb_params = wire.params_to_pb(params)
         with verify.track():
             if draft is not None:
                 with draft.track():
                     stub = draft_pb2_grpc.DraftServiceStub(self.draft_pool.channel(draft))
-                    call = stub.Generate(draft_pb2.DraftServiceGenerateRequest(
-                        session_id=session_id, prompt_ids=prompt, params=pb_params, verify_address=verify.address,
-                        num_speculative_tokens=k or self.config.speculative_num_steps), timeout=timeout,
-                        metadata=metadata)
+                    call = stub.Generate(
+                        draft_pb2.DraftServiceGenerateRequest(
+                            session_id=session_id,
+                            prompt_ids=prompt,
+                            params=pb_params,
+                            verify_address=verify.address,
+                            num_speculative_tokens=k or self.config.speculative_num_steps,
+                        ),
+                        timeout=timeout,
+                        metadata=metadata,
+                    )
                     async for item in self._read(call, outcome, first):
                         yield item
             else:
                 stub = verify_pb2_grpc.VerifyServiceStub(self.verify_pool.channel(verify))
-                call = stub.Generate(verify_pb2.VerifyServiceGenerateRequest(session_id=session_id, prompt_ids=prompt,
-                                                                             params=pb_params), timeout=timeout,
-                                     metadata=metadata)
+                call = stub.Generate(
+                    verify_pb2.VerifyServiceGenerateRequest(session_id=session_id, prompt_ids=prompt, params=pb_params),
+                    timeout=timeout,
+                    metadata=metadata,
+                )
                 async for item in self._read(call, outcome, first):
                     yield item
 
@@ -312,11 +364,3 @@ class Gateway:
         finally:
             if not finished:
                 call.cancel()  # a client that went away, or a stop string found here: stop the work downstream
-
-
-def _domain_error(e: grpc.aio.AioRpcError) -> SpecmeshError:
-    from specmesh import errors
-
-    cls = {grpc.StatusCode.INVALID_ARGUMENT: errors.InvalidArgument, grpc.StatusCode.NOT_FOUND: errors.NotFound,
-           grpc.StatusCode.FAILED_PRECONDITION: errors.FailedPrecondition}.get(e.code(), errors.InvalidArgument)
-    return cls(e.details() or e.code().name)

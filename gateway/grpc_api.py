@@ -16,22 +16,27 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
 
     def _request(self, request) -> GenRequest:
         if request.model and request.model != self.gateway.config.model_name:
-            raise NotFound(f"the model {request.model!r} does not exist; this gateway serves "
-                           f"{self.gateway.config.model_name!r}")
+            raise NotFound(
+                f"the model {request.model!r} does not exist; this gateway serves {self.gateway.config.model_name!r}"
+            )
         if bool(request.prompt) == bool(request.prompt_ids):
             raise InvalidArgument("give exactly one of prompt (text) and prompt_ids")
         ids = list(request.prompt_ids) or self.gateway.encode(request.prompt)
-        return GenRequest(ids, wire.params_from_pb(request.params), request.session_id,
-                          request.num_speculative_tokens)
+        return GenRequest(ids, wire.params_from_pb(request.params), request.session_id, request.num_speculative_tokens)
 
     @staticmethod
     def _final(outcome: Outcome, finish) -> dict:
-        return dict(finish_reason=wire.finish_to_pb(finish),
-                    usage=gateway_pb2.Usage(prompt_tokens=outcome.prompt_tokens,
-                                            completion_tokens=outcome.completion_tokens,
-                                            cached_prompt_tokens=outcome.cached_prompt_tokens),
-                    stats=wire.stats_to_pb(outcome.stats), failovers=outcome.failovers,
-                    target_only=outcome.target_only)
+        return dict(
+            finish_reason=wire.finish_to_pb(finish),
+            usage=gateway_pb2.Usage(
+                prompt_tokens=outcome.prompt_tokens,
+                completion_tokens=outcome.completion_tokens,
+                cached_prompt_tokens=outcome.cached_prompt_tokens,
+            ),
+            stats=wire.stats_to_pb(outcome.stats),
+            failovers=outcome.failovers,
+            target_only=outcome.target_only,
+        )
 
     async def Generate(self, request, context):
         req = self._request(request)
@@ -41,8 +46,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             text.append(chunk.text)
             ids += chunk.token_ids
             finish = chunk.finish_reason or finish
-        return gateway_pb2.GatewayServiceGenerateResponse(text="".join(text), token_ids=ids,
-                                                          **self._final(outcome, finish))
+        return gateway_pb2.GatewayServiceGenerateResponse(
+            text="".join(text), token_ids=ids, **self._final(outcome, finish)
+        )
 
     async def GenerateStream(self, request, context):
         req = self._request(request)
@@ -51,5 +57,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             if chunk.finish_reason is None:
                 yield Chunk(delta=Chunk.Delta(text=chunk.text, token_ids=chunk.token_ids))
             else:
-                yield Chunk(finished=Chunk.Finished(text=chunk.text, token_ids=chunk.token_ids,
-                                                    **self._final(outcome, chunk.finish_reason)))
+                yield Chunk(
+                    finished=Chunk.Finished(
+                        text=chunk.text, token_ids=chunk.token_ids, **self._final(outcome, chunk.finish_reason)
+                    )
+                )

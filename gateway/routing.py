@@ -49,7 +49,7 @@ def prefix_blocks(token_ids: list[int]) -> list[int]:
     """Chained hashes of the full 16-token blocks of a prompt: block i's hash covers blocks 0..i."""
     out, h = [], 0
     for i in range(0, len(token_ids) - PREFIX_BLOCK + 1, PREFIX_BLOCK):
-        h = _h(f"{h}:{token_ids[i:i + PREFIX_BLOCK]}")
+        h = _h(f"{h}:{token_ids[i : i + PREFIX_BLOCK]}")
         out.append(h)
     return out
 
@@ -89,8 +89,15 @@ class Replica:
 
 
 class Pool:
-    def __init__(self, name: str, entries: list[str], load_factor: float = 1.25, fail_threshold: int = 3,
-                 success_threshold: int = 2, health_timeout: float = 1.0):
+    def __init__(
+        self,
+        name: str,
+        entries: list[str],
+        load_factor: float = 1.25,
+        fail_threshold: int = 3,
+        success_threshold: int = 2,
+        health_timeout: float = 1.0,
+    ):
         self.name = name
         self.entries = entries
         self.load_factor = load_factor
@@ -144,7 +151,7 @@ class Pool:
     def add(self, address: str) -> None:
         """Add a static member (tests, admin)."""
         self.entries.append(address)
-        self._set_members(list(self.replicas) + [address])
+        self._set_members([*self.replicas, address])
 
     def channel(self, replica: Replica) -> grpc.aio.Channel:
         if replica.channel is None:
@@ -216,9 +223,10 @@ class Pool:
     async def probe(self, replica: Replica) -> bool:
         try:
             resp = await health_pb2_grpc.HealthStub(self.channel(replica)).Check(
-                health_pb2.HealthCheckRequest(service=""), timeout=self.health_timeout)
+                health_pb2.HealthCheckRequest(service=""), timeout=self.health_timeout
+            )
             ok = resp.status == health_pb2.HealthCheckResponse.SERVING
-        except (grpc.aio.AioRpcError, asyncio.TimeoutError):
+        except (grpc.aio.AioRpcError, TimeoutError):
             ok = False
         self._record(replica, ok)
         return ok
@@ -235,15 +243,13 @@ class Pool:
             replica.fails += 1
             if replica.healthy and replica.fails >= self.fail_threshold:
                 replica.healthy = False
-                log.warning("%s replica %s left the pool (%d failed checks)", self.name, replica.address,
-                            replica.fails)
+                log.warning("%s replica %s left the pool (%d failed checks)", self.name, replica.address, replica.fails)
 
     async def suspect(self, replica: Replica) -> None:
         """A call to the replica failed: probe now; if the probe fails too, take it out at once."""
         if not await self.probe(replica):
             if replica.healthy:
-                log.warning("%s replica %s failed a call and a probe: out of the pool", self.name,
-                            replica.address)
+                log.warning("%s replica %s failed a call and a probe: out of the pool", self.name, replica.address)
             replica.healthy = False
             replica.successes = 0
 
@@ -255,7 +261,7 @@ class Pool:
         while True:
             try:
                 await self.check_all()
-            except Exception:  # noqa: BLE001 — the checker must outlive any one bad round
+            except Exception:  # the checker must outlive any one bad round
                 log.exception("health round failed")
             await asyncio.sleep(interval)
 
@@ -263,4 +269,3 @@ class Pool:
         for r in self.replicas.values():
             if r.channel is not None:
                 await r.channel.close()
-

@@ -39,5 +39,13 @@ class GatewayMetrics:
         failovers.add_metric([], gw.failovers)
         target_only = c("specmesh_gateway_target_only", "Generations decoded target-only (no healthy draft replica)")
         target_only.add_metric([], gw.target_only_fallbacks)
-        return [running, queued, healthy, load, decisions, failovers, target_only] + spec_families(
-            "specmesh_gateway", gw.totals)
+        return [
+            running,
+            queued,
+            healthy,
+            load,
+            decisions,
+            failovers,
+            target_only,
+            *spec_families("specmesh_gateway", gw.totals),
+        ]

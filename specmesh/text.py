@@ -37,7 +37,7 @@ class IncrementalDetokenizer:
             return ""
         prefix, window = self._window()
         complete = not window.endswith(REPLACEMENT_CHAR)
-        delta = window.rstrip(REPLACEMENT_CHAR)[len(prefix) + self._partial:]
+        delta = window.rstrip(REPLACEMENT_CHAR)[len(prefix) + self._partial :]
         if complete and len(window) > len(prefix):
             self._advance()
         else:
@@ -50,7 +50,7 @@ class IncrementalDetokenizer:
         if self._read_offset == len(self.token_ids):
             return ""
         prefix, window = self._window()
-        return window[len(prefix) + self._partial:]
+        return window[len(prefix) + self._partial :]
 
     def flush(self) -> str:
         """The output is complete: add the held-back text to `text` and return it."""
@@ -61,8 +61,7 @@ class IncrementalDetokenizer:
 
     def _window(self) -> tuple[str, str]:
         ids = self.token_ids
-        return (self._decode(ids[self._prefix_offset:self._read_offset]),
-                self._decode(ids[self._prefix_offset:]))
+        return (self._decode(ids[self._prefix_offset : self._read_offset]), self._decode(ids[self._prefix_offset :]))
 
     def _advance(self) -> None:
         self._prefix_offset, self._read_offset, self._partial = self._read_offset, len(self.token_ids), 0

@@ -1,21 +1,20 @@
 """The gateway over real services: the official openai client, the gRPC front, sessions, errors, limits."""
 
-from pathlib import Path
-
 import json
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import grpc
 import openai
 import pytest
 from transformers import AutoTokenizer
 
-from tests.support.models import noisy_copy, tiny_model
-from tests.support.services import GatewayServer, start_draft, start_verify
 from specmesh.engine import SpeculativeEngine
 from specmesh.sampling import SamplingParams
 from specmesh.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+from tests.support.models import noisy_copy, tiny_model
+from tests.support.services import GatewayServer, start_draft, start_verify
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -57,6 +56,7 @@ def reference(target, tokenizer):
     def run(prompt_ids, max_tokens=24, **kw):
         r = engine.generate(prompt_ids, SamplingParams(temperature=0.0, max_tokens=max_tokens, **kw), 0)
         return r.token_ids, r.text, r.finish_reason
+
     return run
 
 
@@ -96,8 +96,16 @@ def test_completions_stream_with_usage(client, tokenizer, reference):
     prompt = "import os\n"
     ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
     want_ids, want_text, _ = reference(ids, 30)
-    chunks = list(client.completions.create(model="demo", prompt=prompt, max_tokens=30, temperature=0, stream=True,
-                                            stream_options={"include_usage": True}))
+    chunks = list(
+        client.completions.create(
+            model="demo",
+            prompt=prompt,
+            max_tokens=30,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert "".join(c.choices[0].text for c in chunks if c.choices) == want_text
     finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
     assert finishes[-1] == "length" and all(f is None for f in finishes[:-1])
@@ -113,8 +121,9 @@ def test_chat_plain_and_streaming(stack, client, reference):
     r = client.chat.completions.create(model="demo", messages=messages, max_tokens=20, temperature=0)
     assert r.object == "chat.completion" and r.choices[0].message.role == "assistant"
     assert r.choices[0].message.content == want_text
-    chunks = list(client.chat.completions.create(model="demo", messages=messages, max_tokens=20, temperature=0,
-                                                 stream=True))
+    chunks = list(
+        client.chat.completions.create(model="demo", messages=messages, max_tokens=20, temperature=0, stream=True)
+    )
     assert all(c.object == "chat.completion.chunk" for c in chunks)
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == want_text
@@ -125,13 +134,14 @@ def test_stop_string_ends_text_before_it(client, tokenizer, reference):
     prompt = "class A:\n"
     ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
     _, full, _ = reference(ids, 40)
-    stop = full[len(full) // 2: len(full) // 2 + 2]
+    stop = full[len(full) // 2 : len(full) // 2 + 2]
     assert stop
     r = client.completions.create(model="demo", prompt=prompt, max_tokens=40, temperature=0, stop=[stop])
     assert r.choices[0].finish_reason == "stop"
     assert r.choices[0].text == full[: full.find(stop)]
-    chunks = list(client.completions.create(model="demo", prompt=prompt, max_tokens=40, temperature=0, stop=stop,
-                                            stream=True))
+    chunks = list(
+        client.completions.create(model="demo", prompt=prompt, max_tokens=40, temperature=0, stop=stop, stream=True)
+    )
     assert "".join(c.choices[0].text for c in chunks) == full[: full.find(stop)]
 
 
@@ -143,14 +153,19 @@ def test_models_and_health(stack, client):
     assert http("GET", stack[0].base_url + "/health/live").json() == {"status": "ok"}
 
 
-@pytest.mark.parametrize("kwargs,param", [
-    (dict(max_tokens=-1), "max_tokens"),
-    (dict(max_tokens=10**9), None),
-    (dict(temperature="hot"), "temperature"),
-    (dict(top_p=0), "top_p"),
-    (dict(n=2), "n"),
-    (dict(stop=[1, 2]), "stop"),
-])
+@pytest.mark.parametrize(
+    "kwargs,param",
+    [
+        (dict(max_tokens=-1), "max_tokens"),
+        (dict(max_tokens=10**9), None),
+        (dict(temperature="hot"), "temperature"),
+        (dict(top_p=0), "top_p"),
+        (dict(n=2), "n"),
+        (dict(stop=[1, 2]), "stop"),
+        (dict(logprobs=2), "logprobs"),
+        (dict(presence_penalty=0.5), "presence_penalty"),
+    ],
+)
 def test_bad_requests_are_openai_400s(client, kwargs, param):
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model="demo", prompt="x = 1", **kwargs)
@@ -177,6 +192,40 @@ def test_raw_bad_input(stack):
     assert http("GET", base + "/health").status_code == 200  # still serving
 
 
+def test_unknown_nulls_and_unused_parameters_are_accepted(stack):
+    base = stack[0].base_url
+    # unknown fields are ignored, null takes the default, a false or empty unsupported one asks for nothing,
+    # stream_options is read only when streaming, and max_completion_tokens wins over max_tokens (unread)
+    r = http(
+        "POST",
+        base + "/v1/chat/completions",
+        json_body={
+            "model": "demo",
+            "messages": [{"role": "developer", "content": [{"type": "text", "text": "Hi"}]}],
+            "user": "u-1",
+            "temperature": None,
+            "logprobs": False,
+            "tools": [],
+            "stream_options": "unread",
+            "max_completion_tokens": 2,
+            "max_tokens": -1,
+        },
+    )
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 2
+    r = http(
+        "POST",
+        base + "/v1/completions",
+        json_body={"model": "demo", "prompt": "x", "stream": True, "stream_options": {"include_usage": 1}},
+    )
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stream_options.include_usage"
+    r = http("POST", base + "/v1/completions", json_body={"model": "demo", "prompt": "x", "top_k": True})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_type"
+    r = http("POST", base + "/v1/completions", json_body={"model": "demo", "prompt": "x", "num_speculative_tokens": 33})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "num_speculative_tokens"
+    r = http("DELETE", base + "/v1/models")
+    assert r.status_code == 405 and "not allowed" in r.json()["error"]["message"]
+
+
 def test_unknown_model_is_404(client):
     with pytest.raises(openai.NotFoundError) as e:
         client.completions.create(model="gpt-9", prompt="x", max_tokens=2)
@@ -185,15 +234,17 @@ def test_unknown_model_is_404(client):
 
 def test_api_keys_and_overload(stack, tokenizer):
     _, verifies, draft = stack
-    gw = GatewayServer([verifies[0].address], [draft.address], tokenizer, api_keys=("sk-good",),
-                       max_concurrency=1, max_queue=0)
+    gw = GatewayServer(
+        [verifies[0].address], [draft.address], tokenizer, api_keys=("sk-good",), max_concurrency=1, max_queue=0
+    )
     try:
         bad = openai.OpenAI(base_url=gw.base_url + "/v1", api_key="sk-bad", max_retries=0)
         with pytest.raises(openai.AuthenticationError):
             bad.models.list()
         good = openai.OpenAI(base_url=gw.base_url + "/v1", api_key="sk-good", max_retries=0)
-        stream = good.completions.create(model="demo", prompt="def f():", max_tokens=400, temperature=0,
-                                         stream=True, extra_body={"ignore_eos": True})
+        stream = good.completions.create(
+            model="demo", prompt="def f():", max_tokens=400, temperature=0, stream=True, extra_body={"ignore_eos": True}
+        )
         next(iter(stream))  # one generation holds the only slot
         with pytest.raises(openai.RateLimitError):
             good.completions.create(model="demo", prompt="x", max_tokens=2)
@@ -236,13 +287,17 @@ def test_grpc_front_unary_and_streaming(stack, tokenizer, reference):
 def test_session_sticks_to_its_replica_and_reuses_kv(stack, client, reference):
     gw = stack[0]
     messages = [{"role": "user", "content": "Write a function."}]
-    first = client.chat.completions.create(model="demo", messages=messages, max_tokens=12, temperature=0,
-                                           extra_body={"session_id": "conv-7"})
+    first = client.chat.completions.create(
+        model="demo", messages=messages, max_tokens=12, temperature=0, extra_body={"session_id": "conv-7"}
+    )
     replica = first.model_extra["specmesh"]["verify_replica"]
-    messages += [{"role": "assistant", "content": first.choices[0].message.content},
-                 {"role": "user", "content": "Now test it."}]
-    second = client.chat.completions.create(model="demo", messages=messages, max_tokens=12, temperature=0,
-                                            extra_headers={"X-Session-Id": "conv-7"})
+    messages += [
+        {"role": "assistant", "content": first.choices[0].message.content},
+        {"role": "user", "content": "Now test it."},
+    ]
+    second = client.chat.completions.create(
+        model="demo", messages=messages, max_tokens=12, temperature=0, extra_headers={"X-Session-Id": "conv-7"}
+    )
     assert second.model_extra["specmesh"]["verify_replica"] == replica
     assert second.usage.prompt_tokens_details.cached_tokens > 0  # the earlier turn's KV was reused
     _, want_text, _ = reference(gw.gateway.chat_prompt(messages), 12)
@@ -254,13 +309,16 @@ def test_client_disconnect_cancels_a_non_streaming_generation(stack):
     import time
 
     gw, verifies, _ = stack
-    emitted = lambda: sum(v.server.engine.scheduler.stats.tokens for v in verifies)  # noqa: E731
-    body = json.dumps({"model": "demo", "prompt": "def f():", "max_tokens": 1000, "temperature": 0,
-                       "ignore_eos": True}).encode()
+    emitted = lambda: sum(v.server.engine.scheduler.stats.tokens for v in verifies)
+    body = json.dumps(
+        {"model": "demo", "prompt": "def f():", "max_tokens": 1000, "temperature": 0, "ignore_eos": True}
+    ).encode()
     before = emitted()
     sock = socket.create_connection(("127.0.0.1", gw.port))
-    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
-                 b"content-length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    sock.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+        b"content-length: " + str(len(body)).encode() + b"\r\n\r\n" + body
+    )
     for _ in range(200):
         if gw.gateway.inflight:
             break

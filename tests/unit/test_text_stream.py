@@ -42,14 +42,14 @@ def random_ids(rng: random.Random, vocab: int, n: int) -> list[int]:
 def random_stops(rng: random.Random, text: str, n: int, longest: int) -> tuple[str, ...]:
     """Up to n stop strings cut out of the text (so most of them are found)."""
     starts = [rng.randrange(len(text)) for _ in range(n)]
-    return tuple(dict.fromkeys(text[i:i + rng.randint(1, longest)] for i in starts))
+    return tuple(dict.fromkeys(text[i : i + rng.randint(1, longest)] for i in starts))
 
 
 def feed(detok: IncrementalDetokenizer, ids: list[int], rng: random.Random) -> list[str]:
     deltas, i = [], 0
     while i < len(ids):
         k = rng.randint(1, 4)
-        deltas.append(detok.add(ids[i:i + k]))
+        deltas.append(detok.add(ids[i : i + k]))
         i += k
     return deltas
 
@@ -58,8 +58,8 @@ def test_incremental_decoding_equals_full_decoding(tokenizer, decode):
     rng = random.Random(0)
     encoded = tokenizer(MULTIBYTE + "\ndef f(x):\n    return x", add_special_tokens=False)["input_ids"]
     eos = tokenizer.convert_tokens_to_ids("<|endoftext|>")
-    sequences = [encoded, encoded[:5] + [eos] + encoded[5:]] + [random_ids(rng, len(tokenizer), rng.randint(1, 40))
-                                                               for _ in range(300)]
+    sequences = [encoded, [*encoded[:5], eos, *encoded[5:]]]
+    sequences += [random_ids(rng, len(tokenizer), rng.randint(1, 40)) for _ in range(300)]
     for ids in sequences:
         detok = IncrementalDetokenizer(decode)
         deltas = feed(detok, ids, rng)
@@ -120,7 +120,7 @@ def reference_text_stream(decode, stop, chunks):
         text = decode(ids)
         hits = [i for s in stop if (i := text.find(s)) >= 0]
         if hits:
-            return text[:min(hits)], True
+            return text[: min(hits)], True
         if final:
             full = text
     return full, False
@@ -138,12 +138,12 @@ def run_text_stream(stream: TextStream, chunks) -> tuple[str, bool]:
 def test_text_stream_matches_full_decoding_with_stop_strings(tokenizer, decode):
     rng = random.Random(1)
     for _ in range(200):
-        ids = tokenizer(MULTIBYTE + " " + "".join(rng.choice("abc \n中😀") for _ in range(30)),
-                        add_special_tokens=False)["input_ids"]
+        tail = "".join(rng.choice("abc \n中😀") for _ in range(30))
+        ids = tokenizer(MULTIBYTE + " " + tail, add_special_tokens=False)["input_ids"]
         text = decode(ids)
         stop = random_stops(rng, text, rng.randint(0, 3), 4)
-        cuts = sorted(rng.sample(range(1, len(ids)), rng.randint(0, min(6, len(ids) - 1)))) + [len(ids)]
-        chunks = [(ids[a:b], b == len(ids)) for a, b in zip([0] + cuts, cuts)]
+        cuts = [*sorted(rng.sample(range(1, len(ids)), rng.randint(0, min(6, len(ids) - 1)))), len(ids)]
+        chunks = [(ids[a:b], b == len(ids)) for a, b in zip([0, *cuts[:-1]], cuts, strict=True)]
         assert run_text_stream(TextStream(tokenizer, stop), chunks) == reference_text_stream(decode, stop, chunks)
 
 
@@ -185,7 +185,7 @@ def reference_stop_checker(decode, stop, ids, max_tokens):
         text = decode(kept)
         hits = [i for s in stop if (i := text.find(s)) >= 0]
         if hits:
-            return kept, text[:min(hits)], "stop"
+            return kept, text[: min(hits)], "stop"
         if len(kept) >= max_tokens:
             return kept, text, "length"
     return kept, decode(kept), None
@@ -203,10 +203,11 @@ def test_stop_checker_matches_full_decoding(tokenizer, decode):
         i = 0
         while i < len(ids) and not checker.finished:
             k = rng.randint(1, 5)
-            checker.extend(ids[i:i + k])
+            checker.extend(ids[i : i + k])
             i += k
         assert (checker.token_ids, checker.text(), checker.finish_reason) == reference_stop_checker(
-            decode, stop, ids, len(ids) + 1)
+            decode, stop, ids, len(ids) + 1
+        )
 
 
 def test_stop_checker_text_includes_a_stop_token(tokenizer, decode):

@@ -1,0 +1,471 @@
+"""The OpenAI-compatible API's messages as pydantic v2 models: requests (validated here), responses, errors.
+
+Requests are validated strictly (no coercion: `"1"` is not a number, `true` is not 1); a field sent as
+null takes its default, and fields this API does not know are ignored, as OpenAI's clients expect. A
+validation failure becomes an OpenAI error (HTTP 400) naming the parameter, with the code `invalid_type`,
+`invalid_value`, `missing_required_parameter` or `unsupported`. Extensions: `top_k`, `ignore_eos`,
+`session_id` and `num_speculative_tokens` in a request; a `specmesh` object with the speculation stats
+in a response.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any, Literal, TypeVar, get_args
+
+from fastapi.responses import JSONResponse
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
+
+from gateway.core import Outcome
+from specmesh.errors import SpecmeshError
+from specmesh.rejection.limits import MAX_SPEC_LEN
+from specmesh.sampling import DEFAULT_MAX_TOKENS, MAX_STOP_STRINGS, SamplingParams
+
+# errors -------------------------------------------------------------------------------------------------
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    409: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "server_error",
+    503: "service_unavailable_error",
+}
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo
+
+
+class APIError(Exception):
+    """An error answered in OpenAI's shape with an HTTP status."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+    @classmethod
+    def from_domain(cls, e: SpecmeshError) -> APIError:
+        return cls(e.http_status, str(e), code=e.openai_code)
+
+    def body(self) -> dict:
+        info = ErrorInfo(
+            message=self.message, type=ERROR_TYPES.get(self.status, "server_error"), param=self.param, code=self.code
+        )
+        return ErrorResponse(error=info).model_dump()
+
+    def response(self, retried: bool = False) -> JSONResponse:
+        """`retried`: the gateway has already tried other replicas, so the client should not."""
+        headers = {"x-should-retry": "false"} if retried else None
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+
+
+# Error types our own validators raise: the pydantic error type is the OpenAI error code.
+_OWN_CODES = frozenset({"invalid_type", "invalid_value", "missing_required_parameter", "unsupported"})
+
+
+def _param(loc: tuple) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
+
+
+def _model_in(annotation) -> type[BaseModel] | None:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    return next((m for arg in get_args(annotation) if (m := _model_in(arg)) is not None), None)
+
+
+def _description(model: type[BaseModel] | None, loc: tuple) -> str | None:
+    """The `description` of the field at `loc`: what a valid value is, in words."""
+    info = None
+    for part in loc:
+        if isinstance(part, int):
+            continue
+        if model is None or part not in model.model_fields:
+            return None
+        info = model.model_fields[part]
+        model = _model_in(info.annotation)
+    return info.description if info is not None else None
+
+
+def request_error(exc: ValidationError, model: type[BaseModel]) -> APIError:
+    """The first validation error of a request as an OpenAI 400: "'<param>' must be <what>, got <value>"."""
+    err = exc.errors(include_url=False)[0]
+    param, kind, value = _param(err["loc"]), err["type"], err.get("input")
+    if kind in _OWN_CODES:
+        return APIError(400, f"'{param}' {err['msg']}", param, kind)
+    if kind == "missing":
+        return APIError(400, f"'{param}' is required", param, "missing_required_parameter")
+    code = "invalid_type" if kind.endswith("_type") else "invalid_value"
+    what = "an object" if kind == "model_type" else _description(model, err["loc"])
+    if what is None:
+        return APIError(400, f"'{param}': {err['msg']}", param, code)
+    got = json.dumps(value) if code == "invalid_value" or isinstance(value, bool) else type(value).__name__
+    return APIError(400, f"'{param}' must be {what}, got {got}", param, code)
+
+
+RequestT = TypeVar("RequestT", bound=BaseModel)
+
+
+def parse_request(model: type[RequestT], body: dict) -> RequestT:
+    try:
+        return model.model_validate(body)
+    except ValidationError as e:
+        raise request_error(e, model) from None
+
+
+# requests -----------------------------------------------------------------------------------------------
+class OpenAIRequestModel(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore", frozen=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_unset(cls, data: Any) -> Any:
+        # OpenAI's clients send null for "not set": such a field takes its default.
+        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
+
+
+def _refuse_unsupported(value: Any) -> Any:
+    # An empty or false value asks for nothing this API lacks (0 == False counts as false, as before).
+    if value not in (None, False, {}, []):
+        raise PydanticCustomError("unsupported", "is not supported by specmesh")
+    return value
+
+
+def _refuse_penalty(value: float) -> float:
+    if value:
+        raise PydanticCustomError("unsupported", "is not supported (it would change the target's distribution)")
+    return value
+
+
+Unsupported = Annotated[Any, AfterValidator(_refuse_unsupported)]
+Penalty = Annotated[float, Field(ge=-2, le=2, description="a number in [-2, 2]"), AfterValidator(_refuse_penalty)]
+
+
+class StreamOptions(OpenAIRequestModel):
+    include_usage: bool = Field(False, description="a boolean")
+
+
+class GenerationRequest(OpenAIRequestModel):
+    """The fields completions and chat share: sampling, limits, session and streaming."""
+
+    model: str
+    temperature: float = Field(1.0, ge=0, le=2, description="a number in [0, 2]")
+    top_p: float = Field(1.0, gt=0, le=1, description="a number in (0, 1]")
+    top_k: int = Field(0, ge=-1, description="an integer >= -1 (-1 or 0 = off)")
+    max_tokens: int = Field(DEFAULT_MAX_TOKENS, ge=1, description="an integer >= 1")
+    seed: int | None = Field(None, ge=0, lt=2**63, description="an integer in [0, 2**63)")
+    n: int = Field(1, ge=1, le=1, description="1 (only one choice per request is supported)")
+    stop: tuple[str, ...] = Field((), description="a string or a list of strings")
+    logprobs: Unsupported = None
+    top_logprobs: Unsupported = None
+    logit_bias: Unsupported = None
+    echo: Unsupported = None
+    suffix: Unsupported = None
+    tools: Unsupported = None
+    functions: Unsupported = None
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
+    ignore_eos: bool = Field(False, description="a boolean")
+    session_id: str | None = Field(None, min_length=1, max_length=256, description="a string of 1-256 characters")
+    num_speculative_tokens: int = Field(0, ge=0, le=MAX_SPEC_LEN, description=f"an integer in [0, {MAX_SPEC_LEN}]")
+    stream: bool = Field(False, description="a boolean")
+    stream_options: StreamOptions | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _stream_options_only_when_streaming(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("stream") is not True:
+            data = {k: v for k, v in data.items() if k != "stream_options"}
+        return data
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_strings(cls, value: Any) -> tuple[str, ...]:
+        if isinstance(value, str):
+            value = (value,)
+        elif isinstance(value, list) and all(isinstance(s, str) for s in value):
+            value = tuple(value)
+        else:
+            raise PydanticCustomError("invalid_type", "must be a string or a list of strings")
+        if len(value) > MAX_STOP_STRINGS or not all(value):
+            raise PydanticCustomError("invalid_value", f"must hold at most {MAX_STOP_STRINGS} non-empty strings")
+        return value
+
+    @property
+    def max_output_tokens(self) -> int:
+        return self.max_tokens
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream and self.stream_options is not None and self.stream_options.include_usage
+
+    def to_sampling_params(self) -> SamplingParams:
+        return SamplingParams(
+            temperature=float(self.temperature),
+            top_k=max(0, self.top_k),
+            top_p=float(self.top_p),
+            seed=self.seed,
+            max_tokens=self.max_output_tokens,
+            stop=self.stop,
+            ignore_eos=self.ignore_eos,
+        )
+
+
+class _PromptInput(OpenAIRequestModel):
+    prompt: str | list[int] = Field(None, validate_default=True)
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _one_prompt(cls, value: Any) -> str | list[int]:
+        if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
+            value = value[0]
+        token_ids = isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+        if not (isinstance(value, str) or token_ids):
+            raise PydanticCustomError(
+                "invalid_type", "must be a string or a list of token ids (one prompt per request)"
+            )
+        if not value:
+            raise PydanticCustomError("invalid_value", "must not be empty")
+        return value
+
+
+# Bases are listed input last: pydantic orders fields base by base from the last, and the first field in
+# that order that fails is the one reported, so an error in the prompt or messages comes first.
+class CompletionRequest(GenerationRequest, _PromptInput):
+    """POST /v1/completions: one prompt, as text or token ids."""
+
+
+class ChatMessage(OpenAIRequestModel):
+    role: Literal["system", "developer", "user", "assistant"] = Field(
+        None, validate_default=True, description="one of system, developer, user, assistant"
+    )
+    content: str = Field(None, validate_default=True)
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text(cls, value: Any) -> str:
+        if isinstance(value, list):
+            if not all(
+                isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in value
+            ):
+                raise PydanticCustomError("invalid_type", "parts must be text parts")
+            value = "".join(p["text"] for p in value)
+        if not isinstance(value, str):
+            raise PydanticCustomError("invalid_type", "must be a string")
+        return value
+
+    def to_prompt(self) -> dict:
+        """The message as the chat template takes it ("developer" is OpenAI's newer name for "system")."""
+        return {"role": "system" if self.role == "developer" else self.role, "content": self.content}
+
+
+class _ChatInput(OpenAIRequestModel):
+    messages: list[ChatMessage]
+
+    @field_validator("messages", mode="before")
+    @classmethod
+    def _non_empty_list(cls, value: Any) -> Any:
+        if not isinstance(value, list) or not value:
+            raise PydanticCustomError("invalid_type", "must be a non-empty list")
+        return value
+
+
+class ChatCompletionRequest(GenerationRequest, _ChatInput):
+    """POST /v1/chat/completions. `max_completion_tokens` is OpenAI's newer name for `max_tokens`."""
+
+    max_completion_tokens: int | None = Field(None, ge=1, description="an integer >= 1")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _newer_name_wins(cls, data: Any) -> Any:
+        # With max_completion_tokens set, max_tokens is not looked at (not even validated).
+        if isinstance(data, dict) and data.get("max_completion_tokens") is not None:
+            data = {k: v for k, v in data.items() if k != "max_tokens"}
+        return data
+
+    @property
+    def max_output_tokens(self) -> int:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+# responses ----------------------------------------------------------------------------------------------
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+    @classmethod
+    def of(cls, outcome: Outcome) -> Usage:
+        return cls(
+            prompt_tokens=outcome.prompt_tokens,
+            completion_tokens=outcome.completion_tokens,
+            total_tokens=outcome.prompt_tokens + outcome.completion_tokens,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=outcome.cached_prompt_tokens),
+        )
+
+
+class SpecmeshStats(BaseModel):
+    """The speculation behind a response (vLLM's definitions of the rates), and where it ran."""
+
+    rounds: int
+    drafts: int
+    drafted: int
+    accepted: int
+    acceptance_rate: float
+    mean_accepted_length: float
+    acceptance_per_pos: list[float]
+    cached_prompt_tokens: int
+    failovers: int
+    target_only: bool
+    verify_replica: str
+
+    @classmethod
+    def of(cls, outcome: Outcome) -> SpecmeshStats:
+        s = outcome.stats
+        return cls(
+            rounds=s.rounds,
+            drafts=s.drafts,
+            drafted=s.drafted,
+            accepted=s.accepted,
+            acceptance_rate=round(s.acceptance_rate, 4),
+            mean_accepted_length=round(s.mean_accepted_length, 4),
+            acceptance_per_pos=[round(a, 4) for a in s.acceptance_per_pos],
+            cached_prompt_tokens=outcome.cached_prompt_tokens,
+            failovers=outcome.failovers,
+            target_only=outcome.target_only,
+            verify_replica=outcome.verify_replica,
+        )
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    logprobs: None = None
+    finish_reason: str | None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+    specmesh: SpecmeshStats
+
+
+class CompletionStreamResponse(BaseModel):
+    """One server-sent event of a completion: `usage` is there (null but the last) only when asked for."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+    specmesh: SpecmeshStats | None = None
+
+
+class ChatResponseMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: ChatResponseMessage
+    logprobs: None = None
+    finish_reason: str | None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    specmesh: SpecmeshStats
+
+
+class DeltaMessage(BaseModel):
+    """What a chat chunk adds: the role once, first; then content. A field not sent is left out."""
+
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _only_what_is_sent(self, handler) -> dict:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class ChatStreamChoice(BaseModel):
+    index: int = 0
+    delta: DeltaMessage
+    logprobs: None = None
+    finish_reason: str | None
+
+
+class ChatCompletionStreamResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: Usage | None = None
+    specmesh: SpecmeshStats | None = None
+
+
+def stream_payload(chunk: CompletionStreamResponse | ChatCompletionStreamResponse, include_usage: bool) -> dict:
+    """A stream chunk as its event's JSON object: `usage` only when asked for, `specmesh` only with the usage."""
+    exclude = {"specmesh"} if chunk.specmesh is None else set()
+    if not include_usage:
+        exclude.add("usage")
+    return chunk.model_dump(exclude=exclude)
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "specmesh"
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class Health(BaseModel):
+    """Readiness: "ok" while a verify replica is healthy; `target_only` when no draft replica is."""
+
+    status: Literal["ok", "unavailable"]
+    verify_healthy: int
+    draft_healthy: int
+    target_only: bool

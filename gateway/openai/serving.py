@@ -1,0 +1,245 @@
+"""What the completions and chat routes share: a request's way in (API key, body size, JSON, the model
+asked for) and its way out (one generation answered as one JSON body or as server-sent events, traced,
+with a request id). A client that goes away, streaming or not, cancels the work downstream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass, field
+from typing import NamedTuple, Protocol
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from opentelemetry import propagate, trace
+from pydantic import BaseModel
+
+from gateway.core import Chunk, Gateway, GenRequest, Outcome
+from gateway.openai import sse
+from gateway.openai.protocol import APIError, GenerationRequest, stream_payload
+from specmesh import telemetry
+from specmesh.errors import SpecmeshError, Unavailable
+
+# An oversized body is read (and dropped) up to this many times the limit before the 413: a client still
+# sending when the answer comes would see a broken pipe instead of the error.
+DRAIN_FACTOR = 64
+
+
+@dataclass(frozen=True)
+class Front:
+    """The REST front's settings and the gateway behind it."""
+
+    gateway: Gateway
+    api_keys: tuple[str, ...] = ()
+    max_body_bytes: int = 1 << 20
+    created: int = field(default_factory=lambda: int(time.time()))
+    tracer: trace.Tracer = field(default_factory=lambda: telemetry.tracer("gateway"))
+
+    @property
+    def model_name(self) -> str:
+        return self.gateway.config.model_name
+
+    def authorize(self, request: Request) -> None:
+        if not self.api_keys:
+            return
+        auth = request.headers.get("authorization", "")
+        if not auth.startswith("Bearer ") or auth[7:].strip() not in self.api_keys:
+            raise APIError(401, "invalid or missing API key (Authorization: Bearer <key>)", None, "invalid_api_key")
+
+    async def read_body(self, request: Request) -> dict:
+        """The request's JSON object, once the API key, its size and the model it names are checked."""
+        self.authorize(request)
+        parts, size = [], 0
+        async for part in request.stream():
+            size += len(part)
+            if size <= self.max_body_bytes:
+                parts.append(part)
+            elif size > DRAIN_FACTOR * self.max_body_bytes:
+                break
+        if size > self.max_body_bytes:
+            raise APIError(413, f"request body larger than {self.max_body_bytes} bytes", None, "body_too_large")
+        try:
+            body = json.loads(b"".join(parts))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise APIError(400, f"the body is not valid JSON: {e}", None, "invalid_json") from None
+        if not isinstance(body, dict):
+            raise APIError(400, "the body must be a JSON object", None, "invalid_json")
+        self._check_model(body.get("model"))
+        return body
+
+    def _check_model(self, model) -> None:
+        if model is None:
+            raise APIError(400, "'model' is required", "model", "missing_required_parameter")
+        if model != self.model_name:
+            raise APIError(
+                404,
+                f"the model '{model}' does not exist; this gateway serves '{self.model_name}'",
+                "model",
+                "model_not_found",
+            )
+
+    def gen_request(self, request: Request, body: GenerationRequest, prompt_ids: list[int]) -> GenRequest:
+        """The generation a validated request asks for; the session comes from the body or X-Session-Id."""
+        session_id = body.session_id or request.headers.get("x-session-id", "")
+        return GenRequest(prompt_ids, body.to_sampling_params(), session_id, body.num_speculative_tokens)
+
+
+class Head(NamedTuple):
+    """The fields every response and chunk of one request starts with."""
+
+    id: str
+    created: int
+    model: str
+
+
+class Api(Protocol):
+    """How one route family (completions, chat) shapes a generation's answer."""
+
+    id_prefix: str
+    span_name: str
+
+    def response(self, head: Head, text: str, finish: str | None, outcome: Outcome) -> BaseModel: ...
+
+    def stream_chunks(self, head: Head, chunk: Chunk, first: bool) -> list[BaseModel]: ...
+
+    def usage_chunk(self, head: Head, outcome: Outcome) -> BaseModel: ...
+
+
+class RequestSpan:
+    """The gateway's server span of one request (the parent of every downstream span), ended once."""
+
+    def __init__(self, tracer: trace.Tracer, name: str, request: Request, outcome: Outcome, attributes: dict):
+        self.span = tracer.start_span(
+            name, kind=trace.SpanKind.SERVER, context=propagate.extract(dict(request.headers)), attributes=attributes
+        )
+        self.outcome = outcome
+        self.ended = False
+
+    def outgoing_metadata(self) -> tuple:
+        with trace.use_span(self.span, end_on_exit=False):
+            return telemetry.outgoing_metadata()
+
+    def end(self, error: str | None = None) -> None:
+        if self.ended:
+            return
+        self.ended = True
+        o = self.outcome
+        self.span.set_attributes(
+            {
+                "specmesh.completion_tokens": o.completion_tokens,
+                "specmesh.failovers": o.failovers,
+                "specmesh.target_only": o.target_only,
+                "specmesh.verify_replica": o.verify_replica,
+                "specmesh.accepted": o.stats.accepted,
+                "specmesh.drafted": o.stats.drafted,
+            }
+        )
+        if error:
+            self.span.set_status(trace.Status(trace.StatusCode.ERROR, error))
+        self.span.end()
+
+
+def _failed(span: RequestSpan, e: SpecmeshError) -> Response:
+    span.end(str(e))
+    # Unavailable means the gateway has tried the other replicas already: a client retry would not help.
+    return APIError.from_domain(e).response(retried=isinstance(e, Unavailable))
+
+
+async def respond(front: Front, request: Request, req: GenRequest, body: GenerationRequest, api: Api) -> Response:
+    """Run the generation and answer with it: one JSON body, or server-sent events when `body.stream`."""
+    rid = api.id_prefix + uuid.uuid4().hex
+    outcome = Outcome(prompt_tokens=len(req.prompt_ids))
+    telemetry.REQUEST_ID.set(rid)
+    span = RequestSpan(
+        front.tracer,
+        api.span_name,
+        request,
+        outcome,
+        {
+            "specmesh.request_id": rid,
+            "specmesh.stream": body.stream,
+            "specmesh.prompt_tokens": len(req.prompt_ids),
+            "specmesh.session_id": req.session_id,
+        },
+    )
+    req.metadata = span.outgoing_metadata()
+    gen = front.gateway.generate(req, outcome)
+    # Run up to the first chunk before answering, so errors found before any output (bad input,
+    # overload, no replica) are real HTTP statuses rather than stream events.
+    try:
+        first = await anext(gen, None)
+    except SpecmeshError as e:
+        await gen.aclose()
+        return _failed(span, e)
+    generation = Generation(api, outcome, span, gen, first)
+    if body.stream:
+        return generation.stream(Head(rid, int(time.time()), front.model_name), body.include_usage)
+    return await generation.complete(request, front.model_name, rid)
+
+
+@dataclass
+class Generation:
+    """One generation being answered: the gateway's chunks (the first already there), its totals, its span."""
+
+    api: Api
+    outcome: Outcome
+    span: RequestSpan
+    chunks: AsyncGenerator[Chunk, None]
+    first: Chunk | None
+
+    async def complete(self, request: Request, model: str, rid: str) -> Response:
+        """The whole answer as one JSON body; 499 (and the work stopped) if the client goes away first."""
+        collector = asyncio.ensure_future(self._collect())
+        try:
+            while not collector.done():
+                await asyncio.wait({collector}, timeout=0.25)
+                if not collector.done() and await request.is_disconnected():
+                    collector.cancel()
+                    self.span.end("client disconnected")
+                    return Response(status_code=499)
+            text, finish = collector.result()
+        except SpecmeshError as e:
+            return _failed(self.span, e)
+        finally:
+            if not collector.done():
+                collector.cancel()
+            await self.chunks.aclose()
+            self.span.end()
+        answer = self.api.response(Head(rid, int(time.time()), model), text, finish, self.outcome)
+        return JSONResponse(answer.model_dump(), headers={"x-request-id": rid})
+
+    async def _collect(self) -> tuple[str, str | None]:
+        pieces, finish, chunk = [], None, self.first
+        while chunk is not None:
+            pieces.append(chunk.text)
+            finish = chunk.finish_reason or finish
+            chunk = await self.chunks.__anext__() if chunk.finish_reason is None else None
+        return "".join(pieces), finish
+
+    def stream(self, head: Head, include_usage: bool) -> StreamingResponse:
+        async def close() -> None:
+            await self.chunks.aclose()  # also when the client went away: cancels the work downstream
+            self.span.end()
+
+        events = sse.event_stream(self._payloads(head, include_usage), self.span.end, close)
+        return StreamingResponse(
+            events,
+            media_type="text/event-stream",
+            headers={"cache-control": "no-cache", "x-accel-buffering": "no", "x-request-id": head.id},
+        )
+
+    async def _payloads(self, head: Head, include_usage: bool) -> AsyncGenerator[dict, None]:
+        chunk, started = self.first, False
+        while chunk is not None:
+            for event in self.api.stream_chunks(head, chunk, first=not started):
+                yield stream_payload(event, include_usage)
+            started = True
+            if chunk.finish_reason is not None:
+                break
+            chunk = await self.chunks.__anext__()
+        if include_usage:
+            yield stream_payload(self.api.usage_chunk(head, self.outcome), include_usage)

@@ -1,0 +1,45 @@
+"""The server-sent events writer of streamed responses.
+
+One event per JSON object (`data: <json>\\n\\n`) and `data: [DONE]\\n\\n` last. An error after the stream
+began cannot change the HTTP status any more: it is sent as an event `data: {"error": {...}}` (OpenAI's
+error shape), then [DONE], never as a silent close.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+
+from gateway.openai.protocol import APIError
+from specmesh.errors import SpecmeshError
+
+DONE = "data: [DONE]\n\n"
+
+
+def event(payload: dict) -> str:
+    return f"data: {json.dumps(payload)}\n\n"
+
+
+def error_event(error: APIError) -> str:
+    return event(error.body())
+
+
+async def event_stream(
+    payloads: AsyncGenerator[dict, None], on_error: Callable[[str], None], close: Callable[[], Awaitable[None]]
+) -> AsyncIterator[str]:
+    """The events of `payloads`. `on_error(description)` hears of a failure before its error event;
+    `close()` runs however the stream ends, also when the client goes away (the ASGI server then closes or
+    cancels this generator): that is how work downstream stops."""
+    try:
+        async for payload in payloads:
+            yield event(payload)
+    except SpecmeshError as e:
+        on_error(str(e))
+        yield error_event(APIError(e.http_status, str(e)))
+    except Exception as e:  # noqa: BLE001 - whatever failed, the client gets an error event, not a silent close
+        on_error(repr(e))
+        yield error_event(APIError(500, f"internal error: {type(e).__name__}: {e}"))
+    finally:
+        await payloads.aclose()
+        await close()
+    yield DONE
