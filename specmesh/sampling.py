@@ -7,6 +7,7 @@ and HF use). Temperature 0 means greedy: the processed distribution is a point m
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -149,16 +150,16 @@ class StopChecker:
 
     params: SamplingParams
     eos_token_ids: frozenset[int] = frozenset()  # every id that ends a turn (chat models list several)
-    decode: object = None  # Callable[[list[int]], str]
+    decode: Callable[[Sequence[int]], str] | None = None
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     _stop_text_at: int | None = field(default=None, init=False)
     _detokenizer: IncrementalDetokenizer | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self):
-        if self.params.stop and self.decode is None:
-            raise ValueError("stop strings need a tokenizer to decode with")
         if self.params.stop:
+            if self.decode is None:
+                raise ValueError("stop strings need a tokenizer to decode with")
             self._detokenizer = IncrementalDetokenizer(self.decode)
         stops = set(self.params.stop_token_ids)
         if not self.params.ignore_eos:
@@ -167,21 +168,19 @@ class StopChecker:
 
     def extend(self, new_tokens: list[int]) -> int:
         kept = 0
+        detok = self._detokenizer
         for tok in new_tokens:
             if self.finish_reason is not None:
                 break
             self.token_ids.append(tok)
             kept += 1
-            if tok in self._stop_ids:
-                self.finish_reason = "stop"
-            elif self._detokenizer is not None and self._check_stop_strings(tok):
+            if tok in self._stop_ids or (detok is not None and self._ends_a_stop_string(detok, tok)):
                 self.finish_reason = "stop"
             elif len(self.token_ids) >= self.params.max_tokens:
                 self.finish_reason = "length"
         return kept
 
-    def _check_stop_strings(self, tok: int) -> bool:
-        detok = self._detokenizer
+    def _ends_a_stop_string(self, detok: IncrementalDetokenizer, tok: int) -> bool:
         searched = len(detok.text)
         detok.add([tok])
         at = find_stop(detok.text, self.params.stop, searched)
@@ -189,10 +188,6 @@ class StopChecker:
             self._stop_text_at = at
             return True
         return False
-
-    def _catch_up(self) -> None:
-        # A token that ended generation by its id was never searched for stop strings; its text still counts.
-        self._detokenizer.add(self.token_ids[len(self._detokenizer.token_ids):])
 
     def finish(self, reason: str) -> None:
         """End generation for a reason decided elsewhere (a remote verifier's stop rules, a cancel)."""
@@ -204,8 +199,10 @@ class StopChecker:
         return self.finish_reason is not None
 
     def text(self) -> str:
-        if self._detokenizer is None:
+        detok = self._detokenizer
+        if detok is None:
             return self.decode(self.token_ids) if self.decode else ""
-        self._catch_up()
-        text = self._detokenizer.text + self._detokenizer.tail()
+        # A token that ended generation by its id was never searched for stop strings; its text still counts.
+        detok.add(self.token_ids[len(detok.token_ids) :])
+        text = detok.text + detok.tail()
         return text[: self._stop_text_at] if self._stop_text_at is not None else text
