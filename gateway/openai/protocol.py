@@ -79,7 +79,7 @@ class APIError(Exception):
 
 
 # Error types our own validators raise: the pydantic error type is the OpenAI error code.
-_OWN_CODES = frozenset({"invalid_type", "invalid_value", "missing_required_parameter", "unsupported"})
+_OWN_CODES = frozenset({"invalid_type", "invalid_value", "unsupported"})
 
 
 def _param(loc: tuple) -> str:
