@@ -1,0 +1,443 @@
+"""`BatchedRunner`: the verify service's runner for the Llama family — one ragged batched forward over
+sequences whose KV caches live in fixed slots of one preallocated pool, so batching copies no cache.
+
+ModelRunner batches by left-padding every sequence's DynamicCache into one batch cache and appending the
+new keys/values back afterwards: two copies of every cache per tick, growing with context and batch.
+Here the caches never move:
+
+* KV pool: per layer one K and one V tensor [num_slots, H_kv, slot_len, D], allocated once. A sequence
+  owns one slot from `new_sequence` to `free` (or until it is garbage-collected); its valid length is
+  `len(cached_ids)`, so rolling back rejected draft tokens only changes a length.
+* Forward: the new tokens of all sequences are flattened to [T, hidden]; per layer one fused qkv matmul,
+  rotary by each token's own position, one index_put writing every new key/value into its slot, then
+  attention per sequence over a view of its slot [:, :end] (causal over its own new queries), and o_proj,
+  MLP and (only for the rows whose logits are asked for) lm_head batched over all T tokens.
+* Sequence semantics are ModelRunner's: a sequence has committed `token_ids` and `cached_ids`; a forward
+  keeps the longest common prefix of the two (leaving at least the last committed token to feed) and
+  recomputes the rest, which covers rejected drafts, a draft's own speculation and multi-turn prefix reuse.
+* `step` runs decode blocks and prefill chunks in the same forward (a chunk asks for no logits), which is
+  what lets a scheduler fill one pass up to a token budget.
+
+The decoder is `static._FastDecoder`'s (fused [in, out] weights, same ops), made ragged; the runner checks
+it against the stock HF forward on a probe when built and refuses models it cannot reproduce (use
+`BatchedRunner.supports(model)` to choose it, ModelRunner otherwise).
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from transformers import PreTrainedModel
+from transformers.cache_utils import DynamicCache, DynamicLayer
+
+from specmesh.errors import InvalidArgument, ResourceExhausted
+from specmesh.runtime.static import _NONE_CHANGED, _FastDecoder, _TrackedIds
+
+
+class SlotSequence:
+    """One sequence: committed ids, the ids whose KV its slot holds, and the slot (-1 once freed)."""
+
+    __slots__ = ("__weakref__", "_release", "_runner", "_tokens", "cached_ids", "slot")
+
+    def __init__(self, token_ids: list[int], runner: BatchedRunner, slot: int):
+        self._tokens = _TrackedIds(token_ids)
+        self.cached_ids: list[int] = []  # ids whose KV slot positions [0, len) hold, in order
+        self.slot = slot
+        self._runner = runner
+        # Returns the slot when the sequence is freed or garbage-collected, whichever comes first.
+        self._release = weakref.finalize(self, runner._release_slot, slot)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self._tokens
+
+    @token_ids.setter
+    def token_ids(self, ids: list[int]) -> None:
+        self._tokens = _TrackedIds(ids)  # low = 0: everything is compared again at the next sync
+
+    def commit(self, tokens: list[int]) -> None:
+        self._tokens.extend(tokens)
+
+    def reset_tokens(self, token_ids: list[int]) -> None:
+        """Replace the committed tokens (a new turn); the slot keeps whatever prefix still matches."""
+        self.token_ids = list(token_ids)
+
+    @property
+    def num_cached(self) -> int:
+        return len(self.cached_ids)
+
+    @property
+    def freed(self) -> bool:
+        return self.slot < 0
+
+
+class PrefillChunk(NamedTuple):
+    """A prefill request inside `BatchedRunner.step`: cache up to `max_tokens` more of `seq`'s committed
+    tokens (all but the last, which the next decode forward feeds). `count_reuse`: add the cached prefix
+    found to `prefix_tokens_reused` (a turn's first chunk only)."""
+
+    seq: SlotSequence
+    max_tokens: int | None = None
+    count_reuse: bool = True
+
+
+class StepResult(NamedTuple):
+    logits: list[torch.Tensor]  # per decode sequence, float32 [num_logits[i], V]
+    prefill_left: list[int]  # per prefill chunk, committed tokens still to prefill afterwards
+
+
+class _Work(NamedTuple):
+    """One sequence's part of a forward, planned before anything is written."""
+
+    seq: SlotSequence
+    start: int  # cached tokens kept = the position of feed[0]
+    feed: list[int]  # token ids fed this forward
+    num_logits: int  # logits rows wanted: the last num_logits of feed
+
+
+class _RaggedDecoder(_FastDecoder):
+    """`_FastDecoder`'s weights and ops over a flattened ragged batch and a slot pool."""
+
+    def __init__(self, model: PreTrainedModel):
+        super().__init__(model)
+        self.group = self.n_heads // self.n_kv  # query heads per KV head (1 without GQA)
+
+    def ragged(self, k_pool: list[torch.Tensor], v_pool: list[torch.Tensor], ids: torch.Tensor,
+               pos: torch.Tensor, slots: torch.Tensor, segments: list[tuple[int, int, int, int]],
+               rows: torch.Tensor | None) -> torch.Tensor | None:
+        """Run every layer over all T new tokens; write their K/V into the pool; logits of `rows`.
+
+        ids, pos, slots: [T] token id, position and slot of each new token. segments: per sequence
+        (slot, start, n, offset): its tokens are rows offset..offset+n of the batch, at positions
+        start..start+n. rows: [R] batch rows whose logits are returned ([R, V]), None for none.
+        """
+        hd, half, nh, nkv, g, rms = self.head_dim, self.half, self.n_heads, self.n_kv, self.group, self._rms
+        nqk = nh + nkv
+        t = ids.shape[0]
+        dev = ids.device
+        assert self.cos is not None and self.sin is not None  # tables are built in __init__
+        x = F.embedding(ids, self.embed)  # [T, hidden]
+        cos, sin = self.cos[pos], self.sin[pos]  # [T, 1, D]
+        # Causal masks over each sequence's slot prefix, built once for all layers. With GQA a sequence's
+        # queries are laid out [n_kv, group * n] (see below), so its [n, end] mask is tiled `group` times.
+        masks: list[torch.Tensor | None] = []
+        for _slot, start, n, _off in segments:
+            if n == 1:
+                masks.append(None)  # one query sees the whole prefix
+                continue
+            end = start + n
+            m = torch.arange(end, device=dev)[None, :] <= torch.arange(start, end, device=dev)[:, None]
+            masks.append(m.repeat(g, 1) if g > 1 else m)  # [group * n, end]
+        attn = x.new_empty((t, nh, hd))  # [T, nh, D]
+        for k_layer, v_layer, (ln1, eps1, wqkv, bqkv, wo, bo, scale, qn, kn, ln2, eps2, wgu, bgu, inter, wd, bd,
+                               act) in zip(k_pool, v_pool, self.layers, strict=True):
+            h = rms(x, ln1, eps1)
+            qkv = F.linear(h, wqkv, bqkv).view(t, nqk + nkv, hd)  # [T, nh + 2 n_kv, D]
+            qk = qkv[:, :nqk]
+            if qn is not None and kn is not None:
+                qk = torch.cat((rms(qk[:, :nh], qn.weight, qn.variance_epsilon),
+                                rms(qk[:, nh:], kn.weight, kn.variance_epsilon)), dim=1)
+            qk = qk * cos + qk.roll(half, -1) * sin  # rotary, each token at its own position
+            # Every new key/value of the batch into its slot at its position: one index_put per tensor.
+            k_layer[slots, :, pos] = qk[:, nh:]  # [T, n_kv, D]
+            v_layer[slots, :, pos] = qkv[:, nqk:]
+            q = qk[:, :nh]  # [T, nh, D]
+            for (slot, start, n, off), mask in zip(segments, masks, strict=True):
+                end = start + n
+                keys = k_layer[slot, :, :end][None]  # [1, n_kv, end, D], a view of the slot
+                values = v_layer[slot, :, :end][None]
+                qs = q[off : off + n]  # [n, nh, D]
+                if g > 1:
+                    # Query head j uses KV head j // group (HF's repeat_kv): fold the group into the query
+                    # length instead of repeating the keys, so the slot is read as it is.
+                    qs = qs.view(n, nkv, g, hd).permute(1, 2, 0, 3).reshape(1, nkv, g * n, hd)
+                    a = F.scaled_dot_product_attention(qs, keys, values, attn_mask=mask, scale=scale)
+                    attn[off : off + n] = a.view(nkv, g, n, hd).permute(2, 0, 1, 3).reshape(n, nh, hd)
+                else:
+                    a = F.scaled_dot_product_attention(qs.transpose(0, 1)[None], keys, values, attn_mask=mask,
+                                                       scale=scale)  # [1, nh, n, D]
+                    attn[off : off + n] = a[0].transpose(0, 1)
+            x = x + F.linear(attn.view(t, nh * hd), wo, bo)
+            h = rms(x, ln2, eps2)
+            gu = F.linear(h, wgu, bgu)
+            x = x + F.linear(act(gu[:, :inter]) * gu[:, inter:], wd, bd)
+        if rows is None:
+            return None
+        x = rms(x[rows], self.norm_w, self.norm_eps)  # [R, hidden]
+        return F.linear(x, self.lm_w, self.lm_b)  # [R, V]
+
+
+class BatchedRunner:
+    """ModelRunner's interface and semantics over a shared slot KV pool, with one ragged forward per batch.
+
+    `num_slots` sequences can be open at once, each up to `slot_len` tokens: `max_seq_len`, or the model's
+    `max_position_embeddings` capped by it. `check`: compare the decoder with the stock HF forward on a
+    probe when built (raises ValueError if they disagree).
+    """
+
+    def __init__(self, model: PreTrainedModel, num_slots: int, max_seq_len: int | None = None,
+                 check: bool = True):
+        if not self.supports(model):
+            raise ValueError(f"BatchedRunner has no decoder for {type(model).__name__} with this config; "
+                             f"use ModelRunner")
+        if num_slots < 1:
+            raise ValueError("num_slots must be >= 1")
+        self.model = model
+        self.config = model.config
+        self.device = next(model.parameters()).device
+        self.vocab_size = model.get_output_embeddings().weight.size(0)
+        self.prefix_tokens_reused = 0  # tokens whose KV was found in a cache instead of recomputed
+        limit = int(getattr(self.config, "max_position_embeddings", 0) or 0)
+        if max_seq_len is not None:
+            limit = min(limit, int(max_seq_len)) if limit else int(max_seq_len)
+        if limit < 2:
+            raise ValueError("BatchedRunner needs max_seq_len >= 2 (or a model max_position_embeddings)")
+        self.slot_len = limit
+        self._dec = _RaggedDecoder(model)
+        self._dec.reserve(self.slot_len)
+        d = self._dec
+        self.num_layers = len(d.layers)
+        shape = (num_slots, d.n_kv, self.slot_len, d.head_dim)
+        # torch.empty: positions at or past a slot's valid length are never read, so they need no
+        # zeroing (and on CPU untouched pages of a large pool cost no memory).
+        self._k = [torch.empty(shape, dtype=d.dtype, device=self.device) for _ in range(self.num_layers)]
+        self._v = [torch.empty(shape, dtype=d.dtype, device=self.device) for _ in range(self.num_layers)]
+        self.slot_bytes = 2 * self.num_layers * d.n_kv * self.slot_len * d.head_dim * self._k[0].element_size()
+        self._num_slots = num_slots
+        self._lock = threading.Lock()  # slots are taken/freed on the event loop, used on the model thread
+        self._free = list(range(num_slots - 1, -1, -1))  # a stack: the slot freed last is reused first
+        self._owners: list[weakref.ref | None] = [None] * num_slots
+        if check and not self._matches_hf():
+            raise ValueError(f"BatchedRunner's decoder disagrees with the HF forward for {type(model).__name__}; "
+                             f"use ModelRunner")
+
+    @staticmethod
+    def supports(model: PreTrainedModel) -> bool:
+        """Whether this runner can serve `model` (the Llama family; full attention only)."""
+        if not _FastDecoder.supports(model):
+            return False
+        layers = DynamicCache(config=model.config).layers
+        return bool(layers) and all(type(layer) is DynamicLayer for layer in layers)
+
+    # slots ----------------------------------------------------------------------------------------
+    @property
+    def num_slots(self) -> int:
+        return self._num_slots
+
+    @property
+    def free_slots(self) -> int:
+        return len(self._free)
+
+    @property
+    def pool_bytes(self) -> int:
+        """Bytes of the whole pool, in use or not."""
+        return self._num_slots * self.slot_bytes
+
+    def kv_bytes(self) -> int:
+        """Bytes of the slots held by open sequences (a slot is held whole, whatever its length)."""
+        return (self._num_slots - len(self._free)) * self.slot_bytes
+
+    def new_sequence(self, token_ids: list[int]) -> SlotSequence:
+        if not token_ids:
+            raise InvalidArgument("a sequence needs at least one token")
+        self._check_len(len(token_ids))
+        with self._lock:
+            if not self._free:
+                raise ResourceExhausted(f"all {self._num_slots} KV cache slots are in use")
+            slot = self._free.pop()
+        seq = SlotSequence(list(token_ids), self, slot)
+        self._owners[slot] = weakref.ref(seq)
+        return seq
+
+    def free(self, seq: SlotSequence) -> None:
+        """Return the sequence's slot to the pool now; the sequence can no longer be run. Idempotent."""
+        self._own(seq, allow_freed=True)
+        seq.slot = -1
+        seq.cached_ids = []
+        seq._release()  # runs _release_slot once, and never again at garbage collection
+
+    def _release_slot(self, slot: int) -> None:
+        with self._lock:
+            self._owners[slot] = None
+            self._free.append(slot)
+
+    def _own(self, seq, allow_freed: bool = False) -> None:
+        if not isinstance(seq, SlotSequence) or seq._runner is not self:
+            raise InvalidArgument("the sequence does not belong to this runner")
+        if seq.slot < 0 and not allow_freed:
+            raise InvalidArgument("the sequence was freed")
+
+    def _check_len(self, n: int) -> None:
+        if n > self.slot_len:
+            raise InvalidArgument(f"a sequence of {n} tokens exceeds this runner's limit of {self.slot_len} tokens "
+                                  f"per sequence")
+
+    def longest_cached_prefix(self, seq_or_ids) -> int:
+        """For a sequence: how many of its committed tokens its slot holds. For token ids: the longest
+        prefix of them held by any open sequence (a sequence continuing that one would reuse it)."""
+        if isinstance(seq_or_ids, SlotSequence):
+            self._own(seq_or_ids, allow_freed=True)
+            return _common_prefix(seq_or_ids.cached_ids, seq_or_ids.token_ids)
+        ids = list(seq_or_ids)
+        best = 0
+        for ref in list(self._owners):
+            seq = ref() if ref is not None else None
+            if seq is not None and seq.slot >= 0:
+                best = max(best, _common_prefix(seq.cached_ids, ids))
+        return best
+
+    # forward --------------------------------------------------------------------------------------
+    def _sync(self, seq: SlotSequence) -> int:
+        """Move the valid length back to the prefix still valid for token_ids, leaving >= 1 token to feed.
+
+        Only ids at or after the lowest index changed since the last sync are compared."""
+        tok, cached = seq._tokens, seq.cached_ids
+        c, n = len(cached), len(tok)
+        lim = c if c < n else n
+        i = tok.low if tok.low < lim else lim
+        while i < lim and cached[i] == tok[i]:
+            i += 1
+        keep = i if i < n else n - 1
+        tok.low = _NONE_CHANGED
+        if keep < c:
+            del cached[keep:]
+        return keep
+
+    @torch.inference_mode()
+    def prefill(self, seq: SlotSequence, max_tokens: int | None = None, count_reuse: bool = True) -> int:
+        """Cache every committed token but the last (the next forward feeds it), reusing a cached prefix.
+
+        With `max_tokens`, compute at most that many (chunked prefill: call again until it returns 0);
+        returns how many tokens are still to prefill. `count_reuse`: add the cached prefix to
+        `prefix_tokens_reused` (only on a turn's first call, so chunks are not counted as reuse)."""
+        return self.step([], prefill=[PrefillChunk(seq, max_tokens, count_reuse)]).prefill_left[0]
+
+    @torch.inference_mode()
+    def forward(self, seqs: list[SlotSequence], extra: list[list[int]] | None = None,
+                num_logits: list[int] | None = None) -> list[torch.Tensor]:
+        """Feed each sequence its uncached committed tokens plus `extra[i]` (draft tokens), all in one pass.
+
+        Returns, per sequence, float32 logits [num_logits[i], V], by default [len(extra[i]) + 1, V]: row j
+        predicts the token after the j-th of (last committed token, extra...); a smaller num_logits keeps
+        the last rows only. Afterwards the slot holds everything fed; the next forward drops what was not
+        committed."""
+        return self.step(seqs, extra, num_logits).logits
+
+    @torch.inference_mode()
+    def step(self, seqs: list[SlotSequence], extra: list[list[int]] | None = None,
+             num_logits: list[int] | None = None, prefill: Sequence[PrefillChunk] = ()) -> StepResult:
+        """`forward` over `seqs` and `prefill` chunks of other sequences, in ONE pass of the model.
+
+        Nothing is counted or marked cached unless the whole pass succeeds; if it raises, every sequence's
+        cache is its kept prefix (what its committed tokens still match), whatever was half written."""
+        chunks = [c if isinstance(c, PrefillChunk) else PrefillChunk(*c) for c in prefill]
+        if extra is not None and len(extra) != len(seqs):
+            raise InvalidArgument(f"{len(extra)} extra token lists for {len(seqs)} sequences")
+        if num_logits is not None and len(num_logits) != len(seqs):
+            raise InvalidArgument(f"{len(num_logits)} num_logits for {len(seqs)} sequences")
+        everyone = [*seqs, *(c.seq for c in chunks)]
+        for seq in everyone:
+            self._own(seq)
+        if len({id(s) for s in everyone}) != len(everyone):
+            raise InvalidArgument("a sequence appears twice in one forward")
+        work: list[_Work] = []
+        for i, seq in enumerate(seqs):
+            ext = list(extra[i]) if extra is not None else []
+            self._check_len(len(seq.token_ids) + len(ext))
+            want = len(ext) + 1 if num_logits is None else int(num_logits[i])
+            if not 0 <= want <= len(ext) + 1:
+                raise InvalidArgument(f"num_logits[{i}] = {want} is outside [0, {len(ext) + 1}]")
+            keep = self._sync(seq)
+            work.append(_Work(seq, keep, seq.token_ids[keep:] + ext, want))
+        reused, left = [], []
+        for c in chunks:
+            if c.max_tokens is not None and c.max_tokens < 0:
+                raise InvalidArgument("max_tokens must be >= 0")
+            self._check_len(len(c.seq.token_ids))
+            keep = self._sync(c.seq)
+            todo = c.seq.token_ids[keep:-1]
+            now = todo if c.max_tokens is None else todo[: c.max_tokens]
+            reused.append(keep if c.count_reuse else 0)
+            left.append(len(todo) - len(now))
+            if now:
+                work.append(_Work(c.seq, keep, now, 0))
+        logits = self._run(work) if work else []
+        # The pass succeeded: only now do its tokens count as cached.
+        for w in work:
+            w.seq.cached_ids.extend(w.feed)
+        self.prefix_tokens_reused += sum(reused)
+        return StepResult(logits[: len(seqs)], left)
+
+    def _run(self, work: list[_Work]) -> list[torch.Tensor]:
+        """One forward over every sequence's feed; per work item float32 logits [num_logits, V]."""
+        flat_ids: list[int] = []
+        flat_pos: list[int] = []
+        flat_slot: list[int] = []
+        rows: list[int] = []
+        segments = []
+        for w in work:
+            off, n = len(flat_ids), len(w.feed)
+            flat_ids += w.feed
+            flat_pos += range(w.start, w.start + n)
+            flat_slot += [w.seq.slot] * n
+            rows += range(off + n - w.num_logits, off + n)
+            segments.append((w.seq.slot, w.start, n, off))
+        lo, hi = min(flat_ids), max(flat_ids)
+        if lo < 0 or hi >= self.vocab_size:
+            raise InvalidArgument(f"token id {lo if lo < 0 else hi} is outside the vocabulary [0, {self.vocab_size})")
+        dev = self.device
+        ids = torch.tensor(flat_ids, dtype=torch.long, device=dev)  # [T]
+        pos = torch.tensor(flat_pos, dtype=torch.long, device=dev)  # [T]
+        slots = torch.tensor(flat_slot, dtype=torch.long, device=dev)  # [T]
+        dec = self._dec
+        dec.refresh_if_stale()
+        out = dec.ragged(self._k, self._v, ids, pos, slots, segments,
+                         torch.tensor(rows, dtype=torch.long, device=dev) if rows else None)
+        if out is None:
+            return [_no_logits(self.vocab_size, dev) for _ in work]
+        out = out.float()  # [R, V]
+        return list(out.split([w.num_logits for w in work]))
+
+    def _matches_hf(self) -> bool:
+        """A ragged probe (two sequences, a chunked prefill, a decode block, a rollback) against the stock
+        HF forward of each sequence's whole ids."""
+        ids = [(7 * i + 3) % self.vocab_size for i in range(12)]
+        seqs = [self.new_sequence(ids[:7])]
+        if self._num_slots > 1:
+            seqs.append(self.new_sequence(ids[3:6]))
+        try:
+            with torch.inference_mode():
+                self.prefill(seqs[0], max_tokens=4)
+                extra = [ids[7:10], [ids[1]]][: len(seqs)]
+                got = self.forward(seqs, extra)
+                seqs[0].commit(ids[7:8])  # rejects ids[8:10]: the next pass recomputes from there
+                got += self.forward(seqs[:1], [ids[9:11]])
+                fed = [ids[:10], *[s.token_ids + e for s, e in zip(seqs[1:], extra[1:], strict=True)],
+                       ids[:8] + ids[9:11]]
+                for logits, f in zip(got, fed, strict=True):
+                    ref = self.model(input_ids=torch.tensor([f], device=self.device)).logits[0, -len(logits):].float()
+                    tol = 1e-3 * (1.0 + float(ref.abs().max()))
+                    if not (bool(torch.isfinite(logits).all()) and float((ref - logits).abs().max()) <= tol):
+                        return False
+            return True
+        finally:
+            for s in reversed(seqs):  # the pool's free stack is as it was
+                self.free(s)
+            self.prefix_tokens_reused = 0
+
+
+def _no_logits(vocab: int, device) -> torch.Tensor:
+    return torch.empty((0, vocab), dtype=torch.float32, device=device)
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i

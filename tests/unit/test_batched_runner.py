@@ -1,0 +1,294 @@
+"""BatchedRunner: ModelRunner's logits and sequence semantics over a slot KV pool, one ragged forward a batch."""
+
+import gc
+
+import pytest
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+from specmesh.errors import InvalidArgument, ResourceExhausted
+from specmesh.runtime import Runner, RunnerSequence
+from specmesh.runtime.batched import BatchedRunner, PrefillChunk
+from specmesh.runtime.hf import ModelRunner
+from tests.support.models import tiny_model
+
+
+def llama_mha():
+    """No GQA (as the demo target): the attention path without the grouped-query fold."""
+    torch.manual_seed(7)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=512,
+                                        initializer_range=0.2)).eval()
+
+
+def qwen3_tiny():
+    """q_norm / k_norm and an explicit head_dim."""
+    torch.manual_seed(3)
+    return Qwen3ForCausalLM(Qwen3Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                        max_position_embeddings=512, initializer_range=0.2)).eval()
+
+
+MODELS = {"llama": lambda: tiny_model("llama", seed=5), "qwen2": lambda: tiny_model("qwen2", seed=6),
+          "llama-mha": llama_mha, "qwen3": qwen3_tiny}
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def model(request):
+    return MODELS[request.param]()
+
+
+def close(got: torch.Tensor, ref: torch.Tensor) -> None:
+    """Within 1e-4 of the largest logit, and the same greedy choice on every row."""
+    assert got.dtype == torch.float32 and got.shape == ref.shape
+    tol = 1e-4 * max(1.0, float(ref.abs().max()))
+    torch.testing.assert_close(got, ref, atol=tol, rtol=0)
+    if ref.numel():
+        assert torch.equal(got.argmax(-1), ref.argmax(-1))
+
+
+def full_logits(model, ids: list[int], rows: int) -> torch.Tensor:
+    """The HF forward over the whole sequence, no cache: the last `rows` rows."""
+    with torch.inference_mode():
+        return model(input_ids=torch.tensor([ids])).logits[0, len(ids) - rows :].float()
+
+
+def prompts(n: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lengths = [1, 9, 4, 17, 2, 11, 6, 3][:n]
+    return [torch.randint(0, 127, (k,), generator=g).tolist() for k in lengths]
+
+
+@pytest.mark.parametrize("arch", list(MODELS))
+@pytest.mark.parametrize("batch", [1, 6])
+def test_ragged_batches_match_model_runner(arch, batch):
+    """Different cached lengths, different numbers of draft tokens, random rollbacks: same logits as
+    ModelRunner (which batches them through the HF forward), and the same cached ids."""
+    m = MODELS[arch]()
+    ref, run = ModelRunner(m), BatchedRunner(m, num_slots=8)
+    a = [ref.new_sequence(p) for p in prompts(batch)]
+    b = [run.new_sequence(p) for p in prompts(batch)]
+    for x, y in zip(a, b, strict=True):
+        ref.prefill(x)
+        run.prefill(y)
+    g = torch.Generator().manual_seed(1)
+    for step in range(8):
+        extra = [torch.randint(0, 127, ((i + step) % 5,), generator=g).tolist() for i in range(batch)]
+        want = ref.forward(a, extra)
+        got = run.forward(b, extra)
+        for i in range(batch):
+            close(got[i], want[i])
+            # Accept a varying prefix of the drafts plus the target's greedy token (rollback of the rest).
+            k = (i + step) % (len(extra[i]) + 1)
+            tokens = [*extra[i][:k], int(want[i][k].argmax())]
+            a[i].commit(tokens)
+            b[i].commit(tokens)
+        assert [s.cached_ids for s in b] == [s.cached_ids for s in a]
+
+
+def test_runner_protocol(model):
+    run = BatchedRunner(model, num_slots=2)
+    seq = run.new_sequence([1, 2, 3])
+    assert isinstance(run, Runner) and isinstance(seq, RunnerSequence)
+    assert run.vocab_size == 128 and run.device == torch.device("cpu")
+
+
+def test_rollback_is_only_a_length(model):
+    run = BatchedRunner(model, num_slots=2)
+    pools = [t.data_ptr() for t in run._k + run._v]
+    seq = run.new_sequence([5, 6, 7, 8])
+    run.prefill(seq)
+    run.forward([seq], [[9, 10, 11, 12]])
+    assert seq.cached_ids == [5, 6, 7, 8, 9, 10, 11, 12]
+    seq.commit([9, 40])  # 10, 11, 12 rejected; 40 is the recovered token
+    assert run.longest_cached_prefix(seq) == 5
+    got = run.forward([seq], [[41]])
+    assert seq.cached_ids == [5, 6, 7, 8, 9, 40, 41]
+    close(got[0], full_logits(model, [5, 6, 7, 8, 9, 40, 41], 2))
+    assert [t.data_ptr() for t in run._k + run._v] == pools  # written in place, never reallocated
+
+
+def test_prefix_reuse_across_turns(model):
+    run = BatchedRunner(model, num_slots=2)
+    turn1 = [3, 1, 4, 1, 5, 9, 2, 6]
+    seq = run.new_sequence(turn1)
+    assert run.prefill(seq) == 0
+    assert run.prefix_tokens_reused == 0
+    seq.commit([run.forward([seq])[0][0].argmax().item()])
+    turn2 = [*turn1[:6], 7, 7, 8]  # the next turn shares 6 tokens with what is cached
+    seq.reset_tokens(turn2)
+    assert run.longest_cached_prefix(turn2) == 6
+    run.prefill(seq)
+    assert run.prefix_tokens_reused == 6
+    assert seq.cached_ids == turn2[:-1]
+    close(run.forward([seq])[0], full_logits(model, turn2, 1))
+
+
+def test_chunked_prefill_equals_one_shot(model):
+    run = BatchedRunner(model, num_slots=4)
+    prompt = list(range(3, 40))
+    one, chunked = run.new_sequence(prompt), run.new_sequence(prompt)
+    assert run.prefill(one) == 0
+    left = [run.prefill(chunked, max_tokens=5, count_reuse=first) for first in [True] + [False] * 7]
+    assert left == [31, 26, 21, 16, 11, 6, 1, 0]
+    assert chunked.cached_ids == one.cached_ids == prompt[:-1]
+    assert run.prefix_tokens_reused == 0  # chunks are not reuse
+    x, y = run.forward([one, chunked], [[7, 8], [7, 8]])
+    close(y, x)
+    close(x, full_logits(model, [*prompt, 7, 8], 3))
+
+
+def test_prefill_chunk_and_decode_blocks_in_one_forward(model):
+    """A step mixing decode blocks and a prefill chunk equals running them apart."""
+    mixed, apart = BatchedRunner(model, num_slots=4), BatchedRunner(model, num_slots=4)
+    ps = prompts(3, seed=4)
+    long_prompt = list(range(10, 40))
+    seqs = {}
+    for name, run in (("mixed", mixed), ("apart", apart)):
+        seqs[name] = [run.new_sequence(p) for p in ps] + [run.new_sequence(long_prompt)]
+        for s in seqs[name][:3]:
+            run.prefill(s)
+    extra = [[1, 2], [], [3, 4, 5]]
+    *decode, fresh = seqs["mixed"]
+    out = mixed.step(decode, extra, prefill=[PrefillChunk(fresh, max_tokens=12)])
+    assert out.prefill_left == [17] and fresh.cached_ids == long_prompt[:12]
+    *decode2, fresh2 = seqs["apart"]
+    want = apart.forward(decode2, extra)
+    assert apart.prefill(fresh2, max_tokens=12) == 17
+    for g, w in zip(out.logits, want, strict=True):
+        close(g, w)
+    # The chunk can also ask for no logits while decode blocks ask for fewer rows than they feed.
+    out = mixed.step(decode, extra, num_logits=[1, 0, 2], prefill=[(fresh, None, False)])
+    assert [t.shape[0] for t in out.logits] == [1, 0, 2] and out.prefill_left == [0]
+    assert fresh.cached_ids == long_prompt[:-1]
+    close(out.logits[2], want[2][-2:])
+    close(mixed.forward([fresh])[0], full_logits(model, long_prompt, 1))
+
+
+def test_greedy_decoding_equals_generate(model):
+    """30 greedy tokens for three prompts decoded together (one ragged forward a token) = HF generate."""
+    run = BatchedRunner(model, num_slots=3)
+    ps = [[5, 17, 3], [9, 9, 2, 44, 61, 7, 13], [100]]
+    seqs = [run.new_sequence(p) for p in ps]
+    for s in seqs:
+        run.prefill(s)
+    for _ in range(30):
+        for s, logits in zip(seqs, run.forward(seqs), strict=True):
+            s.commit([int(logits[-1].argmax())])
+    for p, s in zip(ps, seqs, strict=True):
+        ref = model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                             do_sample=False, max_new_tokens=30, min_new_tokens=30, pad_token_id=0)
+        assert s.token_ids == ref[0].tolist()
+
+
+def test_a_thousand_sequences_leak_no_slot(model):
+    run = BatchedRunner(model, num_slots=4, max_seq_len=64)
+    assert run.slot_bytes == 2 * 2 * 2 * 64 * 16 * 4  # K and V, 2 layers, 2 KV heads, 64 positions, D 16, fp32
+    for i in range(1000):
+        seq = run.new_sequence([i % 127, 1, 2])
+        assert run.kv_bytes() == run.slot_bytes and run.free_slots == 3
+        if i % 100 == 0:
+            run.prefill(seq)
+            run.forward([seq], [[3]])
+        run.free(seq)
+        run.free(seq)  # idempotent
+    assert run.free_slots == run.num_slots == 4 and run.kv_bytes() == 0
+
+
+def test_slot_exhaustion_and_reuse(model):
+    run = BatchedRunner(model, num_slots=2)
+    a, b = run.new_sequence([1, 2]), run.new_sequence([3, 4])
+    with pytest.raises(ResourceExhausted):
+        run.new_sequence([5])
+    slot = a.slot
+    run.free(a)
+    c = run.new_sequence([6, 7, 8])  # gets a's slot; must not see a's keys/values
+    assert c.slot == slot
+    run.prefill(b)
+    run.prefill(c)
+    x, y = run.forward([b, c], [[9], []])
+    close(x, full_logits(model, [3, 4, 9], 2))
+    close(y, full_logits(model, [6, 7, 8], 1))
+    with pytest.raises(InvalidArgument, match="freed"):
+        run.forward([a])
+
+
+def test_garbage_collected_sequence_returns_its_slot(model):
+    run = BatchedRunner(model, num_slots=2)
+    seq = run.new_sequence([1, 2, 3])
+    run.prefill(seq)
+    del seq
+    gc.collect()
+    assert run.free_slots == 2 and run.kv_bytes() == 0
+
+
+def test_length_limit(model):
+    run = BatchedRunner(model, num_slots=2, max_seq_len=16)
+    assert run.slot_len == 16
+    with pytest.raises(InvalidArgument, match="limit of 16 tokens"):
+        run.new_sequence(list(range(17)))
+    seq = run.new_sequence(list(range(14)))
+    run.prefill(seq)
+    run.forward([seq], [[1, 2]])  # exactly 16 positions
+    with pytest.raises(InvalidArgument, match="limit of 16 tokens"):
+        run.forward([seq], [[1, 2, 3]])
+    assert BatchedRunner(model, num_slots=1, max_seq_len=10**6).slot_len == 1024  # capped by the model
+
+
+def test_bad_requests_are_refused_before_anything_runs(model):
+    run = BatchedRunner(model, num_slots=3)
+    a, b = run.new_sequence([1, 2, 3]), run.new_sequence([4, 5])
+    with pytest.raises(InvalidArgument, match="twice"):
+        run.forward([a, a])
+    with pytest.raises(InvalidArgument, match="vocabulary"):
+        run.forward([a, b], [[1], [128]])
+    with pytest.raises(InvalidArgument, match="num_logits"):
+        run.forward([a], [[1]], num_logits=[3])
+    other = BatchedRunner(model, num_slots=1).new_sequence([1])
+    with pytest.raises(InvalidArgument, match="belong"):
+        run.forward([a, other])
+    assert a.cached_ids == [] and b.cached_ids == []
+    close(run.forward([a, b], [[6], []])[0], full_logits(model, [1, 2, 3, 6], 2))
+
+
+def test_a_failed_forward_leaves_only_the_kept_prefix(model):
+    """An error in the middle of the layers (some slots half written): no sequence counts the new tokens,
+    and the next forward recomputes them."""
+    run = BatchedRunner(model, num_slots=2)
+    a, b = run.new_sequence([1, 2, 3, 4]), run.new_sequence([5, 6])
+    run.prefill(a)
+    run.prefill(b)
+    run.forward([a, b], [[7, 8], [9]])
+    a.commit([7])  # 8 rejected
+    b.commit([9, 10])
+    layers = run._dec.layers
+    broken = list(layers[1])
+    broken[-1] = lambda x: (_ for _ in ()).throw(RuntimeError("boom"))  # layer 1's activation raises
+    run._dec.layers = [layers[0], tuple(broken), *layers[2:]]
+    with pytest.raises(RuntimeError, match="boom"):
+        run.forward([a, b], [[11, 12], [13]])
+    assert a.cached_ids == [1, 2, 3, 4] and b.cached_ids == [5, 6, 9]
+    run._dec.layers = layers
+    x, y = run.forward([a, b], [[11, 12], [13]])
+    close(x, full_logits(model, [1, 2, 3, 4, 7, 11, 12], 3))
+    close(y, full_logits(model, [5, 6, 9, 10, 13], 2))
+
+
+def test_longest_cached_prefix_over_open_sequences(model):
+    run = BatchedRunner(model, num_slots=3)
+    a, b = run.new_sequence([1, 2, 3, 4, 5]), run.new_sequence([1, 2, 9])
+    run.prefill(a)
+    run.prefill(b)
+    assert run.longest_cached_prefix([1, 2, 3, 7]) == 3
+    assert run.longest_cached_prefix([1, 2, 9, 9]) == 2  # b caches only [1, 2]: its last token is fed next
+    assert run.longest_cached_prefix([8]) == 0
+    run.free(a)
+    assert run.longest_cached_prefix([1, 2, 3, 7]) == 2
+
+
+def test_unsupported_models_are_refused():
+    torch.manual_seed(4)
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=128, n_embd=32, n_layer=2, n_head=2, n_positions=64)).eval()
+    assert not BatchedRunner.supports(gpt2)
+    with pytest.raises(ValueError, match="ModelRunner"):
+        BatchedRunner(gpt2, num_slots=1)
