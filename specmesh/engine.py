@@ -13,13 +13,13 @@ from typing import Any
 import torch
 
 from specmesh.drafters import Algorithm, make_drafter
-from specmesh.loop import GenerationResult, speculative_generate
-from specmesh.runtime import Runner
-from specmesh.runtime.static import StaticCacheRunner
 from specmesh.errors import InvalidArgument
+from specmesh.loop import GenerationResult, speculative_generate
 from specmesh.models import eos_token_ids, load_model
 from specmesh.rejection import MAX_SPEC_LEN, RejectionSampler
+from specmesh.runtime import Runner
 from specmesh.runtime.hf import ModelRunner
+from specmesh.runtime.static import StaticCacheRunner
 from specmesh.sampling import SamplingParams, StopChecker, check_token_ids
 from specmesh.verifier import LocalVerifier
 

@@ -16,10 +16,10 @@ tokens before them. A local verifier completes at once, so nothing is drafted ah
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Protocol
 
 from specmesh.domain import DraftBlock, SpecStats, Verdict
 from specmesh.sampling import SamplingParams, StopChecker

@@ -19,7 +19,7 @@ import logging
 import signal
 import threading
 import time
-from typing import Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from wsgiref.simple_server import WSGIServer
 
 import grpc

@@ -23,7 +23,7 @@ import json
 import logging
 import os
 import time
-from typing import Iterable
+from collections.abc import Iterable
 from wsgiref.simple_server import WSGIServer
 
 from opentelemetry import propagate, trace

@@ -12,8 +12,8 @@ from typing import Any
 import torch
 
 from specmesh.domain import DraftBlock, Verdict
-from specmesh.runtime import Runner, RunnerSequence, SeqT
 from specmesh.rejection import RejectionInput, RejectionSampler
+from specmesh.runtime import Runner, RunnerSequence, SeqT
 from specmesh.sampling import SamplingParams, make_generator
 
 
