@@ -1,0 +1,677 @@
+"""Load benchmark through the whole product path: does speculation pay under concurrent load?
+
+    python -m bench.load [--concurrency 1,2,4,8,16,32] [--max-tokens 64] [--temperatures 0,0.7] [--quick]
+
+Starts the local stack as subprocesses (verify service, draft service and gateway on loopback with the demo
+pair, as `make run` does, through `specmesh.stack`'s helpers), then drives the gateway's OpenAI-compatible
+REST API (`POST /v1/completions`, streaming, the official `openai` client, asyncio) with a closed loop of
+N concurrent clients per level, each level `max(--min-requests, --requests-factor x N)` requests over
+held-out prompts (the first `--prompt-len` tokens of held-out standard library files, sent as token ids),
+`ignore_eos` so every request yields exactly `--max-tokens` tokens. Every service process is stopped at
+exit, on an exception, Ctrl-C or SIGTERM.
+
+Modes, measured level by level one after the other (so load from elsewhere on the machine hits both alike):
+
+- speculative: the draft service's default K (the request leaves `num_speculative_tokens` out);
+- target-only through the same stack: `"num_speculative_tokens": 0`, if the running stack treats 0 as
+  target-only (checked on a probe request: its `specmesh` stats block says `drafted == 0`); otherwise a
+  second gateway is started without `--draft` on the same verify service, so the verify service decodes
+  target-only. `target_only_method` in the JSON says which was used.
+
+The peer is `transformers` assisted generation (`target.generate(..., assistant_model=draft)`, greedy and
+`do_sample=True, temperature=T, top_k=0, top_p=1`) in this process, one request at a time (it cannot
+batch, so its aggregate tokens/s at any concurrency is its sequential rate), on the first `--hf-prompts`
+prompts with the same max tokens, torch threads = this machine's cores. It runs after the stack is torn
+down so the two never share the CPU.
+
+Per (mode, sampling, concurrency): aggregate tokens/s (completion tokens / wall time of the level), TTFT
+p50/p99, ITL p50/p99 (gaps between streamed chunks, vLLM's definition: under speculation one chunk can carry
+several tokens, so TPOT, (end - first token) / (tokens - 1) per request, is reported too), acceptance, and
+the mean verify / draft batch size over the level from the services' Prometheus `/metrics` scraped before
+and after it (`specmesh_verify_batch_size` _sum / _count; a draft batch histogram if the draft service
+exports one, otherwise null). Ratios speculative / target-only and speculative / HF assisted per level.
+
+Writes bench/results/load.json and bench/results/load.png and prints a markdown table for the README.
+`--quick` is a smoke run (concurrency 1,4, four requests per level, 16 tokens, 2 HF prompts).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import atexit
+import json
+import os
+import platform
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from datetime import UTC, datetime
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from specmesh.stack import start, wait_healthy
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results"
+MODEL_NAME = "demo"
+# The draft service's --speculative-num-steps default; sent explicitly only if a request that leaves
+# num_speculative_tokens out does not speculate (a stack where "absent" came to mean target-only).
+FALLBACK_K = 4
+SPEC, TARGET_ONLY = "speculative", "target-only"
+MODES = (SPEC, TARGET_ONLY)
+
+
+def cores() -> int:
+    """CPUs this process may run on (what torch threads and the comparison should be sized to)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def sampling_name(t: float) -> str:
+    return "greedy" if t == 0 else f"T={t:g}"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the stack
+
+
+def free_port() -> int:
+    # The gateway prints the port it was given, not the one it bound, so it needs a concrete free port.
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Stack:
+    """The processes of this run. `close()` (idempotent; also registered at exit) stops gateways first, then
+    the draft service, then the verify service: SIGTERM, a grace period, then SIGKILL."""
+
+    def __init__(self, target: Path, draft: Path, threads: int):
+        self.target, self.draft, self.threads = target, draft, threads
+        self.procs: list[tuple[str, subprocess.Popen]] = []
+        self.metrics_ports: dict[str, str] = {}
+        self.verify_address = self.draft_address = ""
+
+    def start_services(self) -> None:
+        common = ["--host", "127.0.0.1", "--port", "0", "--metrics-port", "0", "--threads", str(self.threads),
+                  "--grace-period-s", "2", "--log-level", "WARNING"]
+        proc, self.verify_address = start("verify", "verify_service", ["--model-path", str(self.target), *common],
+                                          ports=self.metrics_ports)
+        self.procs.append(("verify", proc))
+        proc, self.draft_address = start("draft", "draft_service", ["--model-path", str(self.draft),
+                                                                    "--verify-address", self.verify_address,
+                                                                    *common], ports=self.metrics_ports)
+        self.procs.append(("draft", proc))
+
+    def start_gateway(self, name: str, with_draft: bool) -> str:
+        """A gateway on a free port (no gRPC front); without the draft it decodes target-only. Returns its
+        base URL once it is healthy (and sees the draft replica, when it has one)."""
+        port = free_port()
+        args = ["--host", "127.0.0.1", "--port", str(port), "--grpc-port", "-1", "--verify", self.verify_address,
+                "--tokenizer-path", str(self.target), "--model-name", MODEL_NAME, "--log-level", "WARNING"]
+        if with_draft:
+            args += ["--draft", self.draft_address]
+        proc, _ = start(name, "gateway", args, pattern=r"REST listening on (\S+)")
+        self.procs.append((name, proc))
+        base = f"http://127.0.0.1:{port}"
+        wait_healthy(base + "/health", timeout=120)
+        if with_draft:
+            wait_draft_healthy(base)
+        return base
+
+    def check_alive(self) -> None:
+        for name, proc in self.procs:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{name} exited with code {proc.returncode} (its output is above)")
+
+    def close(self) -> None:
+        procs, self.procs = list(reversed(self.procs)), []  # gateways, then draft, then verify
+        try:
+            for _, p in procs:
+                if p.poll() is None:
+                    p.send_signal(signal.SIGTERM)
+            for _, p in procs:
+                try:
+                    p.wait(20)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait(5)
+        except BaseException:  # a second Ctrl-C while waiting: no more grace, but no orphans either
+            for _, p in procs:
+                if p.poll() is None:
+                    p.kill()
+            raise
+
+
+def wait_draft_healthy(base: str, timeout: float = 60) -> None:
+    # /health turns 200 with the verify replica alone; requests sent before the gateway has seen the draft
+    # replica healthy would silently run target-only.
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        try:
+            with urllib.request.urlopen(base + "/health", timeout=2) as r:
+                if json.loads(r.read()).get("draft_healthy", 0) >= 1:
+                    return
+        except (OSError, ValueError):
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"the gateway at {base} never saw a healthy draft replica")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# metrics
+
+
+def scrape(port: str | None) -> dict | None:
+    """{sample name: value summed over labels} and {family name: type} from a Prometheus /metrics page."""
+    if not port:
+        return None
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    samples: dict[str, float] = {}
+    types: dict[str, str] = {}
+    for fam in text_string_to_metric_families(text):
+        types[fam.name] = fam.type
+        for s in fam.samples:
+            samples[s.name] = samples.get(s.name, 0.0) + s.value
+    return {"samples": samples, "types": types}
+
+
+def draft_batch_metric(page: dict | None) -> str | None:
+    """The draft service's batch-size histogram, if this checkout exports one (batched drafting)."""
+    if page is None:
+        return None
+    names = [n for n, t in page["types"].items() if t == "histogram" and n.startswith("specmesh_draft")
+             and "batch" in n and "duration" not in n and "seconds" not in n]
+    return sorted(names, key=lambda n: "batch_size" not in n)[0] if names else None
+
+
+def histogram_mean(before: dict | None, after: dict | None, name: str | None) -> tuple[float | None, int]:
+    """Mean observation of histogram `name` between two scrapes, and how many observations there were."""
+    if before is None or after is None or name is None:
+        return None, 0
+    s, c = (after["samples"].get(f"{name}_{x}", 0.0) - before["samples"].get(f"{name}_{x}", 0.0)
+            for x in ("sum", "count"))
+    return (round(s / c, 3) if c else None), int(c)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the client
+
+
+async def one_request(client, prompt: list[int], max_tokens: int, temperature: float, k: int | None,
+                      timeout: float) -> dict:
+    """One streamed completion; times of the first text chunk and of every later one."""
+    extra = {"ignore_eos": True}
+    if k is not None:
+        extra["num_speculative_tokens"] = k
+    rec = {"ttft": None, "itl": [], "e2e": None, "completion_tokens": None, "specmesh": None, "error": None}
+    t0 = time.perf_counter()
+    last = None
+    try:
+        stream = await client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=max_tokens,
+                                                 temperature=temperature, stream=True,
+                                                 stream_options={"include_usage": True}, extra_body=extra,
+                                                 timeout=timeout)
+        async for chunk in stream:
+            now = time.perf_counter()
+            if chunk.choices and chunk.choices[0].text:
+                if last is None:
+                    rec["ttft"] = now - t0
+                else:
+                    rec["itl"].append(now - last)
+                last = now
+            if chunk.usage is not None:
+                rec["completion_tokens"] = chunk.usage.completion_tokens
+                rec["specmesh"] = (chunk.model_extra or {}).get("specmesh")
+        rec["e2e"] = time.perf_counter() - t0
+    except Exception as e:  # noqa: BLE001 — one failed request is recorded, the level goes on
+        rec["error"] = f"{type(e).__name__}: {e}"
+    return rec
+
+
+async def run_level(client, prompts, n_requests: int, concurrency: int, max_tokens: int, temperature: float,
+                    k: int | None, timeout: float, bar=None) -> tuple[list[dict], float]:
+    """Closed loop: `concurrency` clients, each sending its next request when its last one ended."""
+    results: list[dict | None] = [None] * n_requests
+    indices = iter(range(n_requests))  # shared by the workers: each request is sent once
+
+    async def worker():
+        for i in indices:
+            results[i] = await one_request(client, prompts[i % len(prompts)], max_tokens, temperature, k, timeout)
+            if bar is not None:
+                bar.update()
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(min(concurrency, n_requests))))
+    return results, time.perf_counter() - t0
+
+
+def pct_ms(values: list[float]) -> dict | None:
+    if not values:
+        return None
+    a = np.asarray(values) * 1e3
+    return {"p50": round(float(np.percentile(a, 50)), 2), "p99": round(float(np.percentile(a, 99)), 2),
+            "mean": round(float(a.mean()), 2)}
+
+
+def summarize(records: list[dict], wall: float, max_tokens: int) -> dict:
+    ok = [r for r in records if r["error"] is None]
+    # With ignore_eos every request yields max_tokens; the usage chunk is the authority when present.
+    tokens = [r["completion_tokens"] if r["completion_tokens"] is not None else max_tokens for r in ok]
+    spec = [r["specmesh"] for r in ok if r["specmesh"]]
+    tot = {f: sum(s.get(f, 0) or 0 for s in spec) for f in ("rounds", "drafts", "drafted", "accepted")}
+    drafts = tot["drafts"] or tot["rounds"]  # older stacks report no "drafts" (rounds with K > 0)
+    tpot = [(r["e2e"] - r["ttft"]) / (n - 1) for r, n in zip(ok, tokens, strict=True)
+            if r["ttft"] is not None and n > 1]
+    return {
+        "requests": len(records), "errors": len(records) - len(ok),
+        "error_examples": sorted({r["error"] for r in records if r["error"]})[:3],
+        "completion_tokens": sum(tokens), "tokens_from_usage": all(r["completion_tokens"] is not None for r in ok),
+        "wall_s": round(wall, 3), "tokens_per_s": round(sum(tokens) / wall, 2) if ok else None,
+        "ttft_ms": pct_ms([r["ttft"] for r in ok if r["ttft"] is not None]),
+        "itl_ms": pct_ms([g for r in ok for g in r["itl"]]),
+        "tpot_ms": pct_ms(tpot),
+        "e2e_ms": pct_ms([r["e2e"] for r in ok]),
+        "requests_with_stats": len(spec),
+        "requests_that_drafted": sum(1 for s in spec if (s.get("drafted") or 0) > 0),
+        **tot,
+        "acceptance_rate": round(tot["accepted"] / tot["drafted"], 4) if tot["drafted"] else None,
+        "mean_accepted_length": round(1 + tot["accepted"] / drafts, 4) if tot["drafted"] and drafts else None,
+    }
+
+
+async def probe(client, prompt, k: int | None, timeout: float) -> dict:
+    """One short greedy request: does it draft? (None when the response has no specmesh stats block.)"""
+    r = await one_request(client, prompt, 16, 0.0, k, timeout)
+    if r["error"]:
+        raise RuntimeError(f"probe request failed: {r['error']}")
+    s = r["specmesh"]
+    return {"num_speculative_tokens": k, "drafted": None if not s else s.get("drafted"),
+            "target_only_flag": None if not s else s.get("target_only"), "stats_block": bool(s)}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the transformers assisted-generation peer
+
+
+def hf_assisted(target_path: Path, draft_path: Path, prompts: list[list[int]], max_tokens: int,
+                temperatures: list[float], threads: int, seed: int) -> dict:
+    """Tokens/s of `generate(assistant_model=draft)`, one prompt after the other, per sampling mode."""
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    # assisted generation warns about its own internal generation_config / min-new-tokens plumbing
+    transformers.logging.set_verbosity_error()
+    torch.set_num_threads(threads)
+    torch.manual_seed(seed)
+    # fp32 on the CPU, as the services load the demo pair (stored fp16)
+    target = AutoModelForCausalLM.from_pretrained(target_path, dtype=torch.float32).eval()
+    draft = AutoModelForCausalLM.from_pretrained(draft_path, dtype=torch.float32).eval()
+
+    def kwargs(t: float, n: int) -> dict:
+        kw = dict(assistant_model=draft, max_new_tokens=n, min_new_tokens=n, pad_token_id=0)
+        # top_k=0 / top_p=1: transformers would otherwise apply its default top-k 50, which the services don't
+        if t == 0:
+            kw["do_sample"] = False
+        else:
+            kw.update(do_sample=True, temperature=t, top_k=0, top_p=1.0)
+        return kw
+
+    out = {}
+    with torch.inference_mode():
+        for t in temperatures:
+            target.generate(torch.tensor([prompts[0]]), **kwargs(t, 8))  # warm-up
+            load = os.getloadavg()[0]  # torch threads = cores: a busy machine slows this peer most of all
+            tokens, seconds, per_prompt = 0, 0.0, []
+            for p in tqdm(prompts, desc=f"HF assisted, {sampling_name(t)}", unit="prompt", leave=False):
+                ids = torch.tensor([p])
+                t0 = time.perf_counter()
+                n = target.generate(ids, attention_mask=torch.ones_like(ids), **kwargs(t, max_tokens)).shape[1] - len(p)
+                dt = time.perf_counter() - t0
+                tokens, seconds = tokens + n, seconds + dt
+                per_prompt.append(n / dt)
+            out[sampling_name(t)] = {"prompts": len(prompts), "tokens": tokens, "seconds": round(seconds, 3),
+                                     "tokens_per_s": round(tokens / seconds, 2),
+                                     "median_prompt_tokens_per_s": round(float(np.median(per_prompt)), 2),
+                                     "loadavg_1m_before": round(load, 2)}
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------
+# report
+
+
+def fmt_pair(d: dict | None) -> str:
+    return f"{d['p50']:.0f} / {d['p99']:.0f}" if d else "-"
+
+
+def fmt_p50(d: dict | None) -> str:
+    return f"{d['p50']:.0f}" if d else "-"
+
+
+def fmt(v, spec: str = ".2f", suffix: str = "") -> str:
+    return f"{v:{spec}}{suffix}" if isinstance(v, (int, float)) else "-"
+
+
+def markdown(r: dict) -> str:
+    lines = ["| sampling | concurrency | speculative tok/s | target-only tok/s | spec / target-only "
+             "| spec / HF assisted | TTFT p50 / p99 ms (spec) | TTFT p50 / p99 ms (target-only) "
+             "| ITL p50 / p99 ms (spec) | ITL p50 / p99 ms (target-only) | TPOT p50 ms (spec / target-only) "
+             "| mean verify batch (spec / target-only) | mean draft batch |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for lv in r["levels"]:
+        s, t = lv[SPEC], lv[TARGET_ONLY]
+        lines.append(f"| {lv['sampling']} | {lv['concurrency']} | {fmt(s['tokens_per_s'], '.1f')} "
+                     f"| {fmt(t['tokens_per_s'], '.1f')} | {fmt(lv['spec_vs_target_only'], '.2f', 'x')} "
+                     f"| {fmt(lv['spec_vs_hf_assisted'], '.2f', 'x')} | {fmt_pair(s['ttft_ms'])} "
+                     f"| {fmt_pair(t['ttft_ms'])} | {fmt_pair(s['itl_ms'])} | {fmt_pair(t['itl_ms'])} "
+                     f"| {fmt_p50(s['tpot_ms'])} / {fmt_p50(t['tpot_ms'])} "
+                     f"| {fmt(s['mean_verify_batch'])} / {fmt(t['mean_verify_batch'])} "
+                     f"| {fmt(s['mean_draft_batch'])} |")
+    hf = r["hf_assisted"]
+    peer = ", ".join(f"{k} {v['tokens_per_s']:.1f} tok/s" for k, v in hf.items()) if hf else "not run"
+    lines.append("")
+    lines.append(f"HF assisted generation (one request at a time, {r['settings']['hf_torch_threads']} torch threads): "
+                 f"{peer}. Target-only: {r['target_only_method']['method']}. {r['settings']['max_tokens']} tokens "
+                 f"per request, {r['settings']['prompt_len']}-token held-out prompts.")
+    return "\n".join(lines)
+
+
+def plot(r: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter
+
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(13, 4.8), gridspec_kw={"width_ratios": [1.4, 1]})
+    colors = {}
+    palette = ["#37c", "#c84", "#4a7", "#a5c"]
+    for lv in r["levels"]:
+        colors.setdefault(lv["sampling"], palette[len(colors) % len(palette)])
+    levels = sorted({lv["concurrency"] for lv in r["levels"]})
+    for sampling, color in colors.items():
+        lvs = [lv for lv in r["levels"] if lv["sampling"] == sampling]
+        n = [lv["concurrency"] for lv in lvs]
+        for mode, style in ((SPEC, "o-"), (TARGET_ONLY, "s--")):
+            ax.plot(n, [lv[mode]["tokens_per_s"] or np.nan for lv in lvs], style, color=color,
+                    label=f"{mode}, {sampling}")
+        hf = (r["hf_assisted"] or {}).get(sampling)
+        if hf:
+            ax.axhline(hf["tokens_per_s"], color=color, ls=":", lw=1.5, label=f"HF assisted, {sampling}")
+        ax2.plot(n, [lv["spec_vs_target_only"] or np.nan for lv in lvs], "o-", color=color,
+                 label=f"vs target-only, {sampling}")
+        if hf:
+            ax2.plot(n, [lv["spec_vs_hf_assisted"] or np.nan for lv in lvs], "^:", color=color,
+                     label=f"vs HF assisted, {sampling}")
+    for a in (ax, ax2):
+        a.set_xscale("log", base=2)
+        a.set_xticks(levels, [str(v) for v in levels])
+        a.set_xlabel("concurrent requests")
+        a.grid(alpha=0.3)
+    ax.set_ylabel("aggregate completion tokens / s")
+    s = r["settings"]
+    ax.set_title(f"through the gateway (REST, streaming), {s['max_tokens']} tokens per request", fontsize=10)
+    ax.legend(fontsize=7)
+    ax2.axhline(1.0, color="#888", lw=1)
+    # log scale: a 2x gain and a 2x loss sit the same distance from 1
+    ax2.set_yscale("log", base=2)
+    ax2.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}x"))
+    ax2.set_ylabel("speculative / baseline")
+    ax2.set_title(f"speedup of speculation (target-only: {r['target_only_method']['short']})", fontsize=10)
+    ax2.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def git_info() -> dict:
+    def git(*a):
+        try:
+            return subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True, timeout=30).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return ""
+    return {"commit": git("rev-parse", "HEAD") or None,
+            "dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}
+
+
+# ---------------------------------------------------------------------------------------------------------
+
+
+def parse_list(kind):
+    def parse(text: str):
+        try:
+            return [kind(x) for x in text.split(",") if x.strip()]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a comma-separated list, got {text!r}") from None
+    return parse
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m bench.load", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", type=Path, default=ROOT / "models/demo/target", help="target checkpoint")
+    ap.add_argument("--draft", type=Path, default=ROOT / "models/demo/draft", help="draft checkpoint")
+    ap.add_argument("--concurrency", type=parse_list(int), default=[1, 2, 4, 8, 16, 32],
+                    help="comma-separated concurrency levels (clients in the closed loop)")
+    ap.add_argument("--temperatures", type=parse_list(float), default=[0.0, 0.7],
+                    help="comma-separated sampling temperatures (0 = greedy)")
+    ap.add_argument("--max-tokens", type=int, default=64, help="completion tokens per request (ignore_eos)")
+    ap.add_argument("--prompt-len", type=int, default=64, help="tokens per held-out prompt")
+    ap.add_argument("--prompts", type=int, default=20, help="distinct held-out prompts, cycled over the requests")
+    ap.add_argument("--requests-factor", type=int, default=2, help="requests per level = factor x concurrency ...")
+    ap.add_argument("--min-requests", type=int, default=4, help="... but at least this many")
+    ap.add_argument("--num-speculative-tokens", type=int, default=None,
+                    help="K sent with speculative requests (default: left out, the draft service's default)")
+    ap.add_argument("--service-threads", type=int, default=1,
+                    help="torch threads per service process (as `make run`: 1 each, verify + draft = 2 cores)")
+    ap.add_argument("--hf-prompts", type=int, default=12, help="prompts for the HF assisted-generation peer")
+    ap.add_argument("--hf-threads", type=int, default=0, help="torch threads of the HF peer (0 = this machine's cores)")
+    ap.add_argument("--skip-hf", action="store_true", help="no HF assisted-generation peer (its ratios are null)")
+    ap.add_argument("--request-timeout-s", type=float, default=300.0, help="client timeout per request")
+    ap.add_argument("--seed", type=int, default=0, help="torch seed of the HF peer's sampling")
+    ap.add_argument("--quick", action="store_true",
+                    help="smoke run: concurrency 1,4, four requests per level, 16 tokens, 2 HF prompts")
+    ap.add_argument("--out", type=Path, default=RESULTS / "load.json", help="JSON results (the PNG goes beside it)")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.concurrency, args.requests_factor, args.min_requests = [1, 4], 1, 4
+        args.max_tokens, args.hf_prompts = 16, 2
+    if not args.concurrency or min(args.concurrency) < 1:
+        ap.error("--concurrency needs levels >= 1")
+    if any(not 0 <= t <= 2 for t in args.temperatures):
+        ap.error("--temperatures must lie in [0, 2]")
+    args.hf_threads = args.hf_threads or cores()
+    return args
+
+
+async def measure(args, stack: Stack, prompts: list[list[int]]) -> dict:
+    from openai import AsyncOpenAI
+
+    main_url = stack.start_gateway("gateway", with_draft=True)
+    clients = []
+
+    def client_for(base: str):
+        # No retries: a retried request would hide an error and inflate the latency of the level.
+        c = AsyncOpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=args.request_timeout_s)
+        clients.append(c)
+        return c
+
+    try:
+        main = client_for(main_url)
+        timeout = args.request_timeout_s
+        # Speculative: the service default K, unless leaving the field out no longer speculates.
+        spec_k = args.num_speculative_tokens
+        spec_probe = await probe(main, prompts[0], spec_k, timeout)
+        if spec_probe["drafted"] == 0 and spec_k is None:
+            tqdm.write(f"a request without num_speculative_tokens did not draft; sending K = {FALLBACK_K}")
+            spec_k = FALLBACK_K
+            spec_probe = await probe(main, prompts[0], spec_k, timeout)
+        if spec_probe["drafted"] == 0:
+            raise RuntimeError(f"speculative requests do not draft (probe: {spec_probe})")
+
+        # Target-only: 0 through the same gateway if 0 means target-only in this stack, else a draftless gateway.
+        zero_probe = await probe(main, prompts[0], 0, timeout)
+        if zero_probe["drafted"] == 0:
+            method = {"method": "num_speculative_tokens=0 through the same gateway", "short": "K=0, same stack",
+                      "zero_means_target_only": True}
+            targets = {SPEC: (main, spec_k), TARGET_ONLY: (main, 0)}
+        else:
+            why = ("0 means the service default (it drafted)" if zero_probe["drafted"] else
+                   "the response has no specmesh stats block, so 0's meaning could not be checked")
+            tqdm.write(f"num_speculative_tokens=0 is not target-only here ({why}); starting a gateway without --draft")
+            base = stack.start_gateway("gateway-target-only", with_draft=False)
+            second = client_for(base)
+            method = {"method": "second gateway without --draft on the same verify service (target-only decoding "
+                                "in the verify service)", "short": "gateway without --draft",
+                      "zero_means_target_only": False if zero_probe["drafted"] else None, "why": why}
+            targets = {SPEC: (main, spec_k), TARGET_ONLY: (second, None)}
+        to_probe = await probe(targets[TARGET_ONLY][0], prompts[0], targets[TARGET_ONLY][1], timeout)
+        if to_probe["drafted"]:
+            raise RuntimeError(f"the target-only path drafts (probe: {to_probe})")
+        method["probes"] = {"speculative": spec_probe, "zero": zero_probe, "target_only": to_probe}
+        method["target_only_verified"] = to_probe["drafted"] == 0
+
+        # Warm-up: every (mode, sampling) once, and a small concurrent burst for the batched paths.
+        burst = min(4, max(args.concurrency))
+        for client, k in targets.values():
+            for t in args.temperatures:
+                await run_level(client, prompts, burst, burst, 16, t, k, timeout)
+        stack.check_alive()
+
+        page = scrape(stack.metrics_ports.get("draft"))
+        draft_metric = draft_batch_metric(page)
+        verify_metric = "specmesh_verify_batch_size"
+        vpage = scrape(stack.metrics_ports.get("verify"))
+        if vpage is None or vpage["types"].get(verify_metric) != "histogram":
+            tqdm.write(f"the verify service exports no {verify_metric} histogram: mean verify batch = null")
+            verify_metric = None
+
+        plan = [(t, c, mode) for t in args.temperatures for c in args.concurrency for mode in MODES]
+        n_req = {c: max(args.min_requests, args.requests_factor * c) for c in args.concurrency}
+        levels: dict[tuple, dict] = {}
+        with tqdm(total=sum(n_req[c] for _, c, _ in plan), desc="load", unit="req") as bar:
+            for t, c, mode in plan:
+                bar.set_postfix_str(f"{mode}, {sampling_name(t)}, concurrency {c}")
+                client, k = targets[mode]
+                vb, db = scrape(stack.metrics_ports.get("verify")), scrape(stack.metrics_ports.get("draft"))
+                records, wall = await run_level(client, prompts, n_req[c], c, args.max_tokens, t, k, timeout, bar)
+                va, da = scrape(stack.metrics_ports.get("verify")), scrape(stack.metrics_ports.get("draft"))
+                stack.check_alive()
+                m = summarize(records, wall, args.max_tokens)
+                if m["errors"] == m["requests"]:
+                    raise RuntimeError(f"every request of {mode}, {sampling_name(t)}, concurrency {c} failed: "
+                                       f"{m['error_examples']}")
+                if m["errors"]:
+                    tqdm.write(f"{m['errors']} of {m['requests']} requests failed ({mode}, {sampling_name(t)}, "
+                               f"concurrency {c}): {m['error_examples']}")
+                m["mean_verify_batch"], m["verify_batches"] = histogram_mean(vb, va, verify_metric)
+                m["mean_draft_batch"], m["draft_batches"] = histogram_mean(db, da, draft_metric)
+                lv = levels.setdefault((t, c), {"sampling": sampling_name(t), "temperature": t, "concurrency": c})
+                lv[mode] = m
+        return {"target_only_method": method, "speculative_k_sent": spec_k, "verify_batch_metric": verify_metric,
+                "draft_batch_metric": draft_metric, "levels": list(levels.values())}
+    finally:
+        for c in clients:
+            await c.close()
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    t_start = time.perf_counter()
+    load_start = os.getloadavg()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the teardown below on SIGTERM too
+
+    from transformers import AutoTokenizer
+
+    from bench.inprocess import heldout_prompts
+
+    prompts = heldout_prompts(AutoTokenizer.from_pretrained(args.target), args.prompts, args.prompt_len)
+    if not prompts:
+        raise RuntimeError(f"no held-out prompt of {args.prompt_len} tokens")
+
+    stack = Stack(args.target, args.draft, args.service_threads)
+    atexit.register(stack.close)
+    try:
+        stack.start_services()
+        measured = asyncio.run(measure(args, stack, prompts))
+    finally:
+        stack.close()
+
+    hf = None
+    if not args.skip_hf:
+        hf = hf_assisted(args.target, args.draft, prompts[: args.hf_prompts], args.max_tokens, args.temperatures,
+                         args.hf_threads, args.seed)
+    for lv in measured["levels"]:
+        s, t = lv[SPEC]["tokens_per_s"], lv[TARGET_ONLY]["tokens_per_s"]
+        peer = (hf or {}).get(lv["sampling"], {}).get("tokens_per_s")
+        lv["spec_vs_target_only"] = round(s / t, 3) if s and t else None
+        lv["spec_vs_hf_assisted"] = round(s / peer, 3) if s and peer else None
+        lv["target_only_vs_hf_assisted"] = round(t / peer, 3) if t and peer else None
+
+    import torch
+    import transformers
+
+    notes = [
+        "aggregate tokens/s = completion tokens of the level / wall time of the level (closed loop)",
+        "ITL = gaps between streamed text chunks (vLLM's definition); a speculative chunk can carry several "
+        "tokens, so compare TPOT = (end - first token) / (tokens - 1) per request as well",
+        "HF assisted: one request at a time, so its aggregate tokens/s is the same at every concurrency",
+    ]
+    if measured["draft_batch_metric"] is None:
+        notes.append("the draft service exports no draft batch-size histogram (no batched drafting in this "
+                     "checkout): mean_draft_batch is null")
+    results = {
+        "bench": "load",
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "git": git_info(),
+        "machine": {"cores": cores(), "cpu_count": os.cpu_count(),
+                    "processor": platform.processor() or platform.machine(), "platform": platform.platform(),
+                    "python": platform.python_version(), "torch": torch.__version__,
+                    "transformers": transformers.__version__, "device": "cpu",
+                    "loadavg_1m_start_end": [round(load_start[0], 2), round(os.getloadavg()[0], 2)]},
+        "settings": {"target": str(args.target), "draft": str(args.draft), "model_name": MODEL_NAME,
+                     "concurrency": args.concurrency, "temperatures": args.temperatures,
+                     "requests_per_level": {str(c): max(args.min_requests, args.requests_factor * c)
+                                            for c in args.concurrency},
+                     "max_tokens": args.max_tokens, "prompt_len": args.prompt_len, "distinct_prompts": len(prompts),
+                     "ignore_eos": True, "api": "POST /v1/completions, streaming, openai client, token-id prompts",
+                     "speculative_k": measured["speculative_k_sent"] or "service default",
+                     "service_torch_threads": args.service_threads, "hf_torch_threads": args.hf_threads,
+                     "hf_prompts": min(args.hf_prompts, len(prompts)) if hf else 0, "quick": args.quick},
+        "target_only_method": measured["target_only_method"],
+        "verify_batch_metric": measured["verify_batch_metric"], "draft_batch_metric": measured["draft_batch_metric"],
+        "hf_assisted": hf,
+        "levels": measured["levels"],
+        "notes": notes,
+        "total_seconds": round(time.perf_counter() - t_start, 1),
+    }
+    table = markdown(results)
+    results["markdown"] = table
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=2) + "\n")
+    plot(results, args.out.with_suffix(".png"))
+    print("\n" + table + "\n")
+    for n in notes[3:]:
+        print("note: " + n)
+    print(f"wrote {args.out} and {args.out.with_suffix('.png')} ({results['total_seconds']:.0f} s)")
+    return results
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except KeyboardInterrupt:  # the stack is already stopped (main's finally); no traceback for a Ctrl-C
+        sys.exit(130)
