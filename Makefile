@@ -28,8 +28,9 @@ lint: venv
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
+	npx --yes @bufbuild/buf@1.75.0 lint
 
-# Regenerate specmesh/v1/*_pb2*.py from proto/ (tests/test_proto.py fails while they are stale).
+# Regenerate specmesh/v1/*_pb2*.py from proto/ (tests/unit/test_proto.py fails while they are stale).
 proto: venv
 	$(PY) -m specmesh.codegen
 

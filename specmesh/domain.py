@@ -125,6 +125,8 @@ class BatchLoad:
     queue_seconds: float = 0.0  # the block waited this long for its batch
     batch_seconds: float = 0.0  # the batched target forward + rejection sampling
     batch_size: int = 0  # blocks in that batch
+    batch_tokens: int = 0  # positions the batch's forward computed (sum over its blocks of K + 1)
+    queue_depth: int = 0  # blocks still waiting when that batch started
 
 
 @dataclass

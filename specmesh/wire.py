@@ -74,6 +74,13 @@ def params_to_pb(params: SamplingParams) -> common_pb2.SamplingParams:
     return pb
 
 
+def spec_len_from_pb(pb) -> int | None:
+    """A Generate request's `num_speculative_tokens` (DraftService or GatewayService): None when unset (the
+    service's choice), 0 for target-only decoding, else the most draft tokens per block. The bound is the
+    service's to check, with the rest of the request."""
+    return pb.num_speculative_tokens if pb.HasField("num_speculative_tokens") else None
+
+
 # The Verify stream: draft blocks up, verdicts down ---------------------------------------------------
 
 def block_to_pb(block: DraftBlock, session_id: str, epoch: int, base_position: int) -> verify_pb2.VerifyRequest:
@@ -109,14 +116,15 @@ def verdict_to_pb(v: Verdict) -> verify_pb2.VerifyResponse:
         epoch=v.epoch, num_drafted=v.num_drafted or 0, num_accepted=v.num_accepted, token_ids=v.tokens,
         finish_reason=finish_to_pb(v.finish_reason), stale=v.stale, deadline=v.deadline,
         timings=verify_pb2.VerifyTimings(queue_seconds=v.load.queue_seconds, batch_seconds=v.load.batch_seconds,
-                                         batch_size=v.load.batch_size))
+                                         batch_size=v.load.batch_size, batch_tokens=v.load.batch_tokens,
+                                         queue_depth=v.load.queue_depth))
 
 
 def verdict_from_pb(pb: verify_pb2.VerifyResponse) -> Verdict:
     t = pb.timings
     return Verdict(list(pb.token_ids), pb.num_accepted, pb.num_drafted, finish_from_pb(pb.finish_reason),
                    epoch=pb.epoch, stale=pb.stale, deadline=pb.deadline,
-                   load=BatchLoad(t.queue_seconds, t.batch_seconds, t.batch_size))
+                   load=BatchLoad(t.queue_seconds, t.batch_seconds, t.batch_size, t.batch_tokens, t.queue_depth))
 
 
 # Statistics and generation streams -------------------------------------------------------------------

@@ -117,7 +117,7 @@ class Scheduler:
                 if not batch:
                     continue
                 try:
-                    results = await loop.run_in_executor(self.model_thread, self._execute, batch)
+                    results = await loop.run_in_executor(self.model_thread, self._execute, batch, len(self._waiting))
                 except Exception:  # a bug after the forward must fail this batch, never the scheduler
                     log.exception("a batch of %d failed after verification", len(batch))
                     results = [RuntimeError("verification failed on the target model")] * len(batch)
@@ -145,7 +145,7 @@ class Scheduler:
             except asyncio.TimeoutError:
                 return
 
-    def _execute(self, batch: list[_Step]) -> list[Verdict | BaseException]:
+    def _execute(self, batch: list[_Step], queue_depth: int = 0) -> list[Verdict | BaseException]:
         start = time.perf_counter()
         try:
             with torch.inference_mode():
@@ -156,7 +156,7 @@ class Scheduler:
                 log.exception("verify step failed")
                 return [RuntimeError("verification failed on the target model")]
             log.exception("batch of %d failed; rerunning its steps one by one", len(batch))
-            return [r for s in batch for r in self._execute([s])]
+            return [r for s in batch for r in self._execute([s], queue_depth)]
         end = time.perf_counter()
         seconds = end - start
         st = self.stats
@@ -167,8 +167,9 @@ class Scheduler:
         if self.on_batch is not None:
             self.on_batch(len(batch), seconds)
         self._trace_batch(batch, start, end)
-        results = [self._commit(step, v.tokens, v.num_accepted, start, seconds, len(batch))
-                   for step, v in zip(batch, verdicts)]
+        load = dict(batch_seconds=seconds, batch_size=len(batch), batch_tokens=sum(s.block.k + 1 for s in batch),
+                    queue_depth=queue_depth)
+        results = [self._commit(step, v.tokens, v.num_accepted, start, load) for step, v in zip(batch, verdicts)]
         st.steps += len(batch)
         for step, r in zip(batch, results):
             st.tokens += len(r.tokens)
@@ -191,8 +192,7 @@ class Scheduler:
         span.end(end_time=wall_ns(end, now))
 
     @staticmethod
-    def _commit(step: _Step, tokens: list[int], num_accepted: int, start: float, seconds: float,
-                batch_size: int) -> Verdict:
+    def _commit(step: _Step, tokens: list[int], num_accepted: int, start: float, load: dict) -> Verdict:
         session = step.session
         kept = session.stop.extend(tokens)
         if kept < len(tokens):  # the session holds exactly what was emitted
@@ -200,4 +200,4 @@ class Scheduler:
         epoch = session.epoch
         session.epoch += 1
         return Verdict(tokens[:kept], num_accepted, step.block.k, session.stop.finish_reason, epoch=epoch,
-                       load=BatchLoad(start - step.arrived, seconds, batch_size))
+                       load=BatchLoad(queue_seconds=start - step.arrived, **load))

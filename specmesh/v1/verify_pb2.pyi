@@ -70,14 +70,18 @@ class VerifyResponse(_message.Message):
     def __init__(self, epoch: _Optional[int] = ..., num_drafted: _Optional[int] = ..., num_accepted: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., stale: _Optional[bool] = ..., deadline: _Optional[bool] = ..., timings: _Optional[_Union[VerifyTimings, _Mapping]] = ...) -> None: ...
 
 class VerifyTimings(_message.Message):
-    __slots__ = ("queue_seconds", "batch_seconds", "batch_size")
+    __slots__ = ("queue_seconds", "batch_seconds", "batch_size", "batch_tokens", "queue_depth")
     QUEUE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     BATCH_SECONDS_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    BATCH_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_DEPTH_FIELD_NUMBER: _ClassVar[int]
     queue_seconds: float
     batch_seconds: float
     batch_size: int
-    def __init__(self, queue_seconds: _Optional[float] = ..., batch_seconds: _Optional[float] = ..., batch_size: _Optional[int] = ...) -> None: ...
+    batch_tokens: int
+    queue_depth: int
+    def __init__(self, queue_seconds: _Optional[float] = ..., batch_seconds: _Optional[float] = ..., batch_size: _Optional[int] = ..., batch_tokens: _Optional[int] = ..., queue_depth: _Optional[int] = ...) -> None: ...
 
 class VerifyServiceGenerateRequest(_message.Message):
     __slots__ = ("session_id", "prompt_ids", "params")

@@ -96,6 +96,7 @@ def test_steps_of_several_sessions_are_verified_in_one_batch(model, runner):
     assert stats.batches == 1 and stats.batched_blocks == 4
     assert stats.max_batch_size_seen == 4 and stats.batch_size_hist == {4: 1}
     assert [r.load.batch_size for r in results] == [4] * 4
+    assert [r.load.batch_tokens for r in results] == [4] * 4
     for s, p, r in zip(sessions, PROMPTS[:4], results, strict=True):
         assert r.tokens == reference(model, p, 1)
         assert s.seq.token_ids == p + r.tokens and s.epoch == 1 and r.epoch == 0
@@ -111,6 +112,9 @@ def test_max_batch_size_splits_the_waiting_steps_oldest_first(runner):
     assert stats.batches == 3 and stats.batch_size_hist == {2: 2, 1: 1}
     assert [r.load.batch_size for r in results] == [2, 2, 2, 2, 1]
     assert stats.max_batch_size_seen == 2 and stats.batched_blocks == 5
+    # the load a verdict reports: positions computed by its batch, and the blocks still queued behind it
+    assert [r.load.batch_tokens for r in results] == [2, 2, 2, 2, 1]
+    assert [r.load.queue_depth for r in results] == [3, 3, 1, 1, 0]
 
 
 def test_max_batch_size_must_be_positive(runner):
