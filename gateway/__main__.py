@@ -13,15 +13,12 @@ from pathlib import Path
 import uvicorn
 
 from gateway.core import Gateway, GatewayConfig
-from gateway.grpc_api import GatewayServicer
 from gateway.http import create_app
+from gateway.server import build_grpc_server
 from gateway.telemetry import GatewayMetrics
 from specmesh.config import EnvArgumentParser
-from specmesh.serving import GrpcServer, ServiceTelemetry
+from specmesh.rejection.limits import MAX_SPEC_LEN
 from specmesh.telemetry import setup_logging, setup_tracing
-from specmesh.v1 import gateway_pb2, gateway_pb2_grpc
-
-SERVICE_NAME = gateway_pb2.DESCRIPTOR.services_by_name["GatewayService"].full_name
 
 
 def _list(text: str) -> tuple[str, ...]:
@@ -45,7 +42,12 @@ def parse_args(argv=None):
     ap.flag("--tokenizer-path", default="", help="directory with the target's tokenizer (text in and out)")
     ap.flag("--model-name", default="", help="the model id clients send (default: the tokenizer directory's name)")
     ap.flag("--api-key", default="", help="comma-separated API keys; when set, requests need Authorization: Bearer")
-    ap.flag("--speculative-num-steps", type=int, default=0, help="draft tokens per block (0 = the draft's default)")
+    ap.flag(
+        "--speculative-num-steps",
+        type=int,
+        default=0,
+        help="draft tokens per block of requests that leave num_speculative_tokens unset (0 = the draft's default)",
+    )
     ap.flag("--max-prompt-tokens", type=int, default=d.max_prompt_tokens, help="longest prompt accepted")
     ap.flag("--max-tokens-limit", type=int, default=d.max_tokens_limit, help="largest max_tokens accepted")
     ap.flag("--max-body-bytes", type=int, default=1 << 20, help="largest request body accepted")
@@ -79,6 +81,8 @@ def parse_args(argv=None):
     )
     if not config.verify:
         ap.error("--verify needs at least one host:port")
+    if not 0 <= config.speculative_num_steps <= MAX_SPEC_LEN:
+        ap.error(f"--speculative-num-steps must be in [0, {MAX_SPEC_LEN}]")
     return config, a
 
 
@@ -91,8 +95,9 @@ def load_tokenizer(path: str):
 
 
 async def serve(config: GatewayConfig, args) -> None:
-    gateway = Gateway(config, load_tokenizer(args.tokenizer_path))
-    metrics = GatewayMetrics(gateway)
+    metrics = GatewayMetrics()
+    gateway = Gateway(config, load_tokenizer(args.tokenizer_path), metrics.stream)
+    metrics.watch(gateway)
     await gateway.start()
     app = create_app(gateway, _list(args.api_key), args.max_body_bytes, metrics)
     server = uvicorn.Server(
@@ -100,16 +105,7 @@ async def serve(config: GatewayConfig, args) -> None:
     )
     grpc_server = None
     if args.grpc_port >= 0:
-        servicer = GatewayServicer(gateway)
-        grpc_server = GrpcServer(
-            args.host,
-            args.grpc_port,
-            [SERVICE_NAME],
-            lambda s: gateway_pb2_grpc.add_GatewayServiceServicer_to_server(servicer, s),
-            grace_seconds=10,
-            active=lambda: gateway.inflight,
-            telemetry=ServiceTelemetry("gateway", metrics.rpc),
-        )
+        grpc_server = build_grpc_server(gateway, args.host, args.grpc_port, metrics)
         port = await grpc_server.start()
         print(f"gateway gRPC listening on {args.host}:{port}", flush=True)
     loop = asyncio.get_running_loop()

@@ -5,7 +5,8 @@ loaded), and streams the draft service's committed tokens. If a replica fails mi
 a deadline, an internal error), the replicas are probed, dead ones leave the pool, and the generation is
 replayed on healthy ones from prompt + the tokens already emitted, with max_tokens reduced: the client
 sees one stream with nothing lost and nothing repeated (under greedy decoding, the same tokens). With no
-healthy draft replica the verify service decodes target-only: slower, same output distribution.
+healthy draft replica the verify service decodes target-only: slower, same output distribution. A request
+may ask for that itself (`num_speculative_tokens` 0): it then goes to the verify replica alone.
 Errors that are the caller's (INVALID_ARGUMENT, ...) are never retried, nor is overload (429): the
 status of a downstream error comes from the one table in `specmesh.errors`.
 
@@ -28,8 +29,9 @@ from gateway.routing import Pool, Replica
 from specmesh import wire
 from specmesh.errors import CALLER_ERRORS, InvalidArgument, ResourceExhausted, Unavailable, from_grpc_code
 from specmesh.loop import SpecStats
+from specmesh.rejection.limits import MAX_SPEC_LEN
 from specmesh.sampling import SamplingParams
-from specmesh.telemetry import outgoing_metadata
+from specmesh.telemetry import StreamMetrics, outgoing_metadata
 from specmesh.text import IncrementalDetokenizer, find_stop
 from specmesh.v1 import draft_pb2, draft_pb2_grpc, verify_pb2, verify_pb2_grpc
 
@@ -41,7 +43,7 @@ class GatewayConfig:
     verify: tuple[str, ...] = ()
     draft: tuple[str, ...] = ()
     model_name: str = "specmesh"
-    speculative_num_steps: int = 0  # 0 = the draft service's default
+    speculative_num_steps: int = 0  # K of requests that leave it unset; 0 = the draft service's default
     max_prompt_tokens: int = 4096
     max_tokens_limit: int = 4096
     request_timeout_s: float = 300.0
@@ -59,7 +61,9 @@ class GenRequest:
     prompt_ids: list[int]
     params: SamplingParams
     session_id: str = ""
-    num_speculative_tokens: int = 0
+    # None: the service's choice (the draft service's default K); 0: target-only; else the most draft
+    # tokens per block.
+    num_speculative_tokens: int | None = None
     metadata: tuple = ()  # gRPC metadata for downstream calls (trace context, request id)
 
 
@@ -118,7 +122,7 @@ class TextStream:
 
 
 class Gateway:
-    def __init__(self, config: GatewayConfig, tokenizer=None):
+    def __init__(self, config: GatewayConfig, tokenizer=None, stream_metrics: StreamMetrics | None = None):
         self.config = config
         self.tokenizer = tokenizer
         kw = dict(
@@ -135,7 +139,7 @@ class Gateway:
         self.failovers = 0
         self.target_only_fallbacks = 0
         self.totals = SpecStats()  # speculation statistics of every finished generation
-        self.stream_metrics = None  # StreamMetrics (TTFT, inter-token latency), set by GatewayMetrics
+        self.stream_metrics = stream_metrics  # TTFT and inter-token latency of every generation
 
     async def start(self) -> None:
         for pool in (self.verify_pool, self.draft_pool):
@@ -180,6 +184,9 @@ class Gateway:
             raise InvalidArgument(str(e)) from None
         if req.params.stop and self.tokenizer is None:
             raise InvalidArgument("stop strings need a tokenizer and this gateway has none")
+        k = req.num_speculative_tokens
+        if k is not None and not 0 <= k <= MAX_SPEC_LEN:
+            raise InvalidArgument(f"num_speculative_tokens must be in [0, {MAX_SPEC_LEN}], got {k}")
 
     # generation -------------------------------------------------------------------------------------
     async def admit(self):
@@ -262,7 +269,7 @@ class Gateway:
         self, req: GenRequest, emitted: list[int], excluded: set[str], outcome: Outcome
     ) -> tuple[Replica, Replica | None]:
         """The verify replica (the session's, or prefix-aware) and the least loaded draft replica (None:
-        decode target-only)."""
+        decode target-only, as asked or for want of a healthy draft replica)."""
         verify = (
             self.verify_pool.for_session(req.session_id, excluded)
             if req.session_id
@@ -270,8 +277,12 @@ class Gateway:
         )
         if verify is None:
             raise Unavailable("no healthy verify replica")
-        draft = self.draft_pool.least_loaded() if self.draft_pool.replicas else None
         outcome.verify_replica = verify.address
+        if req.num_speculative_tokens == 0:
+            self.draft_pool.count("target_only_requested")  # the caller's choice, not a fallback
+            outcome.target_only = True
+            return verify, None
+        draft = self.draft_pool.least_loaded() if self.draft_pool.replicas else None
         outcome.target_only = draft is None
         if draft is None and self.draft_pool.replicas:
             self.target_only_fallbacks += 1
@@ -327,7 +338,7 @@ class Gateway:
                             prompt_ids=prompt,
                             params=pb_params,
                             verify_address=verify.address,
-                            num_speculative_tokens=k or self.config.speculative_num_steps,
+                            num_speculative_tokens=self._draft_k(k),
                         ),
                         timeout=timeout,
                         metadata=metadata,
@@ -343,6 +354,13 @@ class Gateway:
                 )
                 async for item in self._read(call, outcome, first):
                     yield item
+
+    def _draft_k(self, k: int | None) -> int | None:
+        """The K the draft service is sent: the request's, else --speculative-num-steps when set, else
+        unset (None leaves the field unset, and the draft service uses its own default)."""
+        if k is not None:
+            return k
+        return self.config.speculative_num_steps or None
 
     @staticmethod
     async def _read(call, outcome: Outcome, first: bool):

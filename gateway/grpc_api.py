@@ -22,7 +22,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         if bool(request.prompt) == bool(request.prompt_ids):
             raise InvalidArgument("give exactly one of prompt (text) and prompt_ids")
         ids = list(request.prompt_ids) or self.gateway.encode(request.prompt)
-        return GenRequest(ids, wire.params_from_pb(request.params), request.session_id, request.num_speculative_tokens)
+        return GenRequest(ids, wire.params_from_pb(request.params), request.session_id, wire.spec_len_from_pb(request))
 
     @staticmethod
     def _final(outcome: Outcome, finish) -> dict:

@@ -168,7 +168,8 @@ class Pool:
         total = sum(r.inflight for r in healthy)
         return max(1, math.ceil(self.load_factor * (total + 1) / max(1, len(healthy))))
 
-    def _count(self, kind: str) -> None:
+    def count(self, kind: str) -> None:
+        """Count a routing decision of this kind (the gateway's metrics show them by pool)."""
         self.decisions[kind] = self.decisions.get(kind, 0) + 1
 
     def for_session(self, session_id: str, exclude: set[str] = frozenset()) -> Replica | None:
@@ -190,10 +191,10 @@ class Pool:
             if first_ok is None:
                 first_ok = r
             if r.inflight < bound:
-                self._count("session_affinity" if r is first_ok else "session_overflow")
+                self.count("session_affinity" if r is first_ok else "session_overflow")
                 return r
         if first_ok is not None:
-            self._count("session_affinity")
+            self.count("session_affinity")
         return first_ok
 
     def for_prompt(self, token_ids: list[int], exclude: set[str] = frozenset()) -> Replica | None:
@@ -208,10 +209,10 @@ class Pool:
             best = max(candidates, key=lambda r: (r.match(blocks), -r.inflight))
             if best.match(blocks) / len(blocks) > PREFIX_MATCH_THRESHOLD and best.inflight < bound:
                 chosen = best
-                self._count("prefix_match")
+                self.count("prefix_match")
         if chosen is None:
             chosen = min(candidates, key=lambda r: (r.inflight, len(r.prefixes)))
-            self._count("least_loaded")
+            self.count("least_loaded")
         chosen.remember(blocks)
         return chosen
 

@@ -11,13 +11,19 @@ from specmesh.telemetry import FnCollector, RpcMetrics, StreamMetrics, spec_fami
 
 
 class GatewayMetrics:
-    def __init__(self, gateway, registry: CollectorRegistry | None = None):
+    """Built before the gateway (which reports stream timings to `stream`); `watch` adds the gateway's
+    state: its pools, queue and totals."""
+
+    def __init__(self, registry: CollectorRegistry | None = None):
         self.registry = registry or CollectorRegistry()
         self.rpc = RpcMetrics(self.registry, "gateway")
         self.stream = StreamMetrics(self.registry, "gateway")
+        self.gateway = None
+
+    def watch(self, gateway) -> GatewayMetrics:
         self.gateway = gateway
-        gateway.stream_metrics = self.stream
         self.registry.register(FnCollector(self.families))
+        return self
 
     def families(self):
         gw = self.gateway

@@ -188,7 +188,10 @@ class GenerationRequest(OpenAIRequestModel):
     frequency_penalty: Penalty = 0.0
     ignore_eos: bool = Field(False, description="a boolean")
     session_id: str | None = Field(None, min_length=1, max_length=256, description="a string of 1-256 characters")
-    num_speculative_tokens: int = Field(0, ge=0, le=MAX_SPEC_LEN, description=f"an integer in [0, {MAX_SPEC_LEN}]")
+    # Absent or null: the service's choice; 0: target-only decoding; else the most draft tokens per block.
+    num_speculative_tokens: int | None = Field(
+        None, ge=0, le=MAX_SPEC_LEN, description=f"an integer in [0, {MAX_SPEC_LEN}] (0 = target-only)"
+    )
     stream: bool = Field(False, description="a boolean")
     stream_options: StreamOptions | None = None
 

@@ -11,7 +11,7 @@ import json
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 
 from gateway.openai.protocol import APIError
-from specmesh.errors import SpecmeshError
+from specmesh.errors import Internal, SpecmeshError
 
 DONE = "data: [DONE]\n\n"
 
@@ -35,10 +35,10 @@ async def event_stream(
             yield event(payload)
     except SpecmeshError as e:
         on_error(str(e))
-        yield error_event(APIError(e.http_status, str(e)))
+        yield error_event(APIError.from_domain(e))  # the status and code an HTTP error body would carry
     except Exception as e:  # noqa: BLE001 - whatever failed, the client gets an error event, not a silent close
         on_error(repr(e))
-        yield error_event(APIError(500, f"internal error: {type(e).__name__}: {e}"))
+        yield error_event(APIError.from_domain(Internal(f"internal error: {type(e).__name__}: {e}")))
     finally:
         await payloads.aclose()
         await close()

@@ -164,6 +164,9 @@ def test_models_and_health(stack, client):
         (dict(stop=[1, 2]), "stop"),
         (dict(logprobs=2), "logprobs"),
         (dict(presence_penalty=0.5), "presence_penalty"),
+        (dict(extra_body={"num_speculative_tokens": 33}), "num_speculative_tokens"),
+        (dict(extra_body={"num_speculative_tokens": -1}), "num_speculative_tokens"),
+        (dict(extra_body={"num_speculative_tokens": "4"}), "num_speculative_tokens"),
     ],
 )
 def test_bad_requests_are_openai_400s(client, kwargs, param):
@@ -282,6 +285,83 @@ def test_grpc_front_unary_and_streaming(stack, tokenizer, reference):
     with pytest.raises(grpc.RpcError) as e:
         stub.Generate(gateway_pb2.GatewayServiceGenerateRequest(prompt="x", params=common_pb2.SamplingParams(top_p=3)))
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_num_speculative_tokens_zero_is_target_only_unset_speculates(stack, client, tokenizer, reference):
+    gw = stack[0]
+    prompt = "while True:\n"
+    ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    _, want_text, _ = reference(ids, 20)
+    r = client.completions.create(
+        model="demo", prompt=prompt, max_tokens=20, temperature=0, extra_body={"num_speculative_tokens": 0}
+    )
+    spec = r.model_extra["specmesh"]
+    assert r.choices[0].text == want_text and spec["drafted"] == 0 and spec["rounds"] == 0 and spec["target_only"]
+    messages = [{"role": "user", "content": "A loop, please."}]
+    _, want_chat, _ = reference(gw.gateway.chat_prompt(messages), 12)
+    chunks = list(
+        client.chat.completions.create(
+            model="demo",
+            messages=messages,
+            max_tokens=12,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"num_speculative_tokens": 0},
+        )
+    )
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want_chat
+    assert chunks[-1].model_extra["specmesh"]["drafted"] == 0 and chunks[-1].model_extra["specmesh"]["target_only"]
+    # absent or null: the draft service's default K; 1..32: at most that many draft tokens per block
+    for extra in ({}, {"num_speculative_tokens": None}, {"num_speculative_tokens": 1}):
+        r = client.completions.create(model="demo", prompt=prompt, max_tokens=20, temperature=0, extra_body=extra)
+        spec = r.model_extra["specmesh"]
+        assert r.choices[0].text == want_text and spec["drafted"] > 0 and not spec["target_only"], extra
+    assert len(spec["acceptance_per_pos"]) == 1  # K max 1
+
+
+def test_grpc_front_num_speculative_tokens(stack, tokenizer, reference):
+    stub = gateway_pb2_grpc.GatewayServiceStub(grpc.insecure_channel(stack[0].grpc_address))
+    ids = tokenizer("if x:\n", add_special_tokens=False)["input_ids"]
+    want_ids, want_text, _ = reference(ids, 16)
+    params = common_pb2.SamplingParams(temperature=0.0, max_tokens=16)
+    r = stub.Generate(
+        gateway_pb2.GatewayServiceGenerateRequest(prompt_ids=ids, params=params, num_speculative_tokens=0)
+    )
+    assert list(r.token_ids) == want_ids and r.text == want_text
+    assert r.target_only and r.stats.drafted == 0
+    r = stub.Generate(gateway_pb2.GatewayServiceGenerateRequest(prompt_ids=ids, params=params))
+    assert list(r.token_ids) == want_ids and not r.target_only and r.stats.drafted > 0
+    request = gateway_pb2.GatewayServiceGenerateStreamRequest(prompt_ids=ids, params=params, num_speculative_tokens=0)
+    last = list(stub.GenerateStream(request))[-1].finished
+    assert last.target_only and last.stats.drafted == 0 and last.usage.completion_tokens == 16
+    too_many = dict(prompt_ids=ids, params=params, num_speculative_tokens=33)
+    with pytest.raises(grpc.RpcError) as e:
+        stub.Generate(gateway_pb2.GatewayServiceGenerateRequest(**too_many))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "num_speculative_tokens" in e.value.details()
+    with pytest.raises(grpc.RpcError) as e:
+        list(stub.GenerateStream(gateway_pb2.GatewayServiceGenerateStreamRequest(**too_many)))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "num_speculative_tokens" in e.value.details()
+
+
+def test_an_error_mid_stream_is_an_event_with_its_code(target, tokenizer):
+    verify = start_verify(target, tokenizer)
+    gw = GatewayServer([verify.address], [], tokenizer)
+    try:
+        client = openai.OpenAI(base_url=gw.base_url + "/v1", api_key="unused", max_retries=0)
+        stream = client.completions.create(
+            model="demo", prompt="x", max_tokens=1000, temperature=0, stream=True, extra_body={"ignore_eos": True}
+        )
+        chunks = iter(stream)
+        next(chunks)
+        verify.stop()  # the only verify replica goes away mid-stream: nowhere to fail over to
+        with pytest.raises(openai.APIError) as e:
+            for _ in chunks:
+                pass
+        assert e.value.body["code"] == "service_unavailable" and e.value.body["type"] == "service_unavailable_error"
+    finally:
+        gw.stop()
+        verify.stop()
 
 
 def test_session_sticks_to_its_replica_and_reuses_kv(stack, client, reference):

@@ -6,6 +6,7 @@ import logging
 import urllib.request
 from pathlib import Path
 
+import grpc
 import openai
 import pytest
 from opentelemetry import trace
@@ -13,9 +14,10 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from prometheus_client.parser import text_string_to_metric_families
 from transformers import AutoTokenizer
 
+from specmesh import telemetry
+from specmesh.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from tests.support.models import noisy_copy, tiny_model
 from tests.support.services import GatewayServer, start_draft, start_verify
-from specmesh import telemetry
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -147,6 +149,37 @@ def test_metrics_on_every_service_move_with_requests(stack):
     assert total(after[v], "specmesh_verify_sessions", state="active") == 0
     assert "specmesh_verify_kv_cache_bytes" in after[v] and "specmesh_verify_queue_depth" in after[v]
     assert after[v]["specmesh_verify_spec_acceptance_rate_per_pos"]
+
+
+def test_target_only_requests_never_reach_the_draft_service(stack):
+    gw, _, draft = stack
+    urls = {"gateway": gw.base_url + "/metrics", "draft": f"http://127.0.0.1:{draft.server.metrics_port}/metrics"}
+    before = {k: scrape(u) for k, u in urls.items()}
+    client = openai.OpenAI(base_url=gw.base_url + "/v1", api_key="x", max_retries=0)
+    r = client.completions.create(model="demo", prompt="x = ", max_tokens=8, temperature=0,
+                                  extra_body={"num_speculative_tokens": 0})
+    assert r.model_extra["specmesh"]["drafted"] == 0
+    stub = gateway_pb2_grpc.GatewayServiceStub(grpc.insecure_channel(gw.grpc_address))
+    params = common_pb2.SamplingParams(temperature=0.0, max_tokens=8)
+    assert stub.Generate(gateway_pb2.GatewayServiceGenerateRequest(prompt="y = ", params=params,
+                                                                   num_speculative_tokens=0)).target_only
+    # then one speculative request: the draft service counts a call when its handler ends, so by the time
+    # this one is counted the earlier ones would have been too
+    client.completions.create(model="demo", prompt="z = ", max_tokens=8, temperature=0)
+    import time
+
+    def moved(service, name, **labels):
+        return total(after[service], name, **labels) - total(before[service], name, **labels)
+
+    for _ in range(100):
+        after = {k: scrape(u) for k, u in urls.items()}
+        if moved("draft", "specmesh_requests_total", method="Generate") >= 1:
+            break
+        time.sleep(0.02)
+    assert moved("draft", "specmesh_requests_total", method="Generate") == 1
+    g = "gateway"
+    assert moved(g, "specmesh_gateway_routing_decisions_total", pool="draft", decision="target_only_requested") == 2
+    assert moved(g, "specmesh_gateway_target_only_total") == 0  # asked for: not a "no healthy draft" fallback
 
 
 def test_json_logs_carry_trace_and_request_ids(spans):

@@ -73,10 +73,9 @@ class GatewayServer:
         import uvicorn
 
         from gateway.core import Gateway, GatewayConfig
-        from gateway.grpc_api import GatewayServicer
         from gateway.http import create_app
-        from specmesh.serving import GrpcServer
-        from specmesh.v1 import gateway_pb2_grpc
+        from gateway.server import build_grpc_server
+        from gateway.telemetry import GatewayMetrics
 
         config.setdefault("health_interval_s", 0.2)
         config.setdefault("model_name", "demo")
@@ -88,20 +87,15 @@ class GatewayServer:
         self.thread.start()
 
         async def build():
-            from gateway.telemetry import GatewayMetrics
-            from specmesh.serving import ServiceTelemetry
-
-            self.gateway = Gateway(self.config, tokenizer)
-            self.metrics = GatewayMetrics(self.gateway)
+            self.metrics = GatewayMetrics()
+            self.gateway = Gateway(self.config, tokenizer, self.metrics.stream)
+            self.metrics.watch(self.gateway)
             await self.gateway.start()
             app = create_app(self.gateway, tuple(api_keys), max_body_bytes, self.metrics)
             self.http = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
             self.http.install_signal_handlers = lambda: None
             self.http_task = asyncio.ensure_future(self.http.serve())
-            servicer = GatewayServicer(self.gateway)
-            self.grpc = GrpcServer("127.0.0.1", 0, ["specmesh.v1.GatewayService"],
-                                   lambda s: gateway_pb2_grpc.add_GatewayServiceServicer_to_server(servicer, s),
-                                   telemetry=ServiceTelemetry("gateway", self.metrics.rpc))
+            self.grpc = build_grpc_server(self.gateway, "127.0.0.1", 0, self.metrics)
             self.grpc_address = f"127.0.0.1:{await self.grpc.start()}"
 
         asyncio.run_coroutine_threadsafe(build(), self.loop).result(60)
