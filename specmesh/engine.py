@@ -7,12 +7,13 @@ between the two is exactly the cost of the network.
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from specmesh.drafters import Algorithm, make_drafter
+from specmesh.drafters import Algorithm, DraftBatcher, make_drafter
 from specmesh.errors import InvalidArgument
 from specmesh.loop import GenerationResult, speculative_generate
 from specmesh.models import eos_token_ids, load_model
@@ -37,6 +38,8 @@ class SpeculativeEngine:
         self.sampler = sampler
         self.tokenizer = tokenizer
         self.draft_topk = draft_topk
+        # In process the forwards run inline: one session, nothing to overlap with.
+        self.batcher = DraftBatcher(draft_runner, draft_topk) if draft_runner is not None else None
 
     @classmethod
     def from_models(cls, target_model, draft_model=None, sampler=None, tokenizer=None, sampler_backend: str = "auto",
@@ -59,16 +62,22 @@ class SpeculativeEngine:
 
     def generate(self, prompt_ids: list[int], params: SamplingParams, num_speculative_tokens: int = 4,
                  algorithm: str = "standalone") -> GenerationResult:
+        """Generate to completion (from synchronous code; `agenerate` inside an event loop)."""
+        with torch.inference_mode():
+            return asyncio.run(self.agenerate(prompt_ids, params, num_speculative_tokens, algorithm))
+
+    async def agenerate(self, prompt_ids: list[int], params: SamplingParams, num_speculative_tokens: int = 4,
+                        algorithm: str = "standalone") -> GenerationResult:
         params.validate(self.target.vocab_size)
         check_token_ids(prompt_ids, self.target.vocab_size)
         if not 0 <= num_speculative_tokens <= MAX_SPEC_LEN:
             raise InvalidArgument(f"num_speculative_tokens must be in [0, {MAX_SPEC_LEN}], got {num_speculative_tokens}")
-        drafter = make_drafter(Algorithm.parse(algorithm), self.draft, self.draft_topk)
+        drafter = make_drafter(Algorithm.parse(algorithm), self.batcher)
         decode = (lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)) if self.tokenizer else None
         stop = StopChecker(params, eos_token_ids(self.target.model), decode)
         with torch.inference_mode():
-            result = speculative_generate(LocalVerifier(self.target, self.sampler), drafter, prompt_ids, params,
-                                          num_speculative_tokens, stop)
+            result = await speculative_generate(LocalVerifier(self.target, self.sampler), drafter, prompt_ids,
+                                                params, num_speculative_tokens, stop)
         if decode is not None:
             result.text = stop.text()
         return result

@@ -5,7 +5,11 @@ round: accepted drafts, then the recovered or bonus token). In-process generatio
 drafter and a local verifier; the draft service plugs in a remote verifier that speaks gRPC. K = 0 is
 target-only decoding through the very same path, the baseline every speedup is measured against.
 
-Pipelined drafting: `Verifier.submit` returns a future, and while it is pending the drafter keeps going
+The loop is a coroutine: in the draft service every session's loop runs on the one event loop that also
+owns the gRPC streams and the batched draft model, so a round costs no thread hand-off; in process it runs
+under `asyncio.run`.
+
+Pipelined drafting: `Verifier.submit` returns an awaitable, and while it is pending the drafter keeps going
 past the block as if all of it were accepted: first a guess of the bonus token, then the next block. If
 the verdict accepts the whole block and its bonus equals the guess, the next block is already drafted;
 otherwise it is thrown away (the drafter's cache rolls back on its own). Keeping it is exact: the kept
@@ -15,31 +19,34 @@ tokens before them. A local verifier completes at once, so nothing is drafted ah
 
 from __future__ import annotations
 
+import asyncio
 import time
-from collections.abc import Callable, Sequence
-from concurrent.futures import Future
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from specmesh.domain import DraftBlock, SpecStats, Verdict
+from specmesh.domain import BatchLoad, DraftBlock, SpecStats, Verdict
 from specmesh.sampling import SamplingParams, StopChecker
 
 
 class Drafter(Protocol):
-    def start(self, prompt_ids: list[int], params: SamplingParams) -> None: ...
+    async def start(self, prompt_ids: list[int], params: SamplingParams) -> None: ...
 
-    def propose(self, k: int, after: Sequence[int] = (), should_stop: Callable[[], bool] | None = None) -> DraftBlock:
+    async def propose(self, k: int, after: Sequence[int] = (),
+                      should_stop: Callable[[], bool] | None = None) -> DraftBlock:
         """Draft up to k tokens continuing the committed tokens + `after` (tokens assumed, not committed);
         return early, with fewer tokens, once should_stop() is true."""
+        ...
 
     def commit(self, tokens: list[int]) -> None: ...
 
 
 class Verifier(Protocol):
-    def start(self, prompt_ids: list[int], params: SamplingParams) -> None: ...
+    async def start(self, prompt_ids: list[int], params: SamplingParams) -> None: ...
 
-    def submit(self, proposal: DraftBlock) -> Future[Verdict]:
-        """Start verifying; the Future's result is the Verdict."""
+    def submit(self, proposal: DraftBlock) -> Awaitable[Verdict]:
+        """Start verifying now; the awaitable's result is the Verdict."""
+        ...
 
 
 @dataclass
@@ -74,7 +81,8 @@ class FixedK:
     def next_k(self) -> int:
         return self.k_max
 
-    def observe(self, k: int, num_accepted: int, draft_seconds: float, verify_seconds: float) -> None:
+    def observe(self, k: int, num_accepted: int, draft_seconds: float, verify_seconds: float,
+                load: BatchLoad | None = None) -> None:
         pass
 
 
@@ -104,7 +112,8 @@ class AdaptiveK:
     def alpha(self) -> float:
         return min(self.accepted / self.trials, 0.999) if self.trials else 0.0
 
-    def observe(self, k: int, num_accepted: int, draft_seconds: float, verify_seconds: float) -> None:
+    def observe(self, k: int, num_accepted: int, draft_seconds: float, verify_seconds: float,
+                load: BatchLoad | None = None) -> None:
         ema = lambda old, new: new if old is None else 0.8 * old + 0.2 * new
         if k > 0:
             self.accepted = self.decay * self.accepted + num_accepted
@@ -131,7 +140,81 @@ class AdaptiveK:
         return best
 
 
-def speculative_generate(
+class GoodputK(AdaptiveK):
+    """K chosen for the tokens the verifier commits per second across its whole batch, not for one session.
+
+    Each verdict reports the batch that served it (`BatchLoad`: sessions, positions computed, forward
+    seconds). From those a live linear model of the target forward, t_fwd(T) = a + b·T over the batch's
+    positions T, is fitted by exponentially weighted least squares. With N sessions in the batch each
+    drafting K, a round takes K·t_draft + o + t_fwd(N·(K + 1)), o being what the round costs besides the
+    forward (network, queueing, sampling), and commits N·E(K) tokens; K maximises their ratio. Where the
+    verifier is compute-bound (b·N large against a), every extra draft position costs more target time
+    than it saves and K falls to 0: speculation never loses to target-only. With no load reports (an
+    in-process verifier) it is AdaptiveK. While every batch has the same size the slope cannot be seen, so
+    every `explore_every` rounds one round drafts a different K until the batch sizes spread out.
+    """
+
+    def __init__(self, k_max: int, decay: float = 0.95, explore_every: int = 8, **kw):
+        super().__init__(k_max, **kw)
+        self.fit_decay = decay
+        self.explore_every = explore_every
+        self._rounds = 0
+        self._sums = [0.0] * 5  # weighted n, ΣT, ΣT², Σy, ΣTy of (batch tokens T, forward seconds y)
+        self.batch_size: float | None = None
+        self.overhead: float | None = None  # seconds per round outside the target forward
+
+    def observe(self, k: int, num_accepted: int, draft_seconds: float, verify_seconds: float,
+                load: BatchLoad | None = None) -> None:
+        super().observe(k, num_accepted, draft_seconds, verify_seconds, load)
+        if load is None or load.batch_size <= 0 or load.batch_tokens <= 0:
+            return
+        ema = lambda old, new: new if old is None else 0.8 * old + 0.2 * new
+        d, t, y = self.fit_decay, float(load.batch_tokens), load.batch_seconds
+        for j, v in enumerate((1.0, t, t * t, y, t * y)):
+            self._sums[j] = d * self._sums[j] + v
+        self.batch_size = ema(self.batch_size, float(load.batch_size))
+        self.overhead = ema(self.overhead, max(0.0, verify_seconds - load.batch_seconds))
+
+    def _spread(self) -> tuple[float, float]:
+        n, st, stt = self._sums[:3]
+        mean_t = st / n
+        return mean_t, stt / n - mean_t * mean_t
+
+    def forward_model(self) -> tuple[float, float] | None:
+        """(a, b) of t_fwd(T) = a + b·T, b >= 0; None before any load report."""
+        n, _, _, sy, sty = self._sums
+        if n <= 0:
+            return None
+        mean_t, var = self._spread()
+        mean_y = sy / n
+        b = max(0.0, (sty / n - mean_t * mean_y) / var) if var > 1e-6 * max(1.0, mean_t * mean_t) else 0.0
+        return max(0.0, mean_y - b * mean_t), b
+
+    def next_k(self) -> int:
+        fit = self.forward_model()
+        if fit is None or self.t_draft is None or self.batch_size is None or self.overhead is None:
+            return super().next_k()
+        a, b = fit
+        n, t_draft, overhead = self.batch_size, self.t_draft, self.overhead
+
+        def rate(k: int) -> float:
+            return self.expected_tokens(k) / (k * t_draft + overhead + a + b * n * (k + 1))
+
+        best = max(range(self.k_max + 1), key=lambda k: (rate(k), -k))
+        self._rounds += 1
+        mean_t, var = self._spread()
+        if self._rounds % self.explore_every == 0 and var < 0.01 * mean_t * mean_t:
+            return best // 2 if best > 1 else min(best + 1, self.k_max)
+        if best == 0:
+            self.rounds_at_zero += 1
+            if self.rounds_at_zero % self.probe_every == 0:
+                return min(1, self.k_max)
+        else:
+            self.rounds_at_zero = 0
+        return best
+
+
+async def speculative_generate(
     verifier: Verifier,
     drafter: Drafter | None,
     prompt_ids: list[int],
@@ -150,9 +233,9 @@ def speculative_generate(
     if drafter is None:
         policy = FixedK(0)
     stats = SpecStats()
-    verifier.start(prompt_ids, params)
+    await verifier.start(prompt_ids, params)
     if drafter is not None and policy.k_max:
-        drafter.start(prompt_ids, params)
+        await drafter.start(prompt_ids, params)
     ahead: DraftBlock | None = None  # the next block, drafted while the previous one was being verified
     while not stop.finished:
         if cancelled is not None and cancelled():
@@ -166,26 +249,31 @@ def speculative_generate(
             proposal, from_ahead = ahead[:k], True
         elif k > 0:
             assert drafter is not None  # k <= policy.k_max, and that is 0 without a drafter
-            proposal = (ahead or DraftBlock([])) + drafter.propose(k - (ahead.k if ahead else 0),
-                                                                 after=ahead.token_ids if ahead else ())
+            proposal = (ahead or DraftBlock([])) + await drafter.propose(k - (ahead.k if ahead else 0),
+                                                                       after=ahead.token_ids if ahead else ())
         else:
             proposal = DraftBlock([])
         t1 = time.perf_counter()
-        pending = verifier.submit(proposal)
+        pending = asyncio.ensure_future(verifier.submit(proposal))
         guess = None
-        if pipeline and proposal.k and proposal.k == k and budget - k > 1:
-            assert drafter is not None  # a non-empty proposal was drafted
-            # Guess the bonus, then draft the next block, until the verdict arrives.
-            guess = drafter.propose(k + 1, after=proposal.token_ids, should_stop=pending.done)
-        t2 = time.perf_counter()
-        verdict = pending.result()
+        try:
+            if pipeline and proposal.k and proposal.k == k and budget - k > 1:
+                assert drafter is not None  # a non-empty proposal was drafted
+                # Guess the bonus, then draft the next block, until the verdict arrives.
+                guess = await drafter.propose(k + 1, after=proposal.token_ids, should_stop=pending.done)
+            t2 = time.perf_counter()
+            verdict = await pending
+        finally:
+            if not pending.done():  # cancelled, or drafting ahead failed: the verification is not wanted
+                pending.cancel()
         t3 = time.perf_counter()
         drafted = proposal.k if verdict.num_drafted is None else verdict.num_drafted
         stats.draft_seconds += (t1 - t0) + (t2 - t1)
         stats.verify_seconds += t3 - t2
         stats.record(drafted, verdict.num_accepted)
         # A block drafted during the previous verification cost no time here: no draft-speed sample.
-        policy.observe(drafted, verdict.num_accepted, 0.0 if from_ahead else t1 - t0, t3 - t1)
+        policy.observe(drafted, verdict.num_accepted, 0.0 if from_ahead else t1 - t0, t3 - t1,
+                       verdict.load if verdict.load.batch_size else None)
         if on_round is not None:
             on_round(RoundRecord(proposal.k, drafted, verdict.num_accepted, len(verdict.tokens), t0, t1, t2, t3,
                                  from_pipeline=ahead is not None))

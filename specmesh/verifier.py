@@ -6,7 +6,6 @@ the in-process `LocalVerifier` runs for its one sequence: a single code path for
 
 from __future__ import annotations
 
-from concurrent.futures import Future
 from typing import Any
 
 import torch
@@ -38,7 +37,7 @@ class LocalVerifier:
         self.sampler = sampler
         self.seq: RunnerSequence | None = None
 
-    def start(self, prompt_ids: list[int], params: SamplingParams) -> None:
+    async def start(self, prompt_ids: list[int], params: SamplingParams) -> None:
         self.params = params
         self.generator = make_generator(params.seed, self.runner.device)
         if self.seq is None:
@@ -47,9 +46,7 @@ class LocalVerifier:
             self.seq.reset_tokens(prompt_ids)  # a new turn: the cached common prefix is reused
         self.runner.prefill(self.seq)
 
-    def submit(self, proposal: DraftBlock) -> Future:
+    async def submit(self, proposal: DraftBlock) -> Verdict:
         assert self.seq is not None  # start() comes first
         block = RejectionInput(proposal, self.params, self.generator)
-        done: Future[Verdict] = Future()
-        done.set_result(verify_batch(self.runner, self.sampler, [self.seq], [block])[0])
-        return done
+        return verify_batch(self.runner, self.sampler, [self.seq], [block])[0]

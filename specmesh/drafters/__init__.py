@@ -6,13 +6,12 @@
 from __future__ import annotations
 
 import enum
-from typing import Any
 
+from specmesh.drafters.batcher import DraftBatcher
 from specmesh.drafters.model import ModelDrafter
 from specmesh.drafters.ngram import NgramDrafter
 from specmesh.errors import InvalidArgument
 from specmesh.loop import Drafter
-from specmesh.runtime import Runner
 
 
 class Algorithm(str, enum.Enum):
@@ -34,12 +33,12 @@ class Algorithm(str, enum.Enum):
 ALGORITHMS = tuple(a.value for a in Algorithm)
 
 
-def make_drafter(algorithm: Algorithm | str, runner: Runner[Any] | None = None, draft_topk: int = 16) -> Drafter | None:
+def make_drafter(algorithm: Algorithm | str, batcher: DraftBatcher | None = None) -> Drafter | None:
     """A fresh drafter for one generation; None when the method needs a model and there is none."""
     algorithm = Algorithm.parse(algorithm) if isinstance(algorithm, str) else algorithm
     if algorithm is Algorithm.NGRAM:
         return NgramDrafter()
-    return ModelDrafter(runner, draft_topk) if runner is not None else None
+    return ModelDrafter(batcher) if batcher is not None else None
 
 
-__all__ = ["ALGORITHMS", "Algorithm", "ModelDrafter", "NgramDrafter", "make_drafter"]
+__all__ = ["ALGORITHMS", "Algorithm", "DraftBatcher", "ModelDrafter", "NgramDrafter", "make_drafter"]

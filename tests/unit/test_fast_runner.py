@@ -1,11 +1,13 @@
 """StaticCacheRunner: same logits and cache semantics as ModelRunner, lossless as the engine's draft runner."""
 
+import asyncio
+
 import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, Qwen3Config, Qwen3ForCausalLM
 
 from tests.support.models import noisy_copy, tiny_model
-from specmesh.drafters import ModelDrafter
+from specmesh.drafters import DraftBatcher, ModelDrafter
 from specmesh.engine import SpeculativeEngine
 from specmesh.runtime.static import StaticCacheRunner
 from specmesh.runtime.hf import ModelRunner
@@ -154,22 +156,27 @@ def test_speculative_greedy_with_static_draft_equals_target_greedy(tiny_pair):
 def test_model_drafter_sampling_and_new_turn():
     """ModelDrafter unchanged on top: seeded sampled drafts and their q equal ModelRunner's; turns reuse."""
     model = noisy_copy(tiny_model("llama", seed=9), 0.0)
-    drafters = [ModelDrafter(ModelRunner(model)), ModelDrafter(StaticCacheRunner(model))]
+    drafters = [ModelDrafter(DraftBatcher(ModelRunner(model))), ModelDrafter(DraftBatcher(StaticCacheRunner(model)))]
     params = SamplingParams(temperature=0.8, top_k=20, seed=3)
-    for d in drafters:
-        d.start([1, 2, 3, 4], params)
-    for turn in range(2):
-        for rnd in range(6):
-            a, b = (d.propose(3) for d in drafters)
-            assert a.token_ids == b.token_ids
-            torch.testing.assert_close(b.q_ids, a.q_ids)
-            torch.testing.assert_close(b.q_probs, a.q_probs, atol=1e-5, rtol=0)
-            for d in drafters:
-                d.commit(a.token_ids[: rnd % 4] + [rnd])
-        prompt = drafters[0].seq.token_ids[:10] + [9, 9]
+
+    async def run():
         for d in drafters:
-            d.start(prompt, params)  # a new turn: the cached common prefix is reused
-    assert drafters[1].runner.prefix_tokens_reused == drafters[0].runner.prefix_tokens_reused > 0
+            await d.start([1, 2, 3, 4], params)
+        for _turn in range(2):
+            for rnd in range(6):
+                a, b = [await d.propose(3) for d in drafters]
+                assert a.token_ids == b.token_ids
+                torch.testing.assert_close(b.q_ids, a.q_ids)
+                torch.testing.assert_close(b.q_probs, a.q_probs, atol=1e-5, rtol=0)
+                for d in drafters:
+                    d.commit(a.token_ids[: rnd % 4] + [rnd])
+            prompt = drafters[0].state.seq.token_ids[:10] + [9, 9]
+            for d in drafters:
+                await d.start(prompt, params)  # a new turn: the cached common prefix is reused
+
+    asyncio.run(run())
+    reused = [d.batcher.runner.prefix_tokens_reused for d in drafters]
+    assert reused[1] == reused[0] > 0
 
 
 def test_in_place_weight_updates_are_seen():

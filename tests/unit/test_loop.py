@@ -1,11 +1,11 @@
 """The loop's K policy and pipelined drafting, without models or network."""
 
-import threading
-import time
-from concurrent.futures import Future
+import asyncio
 
-from specmesh.domain import DraftBlock, Verdict
-from specmesh.loop import AdaptiveK, speculative_generate
+import pytest
+
+from specmesh.domain import BatchLoad, DraftBlock, Verdict
+from specmesh.loop import AdaptiveK, GoodputK, speculative_generate
 from specmesh.sampling import SamplingParams, StopChecker
 
 
@@ -38,39 +38,36 @@ def test_adaptive_k_backs_off_when_verification_is_cheap_relative_to_drafting():
 
 
 class ScriptedVerifier:
-    """Accepts everything and answers after a delay on another thread, so the loop drafts ahead."""
+    """Accepts everything and answers after a delay, so the loop drafts ahead meanwhile."""
 
     def __init__(self, delay, bonus):
         self.delay, self.bonus, self.blocks = delay, bonus, []
 
-    def start(self, prompt_ids, params):
+    async def start(self, prompt_ids, params):
         self.committed = list(prompt_ids)
 
-    def submit(self, proposal):
+    async def submit(self, proposal):
         self.blocks.append(list(proposal.token_ids))
-        fut = Future()
-
-        def answer():
-            time.sleep(self.delay)
-            tokens = proposal.token_ids + [self.bonus(self.committed + proposal.token_ids)]
-            self.committed += tokens
-            fut.set_result(Verdict(tokens, proposal.k, proposal.k))
-        threading.Thread(target=answer).start()
-        return fut
+        await asyncio.sleep(self.delay)
+        tokens = proposal.token_ids + [self.bonus(self.committed + proposal.token_ids)]
+        self.committed += tokens
+        return Verdict(tokens, proposal.k, proposal.k)
 
 
 class CountingDrafter:
-    """Drafts t+1 after t: the verifier's bonus agrees with it, so every drafted-ahead block is kept."""
+    """Drafts t+1 after t: the verifier's bonus agrees with it, so every drafted-ahead block is kept.
+    Each token takes a moment (as a draft forward does), so a verification can finish mid-block."""
 
-    def start(self, prompt_ids, params):
+    async def start(self, prompt_ids, params):
         self.tokens = list(prompt_ids)
 
-    def propose(self, k, after=(), should_stop=None):
+    async def propose(self, k, after=(), should_stop=None):
         ctx = self.tokens + list(after)
         out = []
         for _ in range(k):
             if should_stop is not None and should_stop():
                 break
+            await asyncio.sleep(0.001)
             out.append((ctx + out)[-1] + 1)
         return DraftBlock(out)
 
@@ -81,22 +78,74 @@ class CountingDrafter:
 def test_pipelined_blocks_are_used_when_the_guess_holds():
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     verifier = ScriptedVerifier(0.01, bonus=lambda ctx: ctx[-1] + 1)
-    r = speculative_generate(verifier, CountingDrafter(), [1], params, 3, StopChecker(params), pipeline=True)
+    r = asyncio.run(speculative_generate(verifier, CountingDrafter(), [1], params, 3, StopChecker(params),
+                                         pipeline=True))
     assert r.token_ids == list(range(2, 42))
     assert r.stats.pipelined_used > 5  # blocks drafted while the previous one was verified
     # the same output without pipelining
-    r2 = speculative_generate(ScriptedVerifier(0.0, lambda c: c[-1] + 1), CountingDrafter(), [1], params, 3,
-                              StopChecker(params), pipeline=False)
+    r2 = asyncio.run(speculative_generate(ScriptedVerifier(0.0, lambda c: c[-1] + 1), CountingDrafter(), [1], params,
+                                          3, StopChecker(params), pipeline=False))
     assert r2.token_ids == r.token_ids and r2.stats.pipelined_used == 0
 
 
 def test_pipelined_blocks_are_dropped_when_the_bonus_differs():
     params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
     verifier = ScriptedVerifier(0.01, bonus=lambda ctx: 0)  # never the drafter's guess
-    r = speculative_generate(verifier, CountingDrafter(), [1], params, 3, StopChecker(params), pipeline=True)
+    r = asyncio.run(speculative_generate(verifier, CountingDrafter(), [1], params, 3, StopChecker(params),
+                                         pipeline=True))
     assert r.stats.pipelined_used == 0 and r.stats.pipelined_discarded > 0
     # every block sent continues exactly the committed tokens
     committed = [1]
     for block, start in zip(verifier.blocks, range(len(verifier.blocks))):
         assert block == [committed[-1] + 1 + i for i in range(len(block))]
         committed += block + [0]
+
+
+def observe_load(policy, n, base, per_token, alpha=0.7, rounds=64, overhead=0.002):
+    """Rounds at varied K against a verifier whose batch of n sessions takes base + per_token·(positions)."""
+    for i in range(rounds):
+        k = i % (policy.k_max + 1)
+        tokens = n * (k + 1)
+        batch_s = base + per_token * tokens
+        policy.observe(k, round(alpha * k), 0.001 * k, overhead + batch_s,
+                       BatchLoad(0.0, batch_s, n, tokens, 0))
+
+
+def test_goodput_k_falls_to_zero_when_the_verifier_is_compute_bound():
+    heavy, light = GoodputK(8), GoodputK(8)
+    observe_load(heavy, n=16, base=0.01, per_token=0.004)  # every position costs the batch 4 ms
+    observe_load(light, n=16, base=0.03, per_token=0.0001)  # memory-bound: positions are nearly free
+    a, b = heavy.forward_model()
+    assert a == pytest.approx(0.01, rel=1e-3) and b == pytest.approx(0.004, rel=1e-3)
+    assert [heavy.next_k() for _ in range(15)].count(0) >= 14
+    assert light.next_k() >= 4
+
+
+def test_goodput_k_sees_the_whole_batch_not_one_session():
+    """The same per-position cost: one session alone drafts, sixteen in one batch do not."""
+    alone, crowded = GoodputK(8), GoodputK(8)
+    observe_load(alone, n=1, base=0.02, per_token=0.006)
+    observe_load(crowded, n=16, base=0.02, per_token=0.006)
+    assert alone.next_k() >= 3 and crowded.next_k() == 0
+
+
+class LoadedVerifier(ScriptedVerifier):
+    """Accepts one draft token per block (acceptance about 0.5) and reports a batch of 16 sessions drafting
+    what this one drafts, its forward cost growing with the positions computed."""
+
+    async def submit(self, proposal):
+        self.blocks.append(list(proposal.token_ids))
+        accepted = proposal.token_ids[:1]
+        tokens = accepted + [self.bonus(self.committed + accepted)]
+        self.committed += tokens
+        positions = 16 * (proposal.k + 1)
+        return Verdict(tokens, len(accepted), proposal.k, load=BatchLoad(0.0, 0.01 + 0.004 * positions, 16, positions))
+
+
+def test_the_loop_moves_k_toward_zero_against_a_compute_bound_verifier():
+    params = SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True)
+    verifier = LoadedVerifier(0.0, bonus=lambda ctx: ctx[-1] + 1)
+    r = asyncio.run(speculative_generate(verifier, CountingDrafter(), [1], params, GoodputK(6), StopChecker(params)))
+    assert r.token_ids == list(range(2, 122))  # the output never depends on K
+    late = [len(b) for b in verifier.blocks[-20:]]
+    assert verifier.blocks[0] and late.count(0) >= 15

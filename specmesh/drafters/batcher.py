@@ -1,0 +1,228 @@
+"""Batched drafting: one draft-model forward advances every session that is drafting by one token.
+
+Each session's drafter awaits `DraftBatcher.next_token`; the batcher's tick takes every request waiting
+(and every prompt waiting to be prefilled), runs ONE forward over all of them on the model executor, samples
+each row under its own session's parameters, and answers each request. A session that reaches its K simply
+stops asking and its block goes out at once; a session whose block is being verified keeps asking (drafting
+ahead), so pipelined sessions share the same forwards. Sessions join and leave between ticks.
+
+Sampling is exact per session: row i is processed by `process_logits` with session i's parameters and
+sampled from the top `draft_topk` entries renormalised, with session i's generator; that sparse q is what
+the block carries, so the verifier's test is exact whatever the batch looked like.
+
+The executor decides where forwards run: inline (in-process generation, one session) or a single model
+thread (the draft service), so the event loop never blocks on torch there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from specmesh.runtime import Runner, RunnerSequence
+from specmesh.sampling import BatchSamplingParams, SamplingParams, process_logits
+
+DRAFT_SEED_SALT = 0x5EED_D4AF7  # the draft's stream must differ from the verifier's for the same seed
+
+Executor = Callable[..., Awaitable[Any]]  # run_on_model(fn, *args) -> fn(*args), wherever models run
+
+
+async def run_inline(fn: Callable[..., Any], *args: Any) -> Any:
+    return fn(*args)
+
+
+@dataclass
+class DraftState:
+    """One session's drafting state: its sequence in the draft runner and how it samples."""
+
+    seq: RunnerSequence
+    params: SamplingParams
+    generator: torch.Generator
+    tokens_drafted: int = 0  # including tokens drafted ahead and thrown away
+    draft_seconds: float = 0.0  # this session's share of the forwards it took part in
+
+    @classmethod
+    def new(cls, seq: RunnerSequence, params: SamplingParams, device) -> DraftState:
+        generator = torch.Generator(device=device)
+        if params.seed is not None:
+            generator.manual_seed(params.seed ^ DRAFT_SEED_SALT)
+        else:
+            generator.seed()
+        return cls(seq, params, generator)
+
+
+@dataclass(frozen=True)
+class DraftToken:
+    token_id: int
+    q_ids: torch.Tensor | None  # [S] int64: the support sampled from; None for greedy (a point mass)
+    q_probs: torch.Tensor | None  # [S] float32
+
+
+@dataclass
+class _Request:
+    state: DraftState
+    future: asyncio.Future
+    prefill_only: bool = False
+
+
+@dataclass
+class BatcherStats:
+    forwards: int = 0
+    rows: int = 0  # sessions advanced, summed over forwards (rows / forwards = mean draft batch)
+    prefills: int = 0
+    seconds: float = 0.0
+    batch_size_hist: dict[int, int] = field(default_factory=dict)
+
+    @property
+    def mean_batch(self) -> float:
+        return self.rows / self.forwards if self.forwards else 0.0
+
+
+class DraftBatcher:
+    def __init__(self, runner: Runner[Any], draft_topk: int = 16, execute: Executor = run_inline,
+                 on_batch: Callable[[int, float], None] | None = None):
+        if draft_topk < 1:
+            raise ValueError("draft_topk must be >= 1")
+        self.runner = runner
+        self.draft_topk = draft_topk
+        self.execute = execute
+        self.on_batch = on_batch  # (sessions advanced, seconds) per forward, for metrics
+        self.stats = BatcherStats()
+        self._waiting: list[_Request] = []
+        self._wake: asyncio.Event | None = None
+        self._task: asyncio.Task | None = None
+
+    # session side ---------------------------------------------------------------------------------
+    def new_state(self, prompt_ids: list[int], params: SamplingParams, reuse: DraftState | None = None) -> DraftState:
+        """A session's state for a new turn; `reuse` keeps the previous turn's cache (its common prefix)."""
+        if reuse is None:
+            seq = self.runner.new_sequence(prompt_ids)
+        else:
+            seq = reuse.seq
+            seq.reset_tokens(prompt_ids)
+        state = DraftState.new(seq, params, self.runner.device)
+        if reuse is not None:
+            state.tokens_drafted, state.draft_seconds = reuse.tokens_drafted, reuse.draft_seconds
+        return state
+
+    async def prefill(self, state: DraftState) -> None:
+        """Cache the session's committed tokens, in the next forward with everyone else's work."""
+        await self._submit(_Request(state, self._loop().create_future(), prefill_only=True))
+
+    async def next_token(self, state: DraftState) -> DraftToken:
+        """The next draft token after the state's sequence (committed + assumed tokens)."""
+        return await self._submit(_Request(state, self._loop().create_future()))
+
+    # the tick -------------------------------------------------------------------------------------
+    def _loop(self) -> asyncio.AbstractEventLoop:
+        loop = asyncio.get_running_loop()
+        if self._task is None or self._task.done() or self._task.get_loop() is not loop:
+            self._wake = asyncio.Event()
+            self._task = loop.create_task(self._run(), name="draft-batcher")
+        return loop
+
+    async def _submit(self, request: _Request):
+        self._waiting.append(request)
+        assert self._wake is not None  # made by _loop() with the request's future
+        self._wake.set()
+        return await request.future
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            self._task = None
+
+    async def _run(self) -> None:
+        assert self._wake is not None
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            # One turn of the event loop: sessions answered by the last tick ask for their next token now.
+            await asyncio.sleep(0)
+            batch = [r for r in self._waiting if not r.future.done()]
+            self._waiting = []
+            if not batch:
+                continue
+            try:
+                results = await self.execute(self._step, batch)
+            except Exception as e:  # noqa: BLE001 - every waiting session gets the error, the batcher lives on
+                results = [e] * len(batch)
+            for request, result in zip(batch, results, strict=True):
+                if request.future.done():
+                    continue
+                if isinstance(result, BaseException):
+                    request.future.set_exception(result)
+                else:
+                    request.future.set_result(result)
+
+    @torch.inference_mode()
+    def _step(self, batch: list[_Request]) -> list[DraftToken | None]:
+        t0 = time.perf_counter()
+        decode = [r for r in batch if not r.prefill_only]
+        prefill = [r for r in batch if r.prefill_only]
+        logits = self._forward([r.state.seq for r in decode], [r.state.seq for r in prefill])
+        tokens = self._sample(logits, [r.state for r in decode]) if decode else []
+        seconds = time.perf_counter() - t0
+        self._account(decode, prefill, seconds)
+        it = iter(tokens)
+        return [None if r.prefill_only else next(it) for r in batch]
+
+    def _forward(self, seqs: list[RunnerSequence], prefill: list[RunnerSequence]) -> torch.Tensor:
+        """Last-position logits [len(seqs), V] of each sequence, prefills riding along in the same pass."""
+        step = getattr(self.runner, "step", None)
+        if step is not None:  # BatchedRunner: one ragged forward for everything
+            from specmesh.runtime.batched import PrefillChunk
+
+            out = step(seqs, num_logits=[1] * len(seqs), prefill=[PrefillChunk(s) for s in prefill])
+            rows = out.logits
+        else:
+            for s in prefill:
+                self.runner.prefill(s)
+            rows = self.runner.forward(seqs) if seqs else []
+        if not seqs:
+            return torch.empty(0)
+        return torch.cat([r[-1:] for r in rows])
+
+    def _sample(self, logits: torch.Tensor, states: list[DraftState]) -> list[DraftToken]:
+        """Row i from session i's processed distribution, truncated to its top draft_topk, renormalised."""
+        greedy = [s.params.greedy for s in states]
+        out: list[DraftToken | None] = [None] * len(states)
+        argmax = logits.argmax(dim=-1).tolist()
+        for i, g in enumerate(greedy):
+            if g:
+                out[i] = DraftToken(int(argmax[i]), None, None)
+        sampled = [i for i, g in enumerate(greedy) if not g]
+        if sampled:
+            rows = logits[sampled]
+            probs = process_logits(rows, BatchSamplingParams.from_params([states[i].params for i in sampled],
+                                                                          [1] * len(sampled), rows.device))
+            top_p, top_i = probs.topk(min(self.draft_topk, probs.size(-1)), dim=-1)
+            top_p = top_p / top_p.sum(dim=-1, keepdim=True)
+            for row, i in enumerate(sampled):
+                j = int(torch.multinomial(top_p[row], 1, generator=states[i].generator))
+                out[i] = DraftToken(int(top_i[row, j]), top_i[row].cpu(), top_p[row].float().cpu())
+        return [t for t in out if t is not None]
+
+    def _account(self, decode: list[_Request], prefill: list[_Request], seconds: float) -> None:
+        st = self.stats
+        st.prefills += len(prefill)
+        if not decode:
+            return
+        st.forwards += 1
+        st.rows += len(decode)
+        st.seconds += seconds
+        st.batch_size_hist[len(decode)] = st.batch_size_hist.get(len(decode), 0) + 1
+        for r in decode:
+            r.state.tokens_drafted += 1
+            r.state.draft_seconds += seconds / len(decode)
+        if self.on_batch is not None:
+            self.on_batch(len(decode), seconds)
