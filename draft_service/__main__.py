@@ -4,7 +4,7 @@ the speculation loop. Every flag can also be set by an environment variable SPEC
 
 from __future__ import annotations
 
-from draft_service.engine import ALGORITHMS, DraftConfig
+from draft_service.engine import ALGORITHMS, RUNNERS, DraftConfig
 from draft_service.server import build_server
 from specmesh.config import EnvArgumentParser, add_process_flags, split_process_flags
 from specmesh.serving import run_service
@@ -23,13 +23,17 @@ def parse_args(argv=None) -> tuple[DraftConfig, dict]:
     ap.flag("--speculative-num-steps", type=int, default=d.speculative_num_steps,
             help="most draft tokens per block (K); adaptive K stays within it")
     ap.flag("--adaptive", type=bool, default=d.adaptive,
-            help="choose K per session from live acceptance and timings (down to 0)")
+            help="choose K per session for the verifier's goodput, from live acceptance, timings and the "
+                 "verifier's load (down to 0)")
     ap.flag("--pipeline", type=bool, default=d.pipeline,
             help="keep drafting the next block while one is being verified")
     ap.flag("--draft-topk", type=int, default=d.draft_topk,
             help="sampled drafts: the support of the sparse draft distribution sent with each token")
-    ap.flag("--draft-runner", default=d.draft_runner, choices=["static", "hf"],
-            help="static: preallocated KV cache and a fused decode loop (fast on CPU); hf: the stock HF forward")
+    ap.flag("--draft-runner", default=d.draft_runner, choices=list(RUNNERS),
+            help="batched: one forward advances every drafting session (Llama family); static: one session per "
+                 "forward, preallocated cache; hf: the stock HF forward; auto: batched where the model allows it")
+    ap.flag("--max-model-len", type=int, default=d.max_model_len,
+            help="longest sequence a session's draft KV slot holds (0 = the model's max_position_embeddings)")
     ap.flag("--max-sessions", type=int, default=d.max_sessions,
             help="concurrent generations; more get RESOURCE_EXHAUSTED")
     ap.flag("--max-cached-sessions", type=int, default=d.max_cached_sessions,

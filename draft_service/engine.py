@@ -1,35 +1,38 @@
-"""The draft service's domain object: per-session drafters, the speculation loop on worker threads, and
-the remote verifiers they talk to. No servicer code here (see servicer.py).
+"""The draft service's domain object: batched drafting for every session, the speculation loop per session,
+and the remote verifiers they talk to. No servicer code here (see servicer.py).
 
-Each Generate runs `specmesh.loop.speculative_generate` — the same loop as in-process generation — on a
-worker thread, with a `RemoteVerifier` for the named verify replica, pipelined drafting and adaptive K.
-The verify service is authoritative for stop conditions (EOS, stop strings): its verdicts carry the
-finish reason, and the loop here applies only the rules both sides compute identically (max_tokens, stop
-token ids).
+Everything but the model runs on the event loop: each Generate runs `specmesh.loop.speculative_generate`
+(the same loop as in-process generation) as a coroutine, with a `RemoteVerifier` for the named verify
+replica, pipelined drafting and goodput-driven K. Every session's draft tokens come from one
+`DraftBatcher` whose forwards run on the single model thread, so each draft forward advances every session
+that is drafting, including those drafting ahead while their block is verified. The verify service is
+authoritative for stop conditions (EOS, stop strings): its verdicts carry the finish reason, and the loop
+here applies only the rules both sides compute identically (max_tokens, stop token ids).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 import time
 from collections import OrderedDict
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
-from typing import AsyncIterator
 
 import grpc
 import torch
 from opentelemetry import context as otel_context
 
 from draft_service.remote import RemoteVerifier
+from specmesh import wire
 from specmesh.domain import Finished, GenerationEvent, Opened, SpecStats, Tokens
-from specmesh.drafters import ALGORITHMS, Algorithm, ModelDrafter, make_drafter
+from specmesh.drafters import ALGORITHMS, Algorithm, DraftBatcher, ModelDrafter, make_drafter
 from specmesh.errors import FailedPrecondition, InvalidArgument, ResourceExhausted, Unavailable
-from specmesh.loop import AdaptiveK, FixedK, RoundRecord, speculative_generate
+from specmesh.loop import FixedK, GoodputK, RoundRecord, speculative_generate
 from specmesh.models import load_model
 from specmesh.rejection import MAX_SPEC_LEN
+from specmesh.runtime.batched import BatchedRunner
 from specmesh.runtime.hf import ModelRunner
 from specmesh.runtime.static import StaticCacheRunner
 from specmesh.sampling import SamplingParams, StopChecker, check_token_ids
@@ -37,6 +40,7 @@ from specmesh.telemetry import StreamMetrics, outgoing_metadata, tracer, wall_ns
 from specmesh.v1 import verify_pb2, verify_pb2_grpc
 
 log = logging.getLogger("specmesh.draft")
+RUNNERS = ("auto", "batched", "static", "hf")
 
 
 @dataclass(frozen=True)
@@ -51,9 +55,12 @@ class DraftConfig:
     adaptive: bool = True
     pipeline: bool = True
     draft_topk: int = 16  # support of the sparse q sent with sampled drafts
-    draft_runner: str = "static"  # "static": preallocated cache + fast decode loop; "hf": ModelRunner
+    # "auto": "batched" where the architecture allows it, else "hf". "batched": one forward advances every
+    # session (BatchedRunner); "static": StaticCacheRunner, one session per forward; "hf": ModelRunner.
+    draft_runner: str = "auto"
     max_sessions: int = 64  # concurrent generations; more get RESOURCE_EXHAUSTED
-    max_cached_sessions: int = 256  # per-session draft KV caches kept for later turns (LRU)
+    max_cached_sessions: int = 64  # per-session draft KV caches kept for later turns (LRU)
+    max_model_len: int = 0  # longest sequence the draft's KV slots hold; 0 = the model's
     verify_timeout_s: float = 60.0  # per verify call / round
     grace_period_s: float = 10.0
     metrics_port: int = -1  # Prometheus /metrics over HTTP; -1 = not served (the CLI defaults to 9465)
@@ -63,8 +70,8 @@ class DraftConfig:
             raise ValueError(f"speculative_algorithm must be one of {ALGORITHMS}, got {self.speculative_algorithm!r}")
         if self.algorithm.needs_model and not self.model_path:
             raise ValueError("the standalone algorithm needs --model-path (the draft model)")
-        if self.draft_runner not in ("static", "hf"):
-            raise ValueError(f"draft_runner must be static or hf, got {self.draft_runner!r}")
+        if self.draft_runner not in RUNNERS:
+            raise ValueError(f"draft_runner must be one of {RUNNERS}, got {self.draft_runner!r}")
         if not 0 <= self.speculative_num_steps <= MAX_SPEC_LEN:
             raise ValueError(f"speculative_num_steps must be in [0, {MAX_SPEC_LEN}]")
 
@@ -75,20 +82,33 @@ class DraftConfig:
 
 @dataclass(frozen=True)
 class _Failed:
-    """The worker thread's error, handed to the event loop that answers the caller."""
+    """The generation's error, handed to the stream that answers the caller."""
 
     error: BaseException
 
 
+def make_runner(model, config: DraftConfig):
+    """The draft runner the config asks for (the draft's numerics cannot change the output distribution: the
+    q a block carries is the q its tokens were sampled from, so the fastest runner is always safe)."""
+    kind = config.draft_runner
+    if kind == "auto":
+        kind = "batched" if BatchedRunner.supports(model) else "hf"
+    if kind == "batched":
+        return BatchedRunner(model, num_slots=config.max_sessions + config.max_cached_sessions,
+                             max_seq_len=config.max_model_len or None)
+    return StaticCacheRunner(model) if kind == "static" else ModelRunner(model)
+
+
 class DraftEngine:
-    def __init__(self, config: DraftConfig, model=None, stream_metrics: StreamMetrics | None = None):
+    def __init__(self, config: DraftConfig, model=None, stream_metrics: StreamMetrics | None = None,
+                 on_batch: Callable[[int, float], None] | None = None):
+        """`on_batch(sessions, seconds)` is told of every batched draft forward (metrics)."""
         self.config = config
-        # The draft's numerics cannot affect the output distribution (the q it sends is the q it sampled
-        # from), so the fastest runner is always safe to use here.
-        runner_cls = StaticCacheRunner if config.draft_runner == "static" else ModelRunner
-        self.runner = runner_cls(model) if model is not None else None
+        self.runner = make_runner(model, config) if model is not None else None
         self.vocab_size = self.runner.vocab_size if self.runner else 0
-        self.pool = ThreadPoolExecutor(max_workers=config.max_sessions, thread_name_prefix="draft")
+        self.model_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="draft-model")
+        self.batcher = (DraftBatcher(self.runner, config.draft_topk, self._on_model, on_batch)
+                        if self.runner is not None else None)
         self.totals = SpecStats()  # every finished generation's speculation statistics
         self.tracer = tracer("draft")
         self.stream_metrics = stream_metrics  # TTFT and inter-token latency of Generate streams
@@ -97,19 +117,23 @@ class DraftEngine:
         self._active = 0
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._checked: set[str] = set()
-        self._retired_tokens = 0  # drafting totals of drafters no longer cached
-        self._retired_seconds = 0.0
         self.shutting_down = False
 
     @classmethod
-    def from_config(cls, config: DraftConfig, stream_metrics: StreamMetrics | None = None) -> "DraftEngine":
+    def from_config(cls, config: DraftConfig, stream_metrics: StreamMetrics | None = None,
+                    on_batch: Callable[[int, float], None] | None = None) -> DraftEngine:
         model = load_model(config.model_path, config.device)[0] if config.algorithm.needs_model else None
-        return cls(config, model, stream_metrics)
+        return cls(config, model, stream_metrics, on_batch)
+
+    async def _on_model(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self.model_thread, fn, *args)
 
     async def close(self) -> None:
+        if self.batcher is not None:
+            await self.batcher.close()
         for ch in self._channels.values():
             await ch.close()
-        self.pool.shutdown(wait=False, cancel_futures=True)
+        self.model_thread.shutdown(wait=False, cancel_futures=True)
 
     async def _stub(self, address: str) -> verify_pb2_grpc.VerifyServiceStub:
         if not address:
@@ -130,30 +154,29 @@ class DraftEngine:
         """The session's drafter: a cached one keeps its draft KV cache for the session's next turn."""
         algorithm = self.config.algorithm
         if not algorithm.needs_model or not session_id:
-            return make_drafter(algorithm, self.runner, self.config.draft_topk)
-        drafter = self._drafters.pop(session_id, None) or make_drafter(algorithm, self.runner, self.config.draft_topk)
+            return make_drafter(algorithm, self.batcher)
+        drafter = self._drafters.pop(session_id, None) or make_drafter(algorithm, self.batcher)
+        assert isinstance(drafter, ModelDrafter)  # the algorithm needs a model, and there is one
         self._drafters[session_id] = drafter  # most recently used last
         while len(self._drafters) > self.config.max_cached_sessions:
             sid = next(iter(self._drafters))
             if sid in self._busy:
                 break
-            self._retire(self._drafters.pop(sid))
+            self._drafters.pop(sid).release()
         return drafter
 
-    def _retire(self, drafter) -> None:
-        self._retired_tokens += getattr(drafter, "tokens_drafted", 0)
-        self._retired_seconds += getattr(drafter, "draft_seconds", 0.0)
-
-    def check(self, prompt_ids: list[int], params: SamplingParams, k: int) -> int:
-        """Validate a request; returns its K max (0 asks for the service's default)."""
+    def check(self, prompt_ids: list[int], params: SamplingParams, k: int | None) -> int:
+        """Validate a request; returns its K max: None asks for the service's default, 0 for target-only."""
         params.validate(self.vocab_size or None)
         if not prompt_ids:
             raise InvalidArgument("prompt_ids must hold at least one token")
         if self.vocab_size:  # the n-gram drafter has no vocabulary: the verify service checks the ids
             check_token_ids(prompt_ids, self.vocab_size)
-        if k > MAX_SPEC_LEN:
-            raise InvalidArgument(f"num_speculative_tokens must be <= {MAX_SPEC_LEN}, got {k}")
-        return k or self.config.speculative_num_steps
+        if k is None:
+            return self.config.speculative_num_steps
+        if not 0 <= k <= MAX_SPEC_LEN:
+            raise InvalidArgument(f"num_speculative_tokens must be in [0, {MAX_SPEC_LEN}], got {k}")
+        return k
 
     def _admit(self, session_id: str) -> None:
         if self.shutting_down:
@@ -165,33 +188,42 @@ class DraftEngine:
             raise FailedPrecondition(f"session {session_id!r} is already generating")
 
     async def generate(self, session_id: str, prompt_ids: list[int], params: SamplingParams, verify_address: str,
-                       num_speculative_tokens: int = 0, metadata: tuple = ()) -> AsyncIterator[GenerationEvent]:
+                       num_speculative_tokens: int | None = None,
+                       metadata: tuple = ()) -> AsyncIterator[GenerationEvent]:
         """Yields Opened, then Tokens as rounds commit them, then Finished."""
         k_max = self.check(prompt_ids, params, num_speculative_tokens)
         self._admit(session_id)
         stub = await self._stub(verify_address or self.config.verify_address)
-        gen = _Generation(self, stub, session_id, prompt_ids, params, k_max, metadata or outgoing_metadata())
+        metadata = metadata or outgoing_metadata()
         self._active += 1
         if session_id:
             self._busy.add(session_id)
-        gen.start()
+        released = False
+
+        def release() -> None:
+            # Before the final event goes out: the caller's next turn must find the session free here.
+            nonlocal released
+            if not released:
+                released = True
+                self._active -= 1
+                self._busy.discard(session_id)
+
         try:
-            async for event in gen.events():
+            if k_max == 0:  # target-only: the verify service decodes alone, nothing to draft
+                events = _target_only(stub, session_id, prompt_ids, params, metadata, self.config.verify_timeout_s)
+            else:
+                gen = _Generation(self, stub, session_id, prompt_ids, params, k_max, metadata)
+                events = gen.run()
+            timer = self.stream_metrics.timer() if self.stream_metrics is not None else None
+            async for event in events:
+                if isinstance(event, Tokens) and timer is not None:
+                    timer.tokens(len(event.token_ids))
                 if isinstance(event, Finished):
                     self.totals.merge(event.stats)
-                    # Before the final event goes out: a caller's next turn must find the session free here
-                    # and on the verify service.
-                    await self._end(gen, event.finish_reason != "cancelled")
+                    release()
                 yield event
         finally:
-            await self._end(gen, False)
-
-    async def _end(self, gen: "_Generation", finished: bool) -> None:
-        if await gen.stop(finished):
-            self._active -= 1
-            self._busy.discard(gen.session_id)
-            if not gen.session_id:
-                self._retire(gen.drafter)
+            release()
 
     @property
     def cached_sessions(self) -> int:
@@ -202,9 +234,8 @@ class DraftEngine:
         return self._active
 
     def draft_seconds_per_token(self) -> float:
-        tokens = self._retired_tokens + sum(d.tokens_drafted for d in self._drafters.values())
-        seconds = self._retired_seconds + sum(d.draft_seconds for d in self._drafters.values())
-        return seconds / tokens if tokens else 0.0
+        st = self.batcher.stats if self.batcher is not None else None
+        return st.seconds / st.rows if st is not None and st.rows else 0.0
 
     def info(self) -> dict:
         c = self.totals
@@ -218,49 +249,58 @@ class DraftEngine:
                     draft_seconds_per_token=self.draft_seconds_per_token())
 
 
+async def _target_only(stub, session_id: str, prompt_ids: list[int], params: SamplingParams, metadata: tuple,
+                       timeout: float) -> AsyncIterator[GenerationEvent]:
+    """K = 0: relay the verify replica's own target-only generation (no verify session, no round trips)."""
+    call = stub.Generate(verify_pb2.VerifyServiceGenerateRequest(session_id=session_id, prompt_ids=prompt_ids,
+                                                                  params=wire.params_to_pb(params)),
+                         timeout=timeout, metadata=metadata)
+    finished = False
+    try:
+        async for pb in call:
+            event = wire.event_from_pb(pb)
+            finished = isinstance(event, Finished)
+            yield event
+    finally:
+        if not finished:
+            call.cancel()
+
+
 class _Generation:
-    """One Generate call: the speculation loop on a worker thread, its events handed to the event loop."""
+    """One Generate call: the speculation loop as a task, its events handed to the caller's stream."""
 
     def __init__(self, engine: DraftEngine, stub, session_id: str, prompt_ids: list[int], params: SamplingParams,
                  k_max: int, metadata: tuple):
         self.engine, self.session_id, self.prompt_ids, self.params = engine, session_id, prompt_ids, params
-        self.loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue[GenerationEvent | _Failed] = asyncio.Queue()
-        self.remote = RemoteVerifier(self.loop, stub, session_id, engine.config.verify_timeout_s, metadata=metadata,
+        self.remote = RemoteVerifier(stub, session_id, engine.config.verify_timeout_s, metadata=metadata,
                                      on_open=self._opened)
         self.drafter = engine._drafter(session_id)
         # A seeded request must replay exactly: its random draws may not depend on timing, so it gets a
         # fixed K and no drafting ahead (both adapt to how fast verdicts come back).
         seeded = params.seed is not None
-        self.policy = AdaptiveK(k_max) if engine.config.adaptive and not seeded else FixedK(k_max)
+        self.policy = GoodputK(k_max) if engine.config.adaptive and not seeded else FixedK(k_max)
         self.pipeline = engine.config.pipeline and not seeded
-        self.cancelled = threading.Event()
         self.parent = otel_context.get_current()  # the Generate server span: rounds are its children
-        self.timer = engine.stream_metrics.timer() if engine.stream_metrics is not None else None
-        self.job: asyncio.Future | None = None
-        self.stopped = False
 
     def _opened(self, resp) -> None:
         self.queue.put_nowait(Opened(resp.session_id, len(self.prompt_ids), resp.cached_prompt_tokens))
 
-    def _put(self, item) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
-
-    def start(self) -> None:
-        self.job = self.loop.run_in_executor(self.engine.pool, self._work)
-
-    def _work(self) -> None:
+    async def _loop(self) -> None:
         # EOS and stop strings are the verifier's to apply (its verdicts carry the finish reason).
         stop = StopChecker(replace(self.params, stop=()), frozenset())
         try:
             with torch.inference_mode():
-                result = speculative_generate(self.remote, self.drafter, self.prompt_ids, self.params, self.policy,
-                                              stop, on_tokens=lambda toks: self._put(Tokens(toks)),
-                                              pipeline=self.pipeline, cancelled=self.cancelled.is_set,
-                                              on_round=self._trace_round)
-            self._put(Finished(result.finish_reason, result.stats))
-        except BaseException as e:  # noqa: BLE001 - delivered to the caller as a status
-            self._put(_Failed(e))
+                result = await speculative_generate(
+                    self.remote, self.drafter, self.prompt_ids, self.params, self.policy, stop,
+                    on_tokens=lambda toks: self.queue.put_nowait(Tokens(toks)), pipeline=self.pipeline,
+                    on_round=self._trace_round)
+            # Before the final event goes out: a caller's next turn must find the session free on the
+            # verify service (the stream's status is awaited).
+            await self.remote.aclose(result.finish_reason != "cancelled")
+            self.queue.put_nowait(Finished(result.finish_reason, result.stats))
+        except Exception as e:  # delivered to the caller as a status
+            self.queue.put_nowait(_Failed(e))
 
     def _trace_round(self, r: RoundRecord) -> None:
         now = time.perf_counter()
@@ -272,27 +312,20 @@ class _Generation:
                         "specmesh.from_pipeline": r.from_pipeline})
         span.end(end_time=wall_ns(r.t_verdict, now))
 
-    async def events(self) -> AsyncIterator[GenerationEvent]:
-        while True:
-            event = await self.queue.get()
-            if isinstance(event, _Failed):
-                if isinstance(event.error, asyncio.TimeoutError):
-                    raise Unavailable(f"the verify service did not answer within "
-                                      f"{self.engine.config.verify_timeout_s} s")
-                raise event.error
-            if isinstance(event, Tokens) and self.timer is not None:
-                self.timer.tokens(len(event.token_ids))
-            yield event
-            if isinstance(event, Finished):
-                return
-
-    async def stop(self, finished: bool) -> bool:
-        """End the verify stream and the worker; True the first time (the caller releases its slot)."""
-        if self.stopped:
-            return False
-        self.stopped = True
-        self.cancelled.set()
-        await self.remote.aclose(finished)
-        if self.job is not None:
-            await asyncio.shield(self.job)  # the worker ends at its next round
-        return True
+    async def run(self) -> AsyncIterator[GenerationEvent]:
+        task = asyncio.get_running_loop().create_task(self._loop())
+        try:
+            while True:
+                event = await self.queue.get()
+                if isinstance(event, _Failed):
+                    raise event.error
+                yield event
+                if isinstance(event, Finished):
+                    return
+        finally:
+            if not task.done():  # the caller went away: stop drafting and drop the verify stream
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+            await self.remote.aclose(False)
+            if not self.session_id and isinstance(self.drafter, ModelDrafter):
+                self.drafter.release()

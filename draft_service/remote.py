@@ -1,15 +1,13 @@
 """The `Verifier` of distributed generation: a verify replica's session, over one bidirectional stream.
 
-The speculation loop runs on a worker thread; this class hands each block to the event loop that owns
-the gRPC channel and returns a concurrent Future for the verdict, so the loop can keep drafting ahead
-while the block is on the wire. Stale verdicts (the answer to a block that crossed a deadline verdict)
+The speculation loop runs on the event loop that owns the gRPC channel, so a block goes on the wire as soon
+as it is drafted, with no thread hand-off, and the loop keeps drafting ahead while it is verified. Stale verdicts (the answer to a block that crossed a deadline verdict)
 are skipped; a deadline verdict answers the block in flight with num_drafted = 0.
 """
 
 from __future__ import annotations
 
 import asyncio
-from concurrent.futures import Future
 from typing import Callable
 
 import grpc
@@ -22,10 +20,8 @@ from specmesh.v1 import verify_pb2, verify_pb2_grpc
 
 
 class RemoteVerifier:
-    def __init__(self, loop: asyncio.AbstractEventLoop, stub: verify_pb2_grpc.VerifyServiceStub, session_id: str,
-                 timeout: float, on_open: Callable[[verify_pb2.OpenSessionResponse], None] | None = None,
-                 metadata: tuple = ()):
-        self.loop = loop
+    def __init__(self, stub: verify_pb2_grpc.VerifyServiceStub, session_id: str, timeout: float,
+                 on_open: Callable[[verify_pb2.OpenSessionResponse], None] | None = None, metadata: tuple = ()):
         self.stub = stub
         self.session_id = session_id
         self.timeout = timeout
@@ -35,13 +31,7 @@ class RemoteVerifier:
         self.epoch = 0
         self.position = 0
 
-    def _run(self, coro):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
-
-    def start(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        self._run(self._open(prompt_ids, params))
-
-    async def _open(self, prompt_ids, params) -> None:
+    async def start(self, prompt_ids: list[int], params: SamplingParams) -> None:
         resp = await self.stub.OpenSession(
             verify_pb2.OpenSessionRequest(session_id=self.session_id, prompt_ids=prompt_ids,
                                           params=wire.params_to_pb(params)),
@@ -51,11 +41,15 @@ class RemoteVerifier:
         if self.on_open is not None:
             self.on_open(resp)
 
-    def submit(self, proposal: DraftBlock) -> Future:
+    async def submit(self, proposal: DraftBlock) -> Verdict:
         msg = wire.block_to_pb(proposal, self.session_id, self.epoch, self.position)
-        return asyncio.run_coroutine_threadsafe(asyncio.wait_for(self._round(msg), self.timeout), self.loop)
+        try:
+            return await asyncio.wait_for(self._round(msg), self.timeout)
+        except asyncio.TimeoutError:
+            raise Unavailable(f"the verify service did not answer a block within {self.timeout} s") from None
 
     async def _round(self, msg: verify_pb2.VerifyRequest) -> Verdict:
+        assert self.call is not None  # start() comes first
         await self.call.write(msg)
         while True:
             pb = await self.call.read()
@@ -69,8 +63,8 @@ class RemoteVerifier:
         return verdict
 
     async def aclose(self, finished: bool) -> None:
-        """End the stream from the event loop: half-close and let the server end it after a finished
-        generation; cancel it (the server drops the work) otherwise."""
+        """End the stream: half-close and let the server end it after a finished generation; cancel it
+        (the server drops the work) otherwise."""
         if self.call is None or self.call.done():
             return
         if finished:

@@ -15,9 +15,9 @@ async def build_server(config: DraftConfig, model=None) -> GrpcServer:
     """The service around `model` (an nn.Module; None = load what the config names), unstarted."""
     metrics = DraftMetrics()
     if model is not None:
-        engine = DraftEngine(config, model, metrics.stream)
+        engine = DraftEngine(config, model, metrics.stream, metrics.on_batch)
     else:
-        engine = DraftEngine.from_config(config, metrics.stream)
+        engine = DraftEngine.from_config(config, metrics.stream, metrics.on_batch)
     metrics.watch(engine)
 
     def add(server):

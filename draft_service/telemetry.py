@@ -1,12 +1,15 @@
 """The draft service's Prometheus metrics: requests, time to first token, inter-token latency, tokens,
-vLLM's speculation metrics (per-position acceptance included), pipelining and draft speed."""
+vLLM's speculation metrics (per-position acceptance included), pipelining, draft speed and the size of
+the batched draft forwards."""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from specmesh.telemetry import FnCollector, RpcMetrics, StreamMetrics, spec_families
+from specmesh.telemetry import LATENCY_BUCKETS, FnCollector, RpcMetrics, StreamMetrics, spec_families
+
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 
 
 class DraftMetrics:
@@ -16,7 +19,15 @@ class DraftMetrics:
         self.registry = registry or CollectorRegistry()
         self.rpc = RpcMetrics(self.registry, "draft")
         self.stream = StreamMetrics(self.registry, "draft")
+        self.batch_size = Histogram("specmesh_draft_batch_size", "Sessions advanced by one batched draft forward",
+                                    buckets=BATCH_BUCKETS, registry=self.registry)
+        self.batch_seconds = Histogram("specmesh_draft_batch_duration_seconds", "One batched draft forward + sampling",
+                                       buckets=LATENCY_BUCKETS, registry=self.registry)
         self.engine = None
+
+    def on_batch(self, size: int, seconds: float) -> None:
+        self.batch_size.observe(size)
+        self.batch_seconds.observe(seconds)
 
     def watch(self, engine) -> "DraftMetrics":
         self.engine = engine

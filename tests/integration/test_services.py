@@ -102,11 +102,16 @@ def test_eight_concurrent_sessions_are_batched(stack, reference):
     verify, draft, _ = stack
     vstub = verify_stub(verify)
     before = vstub.Info(verify_pb2.VerifyServiceInfoRequest())
+    drafting = draft.server.engine.batcher.stats
+    forwards, rows = drafting.forwards, drafting.rows
     ps = prompts(8, seed=4)
     with ThreadPoolExecutor(8) as pool:
         results = list(pool.map(lambda p: generate(draft_stub(draft), p, GREEDY)[0], ps))
     for p, tokens in zip(ps, results):
         assert tokens == reference(p)
+    # one draft forward advanced several sessions at once (and the metric says so)
+    assert (drafting.rows - rows) / (drafting.forwards - forwards) > 1.2
+    assert max(drafting.batch_size_hist) > 1
     after = vstub.Info(verify_pb2.VerifyServiceInfoRequest())
     batches = after.batches - before.batches
     blocks = after.batched_blocks - before.batched_blocks
@@ -210,3 +215,17 @@ def test_chunked_prefill_gives_the_same_output(target, reference):
         assert chunks[0].opened.cached_prompt_tokens == len(prompt) + len(tokens) - 1  # counted once, not per chunk
     finally:
         verify.stop()
+
+
+def test_num_speculative_tokens_zero_is_target_only_and_unset_is_the_default(stack, reference):
+    verify, draft, _ = stack
+    stub = draft_stub(draft)
+    p = prompts(1, seed=9)[0]
+    tokens, chunks = generate(stub, p, GREEDY, num_speculative_tokens=0)
+    assert tokens == reference(p)
+    assert not chunks[-1].finished.HasField("stats") or chunks[-1].finished.stats.drafted == 0
+    tokens, chunks = generate(stub, p, GREEDY)  # unset: the service's K
+    assert tokens == reference(p) and chunks[-1].finished.stats.drafted > 0
+    with pytest.raises(grpc.RpcError) as e:
+        generate(stub, p, GREEDY, num_speculative_tokens=33)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "num_speculative_tokens" in e.value.details()
