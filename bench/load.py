@@ -55,6 +55,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+from specmesh.placement import service_threads
 from specmesh.stack import start, wait_healthy
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -94,21 +95,24 @@ class Stack:
     """The processes of this run. `close()` (idempotent; also registered at exit) stops gateways first, then
     the draft service, then the verify service: SIGTERM, a grace period, then SIGKILL."""
 
-    def __init__(self, target: Path, draft: Path, threads: int):
-        self.target, self.draft, self.threads = target, draft, threads
+    def __init__(self, target: Path, draft: Path, verify_threads: int, draft_threads: int):
+        self.target, self.draft = target, draft
+        self.verify_threads, self.draft_threads = verify_threads, draft_threads
         self.procs: list[tuple[str, subprocess.Popen]] = []
         self.metrics_ports: dict[str, str] = {}
         self.verify_address = self.draft_address = ""
 
     def start_services(self) -> None:
-        common = ["--host", "127.0.0.1", "--port", "0", "--metrics-port", "0", "--threads", str(self.threads),
-                  "--grace-period-s", "2", "--log-level", "WARNING"]
-        proc, self.verify_address = start("verify", "verify_service", ["--model-path", str(self.target), *common],
+        common = ["--host", "127.0.0.1", "--port", "0", "--metrics-port", "0", "--grace-period-s", "2",
+                  "--log-level", "WARNING"]
+        proc, self.verify_address = start("verify", "verify_service", ["--model-path", str(self.target), *common,
+                                                                       "--threads", str(self.verify_threads)],
                                           ports=self.metrics_ports)
         self.procs.append(("verify", proc))
         proc, self.draft_address = start("draft", "draft_service", ["--model-path", str(self.draft),
                                                                     "--verify-address", self.verify_address,
-                                                                    *common], ports=self.metrics_ports)
+                                                                    *common, "--threads", str(self.draft_threads)],
+                                          ports=self.metrics_ports)
         self.procs.append(("draft", proc))
 
     def start_gateway(self, name: str, with_draft: bool) -> str:
@@ -475,8 +479,10 @@ def parse_args(argv=None):
     ap.add_argument("--min-requests", type=int, default=4, help="... but at least this many")
     ap.add_argument("--num-speculative-tokens", type=int, default=None,
                     help="K sent with speculative requests (default: left out, the draft service's default)")
-    ap.add_argument("--service-threads", type=int, default=1,
-                    help="torch threads per service process (as `make run`: 1 each, verify + draft = 2 cores)")
+    ap.add_argument("--verify-threads", type=int, default=0,
+                    help="torch threads of the verify service (0 = as `make run` chooses: specmesh.placement)")
+    ap.add_argument("--draft-threads", type=int, default=0,
+                    help="torch threads of the draft service (0 = as `make run` chooses: specmesh.placement)")
     ap.add_argument("--hf-prompts", type=int, default=12, help="prompts for the HF assisted-generation peer")
     ap.add_argument("--hf-threads", type=int, default=0, help="torch threads of the HF peer (0 = this machine's cores)")
     ap.add_argument("--skip-hf", action="store_true", help="no HF assisted-generation peer (its ratios are null)")
@@ -602,7 +608,9 @@ def main(argv=None) -> dict:
     if not prompts:
         raise RuntimeError(f"no held-out prompt of {args.prompt_len} tokens")
 
-    stack = Stack(args.target, args.draft, args.service_threads)
+    args.verify_threads = service_threads("verify", args.verify_threads)
+    args.draft_threads = service_threads("draft", args.draft_threads)
+    stack = Stack(args.target, args.draft, args.verify_threads, args.draft_threads)
     atexit.register(stack.close)
     try:
         stack.start_services()
@@ -649,7 +657,8 @@ def main(argv=None) -> dict:
                      "max_tokens": args.max_tokens, "prompt_len": args.prompt_len, "distinct_prompts": len(prompts),
                      "ignore_eos": True, "api": "POST /v1/completions, streaming, openai client, token-id prompts",
                      "speculative_k": measured["speculative_k_sent"] or "service default",
-                     "service_torch_threads": args.service_threads, "hf_torch_threads": args.hf_threads,
+                     "verify_torch_threads": args.verify_threads, "draft_torch_threads": args.draft_threads,
+                     "hf_torch_threads": args.hf_threads,
                      "hf_prompts": min(args.hf_prompts, len(prompts)) if hf else 0, "quick": args.quick},
         "target_only_method": measured["target_only_method"],
         "verify_batch_metric": measured["verify_batch_metric"], "draft_batch_metric": measured["draft_batch_metric"],

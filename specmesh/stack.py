@@ -21,6 +21,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+from specmesh.placement import service_threads
+
 ROOT = Path(__file__).resolve().parent.parent
 DEMO = ROOT / "models" / "demo"
 
@@ -85,7 +87,10 @@ def main(argv=None) -> int:
     ap.add_argument("--target", default=str(DEMO / "target"), help="target checkpoint (verify service)")
     ap.add_argument("--draft", default=str(DEMO / "draft"), help="draft checkpoint (draft service)")
     ap.add_argument("--verify-replicas", type=int, default=1, help="verify service processes")
-    ap.add_argument("--threads", type=int, default=1, help="torch threads per model process")
+    ap.add_argument("--verify-threads", type=int, default=0,
+                    help="torch threads of each verify process (0 = every core: see specmesh.placement)")
+    ap.add_argument("--draft-threads", type=int, default=0,
+                    help="torch threads of the draft process (0 = half the cores, at least one)")
     ap.add_argument("--smoke", action="store_true", help="exit after the first answer")
     args = ap.parse_args(argv)
 
@@ -98,16 +103,19 @@ def main(argv=None) -> int:
     signal.signal(signal.SIGINT, shutdown)
     signal.signal(signal.SIGTERM, shutdown)
     # Any free ports (printed), so several stacks and services can share a machine.
-    common = ["--host", "127.0.0.1", "--port", "0", "--metrics-port", "0", "--threads", str(args.threads)]
+    common = ["--host", "127.0.0.1", "--port", "0", "--metrics-port", "0"]
+    verify_threads = ["--threads", str(service_threads("verify", args.verify_threads))]
+    draft_threads = ["--threads", str(service_threads("draft", args.draft_threads))]
     metrics: dict[str, str] = {}
     try:
         verify = []
         for i in range(args.verify_replicas):
-            p, addr = start(f"verify-{i}", "verify_service", ["--model-path", args.target, *common], ports=metrics)
+            p, addr = start(f"verify-{i}", "verify_service", ["--model-path", args.target, *common, *verify_threads],
+                            ports=metrics)
             procs.append(p)
             verify.append(addr)
         p, draft = start("draft", "draft_service", ["--model-path", args.draft, "--verify-address", verify[0],
-                                                    *common], ports=metrics)
+                                                    *common, *draft_threads], ports=metrics)
         procs.append(p)
         p, _ = start("gateway", "gateway", ["--host", args.host, "--port", str(args.port), "--grpc-port",
                                             str(args.grpc_port), "--verify", ",".join(verify), "--draft", draft,

@@ -1,0 +1,30 @@
+"""Where the local stack's model processes run: torch threads per service, chosen from the machine's cores.
+
+Within a round the draft and the verify forward mostly alternate (the draft drafts, the target verifies),
+so the verify service may use every core: they are idle while it runs. The draft's forwards are small and
+overlap verification when drafting ahead, so it gets half the cores (at least one). With a CUDA device the
+verify service owns it and the draft stays on the CPU threads it is given.
+"""
+
+from __future__ import annotations
+
+import os
+
+
+def cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not every platform can tell which cores this process may use
+        return os.cpu_count() or 1
+
+
+def service_threads(role: str, requested: int = 0) -> int:
+    """Torch threads for `role` ("verify" | "draft"); `requested` > 0 wins."""
+    if requested > 0:
+        return requested
+    n = cores()
+    if role == "verify":
+        return n
+    if role == "draft":
+        return max(1, n // 2)
+    raise ValueError(f"unknown role {role!r}")
