@@ -36,9 +36,9 @@ import torch
 from transformers import DynamicCache
 
 from specmesh.drafters import ModelDrafter
-from specmesh.runtime.static import StaticCacheRunner
 from specmesh.models import load_model
 from specmesh.runtime.hf import ModelRunner
+from specmesh.runtime.static import StaticCacheRunner
 from specmesh.sampling import SamplingParams
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -117,8 +117,12 @@ def measure(model, prompt, args) -> dict:
         "static_cache": lambda: StaticCacheRunner(model),
     }
     plan = {"hf_dynamic": lambda: run_hf(model, prompt, args.tokens)}
-    plan.update({name: (lambda make=make: run_drafter(make(), prompt, args.tokens, args.k, args.warmup_rounds,
-                                                      vocab)) for name, make in runners.items()})
+    plan.update(
+        {
+            name: (lambda make=make: run_drafter(make(), prompt, args.tokens, args.k, args.warmup_rounds, vocab))
+            for name, make in runners.items()
+        }
+    )
     for fn in plan.values():  # warm-up: allocator, MKL, rotary tables
         fn()
     times: dict[str, list[float]] = {name: [] for name in plan}
@@ -132,8 +136,12 @@ def measure(model, prompt, args) -> dict:
     out = {}
     for name, ts in times.items():
         med = statistics.median(ts)
-        out[name] = {"ms_per_token": round(med, 4), "min_ms": round(min(ts), 4),
-                     "ratio_vs_hf_dynamic": round(med / base, 3), "speedup_vs_hf_dynamic": round(base / med, 3)}
+        out[name] = {
+            "ms_per_token": round(med, 4),
+            "min_ms": round(min(ts), 4),
+            "ratio_vs_hf_dynamic": round(med / base, 3),
+            "speedup_vs_hf_dynamic": round(base / med, 3),
+        }
         if name != "hf_dynamic":
             out[name]["drafts_equal_model_runner"] = drafted[name] == drafted["model_runner"]
     return out
@@ -160,23 +168,36 @@ def main(argv: list[str] | None = None) -> dict:
     torch.set_num_threads(default_threads)
 
     results = {
-        "bench": "draft_speed", "draft": str(args.draft), "dtype": str(next(model.parameters()).dtype),
-        "draft_params": sum(p.numel() for p in model.parameters()), "prompt_len": len(prompt),
-        "tokens": args.tokens, "k": args.k, "trials": args.trials, "warmup_rounds": args.warmup_rounds,
-        "machine": platform.processor() or platform.machine(), "cpu_count": os.cpu_count(),
+        "bench": "draft_speed",
+        "draft": str(args.draft),
+        "dtype": str(next(model.parameters()).dtype),
+        "draft_params": sum(p.numel() for p in model.parameters()),
+        "prompt_len": len(prompt),
+        "tokens": args.tokens,
+        "k": args.k,
+        "trials": args.trials,
+        "warmup_rounds": args.warmup_rounds,
+        "machine": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
         "default_threads": default_threads,
-        "torch": torch.__version__, "runs": runs, "notes": NOTES,
+        "torch": torch.__version__,
+        "runs": runs,
+        "notes": NOTES,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=2) + "\n")
-    print(f"draft {args.draft.name}: {results['draft_params'] / 1e6:.1f}M params, greedy, K={args.k}, "
-          f"{args.tokens} tokens x {args.trials} trials (median)")
+    print(
+        f"draft {args.draft.name}: {results['draft_params'] / 1e6:.1f}M params, greedy, K={args.k}, "
+        f"{args.tokens} tokens x {args.trials} trials (median)"
+    )
     print(f"{'threads':<10} {'method':<14} {'ms/token':>9} {'vs hf':>7} {'speedup':>8}  same drafts")
     for run, methods in runs.items():
         for name, m in methods.items():
             same = m.get("drafts_equal_model_runner", "-")
-            print(f"{run:<10} {name:<14} {m['ms_per_token']:9.3f} {m['ratio_vs_hf_dynamic']:7.3f} "
-                  f"{m['speedup_vs_hf_dynamic']:7.2f}x  {same}")
+            print(
+                f"{run:<10} {name:<14} {m['ms_per_token']:9.3f} {m['ratio_vs_hf_dynamic']:7.3f} "
+                f"{m['speedup_vs_hf_dynamic']:7.2f}x  {same}"
+            )
     print(f"wrote {args.out}")
     return results
 

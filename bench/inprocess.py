@@ -51,8 +51,13 @@ def run_engine(engine, prompts, params, k, algorithm="standalone"):
         stats.merge(r.stats)
     d = stats.as_dict()
     return {
-        "tokens": tokens, "seconds": round(seconds, 4), "tokens_per_s": round(tokens / seconds, 2),
-        "rounds": d["rounds"], "drafts": d["drafts"], "drafted": d["drafted"], "accepted": d["accepted"],
+        "tokens": tokens,
+        "seconds": round(seconds, 4),
+        "tokens_per_s": round(tokens / seconds, 2),
+        "rounds": d["rounds"],
+        "drafts": d["drafts"],
+        "drafted": d["drafted"],
+        "accepted": d["accepted"],
         "acceptance_rate": d["acceptance_rate"] if stats.drafted else None,
         "mean_accepted_length": d["mean_accepted_length"] if stats.drafts else None,
     }, outputs
@@ -66,7 +71,7 @@ def run_hf(target, prompts, max_tokens, assistant=None):
         if assistant is not None:
             kw["assistant_model"] = assistant
         t0 = time.perf_counter()
-        out = target.generate(ids, **kw)[0, len(p):].tolist()
+        out = target.generate(ids, **kw)[0, len(p) :].tolist()
         seconds += time.perf_counter() - t0
         tokens += len(out)
         outputs.append(out)
@@ -99,9 +104,14 @@ def plot(results: dict, path: Path) -> None:
     speed = [results["methods"][n]["tokens_per_s"] for n in names]
     fig, ax = plt.subplots(figsize=(9, 4))
     bars = ax.bar(names, speed, color=["#888"] * 2 + ["#4a7"] * (len(names) - 2))
-    for b, n in zip(bars, names):
-        ax.annotate(f"{results['methods'][n]['speedup_vs_target_only']:.2f}x", (b.get_x() + b.get_width() / 2,
-                    b.get_height()), ha="center", va="bottom", fontsize=9)
+    for b, n in zip(bars, names, strict=True):
+        ax.annotate(
+            f"{results['methods'][n]['speedup_vs_target_only']:.2f}x",
+            (b.get_x() + b.get_width() / 2, b.get_height()),
+            ha="center",
+            va="bottom",
+            fontsize=9,
+        )
     ax.set_ylabel("tokens / s (greedy)")
     ax.set_title(f"in-process decoding, {results['prompts']} held-out prompts x {results['max_tokens']} tokens")
     plt.xticks(rotation=20, ha="right")
@@ -127,9 +137,11 @@ def main(argv: list[str] | None = None) -> dict:
     engine.generate(prompts[0], params, 4)  # warm-up
     run_hf(target, prompts[:1], 8, draft)
 
-    plan = [("target-only", lambda: run_engine(engine, prompts, params, 0)),
-            ("hf generate", lambda: run_hf(target, prompts, args.max_tokens)),
-            ("hf assisted", lambda: run_hf(target, prompts, args.max_tokens, draft))]
+    plan = [
+        ("target-only", lambda: run_engine(engine, prompts, params, 0)),
+        ("hf generate", lambda: run_hf(target, prompts, args.max_tokens)),
+        ("hf assisted", lambda: run_hf(target, prompts, args.max_tokens, draft)),
+    ]
     plan += [(f"specmesh K={k}", lambda k=k: run_engine(engine, prompts, params, k)) for k in args.ks]
     plan += [("specmesh ngram K=4", lambda: run_engine(engine, prompts, params, 4, "ngram"))]
     # the same K = 4 with the stock HF forward as the draft's runner: what StaticCacheRunner buys
@@ -147,12 +159,18 @@ def main(argv: list[str] | None = None) -> dict:
     results = {
         "bench": "inprocess",
         "decode_ms": {"target": round(t_ms, 3), "draft": round(d_ms, 3), "ratio": round(t_ms / d_ms, 2)},
-        "draft_runner": type(engine.draft).__name__, "target": str(args.target), "draft": str(args.draft),
+        "draft_runner": type(engine.draft).__name__,
+        "target": str(args.target),
+        "draft": str(args.draft),
         "target_params": sum(p.numel() for p in target.parameters()),
         "draft_params": sum(p.numel() for p in draft.parameters()),
-        "prompts": len(prompts), "prompt_len": args.prompt_len, "max_tokens": args.max_tokens,
-        "device": str(engine.target.device), "torch_threads": torch.get_num_threads(),
-        "machine": platform.processor() or platform.machine(), "methods": methods,
+        "prompts": len(prompts),
+        "prompt_len": args.prompt_len,
+        "max_tokens": args.max_tokens,
+        "device": str(engine.target.device),
+        "torch_threads": torch.get_num_threads(),
+        "machine": platform.processor() or platform.machine(),
+        "methods": methods,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=2) + "\n")
@@ -160,9 +178,11 @@ def main(argv: list[str] | None = None) -> dict:
     width = max(map(len, methods))
     print(f"{'method':<{width}}  tok/s   speedup  accept  mean_len  equal")
     for name, m in methods.items():
-        print(f"{name:<{width}}  {m['tokens_per_s']:6.1f}  {m['speedup_vs_target_only']:6.2f}x  "
-              f"{m.get('acceptance_rate') or '-':>6}  {m.get('mean_accepted_length') or '-':>8}  "
-              f"{m['output_equals_target_only']}")
+        print(
+            f"{name:<{width}}  {m['tokens_per_s']:6.1f}  {m['speedup_vs_target_only']:6.2f}x  "
+            f"{m.get('acceptance_rate') or '-':>6}  {m.get('mean_accepted_length') or '-':>8}  "
+            f"{m['output_equals_target_only']}"
+        )
     print(f"one-token HF decode: target {t_ms:.2f} ms, draft {d_ms:.2f} ms ({t_ms / d_ms:.1f}x)")
     print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
     return results

@@ -103,24 +103,61 @@ class Stack:
         self.verify_address = self.draft_address = ""
 
     def start_services(self) -> None:
-        common = ["--host", "127.0.0.1", "--port", "0", "--metrics-port", "0", "--grace-period-s", "2",
-                  "--log-level", "WARNING"]
-        proc, self.verify_address = start("verify", "verify_service", ["--model-path", str(self.target), *common,
-                                                                       "--threads", str(self.verify_threads)],
-                                          ports=self.metrics_ports)
+        common = [
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            "--metrics-port",
+            "0",
+            "--grace-period-s",
+            "2",
+            "--log-level",
+            "WARNING",
+        ]
+        proc, self.verify_address = start(
+            "verify",
+            "verify_service",
+            ["--model-path", str(self.target), *common, "--threads", str(self.verify_threads)],
+            ports=self.metrics_ports,
+        )
         self.procs.append(("verify", proc))
-        proc, self.draft_address = start("draft", "draft_service", ["--model-path", str(self.draft),
-                                                                    "--verify-address", self.verify_address,
-                                                                    *common, "--threads", str(self.draft_threads)],
-                                          ports=self.metrics_ports)
+        proc, self.draft_address = start(
+            "draft",
+            "draft_service",
+            [
+                "--model-path",
+                str(self.draft),
+                "--verify-address",
+                self.verify_address,
+                *common,
+                "--threads",
+                str(self.draft_threads),
+            ],
+            ports=self.metrics_ports,
+        )
         self.procs.append(("draft", proc))
 
     def start_gateway(self, name: str, with_draft: bool) -> str:
         """A gateway on a free port (no gRPC front); without the draft it decodes target-only. Returns its
         base URL once it is healthy (and sees the draft replica, when it has one)."""
         port = free_port()
-        args = ["--host", "127.0.0.1", "--port", str(port), "--grpc-port", "-1", "--verify", self.verify_address,
-                "--tokenizer-path", str(self.target), "--model-name", MODEL_NAME, "--log-level", "WARNING"]
+        args = [
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--grpc-port",
+            "-1",
+            "--verify",
+            self.verify_address,
+            "--tokenizer-path",
+            str(self.target),
+            "--model-name",
+            MODEL_NAME,
+            "--log-level",
+            "WARNING",
+        ]
         if with_draft:
             args += ["--draft", self.draft_address]
         proc, _ = start(name, "gateway", args, pattern=r"REST listening on (\S+)")
@@ -195,8 +232,15 @@ def draft_batch_metric(page: dict | None) -> str | None:
     """The draft service's batch-size histogram, if this checkout exports one (batched drafting)."""
     if page is None:
         return None
-    names = [n for n, t in page["types"].items() if t == "histogram" and n.startswith("specmesh_draft")
-             and "batch" in n and "duration" not in n and "seconds" not in n]
+    names = [
+        n
+        for n, t in page["types"].items()
+        if t == "histogram"
+        and n.startswith("specmesh_draft")
+        and "batch" in n
+        and "duration" not in n
+        and "seconds" not in n
+    ]
     return sorted(names, key=lambda n: "batch_size" not in n)[0] if names else None
 
 
@@ -204,8 +248,9 @@ def histogram_mean(before: dict | None, after: dict | None, name: str | None) ->
     """Mean observation of histogram `name` between two scrapes, and how many observations there were."""
     if before is None or after is None or name is None:
         return None, 0
-    s, c = (after["samples"].get(f"{name}_{x}", 0.0) - before["samples"].get(f"{name}_{x}", 0.0)
-            for x in ("sum", "count"))
+    s, c = (
+        after["samples"].get(f"{name}_{x}", 0.0) - before["samples"].get(f"{name}_{x}", 0.0) for x in ("sum", "count")
+    )
     return (round(s / c, 3) if c else None), int(c)
 
 
@@ -213,8 +258,9 @@ def histogram_mean(before: dict | None, after: dict | None, name: str | None) ->
 # the client
 
 
-async def one_request(client, prompt: list[int], max_tokens: int, temperature: float, k: int | None,
-                      timeout: float) -> dict:
+async def one_request(
+    client, prompt: list[int], max_tokens: int, temperature: float, k: int | None, timeout: float
+) -> dict:
     """One streamed completion; times of the first text chunk and of every later one."""
     extra = {"ignore_eos": True}
     if k is not None:
@@ -223,10 +269,16 @@ async def one_request(client, prompt: list[int], max_tokens: int, temperature: f
     t0 = time.perf_counter()
     last = None
     try:
-        stream = await client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=max_tokens,
-                                                 temperature=temperature, stream=True,
-                                                 stream_options={"include_usage": True}, extra_body=extra,
-                                                 timeout=timeout)
+        stream = await client.completions.create(
+            model=MODEL_NAME,
+            prompt=prompt,
+            max_tokens=max_tokens,
+            temperature=temperature,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body=extra,
+            timeout=timeout,
+        )
         async for chunk in stream:
             now = time.perf_counter()
             if chunk.choices and chunk.choices[0].text:
@@ -244,8 +296,17 @@ async def one_request(client, prompt: list[int], max_tokens: int, temperature: f
     return rec
 
 
-async def run_level(client, prompts, n_requests: int, concurrency: int, max_tokens: int, temperature: float,
-                    k: int | None, timeout: float, bar=None) -> tuple[list[dict], float]:
+async def run_level(
+    client,
+    prompts,
+    n_requests: int,
+    concurrency: int,
+    max_tokens: int,
+    temperature: float,
+    k: int | None,
+    timeout: float,
+    bar=None,
+) -> tuple[list[dict], float]:
     """Closed loop: `concurrency` clients, each sending its next request when its last one ended."""
     results: list[dict | None] = [None] * n_requests
     indices = iter(range(n_requests))  # shared by the workers: each request is sent once
@@ -265,8 +326,11 @@ def pct_ms(values: list[float]) -> dict | None:
     if not values:
         return None
     a = np.asarray(values) * 1e3
-    return {"p50": round(float(np.percentile(a, 50)), 2), "p99": round(float(np.percentile(a, 99)), 2),
-            "mean": round(float(a.mean()), 2)}
+    return {
+        "p50": round(float(np.percentile(a, 50)), 2),
+        "p99": round(float(np.percentile(a, 99)), 2),
+        "mean": round(float(a.mean()), 2),
+    }
 
 
 def summarize(records: list[dict], wall: float, max_tokens: int) -> dict:
@@ -276,13 +340,17 @@ def summarize(records: list[dict], wall: float, max_tokens: int) -> dict:
     spec = [r["specmesh"] for r in ok if r["specmesh"]]
     tot = {f: sum(s.get(f, 0) or 0 for s in spec) for f in ("rounds", "drafts", "drafted", "accepted")}
     drafts = tot["drafts"] or tot["rounds"]  # older stacks report no "drafts" (rounds with K > 0)
-    tpot = [(r["e2e"] - r["ttft"]) / (n - 1) for r, n in zip(ok, tokens, strict=True)
-            if r["ttft"] is not None and n > 1]
+    tpot = [
+        (r["e2e"] - r["ttft"]) / (n - 1) for r, n in zip(ok, tokens, strict=True) if r["ttft"] is not None and n > 1
+    ]
     return {
-        "requests": len(records), "errors": len(records) - len(ok),
+        "requests": len(records),
+        "errors": len(records) - len(ok),
         "error_examples": sorted({r["error"] for r in records if r["error"]})[:3],
-        "completion_tokens": sum(tokens), "tokens_from_usage": all(r["completion_tokens"] is not None for r in ok),
-        "wall_s": round(wall, 3), "tokens_per_s": round(sum(tokens) / wall, 2) if ok else None,
+        "completion_tokens": sum(tokens),
+        "tokens_from_usage": all(r["completion_tokens"] is not None for r in ok),
+        "wall_s": round(wall, 3),
+        "tokens_per_s": round(sum(tokens) / wall, 2) if ok else None,
         "ttft_ms": pct_ms([r["ttft"] for r in ok if r["ttft"] is not None]),
         "itl_ms": pct_ms([g for r in ok for g in r["itl"]]),
         "tpot_ms": pct_ms(tpot),
@@ -301,16 +369,27 @@ async def probe(client, prompt, k: int | None, timeout: float) -> dict:
     if r["error"]:
         raise RuntimeError(f"probe request failed: {r['error']}")
     s = r["specmesh"]
-    return {"num_speculative_tokens": k, "drafted": None if not s else s.get("drafted"),
-            "target_only_flag": None if not s else s.get("target_only"), "stats_block": bool(s)}
+    return {
+        "num_speculative_tokens": k,
+        "drafted": None if not s else s.get("drafted"),
+        "target_only_flag": None if not s else s.get("target_only"),
+        "stats_block": bool(s),
+    }
 
 
 # ---------------------------------------------------------------------------------------------------------
 # the transformers assisted-generation peer
 
 
-def hf_assisted(target_path: Path, draft_path: Path, prompts: list[list[int]], max_tokens: int,
-                temperatures: list[float], threads: int, seed: int) -> dict:
+def hf_assisted(
+    target_path: Path,
+    draft_path: Path,
+    prompts: list[list[int]],
+    max_tokens: int,
+    temperatures: list[float],
+    threads: int,
+    seed: int,
+) -> dict:
     """Tokens/s of `generate(assistant_model=draft)`, one prompt after the other, per sampling mode."""
     import torch
     import transformers
@@ -346,10 +425,14 @@ def hf_assisted(target_path: Path, draft_path: Path, prompts: list[list[int]], m
                 dt = time.perf_counter() - t0
                 tokens, seconds = tokens + n, seconds + dt
                 per_prompt.append(n / dt)
-            out[sampling_name(t)] = {"prompts": len(prompts), "tokens": tokens, "seconds": round(seconds, 3),
-                                     "tokens_per_s": round(tokens / seconds, 2),
-                                     "median_prompt_tokens_per_s": round(float(np.median(per_prompt)), 2),
-                                     "loadavg_1m_before": round(load, 2)}
+            out[sampling_name(t)] = {
+                "prompts": len(prompts),
+                "tokens": tokens,
+                "seconds": round(seconds, 3),
+                "tokens_per_s": round(tokens / seconds, 2),
+                "median_prompt_tokens_per_s": round(float(np.median(per_prompt)), 2),
+                "loadavg_1m_before": round(load, 2),
+            }
     return out
 
 
@@ -370,26 +453,32 @@ def fmt(v, spec: str = ".2f", suffix: str = "") -> str:
 
 
 def markdown(r: dict) -> str:
-    lines = ["| sampling | concurrency | speculative tok/s | target-only tok/s | spec / target-only "
-             "| spec / HF assisted | TTFT p50 / p99 ms (spec) | TTFT p50 / p99 ms (target-only) "
-             "| ITL p50 / p99 ms (spec) | ITL p50 / p99 ms (target-only) | TPOT p50 ms (spec / target-only) "
-             "| mean verify batch (spec / target-only) | mean draft batch |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| sampling | concurrency | speculative tok/s | target-only tok/s | spec / target-only "
+        "| spec / HF assisted | TTFT p50 / p99 ms (spec) | TTFT p50 / p99 ms (target-only) "
+        "| ITL p50 / p99 ms (spec) | ITL p50 / p99 ms (target-only) | TPOT p50 ms (spec / target-only) "
+        "| mean verify batch (spec / target-only) | mean draft batch |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for lv in r["levels"]:
         s, t = lv[SPEC], lv[TARGET_ONLY]
-        lines.append(f"| {lv['sampling']} | {lv['concurrency']} | {fmt(s['tokens_per_s'], '.1f')} "
-                     f"| {fmt(t['tokens_per_s'], '.1f')} | {fmt(lv['spec_vs_target_only'], '.2f', 'x')} "
-                     f"| {fmt(lv['spec_vs_hf_assisted'], '.2f', 'x')} | {fmt_pair(s['ttft_ms'])} "
-                     f"| {fmt_pair(t['ttft_ms'])} | {fmt_pair(s['itl_ms'])} | {fmt_pair(t['itl_ms'])} "
-                     f"| {fmt_p50(s['tpot_ms'])} / {fmt_p50(t['tpot_ms'])} "
-                     f"| {fmt(s['mean_verify_batch'])} / {fmt(t['mean_verify_batch'])} "
-                     f"| {fmt(s['mean_draft_batch'])} |")
+        lines.append(
+            f"| {lv['sampling']} | {lv['concurrency']} | {fmt(s['tokens_per_s'], '.1f')} "
+            f"| {fmt(t['tokens_per_s'], '.1f')} | {fmt(lv['spec_vs_target_only'], '.2f', 'x')} "
+            f"| {fmt(lv['spec_vs_hf_assisted'], '.2f', 'x')} | {fmt_pair(s['ttft_ms'])} "
+            f"| {fmt_pair(t['ttft_ms'])} | {fmt_pair(s['itl_ms'])} | {fmt_pair(t['itl_ms'])} "
+            f"| {fmt_p50(s['tpot_ms'])} / {fmt_p50(t['tpot_ms'])} "
+            f"| {fmt(s['mean_verify_batch'])} / {fmt(t['mean_verify_batch'])} "
+            f"| {fmt(s['mean_draft_batch'])} |"
+        )
     hf = r["hf_assisted"]
     peer = ", ".join(f"{k} {v['tokens_per_s']:.1f} tok/s" for k, v in hf.items()) if hf else "not run"
     lines.append("")
-    lines.append(f"HF assisted generation (one request at a time, {r['settings']['hf_torch_threads']} torch threads): "
-                 f"{peer}. Target-only: {r['target_only_method']['method']}. {r['settings']['max_tokens']} tokens "
-                 f"per request, {r['settings']['prompt_len']}-token held-out prompts.")
+    lines.append(
+        f"HF assisted generation (one request at a time, {r['settings']['hf_torch_threads']} torch threads): "
+        f"{peer}. Target-only: {r['target_only_method']['method']}. {r['settings']['max_tokens']} tokens "
+        f"per request, {r['settings']['prompt_len']}-token held-out prompts."
+    )
     return "\n".join(lines)
 
 
@@ -410,16 +499,27 @@ def plot(r: dict, path: Path) -> None:
         lvs = [lv for lv in r["levels"] if lv["sampling"] == sampling]
         n = [lv["concurrency"] for lv in lvs]
         for mode, style in ((SPEC, "o-"), (TARGET_ONLY, "s--")):
-            ax.plot(n, [lv[mode]["tokens_per_s"] or np.nan for lv in lvs], style, color=color,
-                    label=f"{mode}, {sampling}")
+            ax.plot(
+                n, [lv[mode]["tokens_per_s"] or np.nan for lv in lvs], style, color=color, label=f"{mode}, {sampling}"
+            )
         hf = (r["hf_assisted"] or {}).get(sampling)
         if hf:
             ax.axhline(hf["tokens_per_s"], color=color, ls=":", lw=1.5, label=f"HF assisted, {sampling}")
-        ax2.plot(n, [lv["spec_vs_target_only"] or np.nan for lv in lvs], "o-", color=color,
-                 label=f"vs target-only, {sampling}")
+        ax2.plot(
+            n,
+            [lv["spec_vs_target_only"] or np.nan for lv in lvs],
+            "o-",
+            color=color,
+            label=f"vs target-only, {sampling}",
+        )
         if hf:
-            ax2.plot(n, [lv["spec_vs_hf_assisted"] or np.nan for lv in lvs], "^:", color=color,
-                     label=f"vs HF assisted, {sampling}")
+            ax2.plot(
+                n,
+                [lv["spec_vs_hf_assisted"] or np.nan for lv in lvs],
+                "^:",
+                color=color,
+                label=f"vs HF assisted, {sampling}",
+            )
     for a in (ax, ax2):
         a.set_xscale("log", base=2)
         a.set_xticks(levels, [str(v) for v in levels])
@@ -447,8 +547,11 @@ def git_info() -> dict:
             return subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True, timeout=30).stdout.strip()
         except (OSError, subprocess.SubprocessError):
             return ""
-    return {"commit": git("rev-parse", "HEAD") or None,
-            "dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}
+
+    return {
+        "commit": git("rev-parse", "HEAD") or None,
+        "dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
+    }
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -460,36 +563,61 @@ def parse_list(kind):
             return [kind(x) for x in text.split(",") if x.strip()]
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected a comma-separated list, got {text!r}") from None
+
     return parse
 
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m bench.load", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m bench.load", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--target", type=Path, default=ROOT / "models/demo/target", help="target checkpoint")
     ap.add_argument("--draft", type=Path, default=ROOT / "models/demo/draft", help="draft checkpoint")
-    ap.add_argument("--concurrency", type=parse_list(int), default=[1, 2, 4, 8, 16, 32],
-                    help="comma-separated concurrency levels (clients in the closed loop)")
-    ap.add_argument("--temperatures", type=parse_list(float), default=[0.0, 0.7],
-                    help="comma-separated sampling temperatures (0 = greedy)")
+    ap.add_argument(
+        "--concurrency",
+        type=parse_list(int),
+        default=[1, 2, 4, 8, 16, 32],
+        help="comma-separated concurrency levels (clients in the closed loop)",
+    )
+    ap.add_argument(
+        "--temperatures",
+        type=parse_list(float),
+        default=[0.0, 0.7],
+        help="comma-separated sampling temperatures (0 = greedy)",
+    )
     ap.add_argument("--max-tokens", type=int, default=64, help="completion tokens per request (ignore_eos)")
     ap.add_argument("--prompt-len", type=int, default=64, help="tokens per held-out prompt")
     ap.add_argument("--prompts", type=int, default=20, help="distinct held-out prompts, cycled over the requests")
     ap.add_argument("--requests-factor", type=int, default=2, help="requests per level = factor x concurrency ...")
     ap.add_argument("--min-requests", type=int, default=4, help="... but at least this many")
-    ap.add_argument("--num-speculative-tokens", type=int, default=None,
-                    help="K sent with speculative requests (default: left out, the draft service's default)")
-    ap.add_argument("--verify-threads", type=int, default=0,
-                    help="torch threads of the verify service (0 = as `make run` chooses: specmesh.placement)")
-    ap.add_argument("--draft-threads", type=int, default=0,
-                    help="torch threads of the draft service (0 = as `make run` chooses: specmesh.placement)")
+    ap.add_argument(
+        "--num-speculative-tokens",
+        type=int,
+        default=None,
+        help="K sent with speculative requests (default: left out, the draft service's default)",
+    )
+    ap.add_argument(
+        "--verify-threads",
+        type=int,
+        default=0,
+        help="torch threads of the verify service (0 = as `make run` chooses: specmesh.placement)",
+    )
+    ap.add_argument(
+        "--draft-threads",
+        type=int,
+        default=0,
+        help="torch threads of the draft service (0 = as `make run` chooses: specmesh.placement)",
+    )
     ap.add_argument("--hf-prompts", type=int, default=12, help="prompts for the HF assisted-generation peer")
     ap.add_argument("--hf-threads", type=int, default=0, help="torch threads of the HF peer (0 = this machine's cores)")
     ap.add_argument("--skip-hf", action="store_true", help="no HF assisted-generation peer (its ratios are null)")
     ap.add_argument("--request-timeout-s", type=float, default=300.0, help="client timeout per request")
     ap.add_argument("--seed", type=int, default=0, help="torch seed of the HF peer's sampling")
-    ap.add_argument("--quick", action="store_true",
-                    help="smoke run: concurrency 1,4, four requests per level, 16 tokens, 2 HF prompts")
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="smoke run: concurrency 1,4, four requests per level, 16 tokens, 2 HF prompts",
+    )
     ap.add_argument("--out", type=Path, default=RESULTS / "load.json", help="JSON results (the PNG goes beside it)")
     args = ap.parse_args(argv)
     if args.quick:
@@ -531,18 +659,28 @@ async def measure(args, stack: Stack, prompts: list[list[int]]) -> dict:
         # Target-only: 0 through the same gateway if 0 means target-only in this stack, else a draftless gateway.
         zero_probe = await probe(main, prompts[0], 0, timeout)
         if zero_probe["drafted"] == 0:
-            method = {"method": "num_speculative_tokens=0 through the same gateway", "short": "K=0, same stack",
-                      "zero_means_target_only": True}
+            method = {
+                "method": "num_speculative_tokens=0 through the same gateway",
+                "short": "K=0, same stack",
+                "zero_means_target_only": True,
+            }
             targets = {SPEC: (main, spec_k), TARGET_ONLY: (main, 0)}
         else:
-            why = ("0 means the service default (it drafted)" if zero_probe["drafted"] else
-                   "the response has no specmesh stats block, so 0's meaning could not be checked")
+            why = (
+                "0 means the service default (it drafted)"
+                if zero_probe["drafted"]
+                else "the response has no specmesh stats block, so 0's meaning could not be checked"
+            )
             tqdm.write(f"num_speculative_tokens=0 is not target-only here ({why}); starting a gateway without --draft")
             base = stack.start_gateway("gateway-target-only", with_draft=False)
             second = client_for(base)
-            method = {"method": "second gateway without --draft on the same verify service (target-only decoding "
-                                "in the verify service)", "short": "gateway without --draft",
-                      "zero_means_target_only": False if zero_probe["drafted"] else None, "why": why}
+            method = {
+                "method": "second gateway without --draft on the same verify service (target-only decoding "
+                "in the verify service)",
+                "short": "gateway without --draft",
+                "zero_means_target_only": False if zero_probe["drafted"] else None,
+                "why": why,
+            }
             targets = {SPEC: (main, spec_k), TARGET_ONLY: (second, None)}
         to_probe = await probe(targets[TARGET_ONLY][0], prompts[0], targets[TARGET_ONLY][1], timeout)
         if to_probe["drafted"]:
@@ -578,17 +716,25 @@ async def measure(args, stack: Stack, prompts: list[list[int]]) -> dict:
                 stack.check_alive()
                 m = summarize(records, wall, args.max_tokens)
                 if m["errors"] == m["requests"]:
-                    raise RuntimeError(f"every request of {mode}, {sampling_name(t)}, concurrency {c} failed: "
-                                       f"{m['error_examples']}")
+                    raise RuntimeError(
+                        f"every request of {mode}, {sampling_name(t)}, concurrency {c} failed: {m['error_examples']}"
+                    )
                 if m["errors"]:
-                    tqdm.write(f"{m['errors']} of {m['requests']} requests failed ({mode}, {sampling_name(t)}, "
-                               f"concurrency {c}): {m['error_examples']}")
+                    tqdm.write(
+                        f"{m['errors']} of {m['requests']} requests failed ({mode}, {sampling_name(t)}, "
+                        f"concurrency {c}): {m['error_examples']}"
+                    )
                 m["mean_verify_batch"], m["verify_batches"] = histogram_mean(vb, va, verify_metric)
                 m["mean_draft_batch"], m["draft_batches"] = histogram_mean(db, da, draft_metric)
                 lv = levels.setdefault((t, c), {"sampling": sampling_name(t), "temperature": t, "concurrency": c})
                 lv[mode] = m
-        return {"target_only_method": method, "speculative_k_sent": spec_k, "verify_batch_metric": verify_metric,
-                "draft_batch_metric": draft_metric, "levels": list(levels.values())}
+        return {
+            "target_only_method": method,
+            "speculative_k_sent": spec_k,
+            "verify_batch_metric": verify_metric,
+            "draft_batch_metric": draft_metric,
+            "levels": list(levels.values()),
+        }
     finally:
         for c in clients:
             await c.close()
@@ -620,8 +766,15 @@ def main(argv=None) -> dict:
 
     hf = None
     if not args.skip_hf:
-        hf = hf_assisted(args.target, args.draft, prompts[: args.hf_prompts], args.max_tokens, args.temperatures,
-                         args.hf_threads, args.seed)
+        hf = hf_assisted(
+            args.target,
+            args.draft,
+            prompts[: args.hf_prompts],
+            args.max_tokens,
+            args.temperatures,
+            args.hf_threads,
+            args.seed,
+        )
     for lv in measured["levels"]:
         s, t = lv[SPEC]["tokens_per_s"], lv[TARGET_ONLY]["tokens_per_s"]
         peer = (hf or {}).get(lv["sampling"], {}).get("tokens_per_s")
@@ -639,29 +792,47 @@ def main(argv=None) -> dict:
         "HF assisted: one request at a time, so its aggregate tokens/s is the same at every concurrency",
     ]
     if measured["draft_batch_metric"] is None:
-        notes.append("the draft service exports no draft batch-size histogram (no batched drafting in this "
-                     "checkout): mean_draft_batch is null")
+        notes.append(
+            "the draft service exports no draft batch-size histogram (no batched drafting in this "
+            "checkout): mean_draft_batch is null"
+        )
     results = {
         "bench": "load",
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "git": git_info(),
-        "machine": {"cores": cores(), "cpu_count": os.cpu_count(),
-                    "processor": platform.processor() or platform.machine(), "platform": platform.platform(),
-                    "python": platform.python_version(), "torch": torch.__version__,
-                    "transformers": transformers.__version__, "device": "cpu",
-                    "loadavg_1m_start_end": [round(load_start[0], 2), round(os.getloadavg()[0], 2)]},
-        "settings": {"target": str(args.target), "draft": str(args.draft), "model_name": MODEL_NAME,
-                     "concurrency": args.concurrency, "temperatures": args.temperatures,
-                     "requests_per_level": {str(c): max(args.min_requests, args.requests_factor * c)
-                                            for c in args.concurrency},
-                     "max_tokens": args.max_tokens, "prompt_len": args.prompt_len, "distinct_prompts": len(prompts),
-                     "ignore_eos": True, "api": "POST /v1/completions, streaming, openai client, token-id prompts",
-                     "speculative_k": measured["speculative_k_sent"] or "service default",
-                     "verify_torch_threads": args.verify_threads, "draft_torch_threads": args.draft_threads,
-                     "hf_torch_threads": args.hf_threads,
-                     "hf_prompts": min(args.hf_prompts, len(prompts)) if hf else 0, "quick": args.quick},
+        "machine": {
+            "cores": cores(),
+            "cpu_count": os.cpu_count(),
+            "processor": platform.processor() or platform.machine(),
+            "platform": platform.platform(),
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "device": "cpu",
+            "loadavg_1m_start_end": [round(load_start[0], 2), round(os.getloadavg()[0], 2)],
+        },
+        "settings": {
+            "target": str(args.target),
+            "draft": str(args.draft),
+            "model_name": MODEL_NAME,
+            "concurrency": args.concurrency,
+            "temperatures": args.temperatures,
+            "requests_per_level": {str(c): max(args.min_requests, args.requests_factor * c) for c in args.concurrency},
+            "max_tokens": args.max_tokens,
+            "prompt_len": args.prompt_len,
+            "distinct_prompts": len(prompts),
+            "ignore_eos": True,
+            "api": "POST /v1/completions, streaming, openai client, token-id prompts",
+            "speculative_k": measured["speculative_k_sent"] or "service default",
+            "verify_torch_threads": args.verify_threads,
+            "draft_torch_threads": args.draft_threads,
+            "hf_torch_threads": args.hf_threads,
+            "hf_prompts": min(args.hf_prompts, len(prompts)) if hf else 0,
+            "quick": args.quick,
+        },
         "target_only_method": measured["target_only_method"],
-        "verify_batch_metric": measured["verify_batch_metric"], "draft_batch_metric": measured["draft_batch_metric"],
+        "verify_batch_metric": measured["verify_batch_metric"],
+        "draft_batch_metric": measured["draft_batch_metric"],
         "hf_assisted": hf,
         "levels": measured["levels"],
         "notes": notes,

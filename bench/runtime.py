@@ -86,14 +86,21 @@ def main() -> None:
 
     print(f"{'batch x new':>12} {'context':>8} {'ModelRunner ms':>15} {'BatchedRunner ms':>17} {'speedup':>8}")
     for r in rows:
-        print(f"{r['batch']:>7} x {r['new_tokens']:<2} {r['context']:>8} {r['model_runner_ms']:>15} "
-              f"{r['batched_runner_ms']:>17} {r['speedup']:>8}")
+        print(
+            f"{r['batch']:>7} x {r['new_tokens']:<2} {r['context']:>8} {r['model_runner_ms']:>15} "
+            f"{r['batched_runner_ms']:>17} {r['speedup']:>8}"
+        )
     result = {
         "model": os.path.relpath(args.model, ROOT) if args.model.startswith(str(ROOT)) else args.model,
-        "device": args.device, "threads": args.threads, "reps": args.reps, "torch": torch.__version__,
-        "machine": f"{platform.machine()} {os.cpu_count()} cpus", "note": args.note,
+        "device": args.device,
+        "threads": args.threads,
+        "reps": args.reps,
+        "torch": torch.__version__,
+        "machine": f"{platform.machine()} {os.cpu_count()} cpus",
+        "note": args.note,
         # Other processes' load (1-minute average) before and after: a busy machine slows both runners.
-        "loadavg_1min": [round(load_before, 2), round(os.getloadavg()[0], 2)], "rows": rows,
+        "loadavg_1min": [round(load_before, 2), round(os.getloadavg()[0], 2)],
+        "rows": rows,
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -51,10 +51,10 @@ import transformers
 from tqdm import tqdm
 
 from bench.inprocess import decode_ms, heldout_prompts
-from specmesh.drafters import ModelDrafter
-from specmesh.engine import SpeculativeEngine
 from specmesh import wire
 from specmesh.domain import DraftBlock, SpecStats
+from specmesh.drafters import ModelDrafter
+from specmesh.engine import SpeculativeEngine
 from specmesh.sampling import SamplingParams
 from specmesh.v1 import common_pb2, draft_pb2, draft_pb2_grpc, verify_pb2, verify_pb2_grpc
 
@@ -79,9 +79,14 @@ class Services:
         log = self.log_dir / f"{name}.log"
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
         with open(log, "w") as f:
-            proc = subprocess.Popen([sys.executable, "-m", module, "--port", "0", "--metrics-port", "0", "--threads", "1",
-                                     *args],
-                                    cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+            proc = subprocess.Popen(
+                [sys.executable, "-m", module, "--port", "0", "--metrics-port", "0", "--threads", "1", *args],
+                cwd=ROOT,
+                env=env,
+                stdout=f,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+            )
         self.procs.append((name, proc, log))
         return proc, log
 
@@ -163,8 +168,9 @@ def engine_once(engine, prompt, max_tokens, k) -> tuple[list[int], SpecStats | N
 def generate_once(stub, prompt, max_tokens) -> tuple[list[int], object]:
     """All tokens and the finished chunk of one DraftService / VerifyService Generate call."""
     if isinstance(stub, draft_pb2_grpc.DraftServiceStub):
-        req = draft_pb2.DraftServiceGenerateRequest(prompt_ids=prompt, params=greedy_pb(max_tokens),
-                                                    num_speculative_tokens=K)
+        req = draft_pb2.DraftServiceGenerateRequest(
+            prompt_ids=prompt, params=greedy_pb(max_tokens), num_speculative_tokens=K
+        )
     else:
         req = verify_pb2.VerifyServiceGenerateRequest(prompt_ids=prompt, params=greedy_pb(max_tokens))
     tokens, last = [], None
@@ -201,11 +207,15 @@ def run_interleaved(plan, prompts, check) -> tuple[dict, dict]:
         check()
     methods = {}
     for name, a in acc.items():
-        per_prompt = [len(o) / t for o, t in zip(outputs[name], a["per_prompt_s"])]
+        per_prompt = [len(o) / t for o, t in zip(outputs[name], a["per_prompt_s"], strict=True)]
         extra = spec_summary(a["spec"]) if a["spec"] is not None else {}
-        methods[name] = summary(a["tokens"], a["seconds"], **extra,
-                                median_prompt_tokens_per_s=round(float(np.median(per_prompt)), 2),
-                                per_prompt_seconds=a["per_prompt_s"])
+        methods[name] = summary(
+            a["tokens"],
+            a["seconds"],
+            **extra,
+            median_prompt_tokens_per_s=round(float(np.median(per_prompt)), 2),
+            per_prompt_seconds=a["per_prompt_s"],
+        )
     return methods, outputs
 
 
@@ -217,16 +227,17 @@ async def _raw_verify(address: str, draft_runner, prompts, max_tokens: int, k: i
         for prompt in prompts:
             drafter = ModelDrafter(draft_runner)
             drafter.start(prompt, greedy(max_tokens))
-            opened = await stub.OpenSession(verify_pb2.OpenSessionRequest(prompt_ids=prompt,
-                                                                          params=greedy_pb(max_tokens)),
-                                            timeout=RPC_TIMEOUT)
+            opened = await stub.OpenSession(
+                verify_pb2.OpenSessionRequest(prompt_ids=prompt, params=greedy_pb(max_tokens)), timeout=RPC_TIMEOUT
+            )
             call = stub.Verify()
             epoch, position, out = opened.epoch, opened.base_position, []
             while True:
                 kk = min(k, max_tokens - len(out) - 1)
                 proposal = drafter.propose(kk) if kk > 0 else DraftBlock([])
-                msg = verify_pb2.VerifyRequest(session_id=opened.session_id, epoch=epoch, base_position=position,
-                                               draft_ids=proposal.token_ids)
+                msg = verify_pb2.VerifyRequest(
+                    session_id=opened.session_id, epoch=epoch, base_position=position, draft_ids=proposal.token_ids
+                )
                 t0 = time.perf_counter()
                 await call.write(msg)
                 while True:
@@ -236,9 +247,17 @@ async def _raw_verify(address: str, draft_runner, prompts, max_tokens: int, k: i
                     if not v.stale:
                         break
                 t1 = time.perf_counter()
-                rounds.append({"round_s": t1 - t0, "batch_s": v.timings.batch_seconds,
-                               "queue_s": v.timings.queue_seconds, "k": len(proposal.token_ids),
-                               "drafted": v.num_drafted, "accepted": v.num_accepted, "deadline": v.deadline})
+                rounds.append(
+                    {
+                        "round_s": t1 - t0,
+                        "batch_s": v.timings.batch_seconds,
+                        "queue_s": v.timings.queue_seconds,
+                        "k": len(proposal.token_ids),
+                        "drafted": v.num_drafted,
+                        "accepted": v.num_accepted,
+                        "deadline": v.deadline,
+                    }
+                )
                 epoch, position = v.epoch + 1, position + len(v.token_ids)
                 out.extend(v.token_ids)
                 if v.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
@@ -259,7 +278,7 @@ def run_concurrent(stubs, prompts, max_tokens) -> tuple[dict, list]:
     """All sessions at once, one sync stub (own channel) per session; wall clock over the lot."""
     with ThreadPoolExecutor(max_workers=len(prompts)) as pool:
         t0 = time.perf_counter()
-        futures = [pool.submit(generate_once, s, p, max_tokens) for s, p in zip(stubs, prompts)]
+        futures = [pool.submit(generate_once, s, p, max_tokens) for s, p in zip(stubs, prompts, strict=True)]
         results = [f.result() for f in futures]
         wall = time.perf_counter() - t0
     outputs = [r[0] for r in results]
@@ -275,8 +294,10 @@ def run_concurrent(stubs, prompts, max_tokens) -> tuple[dict, list]:
 
 def verify_counters(stub) -> dict:
     info = stub.Info(verify_pb2.VerifyServiceInfoRequest(), timeout=30)
-    return {f: getattr(info, f) for f in ("batches", "batched_blocks", "max_batch_size_seen", "deadline_steps",
-                                          "stale_blocks")}
+    return {
+        f: getattr(info, f)
+        for f in ("batches", "batched_blocks", "max_batch_size_seen", "deadline_steps", "stale_blocks")
+    }
 
 
 def batch_delta(before: dict, after: dict) -> dict:
@@ -301,14 +322,22 @@ def plot(results: dict, path: Path) -> None:
     ax = axes[0]
     colors = ["#888", "#4a7", "#37c", "#79d", "#c84"]
     bars = ax.bar(range(len(names)), [ss[n]["tokens_per_s"] for n in names], color=colors[: len(names)])
-    for b, n in zip(bars, names):
-        ax.annotate(f"{ss[n]['speedup_vs_inprocess_target_only']:.2f}x / {ss[n]['speedup_vs_service_target_only']:.2f}x",
-                    (b.get_x() + b.get_width() / 2, b.get_height()), ha="center", va="bottom", fontsize=8)
+    for b, n in zip(bars, names, strict=True):
+        ax.annotate(
+            f"{ss[n]['speedup_vs_inprocess_target_only']:.2f}x / {ss[n]['speedup_vs_service_target_only']:.2f}x",
+            (b.get_x() + b.get_width() / 2, b.get_height()),
+            ha="center",
+            va="bottom",
+            fontsize=8,
+        )
     ax.set_xticks(range(len(names)), [textwrap.fill(n, 15) for n in names], fontsize=7)
     ax.set_ylabel("tokens / s (greedy)")
     s = results["settings"]
-    ax.set_title(f"single stream, {s['prompts']} prompts x {s['max_tokens']} tokens\n"
-                 f"(ratio vs in-process target-only / vs service target-only)", fontsize=9)
+    ax.set_title(
+        f"single stream, {s['prompts']} prompts x {s['max_tokens']} tokens\n"
+        f"(ratio vs in-process target-only / vs service target-only)",
+        fontsize=9,
+    )
 
     ax = axes[1]
     ro = results["round_overhead"]
@@ -325,18 +354,30 @@ def plot(results: dict, path: Path) -> None:
     levels = results["concurrency"]["levels"]
     n = [lv["sessions"] for lv in levels]
     ax.plot(n, [lv["draft_service"]["tokens_per_s"] for lv in levels], "o-", color="#37c", label=f"draft service K={K}")
-    ax.plot(n, [lv["verify_generate"]["tokens_per_s"] for lv in levels], "s-", color="#c84",
-            label="target-only (VerifyService.Generate)")
+    ax.plot(
+        n,
+        [lv["verify_generate"]["tokens_per_s"] for lv in levels],
+        "s-",
+        color="#c84",
+        label="target-only (VerifyService.Generate)",
+    )
     for lv in levels:
         for key in ("draft_service", "verify_generate"):
-            ax.annotate(f"b={lv[key]['verify_batches']['mean_batch_size']:.2f}", (lv["sessions"], lv[key]["tokens_per_s"]),
-                        fontsize=7, xytext=(4, -10 if key == "verify_generate" else 4), textcoords="offset points")
+            ax.annotate(
+                f"b={lv[key]['verify_batches']['mean_batch_size']:.2f}",
+                (lv["sessions"], lv[key]["tokens_per_s"]),
+                fontsize=7,
+                xytext=(4, -10 if key == "verify_generate" else 4),
+                textcoords="offset points",
+            )
     ax.set_xscale("log", base=2)
     ax.set_xticks(n, [str(v) for v in n])
     ax.set_xlabel("concurrent sessions")
     ax.set_ylabel("aggregate tokens / s")
-    ax.set_title(f"concurrency, {results['concurrency']['tokens_per_session']} tokens per session\n"
-                 f"(b = mean verify batch size)", fontsize=9)
+    ax.set_title(
+        f"concurrency, {results['concurrency']['tokens_per_session']} tokens per session\n(b = mean verify batch size)",
+        fontsize=9,
+    )
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -349,13 +390,17 @@ def print_report(r: dict) -> None:
     print(f"\n1. single stream ({r['settings']['prompts']} prompts x {r['settings']['max_tokens']} tokens)")
     print(f"{'method':<{width}}  tok/s  median  vs (a)  vs (e)  accept  mean_len  equal")
     for name, m in ss.items():
-        print(f"{name:<{width}}  {m['tokens_per_s']:5.1f}  {m['median_prompt_tokens_per_s']:6.1f}  "
-              f"{m['speedup_vs_inprocess_target_only']:5.2f}x  "
-              f"{m['speedup_vs_service_target_only']:5.2f}x  {m.get('acceptance_rate') or '-':>6}  "
-              f"{m.get('mean_accepted_length') or '-':>8}  {m['output_equals_target_only']}")
+        print(
+            f"{name:<{width}}  {m['tokens_per_s']:5.1f}  {m['median_prompt_tokens_per_s']:6.1f}  "
+            f"{m['speedup_vs_inprocess_target_only']:5.2f}x  "
+            f"{m['speedup_vs_service_target_only']:5.2f}x  {m.get('acceptance_rate') or '-':>6}  "
+            f"{m.get('mean_accepted_length') or '-':>8}  {m['output_equals_target_only']}"
+        )
     ro = r["round_overhead"]
-    print(f"\n2. Verify stream rounds (K={ro['k']}, {ro['rounds']} rounds, output equal: "
-          f"{ro['output_equals_target_only']}, deadline verdicts: {ro['deadline_verdicts']})")
+    print(
+        f"\n2. Verify stream rounds (K={ro['k']}, {ro['rounds']} rounds, output equal: "
+        f"{ro['output_equals_target_only']}, deadline verdicts: {ro['deadline_verdicts']})"
+    )
     for key in ("round_ms", "batch_ms", "queue_ms", "overhead_ms"):
         print(f"  {key:<12} p50 {ro[key]['p50']:7.2f}  p99 {ro[key]['p99']:7.2f}  mean {ro[key]['mean']:7.2f}")
     c = r["concurrency"]
@@ -363,13 +408,17 @@ def print_report(r: dict) -> None:
     print("sessions  draft tok/s  batch  target-only tok/s  batch  ratio  equal")
     for lv in c["levels"]:
         d, v = lv["draft_service"], lv["verify_generate"]
-        print(f"{lv['sessions']:>8}  {d['tokens_per_s']:11.1f}  {d['verify_batches']['mean_batch_size']:5.2f}  "
-              f"{v['tokens_per_s']:17.1f}  {v['verify_batches']['mean_batch_size']:5.2f}  "
-              f"{lv['speedup_vs_target_only']:4.2f}x  {lv['outputs_equal_target_only']}")
+        print(
+            f"{lv['sessions']:>8}  {d['tokens_per_s']:11.1f}  {d['verify_batches']['mean_batch_size']:5.2f}  "
+            f"{v['tokens_per_s']:17.1f}  {v['verify_batches']['mean_batch_size']:5.2f}  "
+            f"{lv['speedup_vs_target_only']:4.2f}x  {lv['outputs_equal_target_only']}"
+        )
     dt = r["draft_time"]
-    print(f"\n4. draft ms/token: service (c) {dt['service_adaptive_pipelined_ms']:.3f}, service (d) "
-          f"{dt['service_fixed_no_pipeline_ms']:.3f}, plain HF decode {dt['hf_decode_ms']:.3f} "
-          f"(ratio (c)/HF {dt['ratio_service_vs_hf']:.2f}x); target HF decode {dt['target_hf_decode_ms']:.3f}")
+    print(
+        f"\n4. draft ms/token: service (c) {dt['service_adaptive_pipelined_ms']:.3f}, service (d) "
+        f"{dt['service_fixed_no_pipeline_ms']:.3f}, plain HF decode {dt['hf_decode_ms']:.3f} "
+        f"(ratio (c)/HF {dt['ratio_service_vs_hf']:.2f}x); target HF decode {dt['target_hf_decode_ms']:.3f}"
+    )
     print(f"\ntotal {r['total_seconds']:.0f} s")
 
 
@@ -404,8 +453,16 @@ def main(argv: list[str] | None = None) -> dict:
         services.spawn("verify", "verify_service", ["--model-path", str(args.target), "--grace-period-s", "2"])
         engine = SpeculativeEngine.from_paths(args.target, args.draft, device="cpu")
         vaddr = services.wait_listening("verify")
-        common = ["--model-path", str(args.draft), "--verify-address", vaddr, "--speculative-num-steps", str(K),
-                  "--grace-period-s", "2"]
+        common = [
+            "--model-path",
+            str(args.draft),
+            "--verify-address",
+            vaddr,
+            "--speculative-num-steps",
+            str(K),
+            "--grace-period-s",
+            "2",
+        ]
         services.spawn("draft", "draft_service", common)
         services.spawn("draft_fixed", "draft_service", [*common, "--no-adaptive", "--no-pipeline"])
         n_prompts = max(args.prompts, max(args.concurrency))
@@ -431,11 +488,13 @@ def main(argv: list[str] | None = None) -> dict:
             run_concurrent([vstub] * 4, [warm] * 4, 8)
 
         # 1. single stream
-        plan = [("(a) in-process target-only", lambda p: engine_once(engine, p, args.max_tokens, 0)),
-                (f"(b) in-process K={K}", lambda p: engine_once(engine, p, args.max_tokens, K)),
-                (f"(c) services K={K} adaptive+pipeline", lambda p: service_once(dstub, p, args.max_tokens)),
-                (f"(d) services K={K} fixed, no pipeline", lambda p: service_once(fstub, p, args.max_tokens)),
-                ("(e) services target-only", lambda p: service_once(vstub, p, args.max_tokens))]
+        plan = [
+            ("(a) in-process target-only", lambda p: engine_once(engine, p, args.max_tokens, 0)),
+            (f"(b) in-process K={K}", lambda p: engine_once(engine, p, args.max_tokens, K)),
+            (f"(c) services K={K} adaptive+pipeline", lambda p: service_once(dstub, p, args.max_tokens)),
+            (f"(d) services K={K} fixed, no pipeline", lambda p: service_once(fstub, p, args.max_tokens)),
+            ("(e) services target-only", lambda p: service_once(vstub, p, args.max_tokens)),
+        ]
         dinfo_before = dstub.Info(draft_pb2.DraftServiceInfoRequest(), timeout=30)
         methods, outputs = run_interleaved(plan, p1, services.check_alive)
         dinfo = dstub.Info(draft_pb2.DraftServiceInfoRequest(), timeout=30)
@@ -448,8 +507,9 @@ def main(argv: list[str] | None = None) -> dict:
             m["output_equals_target_only"] = outputs[name] == reference
         c_name = plan[2][0]
         methods[c_name]["pipelined_blocks_used"] = dinfo.pipelined_blocks_used - dinfo_before.pipelined_blocks_used
-        methods[c_name]["pipelined_blocks_discarded"] = (dinfo.pipelined_blocks_discarded
-                                                         - dinfo_before.pipelined_blocks_discarded)
+        methods[c_name]["pipelined_blocks_discarded"] = (
+            dinfo.pipelined_blocks_discarded - dinfo_before.pipelined_blocks_discarded
+        )
 
         # 2. per-round overhead on the raw Verify stream
         with tqdm(total=1, desc="2. verify rounds", unit="run") as bar:
@@ -461,11 +521,15 @@ def main(argv: list[str] | None = None) -> dict:
         for r in rounds:
             raw_stats.record(r["drafted"], r["accepted"])
         round_overhead = {
-            "k": K, "rounds": len(rounds), "tokens": sum(map(len, raw_out)),
-            "round_ms": pct([r["round_s"] for r in rounds]), "batch_ms": pct([r["batch_s"] for r in rounds]),
+            "k": K,
+            "rounds": len(rounds),
+            "tokens": sum(map(len, raw_out)),
+            "round_ms": pct([r["round_s"] for r in rounds]),
+            "batch_ms": pct([r["batch_s"] for r in rounds]),
             "queue_ms": pct([r["queue_s"] for r in rounds]),
             "overhead_ms": pct([r["round_s"] - r["batch_s"] for r in rounds]),
-            "deadline_verdicts": sum(r["deadline"] for r in rounds), "verify_counters": batch_delta(before, after),
+            "deadline_verdicts": sum(r["deadline"] for r in rounds),
+            "verify_counters": batch_delta(before, after),
             **{k: v for k, v in spec_summary(raw_stats).items() if k in ("acceptance_rate", "mean_accepted_length")},
             "output_equals_target_only": raw_out == reference,
         }
@@ -478,12 +542,17 @@ def main(argv: list[str] | None = None) -> dict:
             ps = prompts[:n]
             for i, p in enumerate(ps):  # the in-process target-only output of each prompt
                 if i not in ref3:
-                    ref3[i] = (reference[i][:n_tok] if i < len(reference) and n_tok <= args.max_tokens
-                               else engine.generate(p, greedy(n_tok), 0).token_ids)
+                    ref3[i] = (
+                        reference[i][:n_tok]
+                        if i < len(reference) and n_tok <= args.max_tokens
+                        else engine.generate(p, greedy(n_tok), 0).token_ids
+                    )
             level = {"sessions": n}
             outs = {}
-            for key, addr, cls in (("draft_service", daddr, draft_pb2_grpc.DraftServiceStub),
-                                   ("verify_generate", vaddr, verify_pb2_grpc.VerifyServiceStub)):
+            for key, addr, cls in (
+                ("draft_service", daddr, draft_pb2_grpc.DraftServiceStub),
+                ("verify_generate", vaddr, verify_pb2_grpc.VerifyServiceStub),
+            ):
                 channels = [grpc.insecure_channel(addr) for _ in ps]
                 try:
                     stubs = [cls(ch) for ch in channels]
@@ -495,10 +564,13 @@ def main(argv: list[str] | None = None) -> dict:
                     for ch in channels:
                         ch.close()
                 services.check_alive()
-            level["speedup_vs_target_only"] = round(level["draft_service"]["tokens_per_s"]
-                                                    / level["verify_generate"]["tokens_per_s"], 3)
-            level["outputs_equal_target_only"] = (level["draft_service"]["output_equals_target_only"]
-                                                  and level["verify_generate"]["output_equals_target_only"])
+            level["speedup_vs_target_only"] = round(
+                level["draft_service"]["tokens_per_s"] / level["verify_generate"]["tokens_per_s"], 3
+            )
+            level["outputs_equal_target_only"] = (
+                level["draft_service"]["output_equals_target_only"]
+                and level["verify_generate"]["output_equals_target_only"]
+            )
             levels.append(level)
 
         # 4. draft time per token
@@ -506,34 +578,59 @@ def main(argv: list[str] | None = None) -> dict:
         hf_target = float(np.median([decode_ms(engine.target.model, context=args.prompt_len) for _ in range(3)]))
         c_ms, d_ms = dinfo.draft_seconds_per_token * 1e3, finfo.draft_seconds_per_token * 1e3
         draft_time = {
-            "service_adaptive_pipelined_ms": round(c_ms, 3), "service_fixed_no_pipeline_ms": round(d_ms, 3),
-            "hf_decode_ms": round(hf_draft, 3), "ratio_service_vs_hf": round(c_ms / hf_draft, 3),
-            "ratio_service_fixed_vs_hf": round(d_ms / hf_draft, 3), "target_hf_decode_ms": round(hf_target, 3),
+            "service_adaptive_pipelined_ms": round(c_ms, 3),
+            "service_fixed_no_pipeline_ms": round(d_ms, 3),
+            "hf_decode_ms": round(hf_draft, 3),
+            "ratio_service_vs_hf": round(c_ms / hf_draft, 3),
+            "ratio_service_fixed_vs_hf": round(d_ms / hf_draft, 3),
+            "target_hf_decode_ms": round(hf_target, 3),
             "service_draft_runner": draft_runner_default(),
             "note": "service figures: DraftService.Info draft_seconds_per_token right after part 1 (warm-up and "
-                    "(c) / (d) runs, drafted-ahead tokens included); HF: one-token decode, DynamicCache, context "
-                    f"{args.prompt_len}, this process ({args.threads} torch thread(s)), median of 3 x 50 steps",
+            "(c) / (d) runs, drafted-ahead tokens included); HF: one-token decode, DynamicCache, context "
+            f"{args.prompt_len}, this process ({args.threads} torch thread(s)), median of 3 x 50 steps",
         }
-        all_equal = (all(m["output_equals_target_only"] for m in methods.values())
-                     and round_overhead["output_equals_target_only"]
-                     and all(lv["outputs_equal_target_only"] for lv in levels))
+        all_equal = (
+            all(m["output_equals_target_only"] for m in methods.values())
+            and round_overhead["output_equals_target_only"]
+            and all(lv["outputs_equal_target_only"] for lv in levels)
+        )
         results = {
             "bench": "services",
-            "machine": {"processor": platform.processor() or platform.machine(), "platform": platform.platform(),
-                        "cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
-                        "transformers": transformers.__version__, "grpcio": grpc.__version__, "device": "cpu",
-                        "loadavg_1m_start_end": [round(load_start[0], 2), round(os.getloadavg()[0], 2)]},
-            "settings": {"target": str(args.target), "draft": str(args.draft), "k": K, "greedy": True,
-                         "prompts": len(p1), "prompt_len": args.prompt_len, "max_tokens": args.max_tokens,
-                         "concurrency": args.concurrency, "concurrent_tokens": n_tok, "quick": args.quick,
-                         "client_torch_threads": args.threads, "service_torch_threads": 1,
-                         "transport": "gRPC over loopback, each service its own process",
-                         "verify_service": {f: getattr(vinfo, f) for f in ("max_batch_size", "max_sessions",
-                                                                           "max_spec_len", "sampler_backend")},
-                         "draft_services": {"(c)": {"adaptive": dinfo.adaptive, "pipelined": dinfo.pipelined},
-                                            "(d)": {"adaptive": finfo.adaptive, "pipelined": finfo.pipelined},
-                                            "draft_runner": draft_runner_default()},
-                         "inprocess_draft_runner": type(engine.draft).__name__},
+            "machine": {
+                "processor": platform.processor() or platform.machine(),
+                "platform": platform.platform(),
+                "cpus": os.cpu_count(),
+                "python": platform.python_version(),
+                "torch": torch.__version__,
+                "transformers": transformers.__version__,
+                "grpcio": grpc.__version__,
+                "device": "cpu",
+                "loadavg_1m_start_end": [round(load_start[0], 2), round(os.getloadavg()[0], 2)],
+            },
+            "settings": {
+                "target": str(args.target),
+                "draft": str(args.draft),
+                "k": K,
+                "greedy": True,
+                "prompts": len(p1),
+                "prompt_len": args.prompt_len,
+                "max_tokens": args.max_tokens,
+                "concurrency": args.concurrency,
+                "concurrent_tokens": n_tok,
+                "quick": args.quick,
+                "client_torch_threads": args.threads,
+                "service_torch_threads": 1,
+                "transport": "gRPC over loopback, each service its own process",
+                "verify_service": {
+                    f: getattr(vinfo, f) for f in ("max_batch_size", "max_sessions", "max_spec_len", "sampler_backend")
+                },
+                "draft_services": {
+                    "(c)": {"adaptive": dinfo.adaptive, "pipelined": dinfo.pipelined},
+                    "(d)": {"adaptive": finfo.adaptive, "pipelined": finfo.pipelined},
+                    "draft_runner": draft_runner_default(),
+                },
+                "inprocess_draft_runner": type(engine.draft).__name__,
+            },
             "all_outputs_equal_target_only": all_equal,
             "single_stream": {"methods": methods},
             "round_overhead": round_overhead,

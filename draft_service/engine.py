@@ -94,21 +94,28 @@ def make_runner(model, config: DraftConfig):
     if kind == "auto":
         kind = "batched" if BatchedRunner.supports(model) else "hf"
     if kind == "batched":
-        return BatchedRunner(model, num_slots=config.max_sessions + config.max_cached_sessions,
-                             max_seq_len=config.max_model_len or None)
+        return BatchedRunner(
+            model, num_slots=config.max_sessions + config.max_cached_sessions, max_seq_len=config.max_model_len or None
+        )
     return StaticCacheRunner(model) if kind == "static" else ModelRunner(model)
 
 
 class DraftEngine:
-    def __init__(self, config: DraftConfig, model=None, stream_metrics: StreamMetrics | None = None,
-                 on_batch: Callable[[int, float], None] | None = None):
+    def __init__(
+        self,
+        config: DraftConfig,
+        model=None,
+        stream_metrics: StreamMetrics | None = None,
+        on_batch: Callable[[int, float], None] | None = None,
+    ):
         """`on_batch(sessions, seconds)` is told of every batched draft forward (metrics)."""
         self.config = config
         self.runner = make_runner(model, config) if model is not None else None
         self.vocab_size = self.runner.vocab_size if self.runner else 0
         self.model_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="draft-model")
-        self.batcher = (DraftBatcher(self.runner, config.draft_topk, self._on_model, on_batch)
-                        if self.runner is not None else None)
+        self.batcher = (
+            DraftBatcher(self.runner, config.draft_topk, self._on_model, on_batch) if self.runner is not None else None
+        )
         self.totals = SpecStats()  # every finished generation's speculation statistics
         self.tracer = tracer("draft")
         self.stream_metrics = stream_metrics  # TTFT and inter-token latency of Generate streams
@@ -120,8 +127,12 @@ class DraftEngine:
         self.shutting_down = False
 
     @classmethod
-    def from_config(cls, config: DraftConfig, stream_metrics: StreamMetrics | None = None,
-                    on_batch: Callable[[int, float], None] | None = None) -> DraftEngine:
+    def from_config(
+        cls,
+        config: DraftConfig,
+        stream_metrics: StreamMetrics | None = None,
+        on_batch: Callable[[int, float], None] | None = None,
+    ) -> DraftEngine:
         model = load_model(config.model_path, config.device)[0] if config.algorithm.needs_model else None
         return cls(config, model, stream_metrics, on_batch)
 
@@ -145,8 +156,10 @@ class DraftEngine:
         if self.runner is not None and address not in self._checked:
             info = await stub.Info(verify_pb2.VerifyServiceInfoRequest(), timeout=self.config.verify_timeout_s)
             if info.vocab_size != self.vocab_size:
-                raise FailedPrecondition(f"the draft's vocabulary ({self.vocab_size}) differs from the target's "
-                                         f"({info.vocab_size}) at {address}")
+                raise FailedPrecondition(
+                    f"the draft's vocabulary ({self.vocab_size}) differs from the target's "
+                    f"({info.vocab_size}) at {address}"
+                )
             self._checked.add(address)
         return stub
 
@@ -182,14 +195,21 @@ class DraftEngine:
         if self.shutting_down:
             raise Unavailable("the draft service is shutting down")
         if self._active >= self.config.max_sessions:
-            raise ResourceExhausted(f"the draft service is at its limit of {self.config.max_sessions} concurrent "
-                                    f"generations; retry later")
+            raise ResourceExhausted(
+                f"the draft service is at its limit of {self.config.max_sessions} concurrent generations; retry later"
+            )
         if session_id and session_id in self._busy:
             raise FailedPrecondition(f"session {session_id!r} is already generating")
 
-    async def generate(self, session_id: str, prompt_ids: list[int], params: SamplingParams, verify_address: str,
-                       num_speculative_tokens: int | None = None,
-                       metadata: tuple = ()) -> AsyncIterator[GenerationEvent]:
+    async def generate(
+        self,
+        session_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        verify_address: str,
+        num_speculative_tokens: int | None = None,
+        metadata: tuple = (),
+    ) -> AsyncIterator[GenerationEvent]:
         """Yields Opened, then Tokens as rounds commit them, then Finished."""
         k_max = self.check(prompt_ids, params, num_speculative_tokens)
         self._admit(session_id)
@@ -239,22 +259,35 @@ class DraftEngine:
 
     def info(self) -> dict:
         c = self.totals
-        return dict(model_path=self.config.model_path if self.runner else "",
-                    algorithm=self.config.speculative_algorithm, vocab_size=self.vocab_size,
-                    speculative_num_steps=self.config.speculative_num_steps, adaptive=self.config.adaptive,
-                    pipelined=self.config.pipeline, default_verify_address=self.config.verify_address,
-                    active_sessions=self._active, rounds=c.rounds, drafted=c.drafted, accepted=c.accepted,
-                    pipelined_blocks_used=c.pipelined_used,
-                    pipelined_blocks_discarded=c.pipelined_discarded,
-                    draft_seconds_per_token=self.draft_seconds_per_token())
+        return dict(
+            model_path=self.config.model_path if self.runner else "",
+            algorithm=self.config.speculative_algorithm,
+            vocab_size=self.vocab_size,
+            speculative_num_steps=self.config.speculative_num_steps,
+            adaptive=self.config.adaptive,
+            pipelined=self.config.pipeline,
+            default_verify_address=self.config.verify_address,
+            active_sessions=self._active,
+            rounds=c.rounds,
+            drafted=c.drafted,
+            accepted=c.accepted,
+            pipelined_blocks_used=c.pipelined_used,
+            pipelined_blocks_discarded=c.pipelined_discarded,
+            draft_seconds_per_token=self.draft_seconds_per_token(),
+        )
 
 
-async def _target_only(stub, session_id: str, prompt_ids: list[int], params: SamplingParams, metadata: tuple,
-                       timeout: float) -> AsyncIterator[GenerationEvent]:
+async def _target_only(
+    stub, session_id: str, prompt_ids: list[int], params: SamplingParams, metadata: tuple, timeout: float
+) -> AsyncIterator[GenerationEvent]:
     """K = 0: relay the verify replica's own target-only generation (no verify session, no round trips)."""
-    call = stub.Generate(verify_pb2.VerifyServiceGenerateRequest(session_id=session_id, prompt_ids=prompt_ids,
-                                                                  params=wire.params_to_pb(params)),
-                         timeout=timeout, metadata=metadata)
+    call = stub.Generate(
+        verify_pb2.VerifyServiceGenerateRequest(
+            session_id=session_id, prompt_ids=prompt_ids, params=wire.params_to_pb(params)
+        ),
+        timeout=timeout,
+        metadata=metadata,
+    )
     finished = False
     try:
         async for pb in call:
@@ -269,12 +302,21 @@ async def _target_only(stub, session_id: str, prompt_ids: list[int], params: Sam
 class _Generation:
     """One Generate call: the speculation loop as a task, its events handed to the caller's stream."""
 
-    def __init__(self, engine: DraftEngine, stub, session_id: str, prompt_ids: list[int], params: SamplingParams,
-                 k_max: int, metadata: tuple):
+    def __init__(
+        self,
+        engine: DraftEngine,
+        stub,
+        session_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        k_max: int,
+        metadata: tuple,
+    ):
         self.engine, self.session_id, self.prompt_ids, self.params = engine, session_id, prompt_ids, params
         self.queue: asyncio.Queue[GenerationEvent | _Failed] = asyncio.Queue()
-        self.remote = RemoteVerifier(stub, session_id, engine.config.verify_timeout_s, metadata=metadata,
-                                     on_open=self._opened)
+        self.remote = RemoteVerifier(
+            stub, session_id, engine.config.verify_timeout_s, metadata=metadata, on_open=self._opened
+        )
         self.drafter = engine._drafter(session_id)
         # A seeded request must replay exactly: its random draws may not depend on timing, so it gets a
         # fixed K and no drafting ahead (both adapt to how fast verdicts come back).
@@ -292,24 +334,39 @@ class _Generation:
         try:
             with torch.inference_mode():
                 result = await speculative_generate(
-                    self.remote, self.drafter, self.prompt_ids, self.params, self.policy, stop,
-                    on_tokens=lambda toks: self.queue.put_nowait(Tokens(toks)), pipeline=self.pipeline,
-                    on_round=self._trace_round)
+                    self.remote,
+                    self.drafter,
+                    self.prompt_ids,
+                    self.params,
+                    self.policy,
+                    stop,
+                    on_tokens=lambda toks: self.queue.put_nowait(Tokens(toks)),
+                    pipeline=self.pipeline,
+                    on_round=self._trace_round,
+                )
             # Before the final event goes out: a caller's next turn must find the session free on the
             # verify service (the stream's status is awaited).
             await self.remote.aclose(result.finish_reason != "cancelled")
             self.queue.put_nowait(Finished(result.finish_reason, result.stats))
-        except Exception as e:  # delivered to the caller as a status
+        except Exception as e:  # noqa: BLE001 - delivered to the caller as a status
             self.queue.put_nowait(_Failed(e))
 
     def _trace_round(self, r: RoundRecord) -> None:
         now = time.perf_counter()
         span = self.engine.tracer.start_span(
-            "draft.round", context=self.parent, start_time=wall_ns(r.t_start, now),
-            attributes={"specmesh.k": r.k, "specmesh.drafted": r.num_drafted, "specmesh.accepted": r.num_accepted,
-                        "specmesh.committed": r.num_committed, "specmesh.draft_seconds": r.t_sent - r.t_start,
-                        "specmesh.verify_wait_seconds": r.t_verdict - r.t_sent,
-                        "specmesh.from_pipeline": r.from_pipeline})
+            "draft.round",
+            context=self.parent,
+            start_time=wall_ns(r.t_start, now),
+            attributes={
+                "specmesh.k": r.k,
+                "specmesh.drafted": r.num_drafted,
+                "specmesh.accepted": r.num_accepted,
+                "specmesh.committed": r.num_committed,
+                "specmesh.draft_seconds": r.t_sent - r.t_start,
+                "specmesh.verify_wait_seconds": r.t_verdict - r.t_sent,
+                "specmesh.from_pipeline": r.from_pipeline,
+            },
+        )
         span.end(end_time=wall_ns(r.t_verdict, now))
 
     async def run(self) -> AsyncIterator[GenerationEvent]:

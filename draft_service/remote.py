@@ -1,27 +1,34 @@
 """The `Verifier` of distributed generation: a verify replica's session, over one bidirectional stream.
 
 The speculation loop runs on the event loop that owns the gRPC channel, so a block goes on the wire as soon
-as it is drafted, with no thread hand-off, and the loop keeps drafting ahead while it is verified. Stale verdicts (the answer to a block that crossed a deadline verdict)
-are skipped; a deadline verdict answers the block in flight with num_drafted = 0.
+as it is drafted, with no thread hand-off, and the loop keeps drafting ahead while it is verified. Stale
+verdicts (the answer to a block that crossed a deadline verdict) are skipped; a deadline verdict answers
+the block in flight with num_drafted = 0.
 """
 
 from __future__ import annotations
 
 import asyncio
-from typing import Callable
+from collections.abc import Callable
 
 import grpc
 
 from specmesh import wire
-from specmesh.errors import Unavailable
 from specmesh.domain import DraftBlock, Verdict
+from specmesh.errors import Unavailable
 from specmesh.sampling import SamplingParams
 from specmesh.v1 import verify_pb2, verify_pb2_grpc
 
 
 class RemoteVerifier:
-    def __init__(self, stub: verify_pb2_grpc.VerifyServiceStub, session_id: str, timeout: float,
-                 on_open: Callable[[verify_pb2.OpenSessionResponse], None] | None = None, metadata: tuple = ()):
+    def __init__(
+        self,
+        stub: verify_pb2_grpc.VerifyServiceStub,
+        session_id: str,
+        timeout: float,
+        on_open: Callable[[verify_pb2.OpenSessionResponse], None] | None = None,
+        metadata: tuple = (),
+    ):
         self.stub = stub
         self.session_id = session_id
         self.timeout = timeout
@@ -33,9 +40,12 @@ class RemoteVerifier:
 
     async def start(self, prompt_ids: list[int], params: SamplingParams) -> None:
         resp = await self.stub.OpenSession(
-            verify_pb2.OpenSessionRequest(session_id=self.session_id, prompt_ids=prompt_ids,
-                                          params=wire.params_to_pb(params)),
-            timeout=self.timeout, metadata=self.metadata)
+            verify_pb2.OpenSessionRequest(
+                session_id=self.session_id, prompt_ids=prompt_ids, params=wire.params_to_pb(params)
+            ),
+            timeout=self.timeout,
+            metadata=self.metadata,
+        )
         self.session_id, self.epoch, self.position = resp.session_id, resp.epoch, resp.base_position
         self.call = self.stub.Verify(metadata=self.metadata)
         if self.on_open is not None:
@@ -45,7 +55,7 @@ class RemoteVerifier:
         msg = wire.block_to_pb(proposal, self.session_id, self.epoch, self.position)
         try:
             return await asyncio.wait_for(self._round(msg), self.timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise Unavailable(f"the verify service did not answer a block within {self.timeout} s") from None
 
     async def _round(self, msg: verify_pb2.VerifyRequest) -> Verdict:
@@ -73,6 +83,6 @@ class RemoteVerifier:
                 await asyncio.wait_for(self.call.wait_for_connection(), 1.0)
                 await asyncio.wait_for(self.call.code(), 5.0)
                 return
-            except (grpc.aio.AioRpcError, asyncio.TimeoutError, asyncio.InvalidStateError):
+            except (TimeoutError, grpc.aio.AioRpcError, asyncio.InvalidStateError):
                 pass
         self.call.cancel()

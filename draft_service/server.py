@@ -27,7 +27,18 @@ async def build_server(config: DraftConfig, model=None) -> GrpcServer:
     def drain():
         engine.shutting_down = True
 
-    return GrpcServer(config.host, config.port, [SERVICE_NAME], add, config.grace_period_s, engine.close,
-                        on_drain=drain, active=lambda: engine.active,
-                        metrics_registry=metrics.registry, metrics_port=config.metrics_port,
-                        telemetry=ServiceTelemetry("draft", metrics.rpc), engine=engine, metrics=metrics)
+    return GrpcServer(
+        config.host,
+        config.port,
+        [SERVICE_NAME],
+        add,
+        config.grace_period_s,
+        engine.close,
+        on_drain=drain,
+        active=lambda: engine.active,
+        metrics_registry=metrics.registry,
+        metrics_port=config.metrics_port,
+        telemetry=ServiceTelemetry("draft", metrics.rpc),
+        engine=engine,
+        metrics=metrics,
+    )

@@ -13,8 +13,9 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
 
     async def Generate(self, request, context):
         params = wire.params_from_pb(request.params, self.engine.vocab_size or None)
-        async for event in self.engine.generate(request.session_id, list(request.prompt_ids), params,
-                                                request.verify_address, wire.spec_len_from_pb(request)):
+        async for event in self.engine.generate(
+            request.session_id, list(request.prompt_ids), params, request.verify_address, wire.spec_len_from_pb(request)
+        ):
             yield wire.event_to_pb(event, draft_pb2.DraftServiceGenerateResponse)
 
     async def Info(self, request, context):

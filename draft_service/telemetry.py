@@ -19,17 +19,25 @@ class DraftMetrics:
         self.registry = registry or CollectorRegistry()
         self.rpc = RpcMetrics(self.registry, "draft")
         self.stream = StreamMetrics(self.registry, "draft")
-        self.batch_size = Histogram("specmesh_draft_batch_size", "Sessions advanced by one batched draft forward",
-                                    buckets=BATCH_BUCKETS, registry=self.registry)
-        self.batch_seconds = Histogram("specmesh_draft_batch_duration_seconds", "One batched draft forward + sampling",
-                                       buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.batch_size = Histogram(
+            "specmesh_draft_batch_size",
+            "Sessions advanced by one batched draft forward",
+            buckets=BATCH_BUCKETS,
+            registry=self.registry,
+        )
+        self.batch_seconds = Histogram(
+            "specmesh_draft_batch_duration_seconds",
+            "One batched draft forward + sampling",
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
         self.engine = None
 
     def on_batch(self, size: int, seconds: float) -> None:
         self.batch_size.observe(size)
         self.batch_seconds.observe(seconds)
 
-    def watch(self, engine) -> "DraftMetrics":
+    def watch(self, engine) -> DraftMetrics:
         self.engine = engine
         self.registry.register(FnCollector(self.families))
         return self
@@ -42,9 +50,11 @@ class DraftMetrics:
         cached.add_metric([], e.cached_sessions)
         per_token = GaugeMetricFamily("specmesh_draft_seconds_per_token", "Mean time to draft one token")
         per_token.add_metric([], e.draft_seconds_per_token())
-        pipelined = CounterMetricFamily("specmesh_draft_pipelined_blocks",
-                                        "Blocks drafted while the previous one was verified, by outcome",
-                                        labels=["outcome"])
+        pipelined = CounterMetricFamily(
+            "specmesh_draft_pipelined_blocks",
+            "Blocks drafted while the previous one was verified, by outcome",
+            labels=["outcome"],
+        )
         pipelined.add_metric(["used"], e.totals.pipelined_used)
         pipelined.add_metric(["discarded"], e.totals.pipelined_discarded)
         return [active, cached, per_token, pipelined] + spec_families("specmesh_draft", e.totals)

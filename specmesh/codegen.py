@@ -26,8 +26,17 @@ def generate(out_root: Path) -> list[Path]:
     out_root.mkdir(parents=True, exist_ok=True)
     well_known = Path(grpc_tools.__file__).parent / "_proto"
     files = [str(p.relative_to(PROTO_ROOT)) for p in proto_files()]
-    rc = protoc.main(["grpc_tools.protoc", f"-I{PROTO_ROOT}", f"-I{well_known}", f"--python_out={out_root}",
-                      f"--pyi_out={out_root}", f"--grpc_python_out={out_root}", *files])
+    rc = protoc.main(
+        [
+            "grpc_tools.protoc",
+            f"-I{PROTO_ROOT}",
+            f"-I{well_known}",
+            f"--python_out={out_root}",
+            f"--pyi_out={out_root}",
+            f"--grpc_python_out={out_root}",
+            *files,
+        ]
+    )
     if rc != 0:
         raise RuntimeError(f"protoc failed with exit code {rc}")
     return sorted((out_root / "specmesh" / "v1").glob("*_pb2*.py*"))

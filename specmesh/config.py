@@ -38,8 +38,7 @@ class EnvArgumentParser(argparse.ArgumentParser):
         if type is bool:
             raw = os.environ.get(env)
             value = _parse_bool(raw) if raw is not None else bool(default)
-            self.add_argument(name, action=argparse.BooleanOptionalAction, default=value,
-                              help=f"{help} [env {env}]")
+            self.add_argument(name, action=argparse.BooleanOptionalAction, default=value, help=f"{help} [env {env}]")
             return
         raw = os.environ.get(env)
         if raw is not None:
@@ -48,8 +47,9 @@ class EnvArgumentParser(argparse.ArgumentParser):
             except ValueError as e:
                 raise SystemExit(f"{env}={raw!r}: {e}") from None
             required = False
-        self.add_argument(name, type=type, default=default, choices=choices, required=required,
-                          help=f"{help} [env {env}]")
+        self.add_argument(
+            name, type=type, default=default, choices=choices, required=required, help=f"{help} [env {env}]"
+        )
 
 
 PROCESS_FLAGS = ("threads", "log_level", "log_format")
@@ -61,8 +61,12 @@ def add_process_flags(ap: EnvArgumentParser, metrics_port: int = 9464) -> None:
     ap.flag("--metrics-port", type=int, default=metrics_port, help="Prometheus /metrics HTTP port (-1 = off, 0 = any)")
     ap.flag("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
     ap.flag("--log-level", default="INFO", help="logging level")
-    ap.flag("--log-format", default="text", choices=["text", "json"],
-            help="json: one object per line with trace and request ids")
+    ap.flag(
+        "--log-format",
+        default="text",
+        choices=["text", "json"],
+        help="json: one object per line with trace and request ids",
+    )
 
 
 def split_process_flags(args: dict) -> dict:

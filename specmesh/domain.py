@@ -10,7 +10,6 @@ from dataclasses import dataclass, field
 import torch
 
 
-
 @dataclass
 class SpecStats:
     """vLLM's definitions: acceptance rate = accepted / drafted; mean accepted length = 1 + accepted / drafts,
@@ -41,10 +40,18 @@ class SpecStats:
         for i in range(num_accepted):
             self.accepted_per_pos[i] += 1
 
-    def merge(self, other: "SpecStats") -> None:
+    def merge(self, other: SpecStats) -> None:
         """Add another generation's statistics (totals across requests, or across a failover)."""
-        for name in ("rounds", "drafts", "drafted", "accepted", "draft_seconds", "verify_seconds",
-                     "pipelined_used", "pipelined_discarded"):
+        for name in (
+            "rounds",
+            "drafts",
+            "drafted",
+            "accepted",
+            "draft_seconds",
+            "verify_seconds",
+            "pipelined_used",
+            "pipelined_discarded",
+        ):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         grow = len(other.drafted_per_pos) - len(self.drafted_per_pos)
         if grow > 0:
@@ -70,12 +77,17 @@ class SpecStats:
 
     def as_dict(self) -> dict:
         return {
-            "rounds": self.rounds, "drafts": self.drafts, "drafted": self.drafted, "accepted": self.accepted,
+            "rounds": self.rounds,
+            "drafts": self.drafts,
+            "drafted": self.drafted,
+            "accepted": self.accepted,
             "acceptance_rate": round(self.acceptance_rate, 4),
             "mean_accepted_length": round(self.mean_accepted_length, 4),
             "acceptance_per_pos": [round(a, 4) for a in self.acceptance_per_pos],
-            "draft_seconds": round(self.draft_seconds, 4), "verify_seconds": round(self.verify_seconds, 4),
-            "pipelined_used": self.pipelined_used, "pipelined_discarded": self.pipelined_discarded,
+            "draft_seconds": round(self.draft_seconds, 4),
+            "verify_seconds": round(self.verify_seconds, 4),
+            "pipelined_used": self.pipelined_used,
+            "pipelined_discarded": self.pipelined_discarded,
         }
 
 
@@ -92,13 +104,13 @@ class DraftBlock:
     def k(self) -> int:
         return len(self.token_ids)
 
-    def __getitem__(self, s: slice) -> "DraftBlock":
+    def __getitem__(self, s: slice) -> DraftBlock:
         if self.q_ids is None:
             return DraftBlock(self.token_ids[s])
         assert self.q_probs is not None  # a block has both q_ids and q_probs or neither
         return DraftBlock(self.token_ids[s], self.q_ids[s], self.q_probs[s])
 
-    def __add__(self, other: "DraftBlock") -> "DraftBlock":
+    def __add__(self, other: DraftBlock) -> DraftBlock:
         if not other.k:
             return self
         if not self.k:
@@ -114,8 +126,11 @@ class DraftBlock:
         def pad(t: torch.Tensor, value: float) -> torch.Tensor:
             return torch.nn.functional.pad(t, (0, width - t.size(1)), value=value)
 
-        return DraftBlock(self.token_ids + other.token_ids, torch.cat([pad(self.q_ids, -1), pad(other.q_ids, -1)]),
-                          torch.cat([pad(self.q_probs, 0.0), pad(other.q_probs, 0.0)]))
+        return DraftBlock(
+            self.token_ids + other.token_ids,
+            torch.cat([pad(self.q_ids, -1), pad(other.q_ids, -1)]),
+            torch.cat([pad(self.q_probs, 0.0), pad(other.q_probs, 0.0)]),
+        )
 
 
 @dataclass(frozen=True)

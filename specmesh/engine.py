@@ -28,11 +28,18 @@ from specmesh.verifier import LocalVerifier
 class SpeculativeEngine:
     """prompt ids + SamplingParams -> tokens + stats. K = 0 (or no draft) is target-only decoding."""
 
-    def __init__(self, target_runner: Runner[Any], draft_runner: Runner[Any] | None, sampler: RejectionSampler,
-                 tokenizer=None, draft_topk: int = 16):
+    def __init__(
+        self,
+        target_runner: Runner[Any],
+        draft_runner: Runner[Any] | None,
+        sampler: RejectionSampler,
+        tokenizer=None,
+        draft_topk: int = 16,
+    ):
         if draft_runner is not None and draft_runner.vocab_size != target_runner.vocab_size:
-            raise ValueError(f"draft vocabulary ({draft_runner.vocab_size}) differs from the target's "
-                             f"({target_runner.vocab_size})")
+            raise ValueError(
+                f"draft vocabulary ({draft_runner.vocab_size}) differs from the target's ({target_runner.vocab_size})"
+            )
         self.target = target_runner
         self.draft = draft_runner
         self.sampler = sampler
@@ -42,8 +49,16 @@ class SpeculativeEngine:
         self.batcher = DraftBatcher(draft_runner, draft_topk) if draft_runner is not None else None
 
     @classmethod
-    def from_models(cls, target_model, draft_model=None, sampler=None, tokenizer=None, sampler_backend: str = "auto",
-                    draft_topk: int = 16, draft_runner: str = "static") -> "SpeculativeEngine":
+    def from_models(
+        cls,
+        target_model,
+        draft_model=None,
+        sampler=None,
+        tokenizer=None,
+        sampler_backend: str = "auto",
+        draft_topk: int = 16,
+        draft_runner: str = "static",
+    ) -> SpeculativeEngine:
         """draft_runner: "static" (StaticCacheRunner, as the draft service uses) or "hf" (ModelRunner)."""
         if sampler is None:
             sampler = RejectionSampler(sampler_backend, device=next(target_model.parameters()).device)
@@ -54,30 +69,44 @@ class SpeculativeEngine:
         return cls(ModelRunner(target_model), draft, sampler, tokenizer, draft_topk)
 
     @classmethod
-    def from_paths(cls, target_path: str | Path, draft_path: str | Path | None = None, device=None,
-                   **kw) -> "SpeculativeEngine":
+    def from_paths(
+        cls, target_path: str | Path, draft_path: str | Path | None = None, device=None, **kw
+    ) -> SpeculativeEngine:
         target, tokenizer = load_model(target_path, device)
         draft = load_model(draft_path, device)[0] if draft_path else None
         return cls.from_models(target, draft, tokenizer=tokenizer, **kw)
 
-    def generate(self, prompt_ids: list[int], params: SamplingParams, num_speculative_tokens: int = 4,
-                 algorithm: str = "standalone") -> GenerationResult:
+    def generate(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        num_speculative_tokens: int = 4,
+        algorithm: str = "standalone",
+    ) -> GenerationResult:
         """Generate to completion (from synchronous code; `agenerate` inside an event loop)."""
         with torch.inference_mode():
             return asyncio.run(self.agenerate(prompt_ids, params, num_speculative_tokens, algorithm))
 
-    async def agenerate(self, prompt_ids: list[int], params: SamplingParams, num_speculative_tokens: int = 4,
-                        algorithm: str = "standalone") -> GenerationResult:
+    async def agenerate(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        num_speculative_tokens: int = 4,
+        algorithm: str = "standalone",
+    ) -> GenerationResult:
         params.validate(self.target.vocab_size)
         check_token_ids(prompt_ids, self.target.vocab_size)
         if not 0 <= num_speculative_tokens <= MAX_SPEC_LEN:
-            raise InvalidArgument(f"num_speculative_tokens must be in [0, {MAX_SPEC_LEN}], got {num_speculative_tokens}")
+            raise InvalidArgument(
+                f"num_speculative_tokens must be in [0, {MAX_SPEC_LEN}], got {num_speculative_tokens}"
+            )
         drafter = make_drafter(Algorithm.parse(algorithm), self.batcher)
         decode = (lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)) if self.tokenizer else None
         stop = StopChecker(params, eos_token_ids(self.target.model), decode)
         with torch.inference_mode():
-            result = await speculative_generate(LocalVerifier(self.target, self.sampler), drafter, prompt_ids,
-                                                params, num_speculative_tokens, stop)
+            result = await speculative_generate(
+                LocalVerifier(self.target, self.sampler), drafter, prompt_ids, params, num_speculative_tokens, stop
+            )
         if decode is not None:
             result.text = stop.text()
         return result

@@ -60,8 +60,19 @@ class Internal(SpecmeshError):
 
 # gRPC code name -> domain error class: the one status map (HTTP statuses hang off the classes).
 BY_GRPC_CODE: dict[str, type[SpecmeshError]] = {
-    cls.code: cls for cls in (InvalidArgument, OutOfRange, Unauthenticated, PermissionDenied, NotFound,
-                              FailedPrecondition, ResourceExhausted, DeadlineExceeded, Unavailable, Internal)
+    cls.code: cls
+    for cls in (
+        InvalidArgument,
+        OutOfRange,
+        Unauthenticated,
+        PermissionDenied,
+        NotFound,
+        FailedPrecondition,
+        ResourceExhausted,
+        DeadlineExceeded,
+        Unavailable,
+        Internal,
+    )
 }
 # A caller's mistake: retrying it anywhere gives the same answer.
 CALLER_ERRORS = frozenset(c.code for c in BY_GRPC_CODE.values() if 400 <= c.http_status < 500 and not c.retryable)

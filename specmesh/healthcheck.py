@@ -40,8 +40,9 @@ def check(address: str, service: str = "", timeout: float = 3.0) -> tuple[bool, 
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m specmesh.healthcheck",
-                                description="Exit 0 iff grpc.health.v1 Check at HOST:PORT says SERVING.")
+    p = argparse.ArgumentParser(
+        prog="python -m specmesh.healthcheck", description="Exit 0 iff grpc.health.v1 Check at HOST:PORT says SERVING."
+    )
     p.add_argument("address", help="HOST:PORT of the gRPC server")
     p.add_argument("--service", default="", help="service name to check ('' = the whole server)")
     p.add_argument("--timeout", type=float, default=3.0, help="RPC deadline in seconds")

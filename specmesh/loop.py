@@ -32,8 +32,9 @@ from specmesh.sampling import SamplingParams, StopChecker
 class Drafter(Protocol):
     async def start(self, prompt_ids: list[int], params: SamplingParams) -> None: ...
 
-    async def propose(self, k: int, after: Sequence[int] = (),
-                      should_stop: Callable[[], bool] | None = None) -> DraftBlock:
+    async def propose(
+        self, k: int, after: Sequence[int] = (), should_stop: Callable[[], bool] | None = None
+    ) -> DraftBlock:
         """Draft up to k tokens continuing the committed tokens + `after` (tokens assumed, not committed);
         return early, with fewer tokens, once should_stop() is true."""
         ...
@@ -81,8 +82,9 @@ class FixedK:
     def next_k(self) -> int:
         return self.k_max
 
-    def observe(self, k: int, num_accepted: int, draft_seconds: float, verify_seconds: float,
-                load: BatchLoad | None = None) -> None:
+    def observe(
+        self, k: int, num_accepted: int, draft_seconds: float, verify_seconds: float, load: BatchLoad | None = None
+    ) -> None:
         pass
 
 
@@ -97,8 +99,9 @@ class AdaptiveK:
     probe every `probe_every` rounds keeps the estimate alive.
     """
 
-    def __init__(self, k_max: int, decay: float = 0.9, prior_alpha: float = 0.6, prior_weight: float = 4.0,
-                 probe_every: int = 16):
+    def __init__(
+        self, k_max: int, decay: float = 0.9, prior_alpha: float = 0.6, prior_weight: float = 4.0, probe_every: int = 16
+    ):
         self.k_max = k_max
         self.decay = decay
         self.accepted = prior_alpha * prior_weight  # forgetting sums
@@ -112,8 +115,9 @@ class AdaptiveK:
     def alpha(self) -> float:
         return min(self.accepted / self.trials, 0.999) if self.trials else 0.0
 
-    def observe(self, k: int, num_accepted: int, draft_seconds: float, verify_seconds: float,
-                load: BatchLoad | None = None) -> None:
+    def observe(
+        self, k: int, num_accepted: int, draft_seconds: float, verify_seconds: float, load: BatchLoad | None = None
+    ) -> None:
         ema = lambda old, new: new if old is None else 0.8 * old + 0.2 * new
         if k > 0:
             self.accepted = self.decay * self.accepted + num_accepted
@@ -163,8 +167,9 @@ class GoodputK(AdaptiveK):
         self.batch_size: float | None = None
         self.overhead: float | None = None  # seconds per round outside the target forward
 
-    def observe(self, k: int, num_accepted: int, draft_seconds: float, verify_seconds: float,
-                load: BatchLoad | None = None) -> None:
+    def observe(
+        self, k: int, num_accepted: int, draft_seconds: float, verify_seconds: float, load: BatchLoad | None = None
+    ) -> None:
         super().observe(k, num_accepted, draft_seconds, verify_seconds, load)
         if load is None or load.batch_size <= 0 or load.batch_tokens <= 0:
             return
@@ -224,7 +229,7 @@ async def speculative_generate(
     on_tokens: Callable[[list[int]], None] | None = None,
     pipeline: bool = False,
     cancelled: Callable[[], bool] | None = None,
-    on_round: Callable[["RoundRecord"], None] | None = None,
+    on_round: Callable[[RoundRecord], None] | None = None,
 ) -> GenerationResult:
     """Run rounds until `stop` (or the verifier's verdict) says so. Tokens past a stop condition are
     dropped, never emitted. `on_tokens` receives each round's kept tokens as soon as they are known;
@@ -249,8 +254,9 @@ async def speculative_generate(
             proposal, from_ahead = ahead[:k], True
         elif k > 0:
             assert drafter is not None  # k <= policy.k_max, and that is 0 without a drafter
-            proposal = (ahead or DraftBlock([])) + await drafter.propose(k - (ahead.k if ahead else 0),
-                                                                       after=ahead.token_ids if ahead else ())
+            proposal = (ahead or DraftBlock([])) + await drafter.propose(
+                k - (ahead.k if ahead else 0), after=ahead.token_ids if ahead else ()
+            )
         else:
             proposal = DraftBlock([])
         t1 = time.perf_counter()
@@ -272,11 +278,27 @@ async def speculative_generate(
         stats.verify_seconds += t3 - t2
         stats.record(drafted, verdict.num_accepted)
         # A block drafted during the previous verification cost no time here: no draft-speed sample.
-        policy.observe(drafted, verdict.num_accepted, 0.0 if from_ahead else t1 - t0, t3 - t1,
-                       verdict.load if verdict.load.batch_size else None)
+        policy.observe(
+            drafted,
+            verdict.num_accepted,
+            0.0 if from_ahead else t1 - t0,
+            t3 - t1,
+            verdict.load if verdict.load.batch_size else None,
+        )
         if on_round is not None:
-            on_round(RoundRecord(proposal.k, drafted, verdict.num_accepted, len(verdict.tokens), t0, t1, t2, t3,
-                                 from_pipeline=ahead is not None))
+            on_round(
+                RoundRecord(
+                    proposal.k,
+                    drafted,
+                    verdict.num_accepted,
+                    len(verdict.tokens),
+                    t0,
+                    t1,
+                    t2,
+                    t3,
+                    from_pipeline=ahead is not None,
+                )
+            )
         kept = stop.extend(verdict.tokens)
         if verdict.finish_reason is not None and not stop.finished:
             stop.finish(verdict.finish_reason)

@@ -30,8 +30,6 @@ def load_model(path: str | Path, device: str | torch.device | None = None, dtype
     return model, tokenizer
 
 
-
-
 def eos_token_ids(model) -> frozenset[int]:
     """Every EOS id of the model's config and generation config (Llama 3 and Qwen chat models list several)."""
     ids: set[int] = set()

@@ -40,7 +40,7 @@ class SamplingParams:
         of its own, so drafts beyond max_tokens - emitted - 1 could never be kept."""
         return max(0, self.max_tokens - emitted - 1)
 
-    def validate(self, vocab_size: int | None = None) -> "SamplingParams":
+    def validate(self, vocab_size: int | None = None) -> SamplingParams:
         """Raise InvalidArgument naming the offending field; returns self so it chains."""
         if not (self.temperature >= 0.0) or self.temperature > 100.0:
             raise InvalidArgument(f"temperature must be in [0, 100], got {self.temperature}")
@@ -81,7 +81,7 @@ class BatchSamplingParams:
     top_p: torch.Tensor  # [N] float32; 1 = off
 
     @staticmethod
-    def from_params(params: list[SamplingParams], rows_per_request: list[int], device=None) -> "BatchSamplingParams":
+    def from_params(params: list[SamplingParams], rows_per_request: list[int], device=None) -> BatchSamplingParams:
         rep = torch.tensor(rows_per_request, device=device)
 
         def col(values, dtype):

@@ -75,8 +75,9 @@ class _Call:
 
     def __init__(self, tel: ServiceTelemetry, method: str, context):
         self.tel, self.method, self.context = tel, method, context
-        self.span = tel.tracer.start_span(f"{tel.service}/{method}", context=incoming_context(context),
-                                          kind=trace.SpanKind.SERVER)
+        self.span = tel.tracer.start_span(
+            f"{tel.service}/{method}", context=incoming_context(context), kind=trace.SpanKind.SERVER
+        )
         self.t0 = time.perf_counter()
         self.code = "OK"
 
@@ -108,8 +109,7 @@ class ServiceInterceptor(grpc.aio.ServerInterceptor):
         if handler is None or not details.method.startswith(self.prefix):
             return handler
         method = details.method.rsplit("/", 1)[-1]
-        ser = dict(request_deserializer=handler.request_deserializer,
-                   response_serializer=handler.response_serializer)
+        ser = dict(request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer)
         if handler.unary_unary:
             return grpc.unary_unary_rpc_method_handler(self._unary(handler.unary_unary, method), **ser)
         if handler.unary_stream:
@@ -157,12 +157,23 @@ class ServiceInterceptor(grpc.aio.ServerInterceptor):
 class GrpcServer:
     """A grpc.aio server with health, reflection and graceful shutdown."""
 
-    def __init__(self, host: str, port: int, service_names: list[str],
-                 add_servicers: Callable[[grpc.aio.Server], None], grace_seconds: float = 10.0,
-                 on_shutdown: Callable[[], Awaitable[None]] | None = None, options=None,
-                 on_drain: Callable[[], None] | None = None, active: Callable[[], int] | None = None,
-                 metrics_registry=None, metrics_port: int = -1, telemetry: ServiceTelemetry | None = None,
-                 engine=None, metrics=None):
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        service_names: list[str],
+        add_servicers: Callable[[grpc.aio.Server], None],
+        grace_seconds: float = 10.0,
+        on_shutdown: Callable[[], Awaitable[None]] | None = None,
+        options=None,
+        on_drain: Callable[[], None] | None = None,
+        active: Callable[[], int] | None = None,
+        metrics_registry=None,
+        metrics_port: int = -1,
+        telemetry: ServiceTelemetry | None = None,
+        engine=None,
+        metrics=None,
+    ):
         self.host, self.port = host, port
         self.engine, self.metrics = engine, metrics  # the domain object and metrics behind the servicers
         self.metrics_registry = metrics_registry  # served over HTTP on metrics_port (>= 0; 0 = any free)
@@ -174,16 +185,21 @@ class GrpcServer:
         self.grace_seconds = grace_seconds
         self.on_shutdown = on_shutdown
         interceptors = [ServiceInterceptor(telemetry)] if telemetry is not None else []
-        self.server = grpc.aio.server(interceptors=interceptors, options=options or [
-            ("grpc.max_receive_message_length", 16 * 1024 * 1024),
-            ("grpc.max_send_message_length", 16 * 1024 * 1024),
-        ])
+        self.server = grpc.aio.server(
+            interceptors=interceptors,
+            options=options
+            or [
+                ("grpc.max_receive_message_length", 16 * 1024 * 1024),
+                ("grpc.max_send_message_length", 16 * 1024 * 1024),
+            ],
+        )
         add_servicers(self.server)
         self.health = HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
             [*service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
-            self.server)
+            self.server,
+        )
         self.stopping = False
         self._stopped = asyncio.Event()
 

@@ -27,11 +27,23 @@ ROOT = Path(__file__).resolve().parent.parent
 DEMO = ROOT / "models" / "demo"
 
 
-def start(name: str, module: str, args: list[str], pattern: str = r"listening on (\S+)",
-          timeout: float = 180, ports: dict | None = None) -> tuple[subprocess.Popen, str]:
+def start(
+    name: str,
+    module: str,
+    args: list[str],
+    pattern: str = r"listening on (\S+)",
+    timeout: float = 180,
+    ports: dict | None = None,
+) -> tuple[subprocess.Popen, str]:
     """Start `python -m module args`, echo its output prefixed with its name, return it and its address."""
-    proc = subprocess.Popen([sys.executable, "-m", module, *args], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    proc = subprocess.Popen(
+        [sys.executable, "-m", module, *args],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
     found: dict = {}
     ready = threading.Event()
 
@@ -72,8 +84,7 @@ def wait_healthy(url: str, timeout: float = 60) -> None:
 
 
 def demo_request(base: str, model: str) -> dict:
-    body = json.dumps({"model": model, "prompt": "def fibonacci(n):\n", "max_tokens": 48,
-                       "temperature": 0}).encode()
+    body = json.dumps({"model": model, "prompt": "def fibonacci(n):\n", "max_tokens": 48, "temperature": 0}).encode()
     req = urllib.request.Request(base + "/v1/completions", body, {"content-type": "application/json"})
     with urllib.request.urlopen(req, timeout=120) as r:
         return json.loads(r.read())
@@ -87,10 +98,18 @@ def main(argv=None) -> int:
     ap.add_argument("--target", default=str(DEMO / "target"), help="target checkpoint (verify service)")
     ap.add_argument("--draft", default=str(DEMO / "draft"), help="draft checkpoint (draft service)")
     ap.add_argument("--verify-replicas", type=int, default=1, help="verify service processes")
-    ap.add_argument("--verify-threads", type=int, default=0,
-                    help="torch threads of each verify process (0 = every core: see specmesh.placement)")
-    ap.add_argument("--draft-threads", type=int, default=0,
-                    help="torch threads of the draft process (0 = half the cores, at least one)")
+    ap.add_argument(
+        "--verify-threads",
+        type=int,
+        default=0,
+        help="torch threads of each verify process (0 = every core: see specmesh.placement)",
+    )
+    ap.add_argument(
+        "--draft-threads",
+        type=int,
+        default=0,
+        help="torch threads of the draft process (0 = half the cores, at least one)",
+    )
     ap.add_argument("--smoke", action="store_true", help="exit after the first answer")
     args = ap.parse_args(argv)
 
@@ -110,17 +129,39 @@ def main(argv=None) -> int:
     try:
         verify = []
         for i in range(args.verify_replicas):
-            p, addr = start(f"verify-{i}", "verify_service", ["--model-path", args.target, *common, *verify_threads],
-                            ports=metrics)
+            p, addr = start(
+                f"verify-{i}", "verify_service", ["--model-path", args.target, *common, *verify_threads], ports=metrics
+            )
             procs.append(p)
             verify.append(addr)
-        p, draft = start("draft", "draft_service", ["--model-path", args.draft, "--verify-address", verify[0],
-                                                    *common, *draft_threads], ports=metrics)
+        p, draft = start(
+            "draft",
+            "draft_service",
+            ["--model-path", args.draft, "--verify-address", verify[0], *common, *draft_threads],
+            ports=metrics,
+        )
         procs.append(p)
-        p, _ = start("gateway", "gateway", ["--host", args.host, "--port", str(args.port), "--grpc-port",
-                                            str(args.grpc_port), "--verify", ",".join(verify), "--draft", draft,
-                                            "--tokenizer-path", args.target, "--model-name", "demo"],
-                     pattern=r"REST listening on (\S+)")
+        p, _ = start(
+            "gateway",
+            "gateway",
+            [
+                "--host",
+                args.host,
+                "--port",
+                str(args.port),
+                "--grpc-port",
+                str(args.grpc_port),
+                "--verify",
+                ",".join(verify),
+                "--draft",
+                draft,
+                "--tokenizer-path",
+                args.target,
+                "--model-name",
+                "demo",
+            ],
+            pattern=r"REST listening on (\S+)",
+        )
         procs.append(p)
         base = f"http://{args.host}:{args.port}"
         wait_healthy(base + "/health")
@@ -128,14 +169,22 @@ def main(argv=None) -> int:
         text = answer["choices"][0]["text"]
         spec = answer["specmesh"]
         print("\n" + "=" * 78)
-        print(f"specmesh is up: OpenAI-compatible REST at {base}/v1 (model \"demo\"), gRPC gateway at "
-              f"{args.host}:{args.grpc_port}")
-        print(f"first answer ({answer['usage']['completion_tokens']} tokens, mean accepted length "
-              f"{spec['mean_accepted_length']}):\ndef fibonacci(n):\n{text}")
-        print("metrics: " + ", ".join([f"{n} http://127.0.0.1:{p}/metrics" for n, p in metrics.items()]
-                                      + [f"gateway {base}/metrics"]))
-        print("try:\n  curl -s " + base + "/v1/completions -H 'content-type: application/json' -d "
-              "'{\"model\": \"demo\", \"prompt\": \"import os\\n\", \"max_tokens\": 32, \"temperature\": 0}'")
+        print(
+            f'specmesh is up: OpenAI-compatible REST at {base}/v1 (model "demo"), gRPC gateway at '
+            f"{args.host}:{args.grpc_port}"
+        )
+        print(
+            f"first answer ({answer['usage']['completion_tokens']} tokens, mean accepted length "
+            f"{spec['mean_accepted_length']}):\ndef fibonacci(n):\n{text}"
+        )
+        print(
+            "metrics: "
+            + ", ".join([f"{n} http://127.0.0.1:{p}/metrics" for n, p in metrics.items()] + [f"gateway {base}/metrics"])
+        )
+        print(
+            "try:\n  curl -s " + base + "/v1/completions -H 'content-type: application/json' -d "
+            '\'{"model": "demo", "prompt": "import os\\n", "max_tokens": 32, "temperature": 0}\''
+        )
         print("=" * 78 + "\nCtrl-C stops the stack.", flush=True)
         if args.smoke:
             return 0

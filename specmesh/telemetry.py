@@ -110,12 +110,25 @@ class RpcMetrics:
 
     def __init__(self, registry: CollectorRegistry, service: str):
         self.service = service
-        self.requests = Counter("specmesh_requests", "Requests handled, by method and status code",
-                                ["service", "method", "code"], registry=registry)
-        self.errors = Counter("specmesh_request_errors", "Requests that ended with an error, by status code",
-                              ["service", "method", "code"], registry=registry)
-        self.duration = Histogram("specmesh_request_duration_seconds", "Time from request to its last response",
-                                  ["service", "method"], buckets=LATENCY_BUCKETS, registry=registry)
+        self.requests = Counter(
+            "specmesh_requests",
+            "Requests handled, by method and status code",
+            ["service", "method", "code"],
+            registry=registry,
+        )
+        self.errors = Counter(
+            "specmesh_request_errors",
+            "Requests that ended with an error, by status code",
+            ["service", "method", "code"],
+            registry=registry,
+        )
+        self.duration = Histogram(
+            "specmesh_request_duration_seconds",
+            "Time from request to its last response",
+            ["service", "method"],
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
 
     def observe(self, method: str, code: str, seconds: float) -> None:
         self.requests.labels(self.service, method, code).inc()
@@ -137,8 +150,13 @@ class JsonFormatter(logging.Formatter):
         self.service = service
 
     def format(self, record: logging.LogRecord) -> str:
-        entry = {"ts": round(record.created, 6), "level": record.levelname, "service": self.service,
-                 "logger": record.name, "message": record.getMessage()}
+        entry = {
+            "ts": round(record.created, 6),
+            "level": record.levelname,
+            "service": self.service,
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
         ctx = trace.get_current_span().get_span_context()
         if ctx.is_valid:
             entry["trace_id"] = format(ctx.trace_id, "032x")
@@ -182,21 +200,29 @@ def spec_families(prefix: str, stats) -> list:
     drafted.add_metric([], stats.drafted)
     accepted = CounterMetricFamily(f"{prefix}_spec_accepted_tokens", "Draft tokens accepted")
     accepted.add_metric([], stats.accepted)
-    per_pos_d = CounterMetricFamily(f"{prefix}_spec_draft_tokens_per_pos", "Rounds that drafted position i",
-                                    labels=["position"])
-    per_pos_a = CounterMetricFamily(f"{prefix}_spec_accepted_tokens_per_pos",
-                                    "Rounds that accepted the draft token at position i", labels=["position"])
-    rate_pos = GaugeMetricFamily(f"{prefix}_spec_acceptance_rate_per_pos",
-                                 "Acceptance at position i (accepted / drafted there), since start",
-                                 labels=["position"])
+    per_pos_d = CounterMetricFamily(
+        f"{prefix}_spec_draft_tokens_per_pos", "Rounds that drafted position i", labels=["position"]
+    )
+    per_pos_a = CounterMetricFamily(
+        f"{prefix}_spec_accepted_tokens_per_pos",
+        "Rounds that accepted the draft token at position i",
+        labels=["position"],
+    )
+    rate_pos = GaugeMetricFamily(
+        f"{prefix}_spec_acceptance_rate_per_pos",
+        "Acceptance at position i (accepted / drafted there), since start",
+        labels=["position"],
+    )
     for i, (d, a) in enumerate(zip(stats.drafted_per_pos, stats.accepted_per_pos, strict=True)):
         per_pos_d.add_metric([str(i)], d)
         per_pos_a.add_metric([str(i)], a)
         rate_pos.add_metric([str(i)], a / d if d else 0.0)
     rate = GaugeMetricFamily(f"{prefix}_spec_acceptance_rate", "Accepted / drafted tokens, since start")
     rate.add_metric([], stats.acceptance_rate)
-    length = GaugeMetricFamily(f"{prefix}_spec_mean_accepted_length",
-                               "1 + accepted / drafts (tokens per drafted round, bonus included), since start")
+    length = GaugeMetricFamily(
+        f"{prefix}_spec_mean_accepted_length",
+        "1 + accepted / drafts (tokens per drafted round, bonus included), since start",
+    )
     length.add_metric([], stats.mean_accepted_length)
     return [rounds, drafted, accepted, per_pos_d, per_pos_a, rate_pos, rate, length]
 
@@ -206,15 +232,25 @@ class StreamMetrics:
 
     def __init__(self, registry: CollectorRegistry, service: str):
         self.service = service
-        self.ttft = Histogram("specmesh_time_to_first_token_seconds", "From the request to its first token",
-                              ["service"], buckets=LATENCY_BUCKETS, registry=registry).labels(service)
-        self.itl = Histogram("specmesh_inter_token_latency_seconds",
-                             "Time between tokens of a stream (a chunk's gap spread over its tokens)", ["service"],
-                             buckets=LATENCY_BUCKETS, registry=registry).labels(service)
-        self.tokens = Counter("specmesh_generated_tokens", "Tokens generated (rate() gives tokens/s)",
-                              ["service"], registry=registry).labels(service)
+        self.ttft = Histogram(
+            "specmesh_time_to_first_token_seconds",
+            "From the request to its first token",
+            ["service"],
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        ).labels(service)
+        self.itl = Histogram(
+            "specmesh_inter_token_latency_seconds",
+            "Time between tokens of a stream (a chunk's gap spread over its tokens)",
+            ["service"],
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        ).labels(service)
+        self.tokens = Counter(
+            "specmesh_generated_tokens", "Tokens generated (rate() gives tokens/s)", ["service"], registry=registry
+        ).labels(service)
 
-    def timer(self) -> "StreamTimer":
+    def timer(self) -> StreamTimer:
         return StreamTimer(self)
 
 

@@ -11,7 +11,7 @@ every front answers with INVALID_ARGUMENT (HTTP 400); a plain ValueError would b
 
 from __future__ import annotations
 
-from typing import TypeVar
+from typing import Any, TypeAlias
 
 import torch
 
@@ -20,16 +20,18 @@ from specmesh.errors import InvalidArgument
 from specmesh.sampling import DEFAULT_MAX_TOKENS, SamplingParams
 from specmesh.v1 import common_pb2, verify_pb2
 
-FINISH_TO_PB = {
+FinishReasonPb: TypeAlias = common_pb2.FinishReason
+
+FINISH_TO_PB: dict[str | None, FinishReasonPb] = {
     None: common_pb2.FINISH_REASON_UNSPECIFIED,
     "stop": common_pb2.FINISH_REASON_STOP,
     "length": common_pb2.FINISH_REASON_LENGTH,
     "cancelled": common_pb2.FINISH_REASON_CANCELLED,
 }
-FINISH_FROM_PB = {v: k for k, v in FINISH_TO_PB.items()}
+FINISH_FROM_PB: dict[int, str | None] = {v: k for k, v in FINISH_TO_PB.items()}
 
 
-def finish_to_pb(reason: str | None) -> int:
+def finish_to_pb(reason: str | None) -> FinishReasonPb:
     """The FinishReason of a domain finish reason (None = not finished)."""
     return FINISH_TO_PB[reason]
 
@@ -44,6 +46,7 @@ def finish_from_pb(value: int) -> str | None:
 
 
 # Sampling parameters ---------------------------------------------------------------------------------
+
 
 def params_from_pb(pb: common_pb2.SamplingParams, vocab_size: int | None = None) -> SamplingParams:
     """Validated SamplingParams; unset fields take the defaults the proto documents."""
@@ -66,9 +69,15 @@ def params_from_pb(pb: common_pb2.SamplingParams, vocab_size: int | None = None)
 
 
 def params_to_pb(params: SamplingParams) -> common_pb2.SamplingParams:
-    pb = common_pb2.SamplingParams(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
-                                   max_tokens=params.max_tokens, stop_token_ids=params.stop_token_ids,
-                                   stop=params.stop, ignore_eos=params.ignore_eos)
+    pb = common_pb2.SamplingParams(
+        temperature=params.temperature,
+        top_k=params.top_k,
+        top_p=params.top_p,
+        max_tokens=params.max_tokens,
+        stop_token_ids=params.stop_token_ids,
+        stop=params.stop,
+        ignore_eos=params.ignore_eos,
+    )
     if params.seed is not None:
         pb.seed = params.seed
     return pb
@@ -83,11 +92,13 @@ def spec_len_from_pb(pb) -> int | None:
 
 # The Verify stream: draft blocks up, verdicts down ---------------------------------------------------
 
+
 def block_to_pb(block: DraftBlock, session_id: str, epoch: int, base_position: int) -> verify_pb2.VerifyRequest:
     """One VerifyRequest: the block's ids and, when it has them, its sparse q flattened row-major [K * S]."""
-    pb = verify_pb2.VerifyRequest(session_id=session_id, epoch=epoch, base_position=base_position,
-                                  draft_ids=block.token_ids)
-    if block.q_ids is not None and block.k:
+    pb = verify_pb2.VerifyRequest(
+        session_id=session_id, epoch=epoch, base_position=base_position, draft_ids=block.token_ids
+    )
+    if block.q_ids is not None and block.q_probs is not None and block.k:
         pb.q_ids.extend(block.q_ids.flatten().tolist())
         pb.q_probs.extend(block.q_probs.flatten().tolist())
         pb.q_width = block.q_ids.size(1)
@@ -105,53 +116,90 @@ def block_from_pb(pb: verify_pb2.VerifyRequest) -> DraftBlock:
         raise InvalidArgument("q_ids and q_probs: draft probabilities sent without draft_ids")
     width = pb.q_width
     if width < 1 or len(pb.q_ids) != k * width or len(pb.q_probs) != k * width:
-        raise InvalidArgument(f"q_ids and q_probs must both hold len(draft_ids) * q_width = {k} * {width} "
-                              f"values, got {len(pb.q_ids)} and {len(pb.q_probs)}")
-    return DraftBlock(ids, torch.tensor(list(pb.q_ids), dtype=torch.long).view(k, width),
-                      torch.tensor(list(pb.q_probs), dtype=torch.float32).view(k, width))
+        raise InvalidArgument(
+            f"q_ids and q_probs must both hold len(draft_ids) * q_width = {k} * {width} "
+            f"values, got {len(pb.q_ids)} and {len(pb.q_probs)}"
+        )
+    return DraftBlock(
+        ids,
+        torch.tensor(list(pb.q_ids), dtype=torch.long).view(k, width),
+        torch.tensor(list(pb.q_probs), dtype=torch.float32).view(k, width),
+    )
 
 
 def verdict_to_pb(v: Verdict) -> verify_pb2.VerifyResponse:
     return verify_pb2.VerifyResponse(
-        epoch=v.epoch, num_drafted=v.num_drafted or 0, num_accepted=v.num_accepted, token_ids=v.tokens,
-        finish_reason=finish_to_pb(v.finish_reason), stale=v.stale, deadline=v.deadline,
-        timings=verify_pb2.VerifyTimings(queue_seconds=v.load.queue_seconds, batch_seconds=v.load.batch_seconds,
-                                         batch_size=v.load.batch_size, batch_tokens=v.load.batch_tokens,
-                                         queue_depth=v.load.queue_depth))
+        epoch=v.epoch,
+        num_drafted=v.num_drafted or 0,
+        num_accepted=v.num_accepted,
+        token_ids=v.tokens,
+        finish_reason=finish_to_pb(v.finish_reason),
+        stale=v.stale,
+        deadline=v.deadline,
+        timings=verify_pb2.VerifyTimings(
+            queue_seconds=v.load.queue_seconds,
+            batch_seconds=v.load.batch_seconds,
+            batch_size=v.load.batch_size,
+            batch_tokens=v.load.batch_tokens,
+            queue_depth=v.load.queue_depth,
+        ),
+    )
 
 
 def verdict_from_pb(pb: verify_pb2.VerifyResponse) -> Verdict:
     t = pb.timings
-    return Verdict(list(pb.token_ids), pb.num_accepted, pb.num_drafted, finish_from_pb(pb.finish_reason),
-                   epoch=pb.epoch, stale=pb.stale, deadline=pb.deadline,
-                   load=BatchLoad(t.queue_seconds, t.batch_seconds, t.batch_size, t.batch_tokens, t.queue_depth))
+    return Verdict(
+        list(pb.token_ids),
+        pb.num_accepted,
+        pb.num_drafted,
+        finish_from_pb(pb.finish_reason),
+        epoch=pb.epoch,
+        stale=pb.stale,
+        deadline=pb.deadline,
+        load=BatchLoad(t.queue_seconds, t.batch_seconds, t.batch_size, t.batch_tokens, t.queue_depth),
+    )
 
 
 # Statistics and generation streams -------------------------------------------------------------------
 
+
 def stats_to_pb(stats: SpecStats) -> common_pb2.SpecStats:
-    return common_pb2.SpecStats(rounds=stats.rounds, drafts=stats.drafts, drafted=stats.drafted,
-                                accepted=stats.accepted, drafted_per_pos=stats.drafted_per_pos,
-                                accepted_per_pos=stats.accepted_per_pos, draft_seconds=stats.draft_seconds,
-                                verify_seconds=stats.verify_seconds)
+    return common_pb2.SpecStats(
+        rounds=stats.rounds,
+        drafts=stats.drafts,
+        drafted=stats.drafted,
+        accepted=stats.accepted,
+        drafted_per_pos=stats.drafted_per_pos,
+        accepted_per_pos=stats.accepted_per_pos,
+        draft_seconds=stats.draft_seconds,
+        verify_seconds=stats.verify_seconds,
+    )
 
 
 def stats_from_pb(pb: common_pb2.SpecStats) -> SpecStats:
-    return SpecStats(rounds=pb.rounds, drafts=pb.drafts, drafted=pb.drafted, accepted=pb.accepted,
-                     drafted_per_pos=list(pb.drafted_per_pos), accepted_per_pos=list(pb.accepted_per_pos),
-                     draft_seconds=pb.draft_seconds, verify_seconds=pb.verify_seconds)
+    return SpecStats(
+        rounds=pb.rounds,
+        drafts=pb.drafts,
+        drafted=pb.drafted,
+        accepted=pb.accepted,
+        drafted_per_pos=list(pb.drafted_per_pos),
+        accepted_per_pos=list(pb.accepted_per_pos),
+        draft_seconds=pb.draft_seconds,
+        verify_seconds=pb.verify_seconds,
+    )
 
 
-# DraftServiceGenerateResponse or VerifyServiceGenerateResponse: the same `oneof chunk` in both.
-GenerateResponse = TypeVar("GenerateResponse")
-
-
-def event_to_pb(event: GenerationEvent, response_type: type[GenerateResponse]) -> GenerateResponse:
-    """The Generate stream chunk of one generation event, as a `response_type` message."""
+def event_to_pb(event: GenerationEvent, response_type: type) -> Any:
+    """`response_type` is DraftServiceGenerateResponse or VerifyServiceGenerateResponse: the same
+    `oneof chunk` in both."""
     if isinstance(event, Opened):
-        return response_type(opened=common_pb2.GenerationOpened(
-            session_id=event.session_id, prompt_tokens=event.prompt_tokens,
-            cached_prompt_tokens=event.cached_prompt_tokens))
+        return response_type(
+            opened=common_pb2.GenerationOpened(
+                session_id=event.session_id,
+                prompt_tokens=event.prompt_tokens,
+                cached_prompt_tokens=event.cached_prompt_tokens,
+            )
+        )
     if isinstance(event, Tokens):
         return response_type(tokens=common_pb2.GenerationTokens(token_ids=event.token_ids))
     if isinstance(event, Finished):

@@ -23,7 +23,7 @@ class Algorithm(str, enum.Enum):
         return self is Algorithm.STANDALONE
 
     @classmethod
-    def parse(cls, name: str) -> "Algorithm":
+    def parse(cls, name: str) -> Algorithm:
         try:
             return cls(name)
         except ValueError:

@@ -17,14 +17,16 @@ thread (the draft service), so the event loop never blocks on torch there.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 
 from specmesh.runtime import Runner, RunnerSequence
+from specmesh.runtime.batched import BatchedRunner, PrefillChunk, SlotSequence
 from specmesh.sampling import BatchSamplingParams, SamplingParams, process_logits
 
 DRAFT_SEED_SALT = 0x5EED_D4AF7  # the draft's stream must differ from the verifier's for the same seed
@@ -84,8 +86,13 @@ class BatcherStats:
 
 
 class DraftBatcher:
-    def __init__(self, runner: Runner[Any], draft_topk: int = 16, execute: Executor = run_inline,
-                 on_batch: Callable[[int, float], None] | None = None):
+    def __init__(
+        self,
+        runner: Runner[Any],
+        draft_topk: int = 16,
+        execute: Executor = run_inline,
+        on_batch: Callable[[int, float], None] | None = None,
+    ):
         if draft_topk < 1:
             raise ValueError("draft_topk must be >= 1")
         self.runner = runner
@@ -135,10 +142,8 @@ class DraftBatcher:
     async def close(self) -> None:
         if self._task is not None:
             self._task.cancel()
-            try:
+            with contextlib.suppress(asyncio.CancelledError):
                 await self._task
-            except asyncio.CancelledError:
-                pass
             self._task = None
 
     async def _run(self) -> None:
@@ -178,12 +183,11 @@ class DraftBatcher:
 
     def _forward(self, seqs: list[RunnerSequence], prefill: list[RunnerSequence]) -> torch.Tensor:
         """Last-position logits [len(seqs), V] of each sequence, prefills riding along in the same pass."""
-        step = getattr(self.runner, "step", None)
-        if step is not None:  # BatchedRunner: one ragged forward for everything
-            from specmesh.runtime.batched import PrefillChunk
-
-            out = step(seqs, num_logits=[1] * len(seqs), prefill=[PrefillChunk(s) for s in prefill])
-            rows = out.logits
+        if isinstance(self.runner, BatchedRunner):  # one ragged forward for everything
+            # A BatchedRunner's sequences are the SlotSequences its new_sequence made.
+            slots = cast(list[SlotSequence], seqs)
+            chunks = [PrefillChunk(cast(SlotSequence, s)) for s in prefill]
+            rows = self.runner.step(slots, num_logits=[1] * len(seqs), prefill=chunks).logits
         else:
             for s in prefill:
                 self.runner.prefill(s)
@@ -203,8 +207,10 @@ class DraftBatcher:
         sampled = [i for i, g in enumerate(greedy) if not g]
         if sampled:
             rows = logits[sampled]
-            probs = process_logits(rows, BatchSamplingParams.from_params([states[i].params for i in sampled],
-                                                                          [1] * len(sampled), rows.device))
+            probs = process_logits(
+                rows,
+                BatchSamplingParams.from_params([states[i].params for i in sampled], [1] * len(sampled), rows.device),
+            )
             top_p, top_i = probs.topk(min(self.draft_topk, probs.size(-1)), dim=-1)
             top_p = top_p / top_p.sum(dim=-1, keepdim=True)
             for row, i in enumerate(sampled):

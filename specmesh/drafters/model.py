@@ -36,8 +36,9 @@ class ModelDrafter:
         self.state = self.batcher.new_state(prompt_ids, params, reuse=self.state)
         await self.batcher.prefill(self.state)
 
-    async def propose(self, k: int, after: Sequence[int] = (),
-                      should_stop: Callable[[], bool] | None = None) -> DraftBlock:
+    async def propose(
+        self, k: int, after: Sequence[int] = (), should_stop: Callable[[], bool] | None = None
+    ) -> DraftBlock:
         state = self.state
         assert state is not None  # start() comes first
         seq = state.seq

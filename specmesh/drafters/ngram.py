@@ -21,7 +21,9 @@ class NgramDrafter:
     async def start(self, prompt_ids: list[int], params: SamplingParams) -> None:
         self.tokens = list(prompt_ids)
 
-    async def propose(self, k: int, after: Sequence[int] = (), should_stop: Callable[[], bool] | None = None) -> DraftBlock:
+    async def propose(
+        self, k: int, after: Sequence[int] = (), should_stop: Callable[[], bool] | None = None
+    ) -> DraftBlock:
         toks = self.tokens + list(after) if after else self.tokens
         for n in range(min(self.max_ngram, len(toks) - 1), self.min_ngram - 1, -1):
             tail = toks[-n:]

@@ -5,8 +5,22 @@ chosen backend: `torch` (the reference, the CPU path) or `triton` (triton_kernel
 """
 
 from specmesh.rejection.limits import MAX_SPEC_LEN, PLACEHOLDER_TOKEN_ID
-from specmesh.rejection.sampler import (RejectionInput, RejectionOutput, RejectionSampler, prepare,
-                                        rejection_sample_torch, validate_block)
+from specmesh.rejection.sampler import (
+    RejectionInput,
+    RejectionOutput,
+    RejectionSampler,
+    prepare,
+    rejection_sample_torch,
+    validate_block,
+)
 
-__all__ = ["MAX_SPEC_LEN", "PLACEHOLDER_TOKEN_ID", "RejectionInput", "RejectionOutput", "RejectionSampler", "prepare",
-           "rejection_sample_torch", "validate_block"]
+__all__ = [
+    "MAX_SPEC_LEN",
+    "PLACEHOLDER_TOKEN_ID",
+    "RejectionInput",
+    "RejectionOutput",
+    "RejectionSampler",
+    "prepare",
+    "rejection_sample_torch",
+    "validate_block",
+]

@@ -28,9 +28,9 @@ from dataclasses import dataclass
 
 import torch
 
+from specmesh.domain import DraftBlock
 from specmesh.errors import InvalidArgument
 from specmesh.rejection.limits import MAX_SPEC_LEN, PLACEHOLDER_TOKEN_ID
-from specmesh.domain import DraftBlock
 from specmesh.sampling import BatchSamplingParams, SamplingParams, process_logits
 
 _EXP_FLOOR = torch.finfo(torch.float32).tiny  # exponential_ can round to 0; keep p / E finite
@@ -46,8 +46,14 @@ class RejectionInput:
     generator: torch.Generator | None = None  # per-request stream (seeded requests); None = shared
 
     @classmethod
-    def of(cls, token_ids: list[int], params: SamplingParams, q_ids: torch.Tensor | None = None,
-           q_probs: torch.Tensor | None = None, generator: torch.Generator | None = None) -> "RejectionInput":
+    def of(
+        cls,
+        token_ids: list[int],
+        params: SamplingParams,
+        q_ids: torch.Tensor | None = None,
+        q_probs: torch.Tensor | None = None,
+        generator: torch.Generator | None = None,
+    ) -> RejectionInput:
         return cls(DraftBlock(list(token_ids), q_ids, q_probs), params, generator)
 
     @property
@@ -81,8 +87,9 @@ def validate_block(block: DraftBlock | RejectionInput, vocab_size: int, max_spec
     if q_ids is None or probs is None:
         raise InvalidArgument("draft probabilities need both ids and probs")
     if q_ids.shape != probs.shape or q_ids.dim() != 2 or q_ids.size(0) != k:
-        raise InvalidArgument(f"draft probabilities must be [K={k}, S] ids and probs, got "
-                         f"{tuple(q_ids.shape)} and {tuple(probs.shape)}")
+        raise InvalidArgument(
+            f"draft probabilities must be [K={k}, S] ids and probs, got {tuple(q_ids.shape)} and {tuple(probs.shape)}"
+        )
     valid = q_ids >= 0
     if bool(((q_ids >= vocab_size) & valid).any()):
         raise InvalidArgument(f"draft probability ids out of range [0, {vocab_size})")
@@ -177,10 +184,18 @@ def prepare(target_logits: torch.Tensor, blocks: list[RejectionInput], shared: t
     if all(p.greedy for p in params):
         # Greedy needs only the argmax: skip softmax, residuals and random draws (a width-1 race is unused).
         zeros = torch.zeros(n_tok, device=device)
-        return PreparedBatch(draft_ids, cu.to(torch.int32), zeros, zeros, zeros.double(),
-                             target_logits.new_zeros((n_tok + n_req, 1), dtype=torch.float32), target_argmax,
-                             torch.ones(n_req, dtype=torch.bool, device=device),
-                             torch.ones((n_req, 1), device=device), max(num_draft, default=0))
+        return PreparedBatch(
+            draft_ids,
+            cu.to(torch.int32),
+            zeros,
+            zeros,
+            zeros.double(),
+            target_logits.new_zeros((n_tok + n_req, 1), dtype=torch.float32),
+            target_argmax,
+            torch.ones(n_req, dtype=torch.bool, device=device),
+            torch.ones((n_req, 1), device=device),
+            max(num_draft, default=0),
+        )
     probs = process_logits(target_logits, BatchSamplingParams.from_params(params, rows_per_req, device))
 
     # row of each draft position in the [R, V] layout: request b's rows start at (tokens before b) + b
@@ -223,8 +238,18 @@ def prepare(target_logits: torch.Tensor, blocks: list[RejectionInput], shared: t
     uniforms = torch.zeros(n_tok, dtype=torch.float64, device=device)
     exponentials = torch.ones((n_req, vocab), dtype=torch.float32, device=device)
     _draw_random(blocks, cu, uniforms, exponentials, shared)
-    return PreparedBatch(draft_ids, cu.to(torch.int32), p_x, q_x, uniforms, probs, target_argmax, is_greedy,
-                         exponentials, max(num_draft, default=0))
+    return PreparedBatch(
+        draft_ids,
+        cu.to(torch.int32),
+        p_x,
+        q_x,
+        uniforms,
+        probs,
+        target_argmax,
+        is_greedy,
+        exponentials,
+        max(num_draft, default=0),
+    )
 
 
 def _write_residual(probs: torch.Tensor, draft_rows: torch.Tensor, q_ids: torch.Tensor, q_probs: torch.Tensor) -> None:
@@ -272,8 +297,9 @@ def _draw_random(blocks, cu, uniforms, exponentials, shared) -> None:
         uniforms[idx] = torch.rand(n_shared, dtype=torch.float64, device=uniforms.device, generator=shared)
     if shared_e:
         rows = torch.tensor(shared_e, device=exponentials.device)
-        exponentials[rows] = torch.empty((len(shared_e), exponentials.size(1)), device=exponentials.device
-                                         ).exponential_(generator=shared)
+        exponentials[rows] = torch.empty(
+            (len(shared_e), exponentials.size(1)), device=exponentials.device
+        ).exponential_(generator=shared)
     exponentials.clamp_(min=_EXP_FLOOR)
 
 

@@ -102,8 +102,7 @@ def rejection_sample_triton(
     assert residual_probs.dtype == torch.float32 and exponentials.dtype == torch.float32
     assert uniforms.dtype == torch.float64 and draft_token_ids.dtype == torch.int64
     assert residual_probs.stride(1) == 1 and exponentials.stride(1) == 1
-    out = torch.full((n_req, max_spec_len + 1), PLACEHOLDER_TOKEN_ID, dtype=torch.int64,
-                     device=residual_probs.device)
+    out = torch.full((n_req, max_spec_len + 1), PLACEHOLDER_TOKEN_ID, dtype=torch.int64, device=residual_probs.device)
     if n_req == 0:
         return out
     # Empty draft tensors still need a valid pointer.
@@ -112,9 +111,21 @@ def rejection_sample_triton(
     q_x = draft_q_x if draft_q_x.numel() else residual_probs.new_zeros(1)
     u = uniforms if uniforms.numel() else uniforms.new_zeros(1)
     _rejection_kernel[(n_req,)](
-        out, out.stride(0), draft, cu_num_draft_tokens.contiguous(), p_x, q_x, u,
-        residual_probs, residual_probs.stride(0), target_argmax.contiguous(), is_greedy.contiguous(),
-        exponentials, exponentials.stride(0), vocab,
-        MAX_K=MAX_SPEC_LEN, BLOCK_V=1024,
+        out,
+        out.stride(0),
+        draft,
+        cu_num_draft_tokens.contiguous(),
+        p_x,
+        q_x,
+        u,
+        residual_probs,
+        residual_probs.stride(0),
+        target_argmax.contiguous(),
+        is_greedy.contiguous(),
+        exponentials,
+        exponentials.stride(0),
+        vocab,
+        MAX_K=MAX_SPEC_LEN,
+        BLOCK_V=1024,
     )
     return out

@@ -115,8 +115,9 @@ class ModelRunner:
         start = seq.num_cached
         pos = torch.arange(start, start + len(feed), device=self.device)[None, :]
         try:
-            out = self.model(input_ids=ids, position_ids=pos, cache=seq.cache, use_cache=True,
-                             logits_to_keep=num_logits)
+            out = self.model(
+                input_ids=ids, position_ids=pos, cache=seq.cache, use_cache=True, logits_to_keep=num_logits
+            )
         except BaseException:
             # Some layers may already hold the new keys/values: cut every layer back to cached_ids.
             for layer in seq.cache.layers:
@@ -152,15 +153,24 @@ class ModelRunner:
                 ks.append(torch.nn.functional.pad(k, (0, 0, pad, 0)))
                 vs.append(torch.nn.functional.pad(v, (0, 0, pad, 0)))
             batch_cache.update(torch.cat(ks), torch.cat(vs), layer_idx)
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=batch_cache, use_cache=True,
-                         logits_to_keep=n_max)
+        out = self.model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=pos,
+            cache=batch_cache,
+            use_cache=True,
+            logits_to_keep=n_max,
+        )
         logits = out.logits.float()
         results = []
         for i, (seq, f) in enumerate(zip(seqs, feeds, strict=True)):
             n = len(f)
             for layer_idx, layer in enumerate(batch_cache.layers):
-                seq.cache.update(layer.keys[i : i + 1, :, l_max + n_max - n :], layer.values[i : i + 1, :, l_max + n_max - n :],
-                                 layer_idx)
+                seq.cache.update(
+                    layer.keys[i : i + 1, :, l_max + n_max - n :],
+                    layer.values[i : i + 1, :, l_max + n_max - n :],
+                    layer_idx,
+                )
             seq.cached_ids.extend(f)
             results.append(logits[i, n_max - nlog[i] :])
         return results

@@ -318,8 +318,9 @@ class _FastDecoder:
     def _b(*linears) -> torch.Tensor | None:
         if all(lin.bias is None for lin in linears):
             return None
-        return torch.cat([lin.bias.detach() if lin.bias is not None else lin.weight.new_zeros(lin.out_features)
-                          for lin in linears])
+        return torch.cat(
+            [lin.bias.detach() if lin.bias is not None else lin.weight.new_zeros(lin.out_features) for lin in linears]
+        )
 
     @torch.no_grad()
     def _build(self) -> None:
@@ -334,14 +335,27 @@ class _FastDecoder:
             act = F.silu if type(act).__name__ in ("SiLUActivation", "SiLU") else act
             qkv = (at.q_proj, at.k_proj, at.v_proj)
             gate_up = (mlp.gate_proj, mlp.up_proj)
-            self.layers.append((
-                layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon,
-                self._t(*qkv), self._b(*qkv), self._t(at.o_proj), self._b(at.o_proj), at.scaling,
-                getattr(at, "q_norm", None), getattr(at, "k_norm", None),
-                layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon,
-                self._t(*gate_up), self._b(*gate_up), mlp.gate_proj.out_features,
-                self._t(mlp.down_proj), self._b(mlp.down_proj), act,
-            ))
+            self.layers.append(
+                (
+                    layer.input_layernorm.weight,
+                    layer.input_layernorm.variance_epsilon,
+                    self._t(*qkv),
+                    self._b(*qkv),
+                    self._t(at.o_proj),
+                    self._b(at.o_proj),
+                    at.scaling,
+                    getattr(at, "q_norm", None),
+                    getattr(at, "k_norm", None),
+                    layer.post_attention_layernorm.weight,
+                    layer.post_attention_layernorm.variance_epsilon,
+                    self._t(*gate_up),
+                    self._b(*gate_up),
+                    mlp.gate_proj.out_features,
+                    self._t(mlp.down_proj),
+                    self._b(mlp.down_proj),
+                    act,
+                )
+            )
             sources += [*qkv, at.o_proj, *gate_up, mlp.down_proj]
         # The copies go stale when the model's weights change: remember what they were made from.
         self._sources = [p for lin in sources for p in (lin.weight, lin.bias) if p is not None]
@@ -395,15 +409,18 @@ class _FastDecoder:
             mask = torch.arange(end, device=dev)[None, :] <= torch.arange(start, end, device=dev)[:, None]
         hd, half, nh, nkv, rms, gqa = self.head_dim, self.half, self.n_heads, self.n_kv, self._rms, self.gqa
         nqk = nh + nkv
-        for layer, (ln1, eps1, wqkv, bqkv, wo, bo, scale, qn, kn, ln2, eps2, wgu, bgu, inter, wd, bd,
-                    act) in zip(cache.layers, self.layers, strict=True):
+        for layer, (ln1, eps1, wqkv, bqkv, wo, bo, scale, qn, kn, ln2, eps2, wgu, bgu, inter, wd, bd, act) in zip(
+            cache.layers, self.layers, strict=True
+        ):
             h = rms(x, ln1, eps1)
             qkv = F.linear(h, wqkv, bqkv).view(n, nqk + nkv, hd)
             qk = qkv[:, :nqk]
             if qn is not None:
                 assert kn is not None  # q_norm and k_norm come together (Qwen3)
-                qk = torch.cat((rms(qk[:, :nh], qn.weight, qn.variance_epsilon),
-                                rms(qk[:, nh:], kn.weight, kn.variance_epsilon)), dim=1)
+                qk = torch.cat(
+                    (rms(qk[:, :nh], qn.weight, qn.variance_epsilon), rms(qk[:, nh:], kn.weight, kn.variance_epsilon)),
+                    dim=1,
+                )
             qk = qk * cos + qk.roll(half, -1) * sin
             layer.k_buf[0, :, start:end] = qk[:, nh:].transpose(0, 1)
             layer.v_buf[0, :, start:end] = qkv[:, nqk:].transpose(0, 1)
@@ -420,7 +437,7 @@ class _FastDecoder:
             gu = F.linear(h, wgu, bgu)
             x = x + F.linear(act(gu[:, :inter]) * gu[:, inter:], wd, bd)
         cache.set_length(end)
-        x = rms(x[n - num_logits:], self.norm_w, self.norm_eps)
+        x = rms(x[n - num_logits :], self.norm_w, self.norm_eps)
         return F.linear(x, self.lm_w, self.lm_b)
 
 
@@ -537,8 +554,9 @@ class StaticCacheRunner:
             else:
                 ids = torch.tensor([feed], dtype=torch.long, device=self.device)
                 pos = torch.arange(start, start + len(feed), device=self.device)[None, :]
-                logits = self.model(input_ids=ids, position_ids=pos, cache=cache, use_cache=True,
-                                    logits_to_keep=num_logits).logits[0]
+                logits = self.model(
+                    input_ids=ids, position_ids=pos, cache=cache, use_cache=True, logits_to_keep=num_logits
+                ).logits[0]
         except BaseException:
             cache.set_length(start)  # some layers may already hold the new keys/values
             raise

@@ -32,9 +32,9 @@ import json
 import math
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -87,8 +87,9 @@ def vocab_width(model) -> int:
 
 
 @torch.no_grad()  # no_grad rather than inference_mode: the results later enter the draft's autograd graph
-def teacher_targets(target, inputs: torch.Tensor, topk: int, temperature: float,
-                    autocast: bool = False) -> TeacherTargets:
+def teacher_targets(
+    target, inputs: torch.Tensor, topk: int, temperature: float, autocast: bool = False
+) -> TeacherTargets:
     """The target's top-k log-probs at every position of `inputs` [B, T] (on the target's device)."""
     with _autocast(inputs.device, autocast):
         logits = target(input_ids=inputs, use_cache=False).logits
@@ -101,8 +102,9 @@ def online_teacher(target, topk: int, temperature: float, autocast: bool = False
     return lambda step, inputs: teacher_targets(target, inputs, topk, temperature, autocast)
 
 
-def distill_loss(draft, batch: torch.Tensor, teacher: TeacherTargets | None, kl_weight: float,
-                 autocast: bool = False) -> DistillLoss:
+def distill_loss(
+    draft, batch: torch.Tensor, teacher: TeacherTargets | None, kl_weight: float, autocast: bool = False
+) -> DistillLoss:
     """Loss of the draft on `batch` [B, T + 1] (inputs [:, :-1], corpus labels [:, 1:])."""
     inputs, labels = batch[:, :-1], batch[:, 1:]
     with _autocast(batch.device, autocast):
@@ -163,18 +165,24 @@ class TeacherCache:
         meta_path = self.root / "meta.json"
         if meta_path.exists():
             old = json.loads(meta_path.read_text())
-            diff = {k: (old.get(k), self.meta.get(k)) for k in sorted(old.keys() | self.meta.keys())
-                    if old.get(k) != self.meta.get(k)}
+            diff = {
+                k: (old.get(k), self.meta.get(k))
+                for k in sorted(old.keys() | self.meta.keys())
+                if old.get(k) != self.meta.get(k)
+            }
             if diff:
                 lines = "\n".join(f"  {k}: cache has {a!r}, this run has {b!r}" for k, (a, b) in diff.items())
-                raise CacheMismatch(f"teacher cache {self.root} was built with other settings:\n{lines}\n"
-                                    "use another --cache-dir, or delete this one to rebuild it")
+                raise CacheMismatch(
+                    f"teacher cache {self.root} was built with other settings:\n{lines}\n"
+                    "use another --cache-dir, or delete this one to rebuild it"
+                )
         else:
             _atomic_write_text(meta_path, json.dumps(self.meta, indent=2) + "\n")
 
     @staticmethod
-    def settings(target, stream: torch.Tensor, windows: TokenWindows, topk: int, temperature: float,
-                 autocast: bool) -> dict:
+    def settings(
+        target, stream: torch.Tensor, windows: TokenWindows, topk: int, temperature: float, autocast: bool
+    ) -> dict:
         """The settings a cache's numbers depend on (the number of steps is not one: steps are files)."""
         return {
             "target": model_fingerprint(target),
@@ -202,8 +210,10 @@ class TeacherCache:
         if todo:
             k = self.meta["topk"]
             size = len(todo) * windows.batch_size * windows.seq_len * k * (4 + LOGPROB_DTYPE.itemsize)
-            print(f"teacher cache {self.root}: computing {len(todo)} of {steps} steps ({size / 2**30:.2f} GiB)",
-                  flush=True)
+            print(
+                f"teacher cache {self.root}: computing {len(todo)} of {steps} steps ({size / 2**30:.2f} GiB)",
+                flush=True,
+            )
         for step in tqdm(todo, desc="teacher cache", dynamic_ncols=True, mininterval=2.0, disable=not todo):
             targets = teacher(step, windows.batch(step)[:, :-1].to(device))
             tmp = self.path(step).with_suffix(".tmp")
@@ -225,9 +235,17 @@ class TeacherCache:
         return lambda step, inputs: self.load(step)
 
 
-def distill(draft, windows: TokenWindows, teacher: Teacher | None, cfg: TrainConfig, kl_weight: float,
-            autocast: bool = False, resume: bool = False, stop_after: int | None = None,
-            on_checkpoint: Callable[[int], None] | None = None) -> list[float]:
+def distill(
+    draft,
+    windows: TokenWindows,
+    teacher: Teacher | None,
+    cfg: TrainConfig,
+    kl_weight: float,
+    autocast: bool = False,
+    resume: bool = False,
+    stop_after: int | None = None,
+    on_checkpoint: Callable[[int], None] | None = None,
+) -> list[float]:
     """Train `draft` (in place, on its device) for `cfg.steps`; returns the loss of each step run."""
     if kl_weight > 0 and teacher is None:
         raise ValueError("kl_weight > 0 needs a teacher")
@@ -245,8 +263,9 @@ def distill(draft, windows: TokenWindows, teacher: Teacher | None, cfg: TrainCon
 def new_draft(target, tokenizer, layers: int, hidden: int, intermediate: int, heads: int) -> LlamaForCausalLM:
     """A fresh Llama draft whose vocabulary (ids and logit width) is the target's."""
     text_config = target.config.get_text_config()
-    cfg = llama_config(tokenizer, layers, hidden, intermediate, heads,
-                       getattr(text_config, "max_position_embeddings", None) or 2048)
+    cfg = llama_config(
+        tokenizer, layers, hidden, intermediate, heads, getattr(text_config, "max_position_embeddings", None) or 2048
+    )
     cfg.vocab_size = vocab_width(target)
     for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
         if getattr(text_config, name, None) is not None:
@@ -258,8 +277,10 @@ def check_pair(target, draft, tokenizer) -> None:
     """A draft must score the same token ids as the target, else acceptance is meaningless."""
     t, d = vocab_width(target), vocab_width(draft)
     if t != d:
-        raise ValueError(f"the draft's vocabulary ({d} logits) differs from the target's ({t}): "
-                         "a draft must share the target's tokenizer")
+        raise ValueError(
+            f"the draft's vocabulary ({d} logits) differs from the target's ({t}): "
+            "a draft must share the target's tokenizer"
+        )
     if len(tokenizer) > t:
         raise ValueError(f"the tokenizer has {len(tokenizer)} tokens but the target only {t} logits")
 
@@ -270,8 +291,9 @@ def expected_accepted_length(alpha: float, k: int) -> float:
 
 
 @torch.inference_mode()
-def heldout_metrics(target, draft, windows: TokenWindows, max_batches: int | None = None,
-                    autocast: bool = False) -> dict:
+def heldout_metrics(
+    target, draft, windows: TokenWindows, max_batches: int | None = None, autocast: bool = False
+) -> dict:
     """Teacher-forced comparison of draft and target on held-out windows (full vocabulary, temperature 1)."""
     was_training = draft.training
     draft.eval()
@@ -294,8 +316,13 @@ def heldout_metrics(target, draft, windows: TokenWindows, max_batches: int | Non
     draft.train(was_training)
     if n == 0:
         raise ValueError(f"held-out text is too short for one window of {windows.seq_len + 1} tokens")
-    return {"greedy_agreement": agree / n, "kl_to_target": kl / n, "draft_ce": draft_ce / n,
-            "target_ce": target_ce / n, "positions": n}
+    return {
+        "greedy_agreement": agree / n,
+        "kl_to_target": kl / n,
+        "draft_ce": draft_ce / n,
+        "target_ce": target_ce / n,
+        "positions": n,
+    }
 
 
 def heldout_prompts(stream: torch.Tensor, n: int, length: int = PROMPT_LEN) -> list[list[int]]:
@@ -313,13 +340,16 @@ def require_engine(target, draft) -> None:
 
         SpeculativeEngine.from_models(target, draft)  # cheap: imports the rejection sampler, allocates nothing
     except ImportError as e:
-        raise SystemExit(f"measuring acceptance needs the in-process engine (specmesh.engine): {e}; "
-                         "pass --no-measure to skip the measured part") from e
+        raise SystemExit(
+            f"measuring acceptance needs the in-process engine (specmesh.engine): {e}; "
+            "pass --no-measure to skip the measured part"
+        ) from e
 
 
 @torch.inference_mode()
-def measure_acceptance(target, draft, prompts: list[list[int]], k: int = MEASURE_K,
-                       new_tokens: int = NEW_TOKENS) -> dict:
+def measure_acceptance(
+    target, draft, prompts: list[list[int]], k: int = MEASURE_K, new_tokens: int = NEW_TOKENS
+) -> dict:
     """Greedy speculative generation with the in-process engine; vLLM's metric definitions, over all prompts."""
     from specmesh.domain import SpecStats
     from specmesh.engine import SpeculativeEngine
@@ -355,8 +385,17 @@ def measure_acceptance(target, draft, prompts: list[list[int]], k: int = MEASURE
     }
 
 
-def evaluate(target, draft, heldout: torch.Tensor, seq_len: int, batch_size: int, max_tokens: int = 0,
-             n_prompts: int = 8, measure: bool = True, autocast: bool = False) -> dict:
+def evaluate(
+    target,
+    draft,
+    heldout: torch.Tensor,
+    seq_len: int,
+    batch_size: int,
+    max_tokens: int = 0,
+    n_prompts: int = 8,
+    measure: bool = True,
+    autocast: bool = False,
+) -> dict:
     """Everything eval.json reports, on the held-out token stream."""
     windows = TokenWindows(heldout, seq_len, batch_size, seed=0)
     max_batches = math.ceil(max_tokens / (seq_len * batch_size)) if max_tokens else None
@@ -395,8 +434,10 @@ def token_streams(tokenizer, train_texts: list[str], heldout_texts: list[str], w
     path = work_dir / f"tokens-{h.hexdigest()[:16]}.pt"
     if path.exists():
         return torch.load(path, weights_only=True)
-    streams = {name: encode_texts(tokenizer, texts, tokenizer.eos_token_id)
-               for name, texts in (("train", train_texts), ("heldout", heldout_texts))}
+    streams = {
+        name: encode_texts(tokenizer, texts, tokenizer.eos_token_id)
+        for name, texts in (("train", train_texts), ("heldout", heldout_texts))
+    }
     work_dir.mkdir(parents=True, exist_ok=True)
     torch.save(streams, path.with_suffix(".tmp"))
     os.replace(path.with_suffix(".tmp"), path)
@@ -426,20 +467,50 @@ def _has_tokenizer(directory: Path) -> bool:
 
 
 # Settings that must not change between an interrupted run and its --resume.
-_RUN_KEYS = ("target", "draft", "draft_layers", "draft_hidden", "draft_intermediate", "draft_heads", "corpus",
-             "stdlib", "heldout", "teacher_topk", "teacher_temperature", "kl_weight", "steps", "lr",
-             "batch_size", "seq_len", "warmup", "seed", "autocast")
+_RUN_KEYS = (
+    "target",
+    "draft",
+    "draft_layers",
+    "draft_hidden",
+    "draft_intermediate",
+    "draft_heads",
+    "corpus",
+    "stdlib",
+    "heldout",
+    "teacher_topk",
+    "teacher_temperature",
+    "kl_weight",
+    "steps",
+    "lr",
+    "batch_size",
+    "seq_len",
+    "warmup",
+    "seed",
+    "autocast",
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m specmesh.training.distill", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m specmesh.training.distill",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     g = ap.add_argument_group("models")
-    g.add_argument("--target", type=Path, required=True, metavar="DIR",
-                   help="local Hugging Face causal-LM checkpoint (the teacher)")
-    g.add_argument("--draft", type=Path, metavar="DIR",
-                   help="existing draft checkpoint to continue from (or to evaluate, with --eval-only); "
-                        "default: a new Llama draft over the target's vocabulary")
+    g.add_argument(
+        "--target",
+        type=Path,
+        required=True,
+        metavar="DIR",
+        help="local Hugging Face causal-LM checkpoint (the teacher)",
+    )
+    g.add_argument(
+        "--draft",
+        type=Path,
+        metavar="DIR",
+        help="existing draft checkpoint to continue from (or to evaluate, with --eval-only); "
+        "default: a new Llama draft over the target's vocabulary",
+    )
     g.add_argument("--draft-layers", type=int, default=2, help="new draft: decoder layers (default 2)")
     g.add_argument("--draft-hidden", type=int, default=256, help="new draft: hidden size (default 256)")
     g.add_argument("--draft-intermediate", type=int, default=512, help="new draft: MLP size (default 512)")
@@ -447,25 +518,52 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = ap.add_argument_group("data")
     src = g.add_mutually_exclusive_group(required=True)
-    src.add_argument("--corpus", nargs="+", metavar="SPEC",
-                     help="training text: files, globs, or .jsonl files with a \"text\" field per line")
-    src.add_argument("--stdlib", action="store_true",
-                     help="train on the Python standard library's train split, evaluate on its held-out split")
-    g.add_argument("--heldout", nargs="+", metavar="SPEC",
-                   help="held-out text (same forms as --corpus); default: the --stdlib held-out split, or "
-                        "the last ~2%% of the --corpus texts")
+    src.add_argument(
+        "--corpus",
+        nargs="+",
+        metavar="SPEC",
+        help='training text: files, globs, or .jsonl files with a "text" field per line',
+    )
+    src.add_argument(
+        "--stdlib",
+        action="store_true",
+        help="train on the Python standard library's train split, evaluate on its held-out split",
+    )
+    g.add_argument(
+        "--heldout",
+        nargs="+",
+        metavar="SPEC",
+        help="held-out text (same forms as --corpus); default: the --stdlib held-out split, or "
+        "the last ~2%% of the --corpus texts",
+    )
 
     g = ap.add_argument_group("distillation")
-    g.add_argument("--teacher-topk", type=int, default=64,
-                   help="keep the target's k most probable tokens per position, renormalised (default 64)")
-    g.add_argument("--teacher-temperature", type=float, default=1.0,
-                   help="temperature of the target's distribution; the draft's is taken at 1 (default 1.0)")
-    g.add_argument("--kl-weight", type=float, default=0.9,
-                   help="loss = w * KL(target || draft) + (1 - w) * corpus CE; 0 = data-only baseline (default 0.9)")
-    g.add_argument("--cache-dir", type=Path, metavar="DIR",
-                   help="offline teacher: compute the target's top-k log-probs for every step once, store them "
-                        "here (batch x seq-len x topk x 6 bytes per step) and reuse them in later runs with the "
-                        "same corpus, seq-len, batch size, seed and teacher; default: run the target per batch")
+    g.add_argument(
+        "--teacher-topk",
+        type=int,
+        default=64,
+        help="keep the target's k most probable tokens per position, renormalised (default 64)",
+    )
+    g.add_argument(
+        "--teacher-temperature",
+        type=float,
+        default=1.0,
+        help="temperature of the target's distribution; the draft's is taken at 1 (default 1.0)",
+    )
+    g.add_argument(
+        "--kl-weight",
+        type=float,
+        default=0.9,
+        help="loss = w * KL(target || draft) + (1 - w) * corpus CE; 0 = data-only baseline (default 0.9)",
+    )
+    g.add_argument(
+        "--cache-dir",
+        type=Path,
+        metavar="DIR",
+        help="offline teacher: compute the target's top-k log-probs for every step once, store them "
+        "here (batch x seq-len x topk x 6 bytes per step) and reuse them in later runs with the "
+        "same corpus, seq-len, batch size, seed and teacher; default: run the target per batch",
+    )
 
     g = ap.add_argument_group("training")
     g.add_argument("--steps", type=int, default=2000, help="optimizer steps (default 2000)")
@@ -474,29 +572,62 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--batch-size", type=int, default=16, help="windows per step (default 16)")
     g.add_argument("--seq-len", type=int, default=256, help="tokens per window (default 256)")
     g.add_argument("--seed", type=int, default=0, help="draft initialisation and batch order (default 0)")
-    g.add_argument("--checkpoint-every", type=int, default=200,
-                   help="checkpoint (and print a quick held-out alpha / KL) every N steps (default 200)")
-    g.add_argument("--work-dir", type=Path, metavar="DIR",
-                   help="checkpoints, token cache, run settings (default: .work/distill/<name of --out>)")
+    g.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=200,
+        help="checkpoint (and print a quick held-out alpha / KL) every N steps (default 200)",
+    )
+    g.add_argument(
+        "--work-dir",
+        type=Path,
+        metavar="DIR",
+        help="checkpoints, token cache, run settings (default: .work/distill/<name of --out>)",
+    )
     g.add_argument("--resume", action="store_true", help="continue from --work-dir/checkpoint.pt")
-    g.add_argument("--autocast", choices=["bf16", "none"],
-                   help="bf16 mixed precision for the forward passes (default: bf16 on CUDA, none on CPU)")
+    g.add_argument(
+        "--autocast",
+        choices=["bf16", "none"],
+        help="bf16 mixed precision for the forward passes (default: bf16 on CUDA, none on CPU)",
+    )
     g.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
 
     g = ap.add_argument_group("output and evaluation")
-    g.add_argument("--out", type=Path, default=Path("models/demo/draft"), metavar="DIR",
-                   help="where the draft (save_pretrained), the target's tokenizer and eval.json go "
-                        "(default models/demo/draft)")
-    g.add_argument("--save-dtype", choices=["float16", "float32"], default="float16",
-                   help="dtype of the saved draft weights (default float16)")
-    g.add_argument("--eval-only", action="store_true",
-                   help="no training: evaluate --draft (default: the draft in --out) and write --out/eval.json")
-    g.add_argument("--eval-tokens", type=int, default=65536,
-                   help="held-out positions for alpha and KL, rounded up to whole batches; 0 = all (default 65536)")
-    g.add_argument("--eval-prompts", type=int, default=8,
-                   help=f"held-out prompts for the measured acceptance at K={MEASURE_K} (default 8)")
-    g.add_argument("--no-measure", action="store_true",
-                   help="skip the measured acceptance (which needs specmesh.engine); alpha-based numbers only")
+    g.add_argument(
+        "--out",
+        type=Path,
+        default=Path("models/demo/draft"),
+        metavar="DIR",
+        help="where the draft (save_pretrained), the target's tokenizer and eval.json go (default models/demo/draft)",
+    )
+    g.add_argument(
+        "--save-dtype",
+        choices=["float16", "float32"],
+        default="float16",
+        help="dtype of the saved draft weights (default float16)",
+    )
+    g.add_argument(
+        "--eval-only",
+        action="store_true",
+        help="no training: evaluate --draft (default: the draft in --out) and write --out/eval.json",
+    )
+    g.add_argument(
+        "--eval-tokens",
+        type=int,
+        default=65536,
+        help="held-out positions for alpha and KL, rounded up to whole batches; 0 = all (default 65536)",
+    )
+    g.add_argument(
+        "--eval-prompts",
+        type=int,
+        default=8,
+        help=f"held-out prompts for the measured acceptance at K={MEASURE_K} (default 8)",
+    )
+    g.add_argument(
+        "--no-measure",
+        action="store_true",
+        help="skip the measured acceptance (which needs specmesh.engine); alpha-based numbers only",
+    )
     return ap
 
 
@@ -530,8 +661,9 @@ def main(argv: list[str] | None = None) -> dict:
         draft = AutoModelForCausalLM.from_pretrained(draft_dir, dtype=torch.float32)  # fp32 master weights
     else:
         torch.manual_seed(args.seed)
-        draft = new_draft(target, tokenizer, args.draft_layers, args.draft_hidden, args.draft_intermediate,
-                          args.draft_heads)
+        draft = new_draft(
+            target, tokenizer, args.draft_layers, args.draft_hidden, args.draft_intermediate, args.draft_heads
+        )
     try:
         check_pair(target, draft, tokenizer)
     except ValueError as e:
@@ -541,9 +673,12 @@ def main(argv: list[str] | None = None) -> dict:
     draft.to(device)
     if measure:
         require_engine(target, draft)
-    print(f"target: {sum(p.numel() for p in target.parameters()) / 1e6:.1f}M parameters ({target_dtype}), "
-          f"draft: {sum(p.numel() for p in draft.parameters()) / 1e6:.2f}M, vocab {vocab_width(target)}, "
-          f"device {device}", flush=True)
+    print(
+        f"target: {sum(p.numel() for p in target.parameters()) / 1e6:.1f}M parameters ({target_dtype}), "
+        f"draft: {sum(p.numel() for p in draft.parameters()) / 1e6:.2f}M, vocab {vocab_width(target)}, "
+        f"device {device}",
+        flush=True,
+    )
 
     train_texts, heldout_texts = corpus_texts(args.stdlib, args.corpus, args.heldout)
     streams = token_streams(tokenizer, [] if args.eval_only else train_texts, heldout_texts, work_dir)
@@ -553,8 +688,17 @@ def main(argv: list[str] | None = None) -> dict:
     if not args.eval_only:
         train_report = _train(args, work_dir, device, autocast, target, draft, tokenizer, streams)
 
-    report = evaluate(target, draft, streams["heldout"], args.seq_len, args.batch_size, args.eval_tokens,
-                      args.eval_prompts, measure, autocast)
+    report = evaluate(
+        target,
+        draft,
+        streams["heldout"],
+        args.seq_len,
+        args.batch_size,
+        args.eval_tokens,
+        args.eval_prompts,
+        measure,
+        autocast,
+    )
     report["draft"] = str(draft_dir or args.out)
     report["target"] = str(args.target)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -565,10 +709,14 @@ def main(argv: list[str] | None = None) -> dict:
 
 def _train(args, work_dir: Path, device, autocast: bool, target, draft, tokenizer, streams) -> dict:
     if streams["train"].numel() <= args.seq_len + 1:
-        raise SystemExit(f"the training text has {streams['train'].numel()} tokens, "
-                         f"too few for --seq-len {args.seq_len}")
-    settings = {k: (str(v) if isinstance(v, Path) else [str(x) for x in v] if isinstance(v, list) else v)
-                for k, v in vars(args).items() if k in _RUN_KEYS}
+        raise SystemExit(
+            f"the training text has {streams['train'].numel()} tokens, too few for --seq-len {args.seq_len}"
+        )
+    settings = {
+        k: (str(v) if isinstance(v, Path) else [str(x) for x in v] if isinstance(v, list) else v)
+        for k, v in vars(args).items()
+        if k in _RUN_KEYS
+    }
     run_path = work_dir / "run.json"
     if args.resume and run_path.exists():
         old = json.loads(run_path.read_text())
@@ -583,8 +731,12 @@ def _train(args, work_dir: Path, device, autocast: bool, target, draft, tokenize
         teacher, mode = online_teacher(target, args.teacher_topk, args.teacher_temperature, autocast), "online"
         if args.cache_dir:
             try:
-                cache = TeacherCache(args.cache_dir, TeacherCache.settings(
-                    target, streams["train"], windows, args.teacher_topk, args.teacher_temperature, autocast))
+                cache = TeacherCache(
+                    args.cache_dir,
+                    TeacherCache.settings(
+                        target, streams["train"], windows, args.teacher_topk, args.teacher_temperature, autocast
+                    ),
+                )
             except CacheMismatch as e:
                 raise SystemExit(str(e)) from e
             cache.build(teacher, windows, args.steps, device)
@@ -596,12 +748,19 @@ def _train(args, work_dir: Path, device, autocast: bool, target, draft, tokenize
         m = heldout_metrics(target, draft, heldout, max_batches=2, autocast=autocast)
         print(f"\nstep {step}: held-out alpha {m['greedy_agreement']:.4f}, KL {m['kl_to_target']:.4f}", flush=True)
 
-    cfg = TrainConfig(steps=args.steps, lr=args.lr, warmup=args.warmup, checkpoint_every=args.checkpoint_every,
-                      out_dir=work_dir, desc="draft")
+    cfg = TrainConfig(
+        steps=args.steps,
+        lr=args.lr,
+        warmup=args.warmup,
+        checkpoint_every=args.checkpoint_every,
+        out_dir=work_dir,
+        desc="draft",
+    )
     _atomic_write_text(run_path, json.dumps(settings, indent=2) + "\n")  # describes the checkpoint beside it
     t0 = time.time()
-    losses = distill(draft, windows, teacher, cfg, args.kl_weight, autocast, resume=args.resume,
-                     on_checkpoint=on_checkpoint)
+    losses = distill(
+        draft, windows, teacher, cfg, args.kl_weight, autocast, resume=args.resume, on_checkpoint=on_checkpoint
+    )
     args.out.mkdir(parents=True, exist_ok=True)
     copy.deepcopy(draft).to(getattr(torch, args.save_dtype)).save_pretrained(args.out)
     tokenizer.save_pretrained(args.out)

@@ -94,12 +94,24 @@ def prepare_corpus(work: Path, vocab_size: int, root: Path | None = None):
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", type=Path, default=Path("models/demo/target"),
-                    help="where the fp16 model and tokenizer are saved (default models/demo/target)")
-    ap.add_argument("--work-dir", type=Path, default=Path(".work/target"),
-                    help="tokenizer, token cache and checkpoints (default .work/target)")
-    ap.add_argument("--stdlib-root", type=Path, default=None,
-                    help="corpus root (default: this interpreter's standard library; a sub-folder for quick trials)")
+    ap.add_argument(
+        "--out",
+        type=Path,
+        default=Path("models/demo/target"),
+        help="where the fp16 model and tokenizer are saved (default models/demo/target)",
+    )
+    ap.add_argument(
+        "--work-dir",
+        type=Path,
+        default=Path(".work/target"),
+        help="tokenizer, token cache and checkpoints (default .work/target)",
+    )
+    ap.add_argument(
+        "--stdlib-root",
+        type=Path,
+        default=None,
+        help="corpus root (default: this interpreter's standard library; a sub-folder for quick trials)",
+    )
     ap.add_argument("--vocab-size", type=int, default=8192, help="BPE vocabulary size (default 8192)")
     ap.add_argument("--layers", type=int, default=10, help="decoder layers (default 10)")
     ap.add_argument("--hidden", type=int, default=512, help="hidden size (default 512)")
@@ -108,18 +120,29 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-position-embeddings", type=int, default=2048, help="longest context (default 2048)")
     ap.add_argument("--seq-len", type=int, default=256, help="tokens per training window (default 256)")
     ap.add_argument("--batch-size", type=int, default=16, help="windows per step (default 16)")
-    ap.add_argument("--steps", type=int, default=850, help="optimizer steps; the cosine schedule ends here (default 850)")
+    ap.add_argument(
+        "--steps", type=int, default=850, help="optimizer steps; the cosine schedule ends here (default 850)"
+    )
     ap.add_argument("--lr", type=float, default=1.5e-3, help="peak learning rate (default 1.5e-3)")
     ap.add_argument("--warmup", type=int, default=50, help="linear warm-up steps (default 50)")
-    ap.add_argument("--checkpoint-every", type=int, default=50,
-                    help="steps between checkpoints and held-out checks (default 50)")
+    ap.add_argument(
+        "--checkpoint-every", type=int, default=50, help="steps between checkpoints and held-out checks (default 50)"
+    )
     ap.add_argument("--seed", type=int, default=0, help="initialisation and batch order (default 0)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    ap.add_argument("--autocast", choices=["bf16", "none"], default="bf16",
-                    help="mixed precision for the forward pass (bf16 halves step time on CPUs with avx512_bf16/AMX)")
+    ap.add_argument(
+        "--autocast",
+        choices=["bf16", "none"],
+        default="bf16",
+        help="mixed precision for the forward pass (bf16 halves step time on CPUs with avx512_bf16/AMX)",
+    )
     ap.add_argument("--resume", action="store_true", help="continue from --work-dir/checkpoint.pt")
-    ap.add_argument("--stop-after", type=int, default=None,
-                    help="checkpoint and exit at this step without exporting (continue later with --resume)")
+    ap.add_argument(
+        "--stop-after",
+        type=int,
+        default=None,
+        help="checkpoint and exit at this step without exporting (continue later with --resume)",
+    )
     args = ap.parse_args(argv)
 
     if args.threads:
@@ -127,11 +150,15 @@ def main(argv: list[str] | None = None) -> None:
     torch.manual_seed(args.seed)
     args.work_dir.mkdir(parents=True, exist_ok=True)
     tokenizer, streams = prepare_corpus(args.work_dir, args.vocab_size, args.stdlib_root)
-    print(f"corpus: {streams['files']} files, {streams['train'].numel():,} train / "
-          f"{streams['heldout'].numel():,} held-out tokens, vocab {len(tokenizer)}", flush=True)
+    print(
+        f"corpus: {streams['files']} files, {streams['train'].numel():,} train / "
+        f"{streams['heldout'].numel():,} held-out tokens, vocab {len(tokenizer)}",
+        flush=True,
+    )
 
-    model = LlamaForCausalLM(llama_config(tokenizer, args.layers, args.hidden, args.intermediate, args.heads,
-                                          args.max_position_embeddings))
+    model = LlamaForCausalLM(
+        llama_config(tokenizer, args.layers, args.hidden, args.intermediate, args.heads, args.max_position_embeddings)
+    )
     print(f"target: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters", flush=True)
     windows = TokenWindows(streams["train"], args.seq_len, args.batch_size, args.seed)
     heldout = TokenWindows(streams["heldout"], args.seq_len, args.batch_size, args.seed)
@@ -150,8 +177,14 @@ def main(argv: list[str] | None = None) -> None:
         model.train()
         print(f"\nstep {step}: held-out loss (4 batches) {loss:.4f}", flush=True)
 
-    cfg = TrainConfig(steps=args.steps, lr=args.lr, warmup=args.warmup, checkpoint_every=args.checkpoint_every,
-                      out_dir=args.work_dir, desc="target")
+    cfg = TrainConfig(
+        steps=args.steps,
+        lr=args.lr,
+        warmup=args.warmup,
+        checkpoint_every=args.checkpoint_every,
+        out_dir=args.work_dir,
+        desc="target",
+    )
     t0 = time.time()
     losses = train(model, loss_fn, cfg, resume=args.resume, stop_after=args.stop_after, on_checkpoint=on_checkpoint)
     if args.stop_after is not None and args.stop_after < args.steps:

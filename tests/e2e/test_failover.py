@@ -7,9 +7,9 @@ import time
 import openai
 import pytest
 
-from tests.support.services import GatewayServer, save_tiny_checkpoints, spawn
 from specmesh.engine import SpeculativeEngine
 from specmesh.sampling import SamplingParams
+from tests.support.services import GatewayServer, save_tiny_checkpoints, spawn
 
 
 @pytest.fixture(scope="module")
@@ -23,8 +23,9 @@ def cluster(tmp_path_factory):
         from transformers import AutoTokenizer
 
         tok = AutoTokenizer.from_pretrained(target)
-        gw = GatewayServer([procs["verify-a"][1], procs["verify-b"][1]], [procs["draft"][1]], tok,
-                           health_interval_s=0.2)
+        gw = GatewayServer(
+            [procs["verify-a"][1], procs["verify-b"][1]], [procs["draft"][1]], tok, health_interval_s=0.2
+        )
         yield gw, procs, SpeculativeEngine.from_paths(target, device="cpu")
         gw.stop()
     finally:
@@ -37,8 +38,15 @@ def cluster(tmp_path_factory):
 def stream_and_kill(client, prompt, max_tokens, kill, session_id=None):
     chunks, killed = [], False
     extra = {"ignore_eos": True, **({"session_id": session_id} if session_id else {})}
-    for c in client.completions.create(model="demo", prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True,
-                                       stream_options={"include_usage": True}, extra_body=extra):
+    for c in client.completions.create(
+        model="demo",
+        prompt=prompt,
+        max_tokens=max_tokens,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body=extra,
+    ):
         chunks.append(c)
         if len(chunks) == 4 and not killed:
             kill()
@@ -82,8 +90,9 @@ def test_verify_then_draft_die_mid_stream(cluster):
         if not gw.gateway.draft_pool.healthy:
             break
         time.sleep(0.1)
-    r = client.completions.create(model="demo", prompt=prompt, max_tokens=20, temperature=0,
-                                  extra_body={"session_id": "conversation-1"})
+    r = client.completions.create(
+        model="demo", prompt=prompt, max_tokens=20, temperature=0, extra_body={"session_id": "conversation-1"}
+    )
     assert r.choices[0].text == engine.generate(ids, SamplingParams(temperature=0, max_tokens=20), 0).text
     assert r.model_extra["specmesh"]["target_only"] and r.model_extra["specmesh"]["drafted"] == 0
     assert r.usage.prompt_tokens_details.cached_tokens > 0  # the session's KV survived on its replica

@@ -13,10 +13,10 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
-from tests.support.services import generate, save_tiny_checkpoints, spawn
 from specmesh.engine import SpeculativeEngine
 from specmesh.sampling import SamplingParams
 from specmesh.v1 import common_pb2, draft_pb2, draft_pb2_grpc, verify_pb2, verify_pb2_grpc
+from tests.support.services import generate, save_tiny_checkpoints, spawn
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -34,8 +34,11 @@ def health(address: str, service: str = "") -> int:
 @pytest.fixture(scope="module")
 def processes(checkpoints):
     target, draft = checkpoints
-    verify, vaddr = spawn("verify_service", ["--model-path", str(target)],
-                          {"SPECMESH_VERIFY_MAX_BATCH_SIZE": "3", "SPECMESH_VERIFY_GRACE_PERIOD_S": "30"})
+    verify, vaddr = spawn(
+        "verify_service",
+        ["--model-path", str(target)],
+        {"SPECMESH_VERIFY_MAX_BATCH_SIZE": "3", "SPECMESH_VERIFY_GRACE_PERIOD_S": "30"},
+    )
     drafts, daddr = spawn("draft_service", ["--model-path", str(draft)], {"SPECMESH_DRAFT_VERIFY_ADDRESS": vaddr})
     yield (verify, vaddr), (drafts, daddr)
     for p in (drafts, verify):
@@ -45,16 +48,22 @@ def processes(checkpoints):
 
 
 def test_cli_help_names_every_env_variable():
-    out = subprocess.run([sys.executable, "-m", "verify_service", "--help"], cwd=ROOT, capture_output=True, text=True,
-                         check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "verify_service", "--help"], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout
     for flag in ("--model-path", "--max-batch-size", "--draft-deadline-ms", "--kv-cache-budget-mb"):
         assert flag in out
     assert "SPECMESH_VERIFY_MAX_BATCH_SIZE" in out
-    out = subprocess.run([sys.executable, "-m", "draft_service", "--help"], cwd=ROOT, capture_output=True, text=True,
-                         check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "draft_service", "--help"], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout
     assert "--speculative-algorithm" in out and "SPECMESH_DRAFT_SPECULATIVE_NUM_STEPS" in out
-    bad = subprocess.run([sys.executable, "-m", "draft_service", "--speculative-algorithm", "eagle"], cwd=ROOT,
-                         capture_output=True, text=True)
+    bad = subprocess.run(
+        [sys.executable, "-m", "draft_service", "--speculative-algorithm", "eagle"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
     assert bad.returncode == 2 and "invalid choice" in bad.stderr
 
 
@@ -81,7 +90,7 @@ def test_greedy_with_stop_string_matches_in_process(processes, checkpoints):
     assert tokens == reference.token_ids
     # a stop string taken from the reference text ends the generation early, applied by the verifier
     text = engine.tokenizer.decode(reference.token_ids)
-    stop = text[len(text) // 2: len(text) // 2 + 3]
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
     if stop.strip():
         want = engine.generate(prompt, SamplingParams(temperature=0, max_tokens=40, stop=(stop,)), 0)
         got, chunks = generate(stub, prompt, common_pb2.SamplingParams(temperature=0.0, max_tokens=40, stop=[stop]))
@@ -97,9 +106,13 @@ def test_sigterm_drains_in_flight_work(processes):
     def run():
         chunks = []
         try:
-            for c in stub.Generate(draft_pb2.DraftServiceGenerateRequest(
-                    prompt_ids=[5, 6, 7], params=common_pb2.SamplingParams(temperature=0.0, max_tokens=600,
-                                                                           ignore_eos=True)), timeout=120):
+            for c in stub.Generate(
+                draft_pb2.DraftServiceGenerateRequest(
+                    prompt_ids=[5, 6, 7],
+                    params=common_pb2.SamplingParams(temperature=0.0, max_tokens=600, ignore_eos=True),
+                ),
+                timeout=120,
+            ):
                 chunks.append(c)
                 if len(chunks) > 2:
                     started.set()
@@ -123,7 +136,8 @@ def test_sigterm_drains_in_flight_work(processes):
     assert health_pb2.HealthCheckResponse.NOT_SERVING in states
     with pytest.raises(grpc.RpcError) as e:  # no new work while draining
         verify_pb2_grpc.VerifyServiceStub(grpc.insecure_channel(vaddr)).OpenSession(
-            verify_pb2.OpenSessionRequest(prompt_ids=[1, 2]), timeout=5)
+            verify_pb2.OpenSessionRequest(prompt_ids=[1, 2]), timeout=5
+        )
     assert e.value.code() == grpc.StatusCode.UNAVAILABLE
     t.join(120)
     assert "error" not in result, result.get("error")

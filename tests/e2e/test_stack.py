@@ -38,8 +38,13 @@ def check_readme_grpc_example(grpc_port: int) -> None:
 
 def test_stack_answers_and_stops_on_ctrl_c():
     port, grpc_port = free_port(), free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "specmesh.stack", "--port", str(port), "--grpc-port",
-                             str(grpc_port)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "specmesh.stack", "--port", str(port), "--grpc-port", str(grpc_port)],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     lines, up = [], threading.Event()
 
     def pump():
@@ -52,8 +57,9 @@ def test_stack_answers_and_stops_on_ctrl_c():
     try:
         assert up.wait(240), "".join(lines[-30:])
         body = json.dumps({"model": "demo", "prompt": "import os\n", "max_tokens": 8, "temperature": 0}).encode()
-        req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body,
-                                     {"content-type": "application/json"})
+        req = urllib.request.Request(
+            f"http://127.0.0.1:{port}/v1/completions", body, {"content-type": "application/json"}
+        )
         with urllib.request.urlopen(req, timeout=60) as r:
             answer = json.loads(r.read())
         assert answer["usage"]["completion_tokens"] == 8 and answer["choices"][0]["finish_reason"] == "length"

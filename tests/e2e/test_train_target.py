@@ -10,9 +10,36 @@ from specmesh.training.corpus import stdlib_files, stdlib_root
 from specmesh.training.trainer import CHECKPOINT
 
 ROOT = stdlib_root() / "ctypes"  # a small package with one held-out file under this root
-TINY = ["--stdlib-root", str(ROOT), "--vocab-size", "400", "--layers", "1", "--hidden", "32", "--intermediate", "64",
-        "--heads", "2", "--seq-len", "32", "--batch-size", "4", "--steps", "6", "--warmup", "2",
-        "--checkpoint-every", "3", "--lr", "3e-3", "--autocast", "none", "--threads", "1"]
+TINY = [
+    "--stdlib-root",
+    str(ROOT),
+    "--vocab-size",
+    "400",
+    "--layers",
+    "1",
+    "--hidden",
+    "32",
+    "--intermediate",
+    "64",
+    "--heads",
+    "2",
+    "--seq-len",
+    "32",
+    "--batch-size",
+    "4",
+    "--steps",
+    "6",
+    "--warmup",
+    "2",
+    "--checkpoint-every",
+    "3",
+    "--lr",
+    "3e-3",
+    "--autocast",
+    "none",
+    "--threads",
+    "1",
+]
 
 
 def weights(path):

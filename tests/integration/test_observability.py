@@ -61,8 +61,13 @@ def test_one_trace_spans_all_three_services(stack, spans):
     gw, _, _ = stack
     spans.clear()
     client = openai.OpenAI(base_url=gw.base_url + "/v1", api_key="x", max_retries=0)
-    r = client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "hi"}], max_tokens=24,
-                                       temperature=0, extra_body={"ignore_eos": True})
+    r = client.chat.completions.create(
+        model="demo",
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=24,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
     assert r.usage.completion_tokens == 24
     import time
 
@@ -97,9 +102,11 @@ def test_one_trace_spans_all_three_services(stack, spans):
 
 def test_metrics_on_every_service_move_with_requests(stack):
     gw, verify, draft = stack
-    urls = {"gateway": gw.base_url + "/metrics",
-            "verify": f"http://127.0.0.1:{verify.server.metrics_port}/metrics",
-            "draft": f"http://127.0.0.1:{draft.server.metrics_port}/metrics"}
+    urls = {
+        "gateway": gw.base_url + "/metrics",
+        "verify": f"http://127.0.0.1:{verify.server.metrics_port}/metrics",
+        "draft": f"http://127.0.0.1:{draft.server.metrics_port}/metrics",
+    }
     before = {k: scrape(u) for k, u in urls.items()}
     client = openai.OpenAI(base_url=gw.base_url + "/v1", api_key="x", max_retries=0)
     for prompt in ("import re\n", "class Node:\n"):
@@ -113,9 +120,11 @@ def test_metrics_on_every_service_move_with_requests(stack):
 
     for _ in range(100):  # the services count a request when its handler ends, just after the client's answer
         after = {k: scrape(u) for k, u in urls.items()}
-        if (moved("draft", "specmesh_requests_total", method="Generate") >= 3
-                and moved("verify", "specmesh_requests_total", method="Verify") >= 2
-                and moved("gateway", "specmesh_requests_total", method="POST /v1/completions") >= 3):
+        if (
+            moved("draft", "specmesh_requests_total", method="Generate") >= 3
+            and moved("verify", "specmesh_requests_total", method="Verify") >= 2
+            and moved("gateway", "specmesh_requests_total", method="POST /v1/completions") >= 3
+        ):
             break
         time.sleep(0.02)
 
@@ -156,13 +165,15 @@ def test_target_only_requests_never_reach_the_draft_service(stack):
     urls = {"gateway": gw.base_url + "/metrics", "draft": f"http://127.0.0.1:{draft.server.metrics_port}/metrics"}
     before = {k: scrape(u) for k, u in urls.items()}
     client = openai.OpenAI(base_url=gw.base_url + "/v1", api_key="x", max_retries=0)
-    r = client.completions.create(model="demo", prompt="x = ", max_tokens=8, temperature=0,
-                                  extra_body={"num_speculative_tokens": 0})
+    r = client.completions.create(
+        model="demo", prompt="x = ", max_tokens=8, temperature=0, extra_body={"num_speculative_tokens": 0}
+    )
     assert r.model_extra["specmesh"]["drafted"] == 0
     stub = gateway_pb2_grpc.GatewayServiceStub(grpc.insecure_channel(gw.grpc_address))
     params = common_pb2.SamplingParams(temperature=0.0, max_tokens=8)
-    assert stub.Generate(gateway_pb2.GatewayServiceGenerateRequest(prompt="y = ", params=params,
-                                                                   num_speculative_tokens=0)).target_only
+    assert stub.Generate(
+        gateway_pb2.GatewayServiceGenerateRequest(prompt="y = ", params=params, num_speculative_tokens=0)
+    ).target_only
     # then one speculative request: the draft service counts a call when its handler ends, so by the time
     # this one is counted the earlier ones would have been too
     client.completions.create(model="demo", prompt="z = ", max_tokens=8, temperature=0)
@@ -217,17 +228,22 @@ def test_otlp_and_console_exporters_install_from_env():
     import subprocess
     import sys
 
-    code = ("from specmesh import telemetry\n"
-            "p = telemetry.setup_tracing('verify')\n"
-            "assert p is not None, 'tracing not set up'\n"
-            "print(type(p._active_span_processor._span_processors[0].span_exporter).__name__)\n"
-            "p.shutdown()\n")
-    for env, exporter in (({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:1"}, "OTLPSpanExporter"),
-                          ({"OTEL_TRACES_EXPORTER": "console"}, "ConsoleSpanExporter")):
+    code = (
+        "from specmesh import telemetry\n"
+        "p = telemetry.setup_tracing('verify')\n"
+        "assert p is not None, 'tracing not set up'\n"
+        "print(type(p._active_span_processor._span_processors[0].span_exporter).__name__)\n"
+        "p.shutdown()\n"
+    )
+    for env, exporter in (
+        ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:1"}, "OTLPSpanExporter"),
+        ({"OTEL_TRACES_EXPORTER": "console"}, "ConsoleSpanExporter"),
+    ):
         import os
 
         clean = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
-        out = subprocess.run([sys.executable, "-c", code], env={**clean, **env}, capture_output=True, text=True,
-                             timeout=60, cwd=ROOT)
+        out = subprocess.run(
+            [sys.executable, "-c", code], env={**clean, **env}, capture_output=True, text=True, timeout=60, cwd=ROOT
+        )
         assert out.returncode == 0, out.stderr
         assert exporter in out.stdout

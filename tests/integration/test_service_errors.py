@@ -6,11 +6,11 @@ import threading
 import grpc
 import pytest
 
-from tests.support.models import noisy_copy, tiny_model
-from tests.support.services import draft_stub, generate, start_draft, start_verify, verify_stub
 from specmesh.engine import SpeculativeEngine
 from specmesh.sampling import SamplingParams
-from specmesh.v1 import common_pb2, draft_pb2, verify_pb2
+from specmesh.v1 import common_pb2, verify_pb2
+from tests.support.models import noisy_copy, tiny_model
+from tests.support.services import draft_stub, generate, start_draft, start_verify, verify_stub
 
 VOCAB = 96
 GREEDY = common_pb2.SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
@@ -75,9 +75,11 @@ BAD_OPEN = [
 def test_bad_session_and_generate_requests(servers, prompt, params, message):
     verify, draft = servers
     vs = verify_stub(verify)
-    for call in (lambda: open_session(vs, prompt, params=params),
-                 lambda: generate(vs, prompt, params),
-                 lambda: generate(draft_stub(draft), prompt, params)):
+    for call in (
+        lambda: open_session(vs, prompt, params=params),
+        lambda: generate(vs, prompt, params),
+        lambda: generate(draft_stub(draft), prompt, params),
+    ):
         with pytest.raises(grpc.RpcError) as e:
             call()
         assert e.value.code() == C.INVALID_ARGUMENT and message in e.value.details(), e.value.details()
@@ -124,8 +126,11 @@ def test_stale_and_repeated_blocks_are_harmless(servers, target):
     s.send(epoch=1, base_position=4, draft_ids=[])
     v1 = s.read()
     assert v1.epoch == 1 and not v1.stale
-    reference = SpeculativeEngine.from_models(target).generate(
-        [4, 5, 6], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True), 0).token_ids
+    reference = (
+        SpeculativeEngine.from_models(target)
+        .generate([4, 5, 6], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True), 0)
+        .token_ids
+    )
     assert list(v0.token_ids) + list(v1.token_ids) == reference
     # a second stream on a session that is in use
     s2 = Stream(vs)
@@ -155,8 +160,11 @@ def test_a_late_draft_gets_a_deadline_step(target):
         assert stale.stale
         info = vs.Info(verify_pb2.VerifyServiceInfoRequest())
         assert info.deadline_steps >= 1 and info.stale_blocks >= 1
-        reference = SpeculativeEngine.from_models(target).generate(
-            [9, 8, 7], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True), 0).token_ids
+        reference = (
+            SpeculativeEngine.from_models(target)
+            .generate([9, 8, 7], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True), 0)
+            .token_ids
+        )
         assert list(first.token_ids) + list(late.token_ids) == reference
         s.close()
     finally:
@@ -193,8 +201,10 @@ def test_bad_requests_do_not_disturb_a_running_batch(servers, target):
     params = common_pb2.SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
     prompts = [[1, 2, 3], [7, 7, 8, 9], [20, 21]]
     results = {}
-    threads = [threading.Thread(target=lambda p=p: results.__setitem__(tuple(p), generate(draft_stub(draft), p, params)[0]))
-               for p in prompts]
+    threads = [
+        threading.Thread(target=lambda p=p: results.__setitem__(tuple(p), generate(draft_stub(draft), p, params)[0]))
+        for p in prompts
+    ]
     for t in threads:
         t.start()
     vs = verify_stub(verify)

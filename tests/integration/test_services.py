@@ -6,11 +6,11 @@ import grpc
 import pytest
 import torch
 
-from tests.support.models import noisy_copy, tiny_model
-from tests.support.services import draft_stub, generate, start_draft, start_verify, verify_stub
 from specmesh.engine import SpeculativeEngine
 from specmesh.sampling import SamplingParams
 from specmesh.v1 import common_pb2, draft_pb2, verify_pb2
+from tests.support.models import noisy_copy, tiny_model
+from tests.support.services import draft_stub, generate, start_draft, start_verify, verify_stub
 
 VOCAB = 128
 GREEDY = common_pb2.SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
@@ -18,8 +18,10 @@ GREEDY = common_pb2.SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=Tr
 
 def prompts(n, seed=0):
     g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, VOCAB - 1, (int(torch.randint(3, 20, (1,), generator=g)),), generator=g).tolist()
-            for _ in range(n)]
+    return [
+        torch.randint(0, VOCAB - 1, (int(torch.randint(3, 20, (1,), generator=g)),), generator=g).tolist()
+        for _ in range(n)
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -65,8 +67,9 @@ def test_greedy_through_the_pair_equals_target_only(stack, reference):
 
 def test_fixed_k_without_pipelining_is_lossless_too(target, reference):
     verify = start_verify(target)
-    draft = start_draft(noisy_copy(target, 0.03, seed=2), verify.address, adaptive=False, pipeline=False,
-                        speculative_num_steps=3)
+    draft = start_draft(
+        noisy_copy(target, 0.03, seed=2), verify.address, adaptive=False, pipeline=False, speculative_num_steps=3
+    )
     try:
         for p in prompts(4, seed=1):
             tokens, chunks = generate(draft_stub(draft), p, GREEDY)
@@ -152,11 +155,12 @@ def test_sampled_output_is_the_target_distribution():
     vocab = 8
     target = tiny_model("llama", vocab=vocab, hidden=32, seed=21, init_range=0.5)
     verify = start_verify(target)
-    draft = start_draft(noisy_copy(target, 0.5, seed=3), verify.address, draft_topk=4, adaptive=False,
-                        speculative_num_steps=1)
+    draft = start_draft(
+        noisy_copy(target, 0.5, seed=3), verify.address, draft_topk=4, adaptive=False, speculative_num_steps=1
+    )
     prompt = [1, 2, 3]
     with torch.inference_mode():
-        dist = lambda ids: torch.softmax(target(input_ids=torch.tensor([ids])).logits[0, -1], -1).double()  # noqa
+        dist = lambda ids: torch.softmax(target(input_ids=torch.tensor([ids])).logits[0, -1], -1).double()
         p1 = dist(prompt)
         p2 = torch.stack([dist(prompt + [a]) for a in range(vocab)])
         joint = p1[:, None] * p2
@@ -195,8 +199,9 @@ def test_sampled_output_is_the_target_distribution():
 def test_seeded_sampling_replays_through_the_pair(stack):
     _, draft, _ = stack
     stub = draft_stub(draft)
-    params = lambda seed: common_pb2.SamplingParams(temperature=0.8, top_p=0.95, seed=seed, max_tokens=40,  # noqa
-                                                    ignore_eos=True)
+    params = lambda seed: common_pb2.SamplingParams(
+        temperature=0.8, top_p=0.95, seed=seed, max_tokens=40, ignore_eos=True
+    )
     p = [3, 1, 4, 1, 5]
     first = generate(stub, p, params(7))[0]
     assert all(generate(stub, p, params(7))[0] == first for _ in range(3))

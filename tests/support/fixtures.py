@@ -11,8 +11,9 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import pytest  # noqa: E402 - after TRITON_INTERPRET: transformers may import triton
-from tests.support.models import noisy_copy, tiny_model  # noqa: E402
+import pytest
+
+from tests.support.models import noisy_copy, tiny_model
 
 # Tiny models gain nothing from intra-op threads; one thread keeps runs deterministic and leaves a core free.
 torch.set_num_threads(1)

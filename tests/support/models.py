@@ -6,13 +6,23 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 
-def tiny_model(arch: str = "llama", vocab: int = 128, hidden: int = 64, layers: int = 2, seed: int = 0,
-               init_range: float = 0.2):
+def tiny_model(
+    arch: str = "llama", vocab: int = 128, hidden: int = 64, layers: int = 2, seed: int = 0, init_range: float = 0.2
+):
     """A random model whose logits are peaked enough (init_range) that greedy has few near-ties."""
     torch.manual_seed(seed)
-    kw = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-              initializer_range=init_range, eos_token_id=vocab - 1, bos_token_id=vocab - 1)
+    kw = dict(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        initializer_range=init_range,
+        eos_token_id=vocab - 1,
+        bos_token_id=vocab - 1,
+    )
     if arch == "llama":
         return LlamaForCausalLM(LlamaConfig(**kw)).eval()
     if arch == "qwen2":

@@ -31,8 +31,9 @@ def start_verify(model, tokenizer=None, **kw) -> BackgroundServer:
 
 
 def start_draft(model, verify_address: str, **kw) -> BackgroundServer:
-    config = DraftConfig(model_path="(in-memory)" if model is not None else "", port=0,
-                         verify_address=verify_address, **kw)
+    config = DraftConfig(
+        model_path="(in-memory)" if model is not None else "", port=0, verify_address=verify_address, **kw
+    )
     return BackgroundServer(lambda: build_draft(config, model))
 
 
@@ -47,8 +48,11 @@ def draft_stub(server: BackgroundServer):
 def generate(stub, prompt, params, **kw) -> tuple[list[int], list]:
     """All tokens and all response chunks of one DraftService / VerifyService Generate call (chunks[0] is
     the opened chunk, chunks[-1] the finished one)."""
-    req_type = (draft_pb2.DraftServiceGenerateRequest if isinstance(stub, draft_pb2_grpc.DraftServiceStub)
-                else verify_pb2.VerifyServiceGenerateRequest)
+    req_type = (
+        draft_pb2.DraftServiceGenerateRequest
+        if isinstance(stub, draft_pb2_grpc.DraftServiceStub)
+        else verify_pb2.VerifyServiceGenerateRequest
+    )
     chunks = list(stub.Generate(req_type(prompt_ids=prompt, params=params, **kw), timeout=120))
     return [t for c in chunks for t in c.tokens.token_ids], chunks
 
@@ -64,8 +68,9 @@ def free_port() -> int:
 class GatewayServer:
     """The gateway (REST via uvicorn + gRPC front) on its own event-loop thread, on free loopback ports."""
 
-    def __init__(self, verify: list[str], draft: list[str], tokenizer=None, api_keys=(), max_body_bytes=1 << 20,
-                 **config):
+    def __init__(
+        self, verify: list[str], draft: list[str], tokenizer=None, api_keys=(), max_body_bytes=1 << 20, **config
+    ):
         import asyncio
         import threading
         import time
@@ -140,10 +145,14 @@ def save_tiny_checkpoints(base: Path, seed: int = 8) -> tuple[Path, Path]:
 
 
 def spawn(module: str, args: list[str], env: dict) -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen([sys.executable, "-m", module, "--port", "0", "--metrics-port", "0", "--threads", "1",
-                             *args],
-                            cwd=ROOT, env={**os.environ, **env}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", module, "--port", "0", "--metrics-port", "0", "--threads", "1", *args],
+        cwd=ROOT,
+        env={**os.environ, **env},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     lines = []
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
@@ -157,5 +166,3 @@ def spawn(module: str, args: list[str], env: dict) -> tuple[subprocess.Popen, st
             return proc, m.group(1)
     proc.kill()
     raise RuntimeError(f"{module} did not start:\n{''.join(lines)}")
-
-

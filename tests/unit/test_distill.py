@@ -45,8 +45,11 @@ def tiny(tmp_path_factory):
     torch.manual_seed(0)
     target = AutoModelForCausalLM.from_config(llama_config(tokenizer, 2, 64, 128, 4, 256))
     windows = TokenWindows(encode_texts(tokenizer, texts, tokenizer.eos_token_id), SEQ, BATCH, seed=1)
-    train(target, lambda step: (lm_loss(target, windows.batch(step)), 1),
-          TrainConfig(steps=200, lr=1e-2, warmup=5, checkpoint_every=10**6, out_dir=root / "target_work"))
+    train(
+        target,
+        lambda step: (lm_loss(target, windows.batch(step)), 1),
+        TrainConfig(steps=200, lr=1e-2, warmup=5, checkpoint_every=10**6, out_dir=root / "target_work"),
+    )
     target_dir = root / "target"
     target.save_pretrained(target_dir)
     tokenizer.save_pretrained(target_dir)
@@ -185,10 +188,36 @@ def test_cli_end_to_end(tiny, tmp_path):
     out, cache = tmp_path / "draft", tmp_path / "cache"
 
     def flags(seq_len: int = 32, work: str = "work") -> list[str]:
-        return ["--target", str(tiny["target_dir"]), "--corpus", CORPUS, "--work-dir", str(tmp_path / work),
-                "--cache-dir", str(cache), "--batch-size", "4", "--seq-len", str(seq_len), "--warmup", "2",
-                "--lr", "1e-2", "--draft-layers", "1", "--draft-hidden", "32", "--draft-intermediate", "64",
-                "--draft-heads", "2", "--eval-prompts", "2", "--eval-tokens", "512"]
+        return [
+            "--target",
+            str(tiny["target_dir"]),
+            "--corpus",
+            CORPUS,
+            "--work-dir",
+            str(tmp_path / work),
+            "--cache-dir",
+            str(cache),
+            "--batch-size",
+            "4",
+            "--seq-len",
+            str(seq_len),
+            "--warmup",
+            "2",
+            "--lr",
+            "1e-2",
+            "--draft-layers",
+            "1",
+            "--draft-hidden",
+            "32",
+            "--draft-intermediate",
+            "64",
+            "--draft-heads",
+            "2",
+            "--eval-prompts",
+            "2",
+            "--eval-tokens",
+            "512",
+        ]
 
     common = flags()
     result = D.main(common + ["--out", str(out), "--steps", "6", "--checkpoint-every", "3"])

@@ -3,17 +3,19 @@
 import pytest
 import torch
 
-from tests.support.models import noisy_copy, tiny_model
 from specmesh.engine import SpeculativeEngine
 from specmesh.sampling import SamplingParams
+from tests.support.models import noisy_copy, tiny_model
 
 GREEDY64 = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
 
 
 def prompts(n, vocab, seed=0):
     g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, vocab - 1, (int(torch.randint(3, 24, (1,), generator=g)),), generator=g).tolist()
-            for _ in range(n)]
+    return [
+        torch.randint(0, vocab - 1, (int(torch.randint(3, 24, (1,), generator=g)),), generator=g).tolist()
+        for _ in range(n)
+    ]
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
@@ -49,8 +51,16 @@ def test_seeded_sampling_replays_and_seeds_differ(tiny_pair):
     a = engine.generate([5, 6, 7], params, num_speculative_tokens=3)
     b = engine.generate([5, 6, 7], params, num_speculative_tokens=3)
     assert a.token_ids == b.token_ids
-    others = {tuple(engine.generate([5, 6, 7], SamplingParams(temperature=1.0, max_tokens=40, seed=s, ignore_eos=True),
-                                    num_speculative_tokens=3).token_ids) for s in range(8, 12)}
+    others = {
+        tuple(
+            engine.generate(
+                [5, 6, 7],
+                SamplingParams(temperature=1.0, max_tokens=40, seed=s, ignore_eos=True),
+                num_speculative_tokens=3,
+            ).token_ids
+        )
+        for s in range(8, 12)
+    }
     assert len(others | {tuple(a.token_ids)}) > 1
 
 
@@ -71,32 +81,41 @@ def test_stop_token_and_eos_end_generation(tiny_pair):
     full = engine.generate([1, 2, 3], GREEDY64, num_speculative_tokens=4).token_ids
     stop_at = full[10]
     first = full.index(stop_at)
-    r = engine.generate([1, 2, 3], SamplingParams(temperature=0, max_tokens=64, stop_token_ids=(stop_at,),
-                                                  ignore_eos=True), num_speculative_tokens=4)
+    r = engine.generate(
+        [1, 2, 3],
+        SamplingParams(temperature=0, max_tokens=64, stop_token_ids=(stop_at,), ignore_eos=True),
+        num_speculative_tokens=4,
+    )
     assert r.token_ids == full[: first + 1] and r.finish_reason == "stop"
-    r = engine.generate([1, 2, 3], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True), num_speculative_tokens=4)
+    r = engine.generate(
+        [1, 2, 3], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True), num_speculative_tokens=4
+    )
     assert r.token_ids == full[:5] and r.finish_reason == "length"
     eos = target.config.eos_token_id
     r = engine.generate([1, 2, 3], SamplingParams(temperature=0, max_tokens=64, stop_token_ids=(stop_at,)), 4)
     assert r.finish_reason == "stop" and r.token_ids[-1] in (eos, stop_at)
 
 
-@pytest.mark.parametrize("bad, message", [
-    (dict(prompt=[]), "at least one token"),
-    (dict(prompt=[1, 999]), "out of range"),
-    (dict(params=SamplingParams(temperature=-1)), "temperature"),
-    (dict(params=SamplingParams(top_p=0)), "top_p"),
-    (dict(params=SamplingParams(max_tokens=0)), "max_tokens"),
-    (dict(params=SamplingParams(stop_token_ids=(500,))), "stop_token_ids"),
-    (dict(algorithm="medusa"), "algorithm"),
-    (dict(k=33), "num_speculative_tokens"),
-    (dict(k=-1), "num_speculative_tokens"),
-])
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        (dict(prompt=[]), "at least one token"),
+        (dict(prompt=[1, 999]), "out of range"),
+        (dict(params=SamplingParams(temperature=-1)), "temperature"),
+        (dict(params=SamplingParams(top_p=0)), "top_p"),
+        (dict(params=SamplingParams(max_tokens=0)), "max_tokens"),
+        (dict(params=SamplingParams(stop_token_ids=(500,))), "stop_token_ids"),
+        (dict(algorithm="medusa"), "algorithm"),
+        (dict(k=33), "num_speculative_tokens"),
+        (dict(k=-1), "num_speculative_tokens"),
+    ],
+)
 def test_bad_input_is_a_clear_error(tiny_pair, bad, message):
     engine = SpeculativeEngine.from_models(*tiny_pair)
     with pytest.raises(ValueError, match=message):
-        engine.generate(bad.get("prompt", [1, 2]), bad.get("params", GREEDY64), bad.get("k", 4),
-                        bad.get("algorithm", "standalone"))
+        engine.generate(
+            bad.get("prompt", [1, 2]), bad.get("params", GREEDY64), bad.get("k", 4), bad.get("algorithm", "standalone")
+        )
 
 
 def test_sampled_speculative_decoding_is_the_target_distribution():
@@ -111,8 +130,9 @@ def test_sampled_speculative_decoding_is_the_target_distribution():
     params = SamplingParams(temperature=1.0, max_tokens=2, ignore_eos=True)
     with torch.inference_mode():  # the exact law: p(a) * p(b | a)
         p1 = torch.softmax(target(input_ids=torch.tensor([prompt])).logits[0, -1], -1)
-        p2 = torch.stack([torch.softmax(target(input_ids=torch.tensor([prompt + [a]])).logits[0, -1], -1)
-                          for a in range(vocab)])
+        p2 = torch.stack(
+            [torch.softmax(target(input_ids=torch.tensor([prompt + [a]])).logits[0, -1], -1) for a in range(vocab)]
+        )
     joint = (p1[:, None] * p2).reshape(-1).double()
     n = 3000
     counts = torch.zeros(vocab * vocab, dtype=torch.float64)

@@ -6,28 +6,38 @@ import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, Qwen3Config, Qwen3ForCausalLM
 
-from tests.support.models import noisy_copy, tiny_model
 from specmesh.drafters import DraftBatcher, ModelDrafter
 from specmesh.engine import SpeculativeEngine
-from specmesh.runtime.static import StaticCacheRunner
-from specmesh.runtime.hf import ModelRunner
-from specmesh.sampling import SamplingParams
 from specmesh.rejection import RejectionSampler
+from specmesh.runtime.hf import ModelRunner
+from specmesh.runtime.static import StaticCacheRunner
+from specmesh.sampling import SamplingParams
+from tests.support.models import noisy_copy, tiny_model
 
 ATOL = 1e-4
 
 
 def qwen3_tiny():
     torch.manual_seed(3)
-    return Qwen3ForCausalLM(Qwen3Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                                        initializer_range=0.2)).eval()
+    return Qwen3ForCausalLM(
+        Qwen3Config(
+            vocab_size=128,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            initializer_range=0.2,
+        )
+    ).eval()
 
 
 def gpt2_tiny():
     torch.manual_seed(4)
-    return GPT2LMHeadModel(GPT2Config(vocab_size=128, n_embd=32, n_layer=2, n_head=2, n_positions=512,
-                                      bos_token_id=127, eos_token_id=127)).eval()
+    return GPT2LMHeadModel(
+        GPT2Config(vocab_size=128, n_embd=32, n_layer=2, n_head=2, n_positions=512, bos_token_id=127, eos_token_id=127)
+    ).eval()
 
 
 class Pair:
@@ -61,13 +71,21 @@ class Pair:
         assert self.fast.prefix_tokens_reused == self.ref.prefix_tokens_reused
 
 
-MODELS = {"llama": lambda: tiny_model("llama", seed=5), "qwen2": lambda: tiny_model("qwen2", seed=6),
-          "qwen3": qwen3_tiny, "gpt2 (HF path)": gpt2_tiny}
+MODELS = {
+    "llama": lambda: tiny_model("llama", seed=5),
+    "qwen2": lambda: tiny_model("qwen2", seed=6),
+    "qwen3": qwen3_tiny,
+    "gpt2 (HF path)": gpt2_tiny,
+}
 
 
 # GPT-2 has no hand-written decoder: only its HF-forward path exists.
-CASES = [pytest.param(arch, fp, id=f"{arch}-{'fast' if fp is None else 'hf-forward'}")
-         for arch in MODELS for fp in (None, False) if not (arch.startswith("gpt2") and fp is None)]
+CASES = [
+    pytest.param(arch, fp, id=f"{arch}-{'fast' if fp is None else 'hf-forward'}")
+    for arch in MODELS
+    for fp in (None, False)
+    if not (arch.startswith("gpt2") and fp is None)
+]
 
 
 @pytest.mark.parametrize("arch,fast_path", CASES)
@@ -103,11 +121,20 @@ def test_every_list_mutation_is_seen():
     p.prefill()
     p.forward([40, 41])
     mutations = [
-        lambda t: t.__setitem__(5, 99), lambda t: t.insert(3, 50), lambda t: t.insert(-2, 51),
-        lambda t: t.pop(0), lambda t: t.remove(50), lambda t: t.__delitem__(slice(10, 12)),
-        lambda t: t.__setitem__(slice(-4, -2), [60, 61, 62]), lambda t: t.extend([70, 71]),
-        lambda t: t.__iadd__([72]), lambda t: t.reverse(), lambda t: t.sort(), lambda t: t.__delitem__(-1),
-        lambda t: t.__setitem__(-1, 80), lambda t: t.__setitem__(slice(None, None, -3), t[::-3]),
+        lambda t: t.__setitem__(5, 99),
+        lambda t: t.insert(3, 50),
+        lambda t: t.insert(-2, 51),
+        lambda t: t.pop(0),
+        lambda t: t.remove(50),
+        lambda t: t.__delitem__(slice(10, 12)),
+        lambda t: t.__setitem__(slice(-4, -2), [60, 61, 62]),
+        lambda t: t.extend([70, 71]),
+        lambda t: t.__iadd__([72]),
+        lambda t: t.reverse(),
+        lambda t: t.sort(),
+        lambda t: t.__delitem__(-1),
+        lambda t: t.__setitem__(-1, 80),
+        lambda t: t.__setitem__(slice(None, None, -3), t[::-3]),
     ]
     for mutate in mutations:
         p.each(lambda s: mutate(s.token_ids))

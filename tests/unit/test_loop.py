@@ -78,21 +78,32 @@ class CountingDrafter:
 def test_pipelined_blocks_are_used_when_the_guess_holds():
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     verifier = ScriptedVerifier(0.01, bonus=lambda ctx: ctx[-1] + 1)
-    r = asyncio.run(speculative_generate(verifier, CountingDrafter(), [1], params, 3, StopChecker(params),
-                                         pipeline=True))
+    r = asyncio.run(
+        speculative_generate(verifier, CountingDrafter(), [1], params, 3, StopChecker(params), pipeline=True)
+    )
     assert r.token_ids == list(range(2, 42))
     assert r.stats.pipelined_used > 5  # blocks drafted while the previous one was verified
     # the same output without pipelining
-    r2 = asyncio.run(speculative_generate(ScriptedVerifier(0.0, lambda c: c[-1] + 1), CountingDrafter(), [1], params,
-                                          3, StopChecker(params), pipeline=False))
+    r2 = asyncio.run(
+        speculative_generate(
+            ScriptedVerifier(0.0, lambda c: c[-1] + 1),
+            CountingDrafter(),
+            [1],
+            params,
+            3,
+            StopChecker(params),
+            pipeline=False,
+        )
+    )
     assert r2.token_ids == r.token_ids and r2.stats.pipelined_used == 0
 
 
 def test_pipelined_blocks_are_dropped_when_the_bonus_differs():
     params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
     verifier = ScriptedVerifier(0.01, bonus=lambda ctx: 0)  # never the drafter's guess
-    r = asyncio.run(speculative_generate(verifier, CountingDrafter(), [1], params, 3, StopChecker(params),
-                                         pipeline=True))
+    r = asyncio.run(
+        speculative_generate(verifier, CountingDrafter(), [1], params, 3, StopChecker(params), pipeline=True)
+    )
     assert r.stats.pipelined_used == 0 and r.stats.pipelined_discarded > 0
     # every block sent continues exactly the committed tokens
     committed = [1]
@@ -107,8 +118,7 @@ def observe_load(policy, n, base, per_token, alpha=0.7, rounds=64, overhead=0.00
         k = i % (policy.k_max + 1)
         tokens = n * (k + 1)
         batch_s = base + per_token * tokens
-        policy.observe(k, round(alpha * k), 0.001 * k, overhead + batch_s,
-                       BatchLoad(0.0, batch_s, n, tokens, 0))
+        policy.observe(k, round(alpha * k), 0.001 * k, overhead + batch_s, BatchLoad(0.0, batch_s, n, tokens, 0))
 
 
 def test_goodput_k_falls_to_zero_when_the_verifier_is_compute_bound():

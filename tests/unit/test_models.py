@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from tests.support.models import tiny_model
 from specmesh.runtime.hf import ModelRunner
+from tests.support.models import tiny_model
 
 
 def full_logits(model, ids, n):
@@ -64,7 +64,9 @@ def test_new_turn_reuses_the_cached_prefix():
     runner.forward([seq])  # feeds 33 and 34: the cache now holds all 22 tokens
     seq.commit([35])
     before = runner.prefix_tokens_reused
-    seq.reset_tokens(seq.token_ids[:22] + [40, 41, 42])  # the next turn: the last reply token differs  # the next turn extends the conversation
+    seq.reset_tokens(
+        seq.token_ids[:22] + [40, 41, 42]
+    )  # the next turn: the last reply token differs  # the next turn extends the conversation
     runner.prefill(seq)
     assert runner.prefix_tokens_reused - before == 22  # prompt 20 + both generated tokens: nothing recomputed
     logits = runner.forward([seq])[0]
@@ -79,8 +81,8 @@ def test_empty_sequence_is_refused():
 
 def test_verify_batch_of_eight_equals_one_by_one():
     """The scheduler's step: 8 sequences, ragged K, greedy, one forward + one sampler call."""
-    from specmesh.sampling import SamplingParams
     from specmesh.rejection import RejectionInput, RejectionSampler
+    from specmesh.sampling import SamplingParams
     from specmesh.verifier import verify_batch
 
     model = tiny_model("llama", vocab=80, seed=9)

@@ -35,16 +35,18 @@ def test_contract_is_versioned_and_documented():
         for i, line in enumerate(lines):
             s = line.strip()
             if s and "=" in s and s.endswith(";") and not s.startswith(("//", "syntax", "package", "option")):
-                assert "//" in s or lines[i - 1].strip().startswith("//") or "FINISH_REASON" in s, \
+                assert "//" in s or lines[i - 1].strip().startswith("//") or "FINISH_REASON" in s, (
                     f"{proto.name}:{i + 1} undocumented: {s}"
+                )
 
 
 def test_every_rpc_has_its_own_standard_request_and_response():
     seen = {}
     for service, method in _methods():
         for suffix, message in (("Request", method.input_type), ("Response", method.output_type)):
-            assert message.name in (f"{method.name}{suffix}", f"{service.name}{method.name}{suffix}"), \
+            assert message.name in (f"{method.name}{suffix}", f"{service.name}{method.name}{suffix}"), (
                 f"{service.name}.{method.name}: {message.name}"
+            )
             assert message.full_name not in seen, f"{message.full_name} serves {seen.get(message.full_name)} too"
             seen[message.full_name] = f"{service.name}.{method.name}"
 
@@ -66,7 +68,9 @@ def test_packing_is_left_to_the_proto3_default():
 
 def test_the_gateway_requests_are_the_same_on_the_wire():
     def shape(message):
-        return [(f.name, f.number, f.type, f.is_repeated, f.message_type and f.message_type.full_name)
-                for f in message.DESCRIPTOR.fields]
+        return [
+            (f.name, f.number, f.type, f.is_repeated, f.message_type and f.message_type.full_name)
+            for f in message.DESCRIPTOR.fields
+        ]
 
     assert shape(gateway_pb2.GatewayServiceGenerateRequest) == shape(gateway_pb2.GatewayServiceGenerateStreamRequest)

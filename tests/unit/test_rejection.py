@@ -7,8 +7,8 @@ import torch
 from scipy.stats import chisquare
 
 import specmesh.rejection.sampler as rejection
-from specmesh.sampling import BatchSamplingParams, SamplingParams, process_logits
 from specmesh.rejection import RejectionInput, RejectionSampler, validate_block
+from specmesh.sampling import BatchSamplingParams, SamplingParams, process_logits
 
 GREEDY = SamplingParams(temperature=0.0)
 N_SAMPLES = 200_000
@@ -38,7 +38,7 @@ def test_greedy_rules(backend):
     for b, (_, _, expected) in enumerate(cases):
         assert out.tokens(b) == expected
         assert out.num_accepted[b] == len(expected) - 1
-        assert (out.output_token_ids[b, len(expected):] == -1).all()
+        assert (out.output_token_ids[b, len(expected) :] == -1).all()
 
 
 # ---------------------------------------------------------------- statistics
@@ -66,8 +66,10 @@ def run_round(sampler, logits, q, params, n, sparse_support=None, send_q=True, g
     else:
         q_ids = torch.arange(vocab).expand(k, vocab)
     q_probs = q.gather(1, q_ids)
-    blocks = [RejectionInput.of(row, params, q_ids if send_q else None, q_probs if send_q else None)
-              for row in drafts.tolist()]
+    blocks = [
+        RejectionInput.of(row, params, q_ids if send_q else None, q_probs if send_q else None)
+        for row in drafts.tolist()
+    ]
     out = sampler(logits.repeat(n, 1), blocks)
     return out.output_token_ids, torch.tensor(out.num_accepted)
 
@@ -201,16 +203,24 @@ def test_seeded_requests_replay_whatever_their_batch():
     logits_seeded = torch.randn(k + 1, vocab, generator=g)
     seen = set()
     for trial in range(20):
-        others = [RejectionInput.of(torch.randint(0, vocab, (j,)).tolist(), SamplingParams(temperature=0.9))
-                  for j in range(trial % 3)]
+        others = [
+            RejectionInput.of(torch.randint(0, vocab, (j,)).tolist(), SamplingParams(temperature=0.9))
+            for j in range(trial % 3)
+        ]
         blocks = others + [RejectionInput.of(draft, params, generator=torch.Generator().manual_seed(params.seed))]
         rows = torch.cat([torch.randn(sum(b.k + 1 for b in others), vocab), logits_seeded])
         out = RejectionSampler("torch")(rows, blocks)  # fresh unseeded shared stream each time
         seen.add(tuple(out.tokens(len(others))))
     assert len(seen) == 1
     # a different seed gives different results (across several draws)
-    outs = {tuple(RejectionSampler("torch")(logits_seeded, [RejectionInput.of(draft, params,
-            generator=torch.Generator().manual_seed(s))]).tokens(0)) for s in range(10)}
+    outs = {
+        tuple(
+            RejectionSampler("torch")(
+                logits_seeded, [RejectionInput.of(draft, params, generator=torch.Generator().manual_seed(s))]
+            ).tokens(0)
+        )
+        for s in range(10)
+    }
     assert len(outs) > 1
 
 
@@ -220,8 +230,12 @@ def random_batch(gen, vocab, n_req=16, max_k=6, device="cpu"):
     for i in range(n_req):
         k = int(torch.randint(0, max_k + 1, (1,), generator=gen))
         kind = i % 4
-        params = [GREEDY, SamplingParams(temperature=0.8), SamplingParams(temperature=1.2, top_k=20, top_p=0.9),
-                  SamplingParams(temperature=1.0, seed=i)][kind]
+        params = [
+            GREEDY,
+            SamplingParams(temperature=0.8),
+            SamplingParams(temperature=1.2, top_k=20, top_p=0.9),
+            SamplingParams(temperature=1.0, seed=i),
+        ][kind]
         draft = torch.randint(0, vocab, (k,), generator=gen).tolist()
         q_ids = q_probs = None
         if kind in (1, 3) and k:
@@ -245,9 +259,16 @@ def random_batch(gen, vocab, n_req=16, max_k=6, device="cpu"):
 
 
 def clone_blocks(blocks, device="cpu"):
-    return [RejectionInput.of(b.token_ids, b.params, b.q_ids, b.q_probs,
-                       torch.Generator(device).manual_seed(b.params.seed) if b.params.seed is not None else None)
-            for b in blocks]
+    return [
+        RejectionInput.of(
+            b.token_ids,
+            b.params,
+            b.q_ids,
+            b.q_probs,
+            torch.Generator(device).manual_seed(b.params.seed) if b.params.seed is not None else None,
+        )
+        for b in blocks
+    ]
 
 
 @pytest.mark.parametrize("vocab", [37, 2500])
@@ -266,8 +287,11 @@ def test_triton_matches_torch(vocab):
 
 def test_triton_handles_all_empty_drafts():
     logits = torch.randn(3, 40)
-    blocks = [RejectionInput.of([], SamplingParams(temperature=1.0)), RejectionInput.of([], GREEDY),
-              RejectionInput.of([], SamplingParams(temperature=0.5))]
+    blocks = [
+        RejectionInput.of([], SamplingParams(temperature=1.0)),
+        RejectionInput.of([], GREEDY),
+        RejectionInput.of([], SamplingParams(temperature=0.5)),
+    ]
     a = RejectionSampler("torch", seed=5)(logits.clone(), clone_blocks(blocks))
     b = RejectionSampler("triton", seed=5)(logits.clone(), clone_blocks(blocks))
     assert torch.equal(a.output_token_ids, b.output_token_ids)
@@ -291,23 +315,28 @@ def test_triton_on_cuda_bf16_no_recompile_per_k():
 
 
 # ---------------------------------------------------------------- validation
-@pytest.mark.parametrize("block, message", [
-    (RejectionInput.of([1, 2, 99], GREEDY), "out of range"),
-    (RejectionInput.of([-1], GREEDY), "out of range"),
-    (RejectionInput.of(list(range(40)), GREEDY), "limit"),
-    (RejectionInput.of([1], GREEDY, torch.tensor([[1, 2]]), None), "both"),
-    (RejectionInput.of([1], GREEDY, torch.tensor([[1, 2]]), torch.tensor([[0.5, 0.6]])), "sum to 1"),
-    (RejectionInput.of([1], GREEDY, torch.tensor([[1, 1]]), torch.tensor([[0.5, 0.5]])), "repeat"),
-    (RejectionInput.of([1], GREEDY, torch.tensor([[1, 80]]), torch.tensor([[0.5, 0.5]])), "out of range"),
-    (RejectionInput.of([1], GREEDY, torch.tensor([[1, 2]]), torch.tensor([[float("nan"), 1.0]])), "finite"),
-    (RejectionInput.of([1, 2], GREEDY, torch.tensor([[1, 2]]), torch.tensor([[0.5, 0.5]])), "K=2"),
-    (RejectionInput.of([3], GREEDY, torch.tensor([[1, 2]]), torch.tensor([[0.5, 0.5]])), "support"),
-    (RejectionInput.of([1], GREEDY, torch.tensor([[1, 2]]), torch.tensor([[0.0, 1.0]])), "support"),
-])
+@pytest.mark.parametrize(
+    "block, message",
+    [
+        (RejectionInput.of([1, 2, 99], GREEDY), "out of range"),
+        (RejectionInput.of([-1], GREEDY), "out of range"),
+        (RejectionInput.of(list(range(40)), GREEDY), "limit"),
+        (RejectionInput.of([1], GREEDY, torch.tensor([[1, 2]]), None), "both"),
+        (RejectionInput.of([1], GREEDY, torch.tensor([[1, 2]]), torch.tensor([[0.5, 0.6]])), "sum to 1"),
+        (RejectionInput.of([1], GREEDY, torch.tensor([[1, 1]]), torch.tensor([[0.5, 0.5]])), "repeat"),
+        (RejectionInput.of([1], GREEDY, torch.tensor([[1, 80]]), torch.tensor([[0.5, 0.5]])), "out of range"),
+        (RejectionInput.of([1], GREEDY, torch.tensor([[1, 2]]), torch.tensor([[float("nan"), 1.0]])), "finite"),
+        (RejectionInput.of([1, 2], GREEDY, torch.tensor([[1, 2]]), torch.tensor([[0.5, 0.5]])), "K=2"),
+        (RejectionInput.of([3], GREEDY, torch.tensor([[1, 2]]), torch.tensor([[0.5, 0.5]])), "support"),
+        (RejectionInput.of([1], GREEDY, torch.tensor([[1, 2]]), torch.tensor([[0.0, 1.0]])), "support"),
+    ],
+)
 def test_validate_block_rejects_bad_input(block, message):
     with pytest.raises(ValueError, match=message):
         validate_block(block, vocab_size=50)
 
 
 def test_validate_block_accepts_good_input():
-    validate_block(RejectionInput.of([1, 3], GREEDY, torch.tensor([[1, -1], [2, 3]]), torch.tensor([[1.0, 0.0], [0.4, 0.6]])), 50)
+    validate_block(
+        RejectionInput.of([1, 3], GREEDY, torch.tensor([[1, -1], [2, 3]]), torch.tensor([[1.0, 0.0], [0.4, 0.6]])), 50
+    )

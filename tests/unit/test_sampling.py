@@ -37,8 +37,16 @@ def reference(logits: np.ndarray, temperature: float, top_k: int, top_p: float) 
 
 def test_process_logits_matches_reference_per_row():
     g = torch.Generator().manual_seed(0)
-    settings = [(1.0, 0, 1.0), (0.5, 0, 1.0), (1.3, 5, 1.0), (1.0, 0, 0.7), (0.8, 10, 0.9), (0.0, 0, 1.0),
-                (2.0, 1, 1.0), (1.0, 0, 0.01)]
+    settings = [
+        (1.0, 0, 1.0),
+        (0.5, 0, 1.0),
+        (1.3, 5, 1.0),
+        (1.0, 0, 0.7),
+        (0.8, 10, 0.9),
+        (0.0, 0, 1.0),
+        (2.0, 1, 1.0),
+        (1.0, 0, 0.01),
+    ]
     logits = torch.randn(len(settings), 40, generator=g) * 2
     params = [SamplingParams(temperature=t, top_k=k, top_p=p) for t, k, p in settings]
     got = process_logits(logits, BatchSamplingParams.from_params(params, [1] * len(params)))
@@ -52,11 +60,20 @@ def test_rows_of_one_request_share_its_parameters():
     assert sp.temperature.tolist() == [0, 0, 1, 1, 1] and sp.top_k.tolist() == [0, 0, 3, 3, 3]
 
 
-@pytest.mark.parametrize("kw, message", [
-    (dict(temperature=-0.1), "temperature"), (dict(temperature=float("nan")), "temperature"),
-    (dict(top_k=-1), "top_k"), (dict(top_k=2**63), "top_k"), (dict(top_p=1.5), "top_p"), (dict(max_tokens=0), "max_tokens"),
-    (dict(seed=-3), "seed"), (dict(stop=("",)), "stop"), (dict(stop_token_ids=(3, 70)), "stop_token_ids"),
-])
+@pytest.mark.parametrize(
+    "kw, message",
+    [
+        (dict(temperature=-0.1), "temperature"),
+        (dict(temperature=float("nan")), "temperature"),
+        (dict(top_k=-1), "top_k"),
+        (dict(top_k=2**63), "top_k"),
+        (dict(top_p=1.5), "top_p"),
+        (dict(max_tokens=0), "max_tokens"),
+        (dict(seed=-3), "seed"),
+        (dict(stop=("",)), "stop"),
+        (dict(stop_token_ids=(3, 70)), "stop_token_ids"),
+    ],
+)
 def test_validate(kw, message):
     with pytest.raises(ValueError, match=message):
         SamplingParams(**kw).validate(vocab_size=64)

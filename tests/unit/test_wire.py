@@ -18,13 +18,25 @@ def through_bytes(pb):
 
 # sampling parameters -----------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("params", [
-    SamplingParams(),
-    SamplingParams(temperature=0.0, max_tokens=1),
-    SamplingParams(temperature=0.5, top_k=40, top_p=0.875, seed=2**63 - 1, max_tokens=300, stop_token_ids=(2, 7),
-                   stop=("\n\n", "END"), ignore_eos=True),
-    SamplingParams(seed=0),
-])
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(),
+        SamplingParams(temperature=0.0, max_tokens=1),
+        SamplingParams(
+            temperature=0.5,
+            top_k=40,
+            top_p=0.875,
+            seed=2**63 - 1,
+            max_tokens=300,
+            stop_token_ids=(2, 7),
+            stop=("\n\n", "END"),
+            ignore_eos=True,
+        ),
+        SamplingParams(seed=0),
+    ],
+)
 def test_params_round_trip(params):  # floats exact in float32, the wire type
     assert wire.params_from_pb(through_bytes(wire.params_to_pb(params))) == params
 
@@ -36,16 +48,19 @@ def test_unset_params_take_the_documented_defaults():
     assert wire.params_from_pb(common_pb2.SamplingParams(temperature=0.0)).temperature == 0.0
 
 
-@pytest.mark.parametrize("pb, field", [
-    (common_pb2.SamplingParams(temperature=-1.0), "temperature"),
-    (common_pb2.SamplingParams(temperature=101.0), "temperature"),
-    (common_pb2.SamplingParams(top_p=0.0), "top_p"),
-    (common_pb2.SamplingParams(top_p=1.5), "top_p"),
-    (common_pb2.SamplingParams(top_k=2**31), "top_k"),
-    (common_pb2.SamplingParams(seed=2**63), "seed"),
-    (common_pb2.SamplingParams(stop=[""]), "stop"),
-    (common_pb2.SamplingParams(stop=["x"] * 17), "stop"),
-])
+@pytest.mark.parametrize(
+    "pb, field",
+    [
+        (common_pb2.SamplingParams(temperature=-1.0), "temperature"),
+        (common_pb2.SamplingParams(temperature=101.0), "temperature"),
+        (common_pb2.SamplingParams(top_p=0.0), "top_p"),
+        (common_pb2.SamplingParams(top_p=1.5), "top_p"),
+        (common_pb2.SamplingParams(top_k=2**31), "top_k"),
+        (common_pb2.SamplingParams(seed=2**63), "seed"),
+        (common_pb2.SamplingParams(stop=[""]), "stop"),
+        (common_pb2.SamplingParams(stop=["x"] * 17), "stop"),
+    ],
+)
 def test_bad_params_raise_invalid_argument_naming_the_field(pb, field):
     with pytest.raises(InvalidArgument, match=field):
         wire.params_from_pb(pb)
@@ -59,6 +74,7 @@ def test_stop_token_ids_are_checked_against_the_vocabulary():
 
 
 # draft blocks and verdicts -------------------------------------------------------------------------------
+
 
 def assert_same_block(got: DraftBlock, want: DraftBlock):
     assert got.token_ids == want.token_ids
@@ -87,34 +103,49 @@ def test_point_mass_block_round_trip(block):
     assert_same_block(wire.block_from_pb(pb), block)
 
 
-@pytest.mark.parametrize("fields, field", [
-    (dict(q_ids=[1], q_probs=[1.0], q_width=1), "draft_ids"),  # probabilities without tokens
-    (dict(draft_ids=[1, 2], q_ids=[1, 2], q_probs=[1.0, 1.0], q_width=0), "q_width"),
-    (dict(draft_ids=[1, 2], q_ids=[1, 2, 3], q_probs=[0.5, 0.5, 1.0], q_width=2), "q_ids"),
-    (dict(draft_ids=[1, 2], q_ids=[1, 2], q_probs=[1.0], q_width=1), "q_probs"),
-    (dict(draft_ids=[1], q_ids=[1], q_width=1), "q_probs"),  # ids without probabilities
-    (dict(draft_ids=[1], q_probs=[1.0], q_width=1), "q_ids"),  # probabilities without ids
-])
+@pytest.mark.parametrize(
+    "fields, field",
+    [
+        (dict(q_ids=[1], q_probs=[1.0], q_width=1), "draft_ids"),  # probabilities without tokens
+        (dict(draft_ids=[1, 2], q_ids=[1, 2], q_probs=[1.0, 1.0], q_width=0), "q_width"),
+        (dict(draft_ids=[1, 2], q_ids=[1, 2, 3], q_probs=[0.5, 0.5, 1.0], q_width=2), "q_ids"),
+        (dict(draft_ids=[1, 2], q_ids=[1, 2], q_probs=[1.0], q_width=1), "q_probs"),
+        (dict(draft_ids=[1], q_ids=[1], q_width=1), "q_probs"),  # ids without probabilities
+        (dict(draft_ids=[1], q_probs=[1.0], q_width=1), "q_ids"),  # probabilities without ids
+    ],
+)
 def test_bad_block_shapes_raise_invalid_argument_naming_the_field(fields, field):
     with pytest.raises(InvalidArgument, match=field):
         wire.block_from_pb(verify_pb2.VerifyRequest(session_id="s", **fields))
 
 
-@pytest.mark.parametrize("verdict", [
-    Verdict([4, 5, 6], 2, 3, None, epoch=7, load=BatchLoad(0.001, 0.02, 5)),
-    Verdict([9], 0, 0, "length", epoch=1, deadline=True, load=BatchLoad(0.0, 0.01, 1)),
-    Verdict([], 0, 0, None, epoch=3, stale=True),
-    Verdict([1, 2], 1, 4, "stop", epoch=0),
-])
+@pytest.mark.parametrize(
+    "verdict",
+    [
+        Verdict([4, 5, 6], 2, 3, None, epoch=7, load=BatchLoad(0.001, 0.02, 5)),
+        Verdict([9], 0, 0, "length", epoch=1, deadline=True, load=BatchLoad(0.0, 0.01, 1)),
+        Verdict([], 0, 0, None, epoch=3, stale=True),
+        Verdict([1, 2], 1, 4, "stop", epoch=0),
+    ],
+)
 def test_verdict_round_trip(verdict):
     assert wire.verdict_from_pb(through_bytes(wire.verdict_to_pb(verdict))) == verdict
 
 
 # statistics, finish reasons and generation streams ---------------------------------------------------------
 
+
 def test_stats_round_trip():
-    stats = SpecStats(rounds=5, drafts=4, drafted=12, accepted=9, drafted_per_pos=[4, 4, 4],
-                      accepted_per_pos=[4, 3, 2], draft_seconds=0.25, verify_seconds=0.5)
+    stats = SpecStats(
+        rounds=5,
+        drafts=4,
+        drafted=12,
+        accepted=9,
+        drafted_per_pos=[4, 4, 4],
+        accepted_per_pos=[4, 3, 2],
+        draft_seconds=0.25,
+        verify_seconds=0.5,
+    )
     assert wire.stats_from_pb(through_bytes(wire.stats_to_pb(stats))) == stats
     assert wire.stats_from_pb(common_pb2.SpecStats()) == SpecStats()
 
@@ -133,15 +164,30 @@ def test_an_unknown_finish_reason_raises_invalid_argument():
         wire.finish_from_pb(99)
 
 
-@pytest.mark.parametrize("event", [
-    Opened("chat-1", 12, 8),
-    Tokens([1, 2, 3]),
-    Finished("length", SpecStats(rounds=2, drafts=2, drafted=6, accepted=5, drafted_per_pos=[2, 2, 2],
-                                 accepted_per_pos=[2, 2, 1], draft_seconds=0.1, verify_seconds=0.2)),
-    Finished("stop"),
-])
-@pytest.mark.parametrize("response_type", [draft_pb2.DraftServiceGenerateResponse,
-                                           verify_pb2.VerifyServiceGenerateResponse])
+@pytest.mark.parametrize(
+    "event",
+    [
+        Opened("chat-1", 12, 8),
+        Tokens([1, 2, 3]),
+        Finished(
+            "length",
+            SpecStats(
+                rounds=2,
+                drafts=2,
+                drafted=6,
+                accepted=5,
+                drafted_per_pos=[2, 2, 2],
+                accepted_per_pos=[2, 2, 1],
+                draft_seconds=0.1,
+                verify_seconds=0.2,
+            ),
+        ),
+        Finished("stop"),
+    ],
+)
+@pytest.mark.parametrize(
+    "response_type", [draft_pb2.DraftServiceGenerateResponse, verify_pb2.VerifyServiceGenerateResponse]
+)
 def test_generation_event_round_trip(event, response_type):
     pb = through_bytes(wire.event_to_pb(event, response_type))
     assert pb.WhichOneof("chunk") == type(event).__name__.lower()
@@ -155,10 +201,13 @@ def test_a_finished_chunk_without_speculation_carries_no_stats():
     assert pb.finished.HasField("stats")
 
 
-@pytest.mark.parametrize("pb, field", [
-    (draft_pb2.DraftServiceGenerateResponse(), "chunk"),
-    (draft_pb2.DraftServiceGenerateResponse(finished=common_pb2.GenerationFinished()), "finish_reason"),
-])
+@pytest.mark.parametrize(
+    "pb, field",
+    [
+        (draft_pb2.DraftServiceGenerateResponse(), "chunk"),
+        (draft_pb2.DraftServiceGenerateResponse(finished=common_pb2.GenerationFinished()), "finish_reason"),
+    ],
+)
 def test_bad_chunks_raise_invalid_argument(pb, field):
     with pytest.raises(InvalidArgument, match=field):
         wire.event_from_pb(pb)
