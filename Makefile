@@ -37,6 +37,7 @@ proto: venv
 bench: venv
 	$(PY) -m bench.inprocess
 	$(PY) -m bench.services
+	$(PY) -m bench.load
 
 # Reproduce models/demo from the standard library's sources (about 1.5 h on 2 cores; see README).
 DISTILL := $(PY) -m specmesh.training.distill --target models/demo/target --stdlib --steps 800 --batch-size 8 \
