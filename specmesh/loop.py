@@ -88,6 +88,11 @@ class FixedK:
         pass
 
 
+def _ema(old: float | None, new: float) -> float:
+    """An exponential moving average of timings: the first observation as it is, then 20% per new one."""
+    return new if old is None else 0.8 * old + 0.2 * new
+
+
 class AdaptiveK:
     """K per session from live acceptance and timings, maximising expected tokens per second (SmartSpec).
 
@@ -118,13 +123,12 @@ class AdaptiveK:
     def observe(
         self, k: int, num_accepted: int, draft_seconds: float, verify_seconds: float, load: BatchLoad | None = None
     ) -> None:
-        ema = lambda old, new: new if old is None else 0.8 * old + 0.2 * new
         if k > 0:
             self.accepted = self.decay * self.accepted + num_accepted
             self.trials = self.decay * self.trials + num_accepted + (num_accepted < k)
             if draft_seconds > 0:
-                self.t_draft = ema(self.t_draft, draft_seconds / k)
-        self.t_verify = ema(self.t_verify, verify_seconds)
+                self.t_draft = _ema(self.t_draft, draft_seconds / k)
+        self.t_verify = _ema(self.t_verify, verify_seconds)
 
     def expected_tokens(self, k: int) -> float:
         a = self.alpha
@@ -134,7 +138,15 @@ class AdaptiveK:
         if self.t_draft is None or self.t_verify is None:
             return self.k_max  # measure first
         rate = lambda k: self.expected_tokens(k) / (k * self.t_draft + self.t_verify)
-        best = max(range(self.k_max + 1), key=lambda k: (rate(k), -k))
+        return self._probed(self._best_k(rate))
+
+    def _best_k(self, rate: Callable[[int], float]) -> int:
+        """The K in [0, k_max] of the highest rate, the smallest of those on a tie."""
+        return max(range(self.k_max + 1), key=lambda k: (rate(k), -k))
+
+    def _probed(self, best: int) -> int:
+        """`best`, except that while K = 0 wins every `probe_every`-th round drafts one token, so that the
+        acceptance estimate still sees drafts and K can come back."""
         if best == 0:
             self.rounds_at_zero += 1
             if self.rounds_at_zero % self.probe_every == 0:
@@ -173,12 +185,11 @@ class GoodputK(AdaptiveK):
         super().observe(k, num_accepted, draft_seconds, verify_seconds, load)
         if load is None or load.batch_size <= 0 or load.batch_tokens <= 0:
             return
-        ema = lambda old, new: new if old is None else 0.8 * old + 0.2 * new
         d, t, y = self.fit_decay, float(load.batch_tokens), load.batch_seconds
         for j, v in enumerate((1.0, t, t * t, y, t * y)):
             self._sums[j] = d * self._sums[j] + v
-        self.batch_size = ema(self.batch_size, float(load.batch_size))
-        self.overhead = ema(self.overhead, max(0.0, verify_seconds - load.batch_seconds))
+        self.batch_size = _ema(self.batch_size, float(load.batch_size))
+        self.overhead = _ema(self.overhead, max(0.0, verify_seconds - load.batch_seconds))
 
     def _spread(self) -> tuple[float, float]:
         n, st, stt = self._sums[:3]
@@ -205,18 +216,12 @@ class GoodputK(AdaptiveK):
         def rate(k: int) -> float:
             return self.expected_tokens(k) / (k * t_draft + overhead + a + b * n * (k + 1))
 
-        best = max(range(self.k_max + 1), key=lambda k: (rate(k), -k))
+        best = self._best_k(rate)
         self._rounds += 1
         mean_t, var = self._spread()
         if self._rounds % self.explore_every == 0 and var < 0.01 * mean_t * mean_t:
             return best // 2 if best > 1 else min(best + 1, self.k_max)
-        if best == 0:
-            self.rounds_at_zero += 1
-            if self.rounds_at_zero % self.probe_every == 0:
-                return min(1, self.k_max)
-        else:
-            self.rounds_at_zero = 0
-        return best
+        return self._probed(best)
 
 
 async def speculative_generate(
