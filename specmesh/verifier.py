@@ -1,11 +1,14 @@
 """Verification without transport: one batched target forward + one rejection-sampler call per step.
 
-`verify_batch` is what the verify service's scheduler runs every tick over all waiting blocks, and what
-the in-process `LocalVerifier` runs for its one sequence: a single code path for both.
+`verify_batch` is what the in-process `LocalVerifier` runs for its one sequence. The verify service's
+scheduler runs the same two halves, but its forward may carry other sessions' prefill chunks as well
+(`BatchedRunner.step`), so it calls the forward itself and then `sample_and_commit`: one sampling and
+commit path for both.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -16,11 +19,25 @@ from specmesh.runtime import Runner, RunnerSequence, SeqT
 from specmesh.sampling import SamplingParams, make_generator
 
 
-def verify_batch(runner: Runner[SeqT], sampler: RejectionSampler, seqs: list[SeqT],
-                 blocks: list[RejectionInput]) -> list[Verdict]:
+def verify_batch(
+    runner: Runner[SeqT], sampler: RejectionSampler, seqs: list[SeqT], blocks: list[RejectionInput]
+) -> list[Verdict]:
     """Verify each sequence's block; commit the results to the sequences. Blocks must be validated."""
     logits = runner.forward(seqs, [b.token_ids for b in blocks])
-    out = sampler(torch.cat(logits), blocks)
+    return sample_and_commit(sampler, logits, seqs, blocks)
+
+
+def sample_and_commit(
+    sampler: RejectionSampler,
+    logits: Sequence[torch.Tensor],
+    seqs: Sequence[RunnerSequence],
+    blocks: list[RejectionInput],
+) -> list[Verdict]:
+    """One sampler launch over the target's logits of every block (per sequence [k_i + 1, V], as a runner's
+    forward returns them); commit each sequence's accepted tokens and its recovered or bonus token."""
+    if not blocks:
+        return []
+    out = sampler(torch.cat(list(logits)), blocks)
     verdicts = []
     for i, seq in enumerate(seqs):
         tokens = out.tokens(i)

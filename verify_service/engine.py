@@ -9,21 +9,18 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import AsyncIterator
 
-import torch
-
-from specmesh.models import eos_token_ids
-from specmesh.errors import FailedPrecondition, InvalidArgument, ResourceExhausted, Unavailable
 from specmesh.domain import DraftBlock, Finished, GenerationEvent, Opened, Tokens, Verdict
-from specmesh.models import load_model
-from specmesh.runtime.hf import ModelRunner
+from specmesh.errors import FailedPrecondition, InvalidArgument, ResourceExhausted, Unavailable
+from specmesh.models import eos_token_ids, load_model
+from specmesh.rejection import MAX_SPEC_LEN, RejectionInput, RejectionSampler, validate_block
 from specmesh.sampling import SamplingParams, StopChecker, check_token_ids, make_generator
 from specmesh.telemetry import tracer, wall_ns
-from specmesh.rejection import MAX_SPEC_LEN, RejectionInput, RejectionSampler, validate_block
+from verify_service.runner import RUNNERS, build_runner, context_limit
 from verify_service.scheduler import Scheduler
-from verify_service.sessions import Session, SessionStore, kv_bytes_per_token
+from verify_service.sessions import Session, SessionStore
 
 log = logging.getLogger("specmesh.verify")
 
@@ -39,6 +36,9 @@ class VerifyConfig:
     max_batch_size: int = 32  # blocks per scheduler tick
     max_sessions: int = 64  # concurrent streams + generate calls; more get RESOURCE_EXHAUSTED
     kv_cache_budget_mb: float = 2048.0
+    runner: str = "auto"  # auto | batched | hf (see verify_service.runner)
+    max_model_len: int = 0  # most tokens per session; 0 = the model's, capped to fit max_sessions slots
+    max_batch_tokens: int = 512  # positions one tick's forward may compute (vLLM's max_num_batched_tokens)
     session_ttl_s: float = 600.0
     draft_deadline_ms: float = 250.0  # 0 = wait for the draft forever
     batch_wait_ms: float = 3.0  # a tick waits this long for the other attached sessions' steps
@@ -46,15 +46,19 @@ class VerifyConfig:
     sampler_backend: str = "auto"
     seed: int | None = None  # the shared random stream of unseeded requests
     grace_period_s: float = 10.0
-    prefill_chunk_tokens: int = 512  # prompt tokens prefilled per model-thread turn (0 = all at once)
+    prefill_chunk_tokens: int = 512  # prompt tokens one session prefills per forward (0 = no own limit)
     attached_wait_s: float = 5.0  # a new turn waits this long for the session's previous stream to end
     metrics_port: int = -1  # Prometheus /metrics over HTTP; -1 = not served (the CLI defaults to 9464)
 
     def __post_init__(self):
         if not 1 <= self.max_spec_len <= MAX_SPEC_LEN:
             raise ValueError(f"max_spec_len must be in [1, {MAX_SPEC_LEN}]")
-        if self.max_batch_size < 1 or self.max_sessions < 1:
-            raise ValueError("max_batch_size and max_sessions must be >= 1")
+        if self.max_batch_size < 1 or self.max_sessions < 1 or self.max_batch_tokens < 1:
+            raise ValueError("max_batch_size, max_sessions and max_batch_tokens must be >= 1")
+        if self.runner not in RUNNERS:
+            raise ValueError(f"runner must be one of {', '.join(RUNNERS)}")
+        if self.max_model_len < 0 or self.prefill_chunk_tokens < 0:
+            raise ValueError("max_model_len and prefill_chunk_tokens must be >= 0")
 
 
 @dataclass
@@ -79,24 +83,31 @@ class VerifyEngine:
     def __init__(self, config: VerifyConfig, model, tokenizer=None, on_batch=None):
         """`on_batch(size, seconds)` is told of every batch the scheduler runs (metrics)."""
         self.config = config
-        self.runner = ModelRunner(model)
+        budget = int(config.kv_cache_budget_mb * 2**20)
+        self.runner = build_runner(model, config.runner, budget, config.max_sessions, config.max_model_len)
         self.tokenizer = tokenizer
         self.vocab_size = self.runner.vocab_size
         self.eos_token_ids = eos_token_ids(model)
-        self.max_context = int(getattr(model.config, "max_position_embeddings", 0) or 2**31 - 1)
+        self.max_context = context_limit(self.runner, config.max_model_len)
         self.sampler = RejectionSampler(config.sampler_backend, seed=config.seed, device=self.runner.device)
-        dtype = next(model.parameters()).dtype
-        self.sessions = SessionStore(self.runner, int(config.kv_cache_budget_mb * 2**20), config.session_ttl_s,
-                                     kv_bytes_per_token(model.config, dtype))
-        self.scheduler = Scheduler(self.runner, self.sampler, config.max_batch_size, on_batch=on_batch,
-                                   batch_wait_s=config.batch_wait_ms / 1000, expected=lambda: self.sessions.attached)
+        self.sessions = SessionStore(self.runner, budget, config.session_ttl_s)
+        self.scheduler = Scheduler(
+            self.runner,
+            self.sampler,
+            config.max_batch_size,
+            on_batch=on_batch,
+            batch_wait_s=config.batch_wait_ms / 1000,
+            expected=lambda: self.sessions.attached,
+            max_batch_tokens=config.max_batch_tokens,
+            prefill_chunk_tokens=config.prefill_chunk_tokens,
+        )
         self.tracer = tracer("verify")
         self.counters = Counters()
         self.shutting_down = False
         self._reaper: asyncio.Task | None = None
 
     @classmethod
-    def from_config(cls, config: VerifyConfig, on_batch=None) -> "VerifyEngine":
+    def from_config(cls, config: VerifyConfig, on_batch=None) -> VerifyEngine:
         model, tokenizer = load_model(config.model_path, config.device)
         return cls(config, model, tokenizer, on_batch)
 
@@ -121,10 +132,14 @@ class VerifyEngine:
 
     # requests -------------------------------------------------------------------------------------
     def check_prompt(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """The prompt and everything it may generate must fit the context (with BatchedRunner, a slot). No
+        room is kept for a draft block: blocks are cut to fit instead (`_to_verify`)."""
         check_token_ids(prompt_ids, self.vocab_size)
         if len(prompt_ids) + params.max_tokens > self.max_context:
-            raise InvalidArgument(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
-                                  f"the model's context length {self.max_context}")
+            raise InvalidArgument(
+                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
+                f"this service's context length {self.max_context}"
+            )
         if params.stop and self.tokenizer is None:
             raise InvalidArgument("stop strings need a tokenizer, and this model directory has none")
 
@@ -134,28 +149,39 @@ class VerifyEngine:
             raise Unavailable("the verify service is shutting down")
         params.validate(self.vocab_size)
         self.check_prompt(prompt_ids, params)
-        if self.sessions.attached >= self.config.max_sessions:
-            raise ResourceExhausted(f"the verify service is at its limit of {self.config.max_sessions} "
-                                    f"concurrent sessions; retry later")
         await self._wait_detached(session_id)
+        # Checked after the wait, with no await before the session is marked busy: concurrent opens cannot
+        # all pass the check, so admitted sessions never outnumber the slots (num_slots >= max_sessions).
+        if self.sessions.busy >= self.config.max_sessions:
+            raise ResourceExhausted(
+                f"the verify service is at its limit of {self.config.max_sessions} concurrent sessions; retry later"
+            )
         session = self.sessions.open(session_id, prompt_ids)
-        decode = (lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)) if self.tokenizer else None
+        session.opening = True
+        self._begin_turn(session, prompt_ids, params)
+        t0 = time.perf_counter()
+        try:
+            # Chunked: with BatchedRunner the chunks ride in the ticks' forwards, else they run between ticks.
+            reused, chunks = await self.scheduler.prefill(session)
+        except BaseException:
+            session.opening = False
+            if session.ephemeral:  # nobody can name it again: it would hold its cache until the TTL
+                self.sessions.release(session.session_id)
+            raise
+        session.opening = False
+        self.counters.prefill_chunks += chunks
+        return Opened(
+            session.session_id, len(prompt_ids), reused, time.perf_counter() - t0, session.epoch, session.position
+        )
+
+    def _begin_turn(self, session: Session, prompt_ids: list[int], params: SamplingParams) -> None:
+        tokenizer = self.tokenizer
+        decode = (lambda ids: tokenizer.decode(ids, skip_special_tokens=True)) if tokenizer is not None else None
         session.params = params
         session.stop = StopChecker(params, self.eos_token_ids, decode)
         session.generator = make_generator(params.seed, self.runner.device)
         session.prompt_len = len(prompt_ids)
         session.epoch = 0
-        before = self.runner.prefix_tokens_reused
-        t0 = time.perf_counter()
-        # Chunked prefill: other sessions' batches run between chunks, so a long prompt does not stall them.
-        left = await self.scheduler.run_on_model(self._prefill, session, True)
-        reused = self.runner.prefix_tokens_reused - before
-        self.counters.prefill_chunks += 1
-        while left:
-            left = await self.scheduler.run_on_model(self._prefill, session, False)
-            self.counters.prefill_chunks += 1
-        return Opened(session.session_id, len(prompt_ids), reused, time.perf_counter() - t0, session.epoch,
-                      session.position)
 
     async def _wait_detached(self, session_id: str) -> None:
         """A failover retry can arrive before the stream its caller abandoned has been torn down here
@@ -163,12 +189,8 @@ class VerifyEngine:
         session = self.sessions.peek(session_id) if session_id else None
         loop = asyncio.get_running_loop()
         end = loop.time() + self.config.attached_wait_s
-        while session is not None and session.attached and loop.time() < end:
+        while session is not None and session.busy and loop.time() < end:
             await asyncio.sleep(0.02)
-
-    def _prefill(self, session: Session, first: bool) -> int:
-        with torch.inference_mode():
-            return self.runner.prefill(session.seq, self.config.prefill_chunk_tokens or None, count_reuse=first)
 
     def _attach(self, session: Session) -> None:
         if session.attached:
@@ -184,12 +206,17 @@ class VerifyEngine:
 
     def _to_verify(self, session: Session, block: DraftBlock) -> RejectionInput:
         validate_block(block, self.vocab_size, self.config.max_spec_len)
-        # Drafting past max_tokens is wasted work: verify only the prefix that can still be emitted (a
-        # prefix of a draft is itself a valid draft, so this keeps the output distribution).
-        room = session.params.draft_budget(len(session.stop.token_ids))
-        return RejectionInput(block[:room] if block.k > room else block, session.params, session.generator)
+        params, stop = session.params, session.stop
+        assert params is not None and stop is not None  # attached sessions have an open turn
+        # Drafting past max_tokens is wasted work, and past the context it does not fit (a slot's length):
+        # verify only the prefix that can still be emitted and fits. A prefix of a draft is itself a valid
+        # draft, so this keeps the output distribution. (check_prompt already makes the first bound the
+        # tighter one; the second says why no room for a block is kept at open.)
+        room = min(params.draft_budget(len(stop.token_ids)), self.max_context - session.position)
+        return RejectionInput(block[:room] if block.k > room else block, params, session.generator)
 
     def _target_only(self, session: Session) -> RejectionInput:
+        assert session.params is not None  # attached sessions have an open turn
         return RejectionInput(DraftBlock([]), session.params, session.generator)
 
     async def session_stream(self, inbox: asyncio.Queue) -> AsyncIterator[Verdict]:
@@ -225,7 +252,7 @@ class VerifyEngine:
         late draft never stalls its session."""
         try:
             return await asyncio.wait_for(inbox.get(), self.config.draft_deadline_ms / 1000 or None)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             self.counters.deadline_steps += 1
             verdict = await self.scheduler.submit(session, self._target_only(session))
             verdict.deadline = True
@@ -239,8 +266,10 @@ class VerifyEngine:
         if block_in.epoch > session.epoch:
             raise FailedPrecondition(f"block epoch {block_in.epoch} is ahead of the session's epoch {session.epoch}")
         if block_in.base_position != session.position:
-            raise FailedPrecondition(f"block base_position {block_in.base_position} does not match the "
-                                     f"session's {session.position} committed tokens")
+            raise FailedPrecondition(
+                f"block base_position {block_in.base_position} does not match the "
+                f"session's {session.position} committed tokens"
+            )
         verdict = await self.scheduler.submit(session, self._to_verify(session, block_in.block))
         self._trace_round(verdict)
         return verdict
@@ -249,18 +278,24 @@ class VerifyEngine:
         """A span per verified round, under the session's stream span, with its queue and batch times."""
         now = time.perf_counter()  # the round's batch has just ended
         load = v.load
-        span = self.tracer.start_span("verify.round", start_time=wall_ns(now - load.batch_seconds - load.queue_seconds,
-                                                                         now),
-                                      attributes={"specmesh.epoch": v.epoch, "specmesh.k": v.num_drafted or 0,
-                                                  "specmesh.accepted": v.num_accepted,
-                                                  "specmesh.batch_size": load.batch_size,
-                                                  "specmesh.queue_seconds": load.queue_seconds,
-                                                  "specmesh.batch_seconds": load.batch_seconds,
-                                                  "specmesh.deadline": v.deadline})
+        span = self.tracer.start_span(
+            "verify.round",
+            start_time=wall_ns(now - load.batch_seconds - load.queue_seconds, now),
+            attributes={
+                "specmesh.epoch": v.epoch,
+                "specmesh.k": v.num_drafted or 0,
+                "specmesh.accepted": v.num_accepted,
+                "specmesh.batch_size": load.batch_size,
+                "specmesh.queue_seconds": load.queue_seconds,
+                "specmesh.batch_seconds": load.batch_seconds,
+                "specmesh.deadline": v.deadline,
+            },
+        )
         span.end()
 
-    async def generate(self, session_id: str, prompt_ids: list[int],
-                       params: SamplingParams) -> AsyncIterator[GenerationEvent]:
+    async def generate(
+        self, session_id: str, prompt_ids: list[int], params: SamplingParams
+    ) -> AsyncIterator[GenerationEvent]:
         """Target-only decoding: yields Opened, then Tokens per step, then Finished."""
         opened = await self.open(session_id, prompt_ids, params)
         session = self.sessions.get(opened.session_id)
@@ -271,27 +306,40 @@ class VerifyEngine:
                 verdict = await self.scheduler.submit(session, self._target_only(session))
                 if verdict.tokens:
                     yield Tokens(verdict.tokens)
-            yield Finished(session.stop.finish_reason)
+            reason = session.stop.finish_reason if session.stop is not None else None
+            yield Finished(reason or "stop")  # the loop ends only once the stop checker has set it
         finally:
             self._detach(session)
 
     def release(self, session_id: str) -> bool:
         session = self.sessions.peek(session_id)
-        if session is not None and session.attached:
-            raise FailedPrecondition(f"session {session_id!r} is in use by a stream; it is released when the "
-                                     f"stream ends if it was opened without an id")
+        if session is not None and session.busy:
+            raise FailedPrecondition(
+                f"session {session_id!r} is in use by a stream; it is released when the "
+                f"stream ends if it was opened without an id"
+            )
         return self.sessions.release(session_id)
 
     def info(self) -> dict:
         st = self.scheduler.stats
         return dict(
-            model_path=str(self.config.model_path), model_type=str(getattr(self.runner.config, "model_type", "")),
-            vocab_size=self.vocab_size, max_context_length=min(self.max_context, 2**32 - 1),
-            max_spec_len=self.config.max_spec_len, max_batch_size=self.config.max_batch_size,
-            max_sessions=self.config.max_sessions, eos_token_ids=sorted(self.eos_token_ids),
-            sampler_backend=self.sampler.backend, sessions=len(self.sessions), active_sessions=self.sessions.attached,
-            kv_cache_bytes=self.sessions.kv_bytes(), batches=st.batches, batched_blocks=st.batched_blocks,
-            max_batch_size_seen=st.max_batch_size_seen, deadline_steps=self.counters.deadline_steps,
-            stale_blocks=self.counters.stale_blocks, prefix_tokens_reused=self.runner.prefix_tokens_reused,
+            model_path=str(self.config.model_path),
+            model_type=str(getattr(self.runner.config, "model_type", "")),
+            vocab_size=self.vocab_size,
+            max_context_length=min(self.max_context, 2**32 - 1),
+            max_spec_len=self.config.max_spec_len,
+            max_batch_size=self.config.max_batch_size,
+            max_sessions=self.config.max_sessions,
+            eos_token_ids=sorted(self.eos_token_ids),
+            sampler_backend=self.sampler.backend,
+            sessions=len(self.sessions),
+            active_sessions=self.sessions.attached,
+            kv_cache_bytes=self.sessions.kv_bytes(),
+            batches=st.batches,
+            batched_blocks=st.batched_blocks,
+            max_batch_size_seen=st.max_batch_size_seen,
+            deadline_steps=self.counters.deadline_steps,
+            stale_blocks=self.counters.stale_blocks,
+            prefix_tokens_reused=self.runner.prefix_tokens_reused,
             evicted_sessions=self.sessions.evicted,
         )

@@ -2,32 +2,44 @@
 
 Sessions submit one step at a time (a draft block, or K = 0 for a target-only step) and await its
 result. The tick loop waits a short window (`batch_wait_s`) for the other attached sessions' steps,
-takes everything waiting (up to `max_batch_size`, oldest first), runs
-`verify_batch` on the model thread, and resolves each step; sessions join and leave between ticks
-(continuous batching), and draft lengths are ragged. All model work (these ticks and prefills) runs on
-one thread, so the event loop never blocks on torch and the runner is never used concurrently.
+takes everything waiting (up to `max_batch_size`, oldest first), runs one forward over it on the model
+thread, samples and commits (`specmesh.verifier.sample_and_commit`) and resolves each step; sessions
+join and leave between ticks (continuous batching), and draft lengths are ragged. All model work runs
+on one thread, so the event loop never blocks on torch and the runner is never used concurrently.
 
-Isolation: blocks are validated before they are submitted; if a batch still fails, each step is rerun
-alone so one bad step cannot fail the others (the caches are untouched by a failed forward).
+Prefill (a turn opening) with `BatchedRunner` rides in the same forward as the decode blocks, as
+vLLM's chunked prefill does: each tick's pass holds the waiting blocks and, under a token budget
+(`max_batch_tokens`, blocks first), chunks of the sessions being opened, so a long prompt neither
+stalls the decoding sessions nor gets a forward of its own. With any other runner (no ragged `step`)
+prefill chunks run on the model thread between ticks.
+
+Isolation: blocks are validated before they are submitted; if a pass still fails, each step and each
+chunk is rerun alone so one bad step cannot fail the others (the caches are untouched by a failed forward).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections import deque
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from specmesh.domain import BatchLoad, SpecStats, Verdict
-from specmesh.runtime import Runner
-from specmesh.telemetry import tracer, wall_ns
+from specmesh.errors import Unavailable
 from specmesh.rejection import RejectionInput, RejectionSampler
+from specmesh.runtime import RunnerSequence
+from specmesh.runtime.batched import BatchedRunner, PrefillChunk
+from specmesh.runtime.hf import ModelRunner
+from specmesh.telemetry import tracer, wall_ns
+from specmesh.verifier import sample_and_commit
 from verify_service.sessions import Session
-from specmesh.verifier import verify_batch
 
 log = logging.getLogger("specmesh.verify.scheduler")
 
@@ -38,28 +50,77 @@ class _Step:
     block: RejectionInput
     arrived: float
     future: asyncio.Future
-    span_context: object = None  # the submitting stream's span: the batch span links to it
+    span_context: Any = None  # the submitting stream's span: the batch span links to it
+
+
+@dataclass
+class _Prefill:
+    """A session being opened: its committed tokens are cached chunk by chunk, inside the ticks' passes."""
+
+    session: Session
+    future: asyncio.Future  # -> (cached prefix reused, chunks run)
+    left: int  # tokens still to prefill
+    reused: int = 0
+    chunks: int = 0
+
+
+@dataclass
+class _ChunkDone:
+    """What one prefill chunk did (a result of `_execute`, beside the steps' verdicts)."""
+
+    left: int
+    reused: int
 
 
 @dataclass
 class SchedulerStats:
-    batches: int = 0
+    batches: int = 0  # forwards that verified blocks
     batched_blocks: int = 0
     max_batch_size_seen: int = 0
     batch_size_hist: dict[int, int] = field(default_factory=dict)
     steps: int = 0  # every verified step, target-only ones included
     tokens: int = 0  # tokens committed and emitted
     spec: SpecStats = field(default_factory=SpecStats)  # steps that carried a draft block (vLLM's drafts)
+    forwards: int = 0  # every target forward the scheduler ran (blocks, prefill chunks or both)
+    prefill_chunks: int = 0
+    prefill_tokens: int = 0  # positions prefilled (known exactly with BatchedRunner)
+    mixed_batches: int = 0  # forwards that verified blocks and prefilled chunks together
+
+
+def uncached(seq: RunnerSequence) -> int:
+    """Committed tokens a prefill would still compute (all but the last, beyond the cached prefix)."""
+    ids, cached = seq.token_ids, seq.cached_ids
+    n = min(len(ids) - 1, len(cached))
+    i = 0
+    while i < n and ids[i] == cached[i]:
+        i += 1
+    return len(ids) - 1 - i
 
 
 class Scheduler:
-    def __init__(self, runner: Runner, sampler: RejectionSampler, max_batch_size: int, on_batch=None,
-                 batch_wait_s: float = 0.0, expected=None):
-        if max_batch_size < 1:
-            raise ValueError("max_batch_size must be >= 1")
+    """`max_batch_tokens`: positions a tick's pass may compute, decode blocks first, prefill chunks in what
+    is left (never less than a quarter of it while a session waits to open, so that openings progress under
+    full decode load). `prefill_chunk_tokens`: most tokens one session prefills per pass (0 = no own limit)."""
+
+    def __init__(
+        self,
+        runner: ModelRunner | BatchedRunner,
+        sampler: RejectionSampler,
+        max_batch_size: int,
+        on_batch=None,
+        batch_wait_s: float = 0.0,
+        expected: Callable[[], int] | None = None,
+        max_batch_tokens: int = 512,
+        prefill_chunk_tokens: int = 0,
+    ):
+        if max_batch_size < 1 or max_batch_tokens < 1:
+            raise ValueError("max_batch_size and max_batch_tokens must be >= 1")
         self.runner = runner
         self.sampler = sampler
         self.max_batch_size = max_batch_size
+        self.max_batch_tokens = max_batch_tokens
+        self.prefill_chunk_tokens = prefill_chunk_tokens
+        self.chunked_prefill = isinstance(runner, BatchedRunner)  # prefill chunks join the ticks' passes
         self.model_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
         self.stats = SchedulerStats()
         self.on_batch = on_batch  # (batch size, seconds) -> None, for metrics
@@ -70,6 +131,7 @@ class Scheduler:
         self.expected = expected
         self.tracer = tracer("verify")
         self._waiting: deque[_Step] = deque()
+        self._opening: deque[_Prefill] = deque()
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
 
@@ -83,51 +145,119 @@ class Scheduler:
     async def close(self) -> None:
         if self._task is not None:
             self._task.cancel()
-            try:
+            with contextlib.suppress(asyncio.CancelledError):
                 await self._task
-            except asyncio.CancelledError:
-                pass
+        for future in [*(s.future for s in self._waiting), *(p.future for p in self._opening)]:
+            if not future.done():
+                future.set_exception(Unavailable("the verify service is shutting down"))
+        self._waiting.clear()
+        self._opening.clear()
         self.model_thread.shutdown(wait=True)
 
     async def run_on_model(self, fn, *args):
-        """Run model work (a prefill) on the model thread, between ticks."""
+        """Run model work on the model thread, between ticks."""
         return await asyncio.get_running_loop().run_in_executor(self.model_thread, fn, *args)
 
     async def submit(self, session: Session, block: RejectionInput) -> Verdict:
         from opentelemetry import trace
 
         future = asyncio.get_running_loop().create_future()
-        self._waiting.append(_Step(session, block, time.perf_counter(), future,
-                                   trace.get_current_span().get_span_context()))
+        self._waiting.append(
+            _Step(session, block, time.perf_counter(), future, trace.get_current_span().get_span_context())
+        )
         self._wake.set()
         return await future
+
+    async def prefill(self, session: Session) -> tuple[int, int]:
+        """Cache the session's committed tokens but the last, reusing its cached prefix; returns (prefix
+        tokens found cached, chunks run). Resolves when the whole prefill is done."""
+        if not self.chunked_prefill:
+            return await self._prefill_between_ticks(session)
+        future = asyncio.get_running_loop().create_future()
+        self._opening.append(_Prefill(session, future, uncached(session.seq)))
+        self._wake.set()
+        return await future
+
+    async def _prefill_between_ticks(self, session: Session) -> tuple[int, int]:
+        reused, chunks, left = 0, 0, 1
+        while left:
+            done = await self.run_on_model(self._prefill_alone, session.seq, chunks == 0)
+            left, reused, chunks = done.left, reused + done.reused, chunks + 1
+        return reused, chunks
+
+    def _prefill_alone(self, seq: Any, first: bool) -> _ChunkDone:
+        before_reused, before_left = self.runner.prefix_tokens_reused, uncached(seq)
+        with torch.inference_mode():
+            left = self.runner.prefill(seq, self.prefill_chunk_tokens or None, count_reuse=first)
+        self.stats.prefill_chunks += 1
+        self.stats.prefill_tokens += before_left - left
+        return _ChunkDone(left, self.runner.prefix_tokens_reused - before_reused)
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
             await self._wake.wait()
             self._wake.clear()
-            while self._waiting:
+            while self._waiting or self._opening:
                 await self._gather_window()
-                batch = []
-                while self._waiting and len(batch) < self.max_batch_size:
-                    step = self._waiting.popleft()
-                    if not step.future.cancelled():  # its stream went away while it waited
-                        batch.append(step)
-                if not batch:
+                batch = self._take_steps()
+                plan = self._plan_prefill(batch)
+                if not batch and not plan:
                     continue
                 try:
-                    results = await loop.run_in_executor(self.model_thread, self._execute, batch, len(self._waiting))
-                except Exception:  # a bug after the forward must fail this batch, never the scheduler
-                    log.exception("a batch of %d failed after verification", len(batch))
-                    results = [RuntimeError("verification failed on the target model")] * len(batch)
-                for step, result in zip(batch, results):
-                    if step.future.done():
-                        continue
-                    if isinstance(result, BaseException):
-                        step.future.set_exception(result)
-                    else:
-                        step.future.set_result(result)
+                    results = await loop.run_in_executor(
+                        self.model_thread, self._execute, batch, plan, len(self._waiting)
+                    )
+                except Exception:  # a bug after the forward must fail this pass, never the scheduler
+                    log.exception("a pass of %d blocks and %d prefill chunks failed", len(batch), len(plan))
+                    results = [RuntimeError("verification failed on the target model")] * (len(batch) + len(plan))
+                self._resolve(batch, plan, results)
+
+    def _take_steps(self) -> list[_Step]:
+        batch: list[_Step] = []
+        while self._waiting and len(batch) < self.max_batch_size:
+            step = self._waiting.popleft()
+            if not step.future.cancelled():  # its stream went away while it waited
+                batch.append(step)
+        return batch
+
+    def _plan_prefill(self, batch: list[_Step]) -> list[tuple[_Prefill, int]]:
+        """The chunks that join this tick's pass: (opening session, most tokens it may prefill), oldest
+        opening first, in what the decode blocks leave of the token budget."""
+        for p in [p for p in self._opening if p.future.done()]:  # its open went away (cancelled)
+            self._opening.remove(p)
+        if not self._opening:
+            return []
+        decode = sum(s.block.k + 1 for s in batch)
+        budget = max(self.max_batch_tokens - decode, max(1, self.max_batch_tokens // 4))
+        plan = []
+        for p in self._opening:
+            if budget <= 0:
+                break
+            n = min(budget, self.prefill_chunk_tokens or budget)
+            plan.append((p, n))
+            budget -= min(n, p.left)
+        return plan
+
+    def _resolve(self, batch: list[_Step], plan: list[tuple[_Prefill, int]], results: Sequence[Any]) -> None:
+        for step, result in zip(batch, results[: len(batch)], strict=True):
+            if step.future.done():
+                continue
+            if isinstance(result, BaseException):
+                step.future.set_exception(result)
+            else:
+                step.future.set_result(result)
+        for (p, _n), done in zip(plan, results[len(batch) :], strict=True):
+            if isinstance(done, BaseException) or p.future.done() or done.left == 0:
+                self._opening.remove(p)
+            if p.future.done():
+                continue
+            if isinstance(done, BaseException):
+                p.future.set_exception(done)
+                continue
+            p.left, p.reused, p.chunks = done.left, p.reused + done.reused, p.chunks + 1
+            if done.left == 0:
+                p.future.set_result((p.reused, p.chunks))
 
     async def _gather_window(self) -> None:
         """Wait up to batch_wait_s for the other attached sessions' steps (never when all are here)."""
@@ -142,40 +272,78 @@ class Scheduler:
             self._wake.clear()
             try:
                 await asyncio.wait_for(self._wake.wait(), remaining)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 return
 
-    def _execute(self, batch: list[_Step], queue_depth: int = 0) -> list[Verdict | BaseException]:
+    def _forward(
+        self, batch: list[_Step], plan: list[tuple[_Prefill, int]]
+    ) -> tuple[list[torch.Tensor], list[_ChunkDone], int]:
+        """One pass over the blocks and the prefill chunks: (logits per block, chunk results, positions)."""
+        seqs = [s.session.seq for s in batch]
+        extra = [s.block.token_ids for s in batch]
+        if isinstance(self.runner, BatchedRunner):
+            chunks = [PrefillChunk(p.session.seq, n, count_reuse=p.chunks == 0) for p, n in plan]
+            out = self.runner.step(seqs, extra, prefill=chunks)
+            done = [_ChunkDone(left, reused) for left, reused in zip(out.prefill_left, out.prefill_reused, strict=True)]
+            return out.logits, done, out.tokens
+        assert not plan  # other runners prefill between ticks
+        return self.runner.forward(seqs, extra), [], sum(s.block.k + 1 for s in batch)
+
+    def _execute(
+        self, batch: list[_Step], plan: list[tuple[_Prefill, int]], queue_depth: int = 0
+    ) -> list[Verdict | _ChunkDone | BaseException]:
         start = time.perf_counter()
         try:
             with torch.inference_mode():
-                verdicts = verify_batch(self.runner, self.sampler, [s.session.seq for s in batch],
-                                        [s.block for s in batch])
-        except Exception:  # noqa: BLE001 — isolate: rerun each step alone
-            if len(batch) == 1:
-                log.exception("verify step failed")
-                return [RuntimeError("verification failed on the target model")]
-            log.exception("batch of %d failed; rerunning its steps one by one", len(batch))
-            return [r for s in batch for r in self._execute([s], queue_depth)]
+                logits, done, tokens = self._forward(batch, plan)
+                verdicts = sample_and_commit(
+                    self.sampler, logits, [s.session.seq for s in batch], [s.block for s in batch]
+                )
+        except Exception:  # isolate: rerun each step and each chunk alone
+            if len(batch) + len(plan) == 1:
+                log.exception("verify step failed" if batch else "prefill chunk failed")
+                return [
+                    RuntimeError(
+                        "verification failed on the target model" if batch else "prefill failed on the target model"
+                    )
+                ]
+            log.exception(
+                "a pass of %d blocks and %d prefill chunks failed; rerunning them one by one", len(batch), len(plan)
+            )
+            return [r for s in batch for r in self._execute([s], [], queue_depth)] + [
+                r for p in plan for r in self._execute([], [p], queue_depth)
+            ]
         end = time.perf_counter()
-        seconds = end - start
+        self._account(batch, plan, done, end - start)
+        self._trace_batch(batch, start, end)
+        load = dict(batch_seconds=end - start, batch_size=len(batch), batch_tokens=tokens, queue_depth=queue_depth)
+        results: list[Verdict | _ChunkDone | BaseException] = [
+            self._commit(step, v.tokens, v.num_accepted, start, load) for step, v in zip(batch, verdicts, strict=True)
+        ]
+        for step, r in zip(batch, results, strict=True):
+            assert isinstance(r, Verdict)
+            self.stats.tokens += len(r.tokens)
+            if step.block.k:
+                self.stats.spec.record(step.block.k, r.num_accepted)
+        return results + list(done)
+
+    def _account(
+        self, batch: list[_Step], plan: list[tuple[_Prefill, int]], done: list[_ChunkDone], seconds: float
+    ) -> None:
         st = self.stats
+        st.forwards += 1
+        st.prefill_chunks += len(plan)
+        st.prefill_tokens += sum(p.left - d.left for (p, _n), d in zip(plan, done, strict=True))
+        if not batch:
+            return
         st.batches += 1
+        st.mixed_batches += bool(plan)
         st.batched_blocks += len(batch)
+        st.steps += len(batch)
         st.max_batch_size_seen = max(st.max_batch_size_seen, len(batch))
         st.batch_size_hist[len(batch)] = st.batch_size_hist.get(len(batch), 0) + 1
         if self.on_batch is not None:
             self.on_batch(len(batch), seconds)
-        self._trace_batch(batch, start, end)
-        load = dict(batch_seconds=seconds, batch_size=len(batch), batch_tokens=sum(s.block.k + 1 for s in batch),
-                    queue_depth=queue_depth)
-        results = [self._commit(step, v.tokens, v.num_accepted, start, load) for step, v in zip(batch, verdicts)]
-        st.steps += len(batch)
-        for step, r in zip(batch, results):
-            st.tokens += len(r.tokens)
-            if step.block.k:
-                st.spec.record(step.block.k, r.num_accepted)
-        return results
 
     def _trace_batch(self, batch: list[_Step], start: float, end: float) -> None:
         """One span per batch (its own trace, linked to every session stream it served)."""
@@ -185,19 +353,29 @@ class Scheduler:
         if not links:
             return
         now = time.perf_counter()
-        span = self.tracer.start_span("verify.batch", context=trace.set_span_in_context(trace.INVALID_SPAN),
-                                      links=links, start_time=wall_ns(start, now),
-                                      attributes={"specmesh.batch_size": len(batch),
-                                                  "specmesh.draft_tokens": sum(s.block.k for s in batch)})
+        span = self.tracer.start_span(
+            "verify.batch",
+            context=trace.set_span_in_context(trace.INVALID_SPAN),
+            links=links,
+            start_time=wall_ns(start, now),
+            attributes={"specmesh.batch_size": len(batch), "specmesh.draft_tokens": sum(s.block.k for s in batch)},
+        )
         span.end(end_time=wall_ns(end, now))
 
     @staticmethod
     def _commit(step: _Step, tokens: list[int], num_accepted: int, start: float, load: dict) -> Verdict:
         session = step.session
+        assert session.stop is not None  # a session takes steps only within an open turn
         kept = session.stop.extend(tokens)
         if kept < len(tokens):  # the session holds exactly what was emitted
-            del session.seq.token_ids[len(session.seq.token_ids) - (len(tokens) - kept):]
+            del session.seq.token_ids[len(session.seq.token_ids) - (len(tokens) - kept) :]
         epoch = session.epoch
         session.epoch += 1
-        return Verdict(tokens[:kept], num_accepted, step.block.k, session.stop.finish_reason, epoch=epoch,
-                       load=BatchLoad(queue_seconds=start - step.arrived, **load))
+        return Verdict(
+            tokens[:kept],
+            num_accepted,
+            step.block.k,
+            session.stop.finish_reason,
+            epoch=epoch,
+            load=BatchLoad(queue_seconds=start - step.arrived, **load),
+        )

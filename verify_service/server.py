@@ -29,7 +29,18 @@ async def build_server(config: VerifyConfig, model=None, tokenizer=None) -> Grpc
     def drain():
         engine.shutting_down = True
 
-    return GrpcServer(config.host, config.port, [SERVICE_NAME], add, config.grace_period_s, engine.close,
-                        on_drain=drain, active=lambda: engine.sessions.attached,
-                        metrics_registry=metrics.registry, metrics_port=config.metrics_port,
-                        telemetry=ServiceTelemetry("verify", metrics.rpc), engine=engine, metrics=metrics)
+    return GrpcServer(
+        config.host,
+        config.port,
+        [SERVICE_NAME],
+        add,
+        config.grace_period_s,
+        engine.close,
+        on_drain=drain,
+        active=lambda: engine.sessions.attached,
+        metrics_registry=metrics.registry,
+        metrics_port=config.metrics_port,
+        telemetry=ServiceTelemetry("verify", metrics.rpc),
+        engine=engine,
+        metrics=metrics,
+    )

@@ -18,10 +18,13 @@ class VerifyServicer(verify_pb2_grpc.VerifyServiceServicer):
 
     async def OpenSession(self, request, context):
         opened = await self.engine.open(request.session_id, list(request.prompt_ids), self._params(request.params))
-        return verify_pb2.OpenSessionResponse(session_id=opened.session_id, epoch=opened.epoch,
-                                              base_position=opened.base_position,
-                                              cached_prompt_tokens=opened.cached_prompt_tokens,
-                                              prefill_seconds=opened.prefill_seconds)
+        return verify_pb2.OpenSessionResponse(
+            session_id=opened.session_id,
+            epoch=opened.epoch,
+            base_position=opened.base_position,
+            cached_prompt_tokens=opened.cached_prompt_tokens,
+            prefill_seconds=opened.prefill_seconds,
+        )
 
     async def Verify(self, request_iterator, context):
         inbox: asyncio.Queue = asyncio.Queue()
@@ -47,8 +50,9 @@ class VerifyServicer(verify_pb2_grpc.VerifyServiceServicer):
             reader.cancel()
 
     async def Generate(self, request, context):
-        async for event in self.engine.generate(request.session_id, list(request.prompt_ids),
-                                                self._params(request.params)):
+        async for event in self.engine.generate(
+            request.session_id, list(request.prompt_ids), self._params(request.params)
+        ):
             yield wire.event_to_pb(event, verify_pb2.VerifyServiceGenerateResponse)
 
     async def ReleaseSession(self, request, context):

@@ -1,9 +1,14 @@
 """Sessions: the committed tokens and target KV cache of one conversation, kept across rounds and turns.
 
 A later turn names its session and sends the whole conversation; the longest common prefix of the
-cached tokens is reused and only the rest is prefilled (`ModelRunner.prefill`). Sessions that no stream
-is using are evicted least-recently-used first when the KV budget is exceeded, and after `ttl_seconds`
-idle. Attached sessions (a stream or generate call in progress) are never evicted.
+cached tokens is reused and only the rest is prefilled. Sessions that nothing is using are evicted
+least-recently-used first when a new one does not fit, and after `ttl_seconds` idle. Busy sessions (a
+stream or generate call attached, or a turn being prefilled) are never evicted.
+
+What a session holds depends on the runner: with `BatchedRunner` one whole slot of its pool from
+creation to release (so "no slot free" and "budget reached" are the same thing, and the slot goes back
+to the pool the moment the session is released, evicted or expired); with `ModelRunner` a cache that
+grows token by token (counted as cached tokens x bytes per token; it is freed with its last reference).
 
 Every timestamp (LRU recency, TTL expiry) comes from the store's `clock`, so tests can drive time
 instead of sleeping.
@@ -16,11 +21,13 @@ import uuid
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
 
 from specmesh.errors import FailedPrecondition, NotFound, ResourceExhausted
-from specmesh.runtime.hf import ModelRunner, Sequence
+from specmesh.runtime import Runner, RunnerSequence
+from specmesh.runtime.batched import BatchedRunner, SlotSequence
 from specmesh.sampling import SamplingParams, StopChecker
 
 
@@ -36,7 +43,9 @@ def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
 @dataclass
 class Session:
     session_id: str
-    seq: Sequence
+    # The runner's own kind of sequence (hf.Sequence or batched.SlotSequence): the session is agnostic of
+    # which, and the runner checks that it is given its own.
+    seq: Any
     ephemeral: bool  # created without an id: released when its stream ends
     # Per turn:
     params: SamplingParams | None = None
@@ -45,8 +54,14 @@ class Session:
     prompt_len: int = 0
     epoch: int = 0  # verdicts produced this turn
     # Bookkeeping:
-    attached: bool = False
+    attached: bool = False  # a Verify stream or a Generate call is using it
+    opening: bool = False  # its turn is being prefilled: its cache is being written
     last_used: float = field(default_factory=time.monotonic)
+
+    @property
+    def busy(self) -> bool:
+        """In use: never evicted, expired or released from under its user."""
+        return self.attached or self.opening
 
     @property
     def finished(self) -> bool:
@@ -58,14 +73,73 @@ class Session:
         return len(self.seq.token_ids)
 
 
+class KvAccount(Protocol):
+    """How many KV bytes a runner's sequence holds, and how they are given back."""
+
+    def held(self, seq: Any) -> int: ...
+
+    def needed(self, seq: Any | None, tokens: int) -> int:
+        """More bytes a turn of `tokens` committed tokens needs (seq: the session's, None for a new one)."""
+        ...
+
+    def free(self, seq: Any) -> None: ...
+
+
+class TokenAccount:
+    """ModelRunner: a DynamicCache grows with the tokens it caches, and is freed with its last reference."""
+
+    def __init__(self, bytes_per_token: int):
+        self.bytes_per_token = bytes_per_token
+
+    def held(self, seq: RunnerSequence) -> int:
+        return len(seq.cached_ids) * self.bytes_per_token
+
+    def needed(self, seq: RunnerSequence | None, tokens: int) -> int:
+        return max(0, tokens * self.bytes_per_token - (self.held(seq) if seq is not None else 0))
+
+    def free(self, seq: RunnerSequence) -> None:
+        pass
+
+
+class SlotAccount:
+    """BatchedRunner: a sequence holds a whole slot, whatever its length, until the slot is freed."""
+
+    def __init__(self, runner: BatchedRunner):
+        self.runner = runner
+
+    def held(self, seq: SlotSequence) -> int:
+        return 0 if seq.freed else self.runner.slot_bytes
+
+    def needed(self, seq: SlotSequence | None, tokens: int) -> int:
+        return self.runner.slot_bytes if seq is None or seq.freed else 0  # a new turn keeps its slot
+
+    def free(self, seq: SlotSequence) -> None:
+        self.runner.free(seq)
+
+
 class SessionStore:
-    def __init__(self, runner: ModelRunner, budget_bytes: int, ttl_seconds: float, bytes_per_token: int,
-                 clock: Callable[[], float] = time.monotonic):
+    """`budget_bytes`: the most KV the sessions may hold (with BatchedRunner, at most its pool).
+    `bytes_per_token`: ModelRunner's KV bytes per cached token (default: from the model's config)."""
+
+    def __init__(
+        self,
+        runner: Runner[Any],
+        budget_bytes: int,
+        ttl_seconds: float,
+        bytes_per_token: int | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self.runner = runner
         self.clock = clock  # seconds, monotonic: only differences between its readings matter
-        self.budget_bytes = budget_bytes
         self.ttl_seconds = ttl_seconds
-        self.bytes_per_token = bytes_per_token
+        self.account: KvAccount
+        if isinstance(runner, BatchedRunner):
+            self.account = SlotAccount(runner)
+            self.budget_bytes = min(budget_bytes, runner.pool_bytes)
+        else:
+            dtype = next(runner.model.parameters()).dtype
+            self.account = TokenAccount(bytes_per_token or kv_bytes_per_token(runner.model.config, dtype))
+            self.budget_bytes = budget_bytes
         self._sessions: OrderedDict[str, Session] = OrderedDict()  # LRU order: oldest first
         self.evicted = 0
 
@@ -76,8 +150,13 @@ class SessionStore:
     def attached(self) -> int:
         return sum(s.attached for s in self._sessions.values())
 
+    @property
+    def busy(self) -> int:
+        """Sessions attached or being prefilled: what counts against the concurrency limit."""
+        return sum(s.busy for s in self._sessions.values())
+
     def kv_bytes(self) -> int:
-        return sum(s.seq.num_cached for s in self._sessions.values()) * self.bytes_per_token
+        return sum(self.account.held(s.seq) for s in self._sessions.values())
 
     def peek(self, session_id: str) -> Session | None:
         """The session if it exists, without touching its LRU position."""
@@ -94,12 +173,13 @@ class SessionStore:
     def open(self, session_id: str, prompt_ids: list[int]) -> Session:
         """The session for a new turn (created if needed); the caller prefills it."""
         session = self._sessions.get(session_id) if session_id else None
-        if session is not None and session.attached:
+        if session is not None and session.busy:
             raise FailedPrecondition(f"session {session_id!r} is in use by another stream")
-        self.make_room(len(prompt_ids), keep=session)
+        self.make_room(self.account.needed(session.seq if session is not None else None, len(prompt_ids)), keep=session)
         if session is None:
-            session = Session(session_id or f"eph-{uuid.uuid4().hex}", self.runner.new_sequence(prompt_ids),
-                              ephemeral=not session_id)
+            session = Session(
+                session_id or f"eph-{uuid.uuid4().hex}", self.runner.new_sequence(prompt_ids), ephemeral=not session_id
+            )
             self._sessions[session.session_id] = session
         else:
             session.seq.reset_tokens(prompt_ids)
@@ -107,34 +187,39 @@ class SessionStore:
         session.last_used = self.clock()
         return session
 
-    def make_room(self, new_tokens: int, keep: Session | None = None) -> None:
-        """Evict idle sessions (LRU) until `new_tokens` more fit the budget; RESOURCE_EXHAUSTED if they cannot."""
-        need = new_tokens * self.bytes_per_token
-        if self.kv_bytes() + need <= self.budget_bytes:
+    def make_room(self, need: int, keep: Session | None = None) -> None:
+        """Evict idle sessions (LRU) until `need` more bytes fit the budget. If evicting every idle session
+        would still not make room, raise RESOURCE_EXHAUSTED and evict nobody: dropping caches that cannot
+        help would only cost their owners a prefill."""
+        held = self.kv_bytes()
+        if held + need <= self.budget_bytes:
             return
-        for sid in list(self._sessions):
-            s = self._sessions[sid]
-            if s is keep or s.attached:
-                continue
+        idle = [sid for sid, s in self._sessions.items() if s is not keep and not s.busy]  # oldest first
+        if held - sum(self.account.held(self._sessions[sid].seq) for sid in idle) + need > self.budget_bytes:
+            raise ResourceExhausted(
+                f"KV cache budget full: {held} of {self.budget_bytes} bytes held, most by "
+                f"sessions in use; {need} more needed"
+            )
+        for sid in idle:
+            held -= self.account.held(self._sessions[sid].seq)
             self._drop(sid)
-            if self.kv_bytes() + need <= self.budget_bytes:
+            if held + need <= self.budget_bytes:
                 return
-        raise ResourceExhausted(f"KV cache budget full: {self.kv_bytes()} of {self.budget_bytes} bytes held by "
-                                f"active sessions; {need} more needed")
 
     def release(self, session_id: str) -> bool:
-        if session_id in self._sessions:
-            del self._sessions[session_id]
-            return True
-        return False
+        session = self._sessions.pop(session_id, None)
+        if session is None:
+            return False
+        self.account.free(session.seq)
+        return True
 
     def evict_expired(self, now: float | None = None) -> int:
         now = self.clock() if now is None else now
-        old = [sid for sid, s in self._sessions.items() if not s.attached and now - s.last_used > self.ttl_seconds]
+        old = [sid for sid, s in self._sessions.items() if not s.busy and now - s.last_used > self.ttl_seconds]
         for sid in old:
             self._drop(sid)
         return len(old)
 
     def _drop(self, session_id: str) -> None:
-        del self._sessions[session_id]
+        self.release(session_id)
         self.evicted += 1

@@ -3,10 +3,15 @@ and vLLM's speculation metrics over every verified block."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from prometheus_client import CollectorRegistry, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from specmesh.telemetry import LATENCY_BUCKETS, FnCollector, RpcMetrics, spec_families
+
+if TYPE_CHECKING:
+    from verify_service.engine import VerifyEngine
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
@@ -17,14 +22,21 @@ class VerifyMetrics:
     def __init__(self, registry: CollectorRegistry | None = None):
         self.registry = registry or CollectorRegistry()
         self.rpc = RpcMetrics(self.registry, "verify")
-        self.batch_size = Histogram("specmesh_verify_batch_size", "Blocks (sessions) verified per batched forward",
-                                    buckets=BATCH_BUCKETS, registry=self.registry)
-        self.batch_seconds = Histogram("specmesh_verify_batch_duration_seconds",
-                                       "One batched target forward + rejection sampling", buckets=LATENCY_BUCKETS,
-                                       registry=self.registry)
-        self.engine = None
+        self.batch_size = Histogram(
+            "specmesh_verify_batch_size",
+            "Blocks (sessions) verified per batched forward",
+            buckets=BATCH_BUCKETS,
+            registry=self.registry,
+        )
+        self.batch_seconds = Histogram(
+            "specmesh_verify_batch_duration_seconds",
+            "One batched target forward + rejection sampling",
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.engine: VerifyEngine | None = None
 
-    def watch(self, engine) -> "VerifyMetrics":
+    def watch(self, engine: VerifyEngine) -> VerifyMetrics:
         self.engine = engine
         self.registry.register(FnCollector(self.families))
         return self
@@ -33,8 +45,10 @@ class VerifyMetrics:
         self.batch_size.observe(size)
         self.batch_seconds.observe(seconds)
 
-    def families(self):
+    def families(self) -> list[Metric]:
         e = self.engine
+        if e is None:
+            return []
         st = e.scheduler.stats
         g = GaugeMetricFamily
         c = CounterMetricFamily
@@ -44,22 +58,32 @@ class VerifyMetrics:
         kv.add_metric([], e.sessions.kv_bytes())
         budget = g("specmesh_verify_kv_cache_budget_bytes", "The KV cache budget (--kv-cache-budget-mb)")
         budget.add_metric([], e.sessions.budget_bytes)
-        sessions = g("specmesh_verify_sessions", "Sessions by state (cached = holding a KV cache)",
-                     labels=["state"])
+        sessions = g("specmesh_verify_sessions", "Sessions by state (cached = holding a KV cache)", labels=["state"])
         sessions.add_metric(["cached"], len(e.sessions))
         sessions.add_metric(["active"], e.sessions.attached)
-        out = [queue, kv, budget, sessions]
+        out: list[Metric] = [queue, kv, budget, sessions]
         for name, doc, value in [
             ("specmesh_verify_batches", "Scheduler ticks that ran a batch", st.batches),
             ("specmesh_verify_steps", "Session steps verified (target-only steps included)", st.steps),
             ("specmesh_verify_emitted_tokens", "Tokens committed and emitted", st.tokens),
-            ("specmesh_verify_deadline_steps", "Target-only steps taken because a draft block was late",
-             e.counters.deadline_steps),
+            (
+                "specmesh_verify_deadline_steps",
+                "Target-only steps taken because a draft block was late",
+                e.counters.deadline_steps,
+            ),
             ("specmesh_verify_stale_blocks", "Blocks that arrived for a past epoch", e.counters.stale_blocks),
-            ("specmesh_verify_evicted_sessions", "Sessions evicted (LRU under the budget, or TTL)",
-             e.sessions.evicted),
-            ("specmesh_verify_prefix_tokens_reused", "Prompt tokens whose KV came from a session's cache",
-             e.runner.prefix_tokens_reused),
+            ("specmesh_verify_evicted_sessions", "Sessions evicted (LRU under the budget, or TTL)", e.sessions.evicted),
+            (
+                "specmesh_verify_prefix_tokens_reused",
+                "Prompt tokens whose KV came from a session's cache",
+                e.runner.prefix_tokens_reused,
+            ),
+            ("specmesh_verify_prefill_tokens", "Prompt tokens prefilled", st.prefill_tokens),
+            (
+                "specmesh_verify_mixed_batches",
+                "Batched forwards that also prefilled sessions being opened",
+                st.mixed_batches,
+            ),
         ]:
             f = c(name, doc)
             f.add_metric([], value)

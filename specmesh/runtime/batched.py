@@ -89,6 +89,10 @@ class PrefillChunk(NamedTuple):
 class StepResult(NamedTuple):
     logits: list[torch.Tensor]  # per decode sequence, float32 [num_logits[i], V]
     prefill_left: list[int]  # per prefill chunk, committed tokens still to prefill afterwards
+    # Per prefill chunk, the cached prefix found and added to `prefix_tokens_reused` (0 unless count_reuse):
+    # a scheduler running several sessions' chunks in one pass can tell each its own reuse.
+    prefill_reused: list[int]
+    tokens: int  # positions the pass computed, decode and prefill together (the pass's cost)
 
 
 class _Work(NamedTuple):
@@ -107,9 +111,16 @@ class _RaggedDecoder(_FastDecoder):
         super().__init__(model)
         self.group = self.n_heads // self.n_kv  # query heads per KV head (1 without GQA)
 
-    def ragged(self, k_pool: list[torch.Tensor], v_pool: list[torch.Tensor], ids: torch.Tensor,
-               pos: torch.Tensor, slots: torch.Tensor, segments: list[tuple[int, int, int, int]],
-               rows: torch.Tensor | None) -> torch.Tensor | None:
+    def ragged(
+        self,
+        k_pool: list[torch.Tensor],
+        v_pool: list[torch.Tensor],
+        ids: torch.Tensor,
+        pos: torch.Tensor,
+        slots: torch.Tensor,
+        segments: list[tuple[int, int, int, int]],
+        rows: torch.Tensor | None,
+    ) -> torch.Tensor | None:
         """Run every layer over all T new tokens; write their K/V into the pool; logits of `rows`.
 
         ids, pos, slots: [T] token id, position and slot of each new token. segments: per sequence
@@ -134,14 +145,33 @@ class _RaggedDecoder(_FastDecoder):
             m = torch.arange(end, device=dev)[None, :] <= torch.arange(start, end, device=dev)[:, None]
             masks.append(m.repeat(g, 1) if g > 1 else m)  # [group * n, end]
         attn = x.new_empty((t, nh, hd))  # [T, nh, D]
-        for k_layer, v_layer, (ln1, eps1, wqkv, bqkv, wo, bo, scale, qn, kn, ln2, eps2, wgu, bgu, inter, wd, bd,
-                               act) in zip(k_pool, v_pool, self.layers, strict=True):
+        for k_layer, v_layer, (
+            ln1,
+            eps1,
+            wqkv,
+            bqkv,
+            wo,
+            bo,
+            scale,
+            qn,
+            kn,
+            ln2,
+            eps2,
+            wgu,
+            bgu,
+            inter,
+            wd,
+            bd,
+            act,
+        ) in zip(k_pool, v_pool, self.layers, strict=True):
             h = rms(x, ln1, eps1)
             qkv = F.linear(h, wqkv, bqkv).view(t, nqk + nkv, hd)  # [T, nh + 2 n_kv, D]
             qk = qkv[:, :nqk]
             if qn is not None and kn is not None:
-                qk = torch.cat((rms(qk[:, :nh], qn.weight, qn.variance_epsilon),
-                                rms(qk[:, nh:], kn.weight, kn.variance_epsilon)), dim=1)
+                qk = torch.cat(
+                    (rms(qk[:, :nh], qn.weight, qn.variance_epsilon), rms(qk[:, nh:], kn.weight, kn.variance_epsilon)),
+                    dim=1,
+                )
             qk = qk * cos + qk.roll(half, -1) * sin  # rotary, each token at its own position
             # Every new key/value of the batch into its slot at its position: one index_put per tensor.
             k_layer[slots, :, pos] = qk[:, nh:]  # [T, n_kv, D]
@@ -159,8 +189,9 @@ class _RaggedDecoder(_FastDecoder):
                     a = F.scaled_dot_product_attention(qs, keys, values, attn_mask=mask, scale=scale)
                     attn[off : off + n] = a.view(nkv, g, n, hd).permute(2, 0, 1, 3).reshape(n, nh, hd)
                 else:
-                    a = F.scaled_dot_product_attention(qs.transpose(0, 1)[None], keys, values, attn_mask=mask,
-                                                       scale=scale)  # [1, nh, n, D]
+                    a = F.scaled_dot_product_attention(
+                        qs.transpose(0, 1)[None], keys, values, attn_mask=mask, scale=scale
+                    )  # [1, nh, n, D]
                     attn[off : off + n] = a[0].transpose(0, 1)
             x = x + F.linear(attn.view(t, nh * hd), wo, bo)
             h = rms(x, ln2, eps2)
@@ -180,11 +211,11 @@ class BatchedRunner:
     probe when built (raises ValueError if they disagree).
     """
 
-    def __init__(self, model: PreTrainedModel, num_slots: int, max_seq_len: int | None = None,
-                 check: bool = True):
+    def __init__(self, model: PreTrainedModel, num_slots: int, max_seq_len: int | None = None, check: bool = True):
         if not self.supports(model):
-            raise ValueError(f"BatchedRunner has no decoder for {type(model).__name__} with this config; "
-                             f"use ModelRunner")
+            raise ValueError(
+                f"BatchedRunner has no decoder for {type(model).__name__} with this config; use ModelRunner"
+            )
         if num_slots < 1:
             raise ValueError("num_slots must be >= 1")
         self.model = model
@@ -213,8 +244,9 @@ class BatchedRunner:
         self._free = list(range(num_slots - 1, -1, -1))  # a stack: the slot freed last is reused first
         self._owners: list[weakref.ref | None] = [None] * num_slots
         if check and not self._matches_hf():
-            raise ValueError(f"BatchedRunner's decoder disagrees with the HF forward for {type(model).__name__}; "
-                             f"use ModelRunner")
+            raise ValueError(
+                f"BatchedRunner's decoder disagrees with the HF forward for {type(model).__name__}; use ModelRunner"
+            )
 
     @staticmethod
     def supports(model: PreTrainedModel) -> bool:
@@ -274,8 +306,9 @@ class BatchedRunner:
 
     def _check_len(self, n: int) -> None:
         if n > self.slot_len:
-            raise InvalidArgument(f"a sequence of {n} tokens exceeds this runner's limit of {self.slot_len} tokens "
-                                  f"per sequence")
+            raise InvalidArgument(
+                f"a sequence of {n} tokens exceeds this runner's limit of {self.slot_len} tokens per sequence"
+            )
 
     def longest_cached_prefix(self, seq_or_ids) -> int:
         """For a sequence: how many of its committed tokens its slot holds. For token ids: the longest
@@ -318,8 +351,9 @@ class BatchedRunner:
         return self.step([], prefill=[PrefillChunk(seq, max_tokens, count_reuse)]).prefill_left[0]
 
     @torch.inference_mode()
-    def forward(self, seqs: list[SlotSequence], extra: list[list[int]] | None = None,
-                num_logits: list[int] | None = None) -> list[torch.Tensor]:
+    def forward(
+        self, seqs: list[SlotSequence], extra: list[list[int]] | None = None, num_logits: list[int] | None = None
+    ) -> list[torch.Tensor]:
         """Feed each sequence its uncached committed tokens plus `extra[i]` (draft tokens), all in one pass.
 
         Returns, per sequence, float32 logits [num_logits[i], V], by default [len(extra[i]) + 1, V]: row j
@@ -329,8 +363,13 @@ class BatchedRunner:
         return self.step(seqs, extra, num_logits).logits
 
     @torch.inference_mode()
-    def step(self, seqs: list[SlotSequence], extra: list[list[int]] | None = None,
-             num_logits: list[int] | None = None, prefill: Sequence[PrefillChunk] = ()) -> StepResult:
+    def step(
+        self,
+        seqs: list[SlotSequence],
+        extra: list[list[int]] | None = None,
+        num_logits: list[int] | None = None,
+        prefill: Sequence[PrefillChunk] = (),
+    ) -> StepResult:
         """`forward` over `seqs` and `prefill` chunks of other sequences, in ONE pass of the model.
 
         Nothing is counted or marked cached unless the whole pass succeeds; if it raises, every sequence's
@@ -371,7 +410,7 @@ class BatchedRunner:
         for w in work:
             w.seq.cached_ids.extend(w.feed)
         self.prefix_tokens_reused += sum(reused)
-        return StepResult(logits[: len(seqs)], left)
+        return StepResult(logits[: len(seqs)], left, reused, sum(len(w.feed) for w in work))
 
     def _run(self, work: list[_Work]) -> list[torch.Tensor]:
         """One forward over every sequence's feed; per work item float32 logits [num_logits, V]."""
@@ -396,8 +435,15 @@ class BatchedRunner:
         slots = torch.tensor(flat_slot, dtype=torch.long, device=dev)  # [T]
         dec = self._dec
         dec.refresh_if_stale()
-        out = dec.ragged(self._k, self._v, ids, pos, slots, segments,
-                         torch.tensor(rows, dtype=torch.long, device=dev) if rows else None)
+        out = dec.ragged(
+            self._k,
+            self._v,
+            ids,
+            pos,
+            slots,
+            segments,
+            torch.tensor(rows, dtype=torch.long, device=dev) if rows else None,
+        )
         if out is None:
             return [_no_logits(self.vocab_size, dev) for _ in work]
         out = out.float()  # [R, V]
@@ -417,10 +463,13 @@ class BatchedRunner:
                 got = self.forward(seqs, extra)
                 seqs[0].commit(ids[7:8])  # rejects ids[8:10]: the next pass recomputes from there
                 got += self.forward(seqs[:1], [ids[9:11]])
-                fed = [ids[:10], *[s.token_ids + e for s, e in zip(seqs[1:], extra[1:], strict=True)],
-                       ids[:8] + ids[9:11]]
+                fed = [
+                    ids[:10],
+                    *[s.token_ids + e for s, e in zip(seqs[1:], extra[1:], strict=True)],
+                    ids[:8] + ids[9:11],
+                ]
                 for logits, f in zip(got, fed, strict=True):
-                    ref = self.model(input_ids=torch.tensor([f], device=self.device)).logits[0, -len(logits):].float()
+                    ref = self.model(input_ids=torch.tensor([f], device=self.device)).logits[0, -len(logits) :].float()
                     tol = 1e-3 * (1.0 + float(ref.abs().max()))
                     if not (bool(torch.isfinite(logits).all()) and float((ref - logits).abs().max()) <= tol):
                         return False

@@ -16,21 +16,44 @@ from tests.support.models import tiny_model
 def llama_mha():
     """No GQA (as the demo target): the attention path without the grouped-query fold."""
     torch.manual_seed(7)
-    return LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                        num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=512,
-                                        initializer_range=0.2)).eval()
+    return LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=128,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            max_position_embeddings=512,
+            initializer_range=0.2,
+        )
+    ).eval()
 
 
 def qwen3_tiny():
     """q_norm / k_norm and an explicit head_dim."""
     torch.manual_seed(3)
-    return Qwen3ForCausalLM(Qwen3Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                                        max_position_embeddings=512, initializer_range=0.2)).eval()
+    return Qwen3ForCausalLM(
+        Qwen3Config(
+            vocab_size=128,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            max_position_embeddings=512,
+            initializer_range=0.2,
+        )
+    ).eval()
 
 
-MODELS = {"llama": lambda: tiny_model("llama", seed=5), "qwen2": lambda: tiny_model("qwen2", seed=6),
-          "llama-mha": llama_mha, "qwen3": qwen3_tiny}
+MODELS = {
+    "llama": lambda: tiny_model("llama", seed=5),
+    "qwen2": lambda: tiny_model("qwen2", seed=6),
+    "llama-mha": llama_mha,
+    "qwen3": qwen3_tiny,
+}
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2"])
@@ -176,8 +199,14 @@ def test_greedy_decoding_equals_generate(model):
         for s, logits in zip(seqs, run.forward(seqs), strict=True):
             s.commit([int(logits[-1].argmax())])
     for p, s in zip(ps, seqs, strict=True):
-        ref = model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                             do_sample=False, max_new_tokens=30, min_new_tokens=30, pad_token_id=0)
+        ref = model.generate(
+            torch.tensor([p]),
+            attention_mask=torch.ones(1, len(p), dtype=torch.long),
+            do_sample=False,
+            max_new_tokens=30,
+            min_new_tokens=30,
+            pad_token_id=0,
+        )
         assert s.token_ids == ref[0].tolist()
 
 

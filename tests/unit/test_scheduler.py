@@ -2,7 +2,9 @@
 
 A tiny target model and the torch rejection sampler; each test drives the scheduler on its own event
 loop (`asyncio.run`). Sessions are built the way VerifyEngine.open builds them: a prefilled sequence,
-the turn's SamplingParams, its StopChecker and generator, epoch 0.
+the turn's SamplingParams, its StopChecker and generator, epoch 0. The batching tests run on both
+runners the service can have (ModelRunner, BatchedRunner); the chunked-prefill tests on BatchedRunner,
+whose prefill chunks ride in the ticks' forwards.
 """
 
 import asyncio
@@ -14,6 +16,7 @@ import torch
 from specmesh.domain import DraftBlock
 from specmesh.models import eos_token_ids
 from specmesh.rejection import RejectionInput, RejectionSampler
+from specmesh.runtime.batched import BatchedRunner
 from specmesh.runtime.hf import ModelRunner
 from specmesh.sampling import SamplingParams, StopChecker, make_generator
 from tests.support.models import tiny_model
@@ -30,9 +33,14 @@ def model():
     return tiny_model("llama", vocab=VOCAB, seed=5)
 
 
+@pytest.fixture(scope="module", params=["hf", "batched"])
+def runner(model, request):
+    return ModelRunner(model) if request.param == "hf" else BatchedRunner(model, num_slots=64, max_seq_len=256)
+
+
 @pytest.fixture(scope="module")
-def runner(model):
-    return ModelRunner(model)
+def batched(model):
+    return BatchedRunner(model, num_slots=16, max_seq_len=256)
 
 
 def reference(model, prompt: list[int], n: int) -> list[int]:
@@ -49,9 +57,16 @@ def reference(model, prompt: list[int], n: int) -> list[int]:
 def make_session(runner, session_id: str, prompt: list[int], params: SamplingParams = GREEDY) -> Session:
     seq = runner.new_sequence(prompt)
     runner.prefill(seq)
-    return Session(session_id, seq, ephemeral=False, params=params,
-                   stop=StopChecker(params, eos_token_ids(runner.model)),
-                   generator=make_generator(params.seed, runner.device), prompt_len=len(prompt), epoch=0)
+    return Session(
+        session_id,
+        seq,
+        ephemeral=False,
+        params=params,
+        stop=StopChecker(params, eos_token_ids(runner.model)),
+        generator=make_generator(params.seed, runner.device),
+        prompt_len=len(prompt),
+        epoch=0,
+    )
 
 
 def block(session: Session, draft: list[int] | tuple[int, ...] = ()) -> RejectionInput:
@@ -64,6 +79,7 @@ def run(body, runner, start_first: bool = True, **kwargs):
     """asyncio.run(body(scheduler)) with a started scheduler, closed afterwards; returns (result, stats).
 
     start_first=False: `body` starts the scheduler itself (to queue steps before the first tick)."""
+
     async def main():
         scheduler = Scheduler(runner, RejectionSampler("torch", seed=0), **{"max_batch_size": 8, **kwargs})
         if start_first:
@@ -151,8 +167,9 @@ def test_the_batch_window_does_not_wait_when_everyone_is_there(runner):
     for expected, max_batch_size in [(2, 8), (5, 2)]:  # all expected sessions in, or a full batch
         sessions = pair()
         t0 = time.monotonic()
-        results, stats = run(body, runner, batch_wait_s=30.0, expected=lambda e=expected: e,
-                             max_batch_size=max_batch_size)
+        results, stats = run(
+            body, runner, batch_wait_s=30.0, expected=lambda e=expected: e, max_batch_size=max_batch_size
+        )
         assert time.monotonic() - t0 < 10.0  # far below the 30 s window
         assert stats.batches == 1 and [r.load.batch_size for r in results] == [2, 2]
 
@@ -216,7 +233,7 @@ def test_greedy_steps_follow_the_target_argmax_over_many_rounds(model, runner):
 
     def draft(i, out, round_):
         """Session 0 drafts the truth, session 1 a wrong token after one right one, session 2 nothing."""
-        truth = refs[i][len(out):len(out) + 3]
+        truth = refs[i][len(out) : len(out) + 3]
         if i == 0:
             return truth
         if i == 1 and len(truth) >= 2:
@@ -316,3 +333,160 @@ def test_an_error_after_the_forward_fails_its_batch_and_the_scheduler_keeps_serv
 
     verdict, _ = run(body, runner, on_batch=on_batch)
     assert len(verdict.tokens) == 1 and len(calls) == 2
+
+
+# chunked prefill -----------------------------------------------------------------------------------------
+
+LONG = [(3 * i + 1) % (VOCAB - 1) for i in range(40)]  # 39 tokens to prefill
+
+
+def fresh_session(runner, session_id: str, prompt: list[int], params: SamplingParams = GREEDY) -> Session:
+    """A session as VerifyEngine.open hands it to the scheduler: its turn set up, nothing prefilled yet."""
+    return Session(
+        session_id,
+        runner.new_sequence(prompt),
+        ephemeral=False,
+        params=params,
+        stop=StopChecker(params, eos_token_ids(runner.model)),
+        generator=make_generator(params.seed, runner.device),
+        prompt_len=len(prompt),
+        epoch=0,
+    )
+
+
+def spy_steps(monkeypatch, runner) -> list[tuple[int, list[int | None], int]]:
+    """Record every runner.step: (decode sequences, prefill chunks' max_tokens, positions computed)."""
+    calls = []
+    real = runner.step
+
+    def step(seqs, extra=None, num_logits=None, prefill=()):
+        out = real(seqs, extra, num_logits, prefill)
+        calls.append((len(seqs), [c.max_tokens for c in prefill], out.tokens))
+        return out
+
+    monkeypatch.setattr(runner, "step", step)
+    return calls
+
+
+async def decode_and_open(scheduler, decoding: list[tuple[Session, RejectionInput]], opening: list[Session]):
+    """Queue the decode steps and the openings before the first tick, start, and wait for all of them."""
+    steps = [asyncio.create_task(scheduler.submit(s, b)) for s, b in decoding]
+    opens = [asyncio.create_task(scheduler.prefill(s)) for s in opening]
+    await asyncio.sleep(0)
+    scheduler.start()
+    return await asyncio.gather(*steps), await asyncio.gather(*opens)
+
+
+def test_a_prefill_chunk_and_decode_blocks_share_one_forward(model, batched, monkeypatch):
+    a, b = make_session(batched, "a", PROMPTS[0]), make_session(batched, "b", PROMPTS[1])
+    c = fresh_session(batched, "c", LONG)
+    truth = reference(model, PROMPTS[0], 2)
+    calls = spy_steps(monkeypatch, batched)
+
+    async def body(scheduler):
+        return await decode_and_open(scheduler, [(a, block(a, truth[:1])), (b, block(b))], [c])
+
+    (verdicts, opened), stats = run(body, batched, start_first=False)
+    assert calls == [(2, [512 - 3], 3 + 39)]  # ONE pass: both blocks and the whole prompt
+    assert stats.forwards == 1 and stats.batches == 1 and stats.mixed_batches == 1
+    assert stats.prefill_chunks == 1 and stats.prefill_tokens == 39
+    assert opened == [(0, 1)]  # nothing was cached; one chunk
+    assert [v.load.batch_size for v in verdicts] == [2, 2]
+    assert [v.load.batch_tokens for v in verdicts] == [42, 42]  # positions of the pass, the prefill's included
+    assert verdicts[0].tokens == truth and verdicts[1].tokens == reference(model, PROMPTS[1], 1)
+    assert c.seq.num_cached == len(LONG) - 1
+
+    async def rest(scheduler):  # the prefilled session decodes the target's own continuation
+        out = []
+        for _ in range(3):
+            out += (await scheduler.submit(c, block(c))).tokens
+        return out
+
+    out, _ = run(rest, batched)
+    assert out == reference(model, LONG, 3)
+
+
+@pytest.mark.parametrize(
+    "budget,chunk_cap,first_pass,passes",
+    [
+        (16, 0, (1, [12], 16), [(0, [16], 16), (0, [16], 11)]),  # blocks first, the prompt fills the rest
+        (512, 5, (1, [5], 9), [(0, [5], 5)] * 6 + [(0, [5], 4)]),  # each pass at most prefill_chunk_tokens
+        (8, 0, (1, [2], 10), [(0, [8], 8)] * 4 + [(0, [8], 5)]),  # a full budget still lets a quarter through
+    ],
+)
+def test_the_token_budget_splits_a_prefill_across_ticks(batched, monkeypatch, budget, chunk_cap, first_pass, passes):
+    a = make_session(batched, "a", PROMPTS[0])
+    k = 3 if budget != 8 else 7  # the budget of 8 is used up by this block alone
+    c = fresh_session(batched, "c", LONG)
+    calls = spy_steps(monkeypatch, batched)
+
+    async def body(scheduler):
+        return await decode_and_open(scheduler, [(a, block(a, [1] * k))], [c])
+
+    (verdicts, opened), stats = run(
+        body, batched, start_first=False, max_batch_tokens=budget, prefill_chunk_tokens=chunk_cap
+    )
+    assert calls == [first_pass, *passes]
+    assert verdicts[0].load.batch_tokens == first_pass[2]
+    assert opened == [(0, 1 + len(passes))] and stats.prefill_tokens == 39 == c.seq.num_cached
+    assert stats.forwards == 1 + len(passes) and stats.mixed_batches == stats.batches == 1
+
+
+def test_sessions_opening_in_one_pass_each_get_their_own_prefix_reuse(model, batched):
+    old = make_session(batched, "old", LONG[:20])  # 19 tokens cached
+    turn2 = fresh_session(batched, "turn2", LONG)
+    turn2.seq = old.seq  # a second turn of the same conversation: its cached prefix is reused
+    turn2.seq.reset_tokens(LONG)
+    new = fresh_session(batched, "new", PROMPTS[1])
+
+    async def body(scheduler):
+        return (await decode_and_open(scheduler, [], [turn2, new]))[1]
+
+    opened, stats = run(body, batched, start_first=False)
+    assert opened == [(19, 1), (0, 1)] and stats.forwards == 1 and stats.batches == 0
+    assert stats.prefill_tokens == (39 - 19) + len(PROMPTS[1]) - 1
+
+
+def test_a_failing_prefill_chunk_fails_only_its_open(model, batched):
+    a = make_session(batched, "a", PROMPTS[0])
+    bad = fresh_session(batched, "bad", [1, 2, VOCAB + 7, 4, 5])  # the forward raises on this id
+
+    async def body(scheduler):
+        step, opening = asyncio.create_task(scheduler.submit(a, block(a))), asyncio.create_task(scheduler.prefill(bad))
+        await asyncio.sleep(0)
+        scheduler.start()
+        return await asyncio.gather(step, opening, return_exceptions=True)
+
+    (verdict, failed), stats = run(body, batched, start_first=False)
+    assert verdict.tokens == reference(model, PROMPTS[0], 1) and verdict.load.batch_size == 1
+    assert isinstance(failed, RuntimeError) and "prefill failed" in str(failed)
+    assert bad.seq.num_cached == 0  # the failed pass left its cache as it was
+
+
+def test_a_cancelled_open_is_dropped_before_its_pass(batched, monkeypatch):
+    c = fresh_session(batched, "c", LONG)
+    calls = spy_steps(monkeypatch, batched)
+
+    async def body(scheduler):
+        task = asyncio.create_task(scheduler.prefill(c))
+        await asyncio.sleep(0)
+        task.cancel()  # the client went away before the first tick
+        scheduler.start()
+        await asyncio.sleep(0.05)
+        return task.cancelled()
+
+    cancelled, stats = run(body, batched, start_first=False)
+    assert cancelled and calls == [] and stats.forwards == 0 and c.seq.num_cached == 0
+
+
+def test_without_a_ragged_step_prefill_runs_between_ticks(model):
+    hf = ModelRunner(model)
+    c = fresh_session(hf, "c", LONG)
+
+    async def body(scheduler):
+        return await scheduler.prefill(c)
+
+    opened, stats = run(body, hf, prefill_chunk_tokens=4)
+    assert opened == (0, 10)  # 39 tokens in chunks of 4
+    assert stats.prefill_chunks == 10 and stats.prefill_tokens == 39 and stats.forwards == 0
+    assert c.seq.num_cached == 39

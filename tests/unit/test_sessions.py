@@ -1,12 +1,14 @@
 """The verify service's SessionStore: KV budget and LRU eviction, TTL expiry, release, peek, accounting.
 
 Time is a fake clock handed to the store, so expiry is tested by moving the clock, never by sleeping.
-Sessions hold real KV caches of a tiny model: the byte accounting is checked against the cache tensors.
+Sessions hold real KV caches of a tiny model: the byte accounting is checked against the cache tensors
+(ModelRunner: bytes per cached token) and against the slot pool (BatchedRunner: whole slots).
 """
 
 import pytest
 
 from specmesh.errors import FailedPrecondition, NotFound, ResourceExhausted
+from specmesh.runtime.batched import BatchedRunner
 from specmesh.runtime.hf import ModelRunner
 from tests.support.models import tiny_model
 from verify_service.sessions import SessionStore, kv_bytes_per_token
@@ -61,7 +63,7 @@ def test_kv_bytes_counts_cached_tokens_and_matches_the_cache_tensors(runner, clo
     assert store.kv_bytes() == 0  # opened, not yet prefilled: nothing cached
     runner.prefill(a.seq)
     b = open_prefilled(store, "b", [*PROMPT, 11, 12])
-    assert store.kv_bytes() == (CACHED + CACHED + 2) * store.bytes_per_token
+    assert store.kv_bytes() == (CACHED + CACHED + 2) * store.account.bytes_per_token
     # the per-token figure is what the cache really holds, keys and values of every layer
     assert store.kv_bytes() == cache_bytes(a) + cache_bytes(b)
     store.release("a")
@@ -244,4 +246,101 @@ def test_a_new_turn_keeps_the_cached_prefix(runner, clock):
     runner.prefill(a.seq)
     assert a.seq is seq and a.seq.token_ids == turn2
     assert runner.prefix_tokens_reused - before == CACHED
-    assert store.kv_bytes() == (len(turn2) - 1) * store.bytes_per_token
+    assert store.kv_bytes() == (len(turn2) - 1) * store.account.bytes_per_token
+
+
+def test_a_request_that_cannot_fit_evicts_nobody(runner, clock):
+    store = make_store(runner, clock, budget_tokens=3 * CACHED + 3)
+    open_prefilled(store, "a").attached = True
+    open_prefilled(store, "b")
+    open_prefilled(store, "c")
+    # 25 tokens need 25 of the 30: even with b and c gone, a's 9 leave 21. Evicting them would cost their
+    # owners a prefill and still not fit.
+    with pytest.raises(ResourceExhausted, match="KV cache budget full"):
+        store.open("d", list(range(1, 26)))
+    assert store.peek("b") is not None and store.peek("c") is not None and store.evicted == 0
+
+
+def test_a_session_being_prefilled_is_busy(runner, clock):
+    store = make_store(runner, clock, budget_tokens=2 * CACHED + 3, ttl=5.0)
+    a = open_prefilled(store, "a")
+    a.opening = True  # the engine marks a turn being prefilled: its cache is being written
+    open_prefilled(store, "b")
+    assert store.busy == 1 and store.attached == 0
+    open_prefilled(store, "c")  # b goes, though a is older
+    assert store.peek("a") is a and store.peek("b") is None
+    with pytest.raises(FailedPrecondition, match="in use"):
+        store.open("a", PROMPT)
+    clock.advance(10)
+    assert store.evict_expired() == 1 and store.peek("a") is a
+
+
+# With BatchedRunner a session holds a whole slot: bytes are slot bytes, "budget reached" is "no slot free",
+# and a slot goes back to the pool the moment its session is released, evicted or expired.
+
+
+@pytest.fixture(scope="module")
+def slot_runner():
+    return BatchedRunner(tiny_model("llama", vocab=64, hidden=32, seed=3), num_slots=3, max_seq_len=64)
+
+
+def make_slot_store(slot_runner, clock, ttl: float = 60.0) -> SessionStore:
+    assert slot_runner.free_slots == slot_runner.num_slots  # every test starts from an empty pool
+    return SessionStore(slot_runner, 2**30, ttl, clock=clock)
+
+
+def release_all(store: SessionStore) -> None:
+    for sid in [sid for sid in "abcdefgh" if store.peek(sid) is not None]:
+        store.release(sid)
+
+
+def test_slot_store_counts_whole_slots_and_frees_them_at_once(slot_runner, clock):
+    store = make_slot_store(slot_runner, clock)
+    assert store.budget_bytes == slot_runner.pool_bytes  # the pool caps a larger budget
+    a = store.open("a", PROMPT)
+    assert store.kv_bytes() == slot_runner.slot_bytes == slot_runner.kv_bytes()  # held before any prefill
+    slot_runner.prefill(a.seq)
+    open_prefilled(store, "b", [*PROMPT, *range(11, 40)])
+    assert store.kv_bytes() == 2 * slot_runner.slot_bytes == slot_runner.kv_bytes()  # whatever the lengths
+    assert slot_runner.free_slots == 1
+    store.release("a")
+    assert a.seq.freed and slot_runner.free_slots == 2 and store.kv_bytes() == slot_runner.slot_bytes
+    clock.advance(100)
+    assert store.evict_expired() == 1
+    assert slot_runner.free_slots == 3 and store.kv_bytes() == 0
+
+
+def test_slot_store_evicts_the_least_recently_used_idle_session_for_a_slot(slot_runner, clock):
+    store = make_slot_store(slot_runner, clock)
+    a, b, c = (open_prefilled(store, sid) for sid in "abc")
+    assert slot_runner.free_slots == 0
+    store.get("a")  # b is now the oldest
+    b_slot = b.seq.slot
+    d = open_prefilled(store, "d")
+    assert store.peek("b") is None and b.seq.freed and store.evicted == 1
+    assert d.seq.slot == b_slot  # the freed slot went straight to the new session
+    assert {s.seq.slot for s in (a, c, d)} == {0, 1, 2}
+    release_all(store)
+
+
+def test_slot_store_reopening_needs_no_new_slot(slot_runner, clock):
+    store = make_slot_store(slot_runner, clock)
+    a = open_prefilled(store, "a")
+    open_prefilled(store, "b").attached = True
+    open_prefilled(store, "c").attached = True
+    again = store.open("a", [*PROMPT, 20, 21])  # the pool is full, but a keeps its own slot
+    assert again is a and store.evicted == 0 and slot_runner.free_slots == 0
+    release_all(store)
+
+
+def test_slot_store_with_every_slot_busy_raises_and_evicts_nobody(slot_runner, clock):
+    store = make_slot_store(slot_runner, clock)
+    open_prefilled(store, "a").attached = True
+    open_prefilled(store, "b").opening = True
+    open_prefilled(store, "c").attached = True
+    with pytest.raises(ResourceExhausted) as err:
+        store.open("d", PROMPT)
+    assert err.value.code == "RESOURCE_EXHAUSTED"
+    assert len(store) == 3 and store.evicted == 0 and slot_runner.free_slots == 0
+    release_all(store)
+    assert slot_runner.free_slots == 3

@@ -35,7 +35,7 @@ def reference(model, prompt: list[int], n: int) -> list[int]:
     with torch.inference_mode():
         for _ in range(n):
             ids.append(int(model(input_ids=torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[len(prompt):]
+    return ids[len(prompt) :]
 
 
 def make_engine(model, **kw) -> VerifyEngine:
@@ -59,24 +59,30 @@ def run(engine: VerifyEngine, body):
 DEMO_BPT = 2 * 10 * 8 * 64 * 4  # the demo target in fp32: 10 layers, 8 KV heads of 64
 
 
-@pytest.mark.parametrize("args,plan", [
-    # the model's 2048 tokens for 64 sessions would need 5 GiB of a 2 GiB budget: slots are shortened
-    ((2048, DEMO_BPT, 2048 * MiB, 64), SlotPlan(819, 64)),
-    ((2048, DEMO_BPT, 2048 * MiB, 16), SlotPlan(2048, 25)),  # fewer sessions: full length, spare slots
-    ((2048, DEMO_BPT, 2048 * MiB, 64, 512), SlotPlan(512, 102)),  # --max-model-len given
-    ((2048, DEMO_BPT, 2048 * MiB, 1, 4096), SlotPlan(2048, 25)),  # never longer than the model's context
-    ((100, BPT, MiB, 8), SlotPlan(100, 20)),  # a model shorter than the floor: its own context
-])
+@pytest.mark.parametrize(
+    "args,plan",
+    [
+        # the model's 2048 tokens for 64 sessions would need 5 GiB of a 2 GiB budget: slots are shortened
+        ((2048, DEMO_BPT, 2048 * MiB, 64), SlotPlan(819, 64)),
+        ((2048, DEMO_BPT, 2048 * MiB, 16), SlotPlan(2048, 25)),  # fewer sessions: full length, spare slots
+        ((2048, DEMO_BPT, 2048 * MiB, 64, 512), SlotPlan(512, 102)),  # --max-model-len given
+        ((2048, DEMO_BPT, 2048 * MiB, 1, 4096), SlotPlan(2048, 25)),  # never longer than the model's context
+        ((100, BPT, MiB, 8), SlotPlan(100, 20)),  # a model shorter than the floor: its own context
+    ],
+)
 def test_the_slot_pool_holds_max_sessions_slots_within_the_budget(args, plan):
     got = plan_slots(*args)
     assert got == plan
     assert got.num_slots >= args[3] and got.num_slots * got.slot_len * args[1] <= args[2]
 
 
-@pytest.mark.parametrize("args,message", [
-    ((2048, DEMO_BPT, 2048 * MiB, 64, 2048), "holds 25 slots of 2048 tokens, fewer than --max-sessions 64"),
-    ((1024, BPT, 12 * 1024, 64), "gives each of --max-sessions 64 sessions 0 tokens"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        ((2048, DEMO_BPT, 2048 * MiB, 64, 2048), "holds 25 slots of 2048 tokens, fewer than --max-sessions 64"),
+        ((1024, BPT, 12 * 1024, 64), "gives each of --max-sessions 64 sessions 0 tokens"),
+    ],
+)
 def test_a_budget_too_small_for_the_slots_is_refused(args, message):
     with pytest.raises(ValueError, match=message):
         plan_slots(*args)
@@ -108,6 +114,7 @@ def test_auto_falls_back_to_the_hf_runner_and_batched_refuses():
 
 
 # sessions on the slot pool ------------------------------------------------------------------------------
+
 
 def test_a_thousand_sessions_opened_and_released_leave_every_slot_free(model):
     # 32 slots of 64 tokens for at most 8 busy sessions: the 1,000 sessions reuse them over and over
@@ -176,8 +183,7 @@ def test_idle_sessions_are_evicted_by_slots_and_busy_ones_never(model):
 
 
 def test_a_draft_block_is_cut_to_fit_the_slot(model):
-    engine = make_engine(model, max_sessions=1, max_model_len=32, max_spec_len=8,
-                         kv_cache_budget_mb=2 * 32 * BPT / MiB)
+    engine = make_engine(model, max_sessions=1, max_model_len=32, max_spec_len=8, kv_cache_budget_mb=2 * 32 * BPT / MiB)
     prompt = list(range(10, 30))  # 20 tokens: with max_tokens 12 the session ends exactly at the slot's end
     truth = reference(model, prompt, 12)
 
@@ -192,8 +198,14 @@ def test_a_draft_block_is_cut_to_fit_the_slot(model):
             verdicts.append(verdict)
             out += verdict.tokens
             # always a full block of 8, though at most 2 can still be kept and 3 positions are left
-            inbox.put_nowait(BlockIn("s", verdict.epoch + 1, len(prompt) + len(out),
-                                     DraftBlock((truth + [1] * 8)[len(out):len(out) + 8])))
+            inbox.put_nowait(
+                BlockIn(
+                    "s",
+                    verdict.epoch + 1,
+                    len(prompt) + len(out),
+                    DraftBlock((truth + [1] * 8)[len(out) : len(out) + 8]),
+                )
+            )
         inbox.put_nowait(END_OF_STREAM)
         return verdicts, out, engine.sessions.get("s").position
 
