@@ -8,8 +8,10 @@ between the two is exactly the cost of the network.
 from __future__ import annotations
 
 import asyncio
+import functools
+from collections.abc import Callable, Coroutine
 from pathlib import Path
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 
 import torch
 
@@ -23,6 +25,21 @@ from specmesh.runtime.hf import ModelRunner
 from specmesh.runtime.static import StaticCacheRunner
 from specmesh.sampling import SamplingParams, StopChecker, check_token_ids
 from specmesh.verifier import LocalVerifier
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def _blocking(coroutine_fn: Callable[P, Coroutine[Any, Any, R]]) -> Callable[P, R]:
+    """The coroutine function as a plain one with the same arguments, for synchronous callers: each call runs
+    it to completion on an event loop of its own, under inference mode."""
+
+    @functools.wraps(coroutine_fn, assigned=("__module__",))
+    def run(*args: P.args, **kwargs: P.kwargs) -> R:
+        with torch.inference_mode():
+            return asyncio.run(coroutine_fn(*args, **kwargs))
+
+    return run
 
 
 class SpeculativeEngine:
@@ -76,17 +93,6 @@ class SpeculativeEngine:
         draft = load_model(draft_path, device)[0] if draft_path else None
         return cls.from_models(target, draft, tokenizer=tokenizer, **kw)
 
-    def generate(
-        self,
-        prompt_ids: list[int],
-        params: SamplingParams,
-        num_speculative_tokens: int = 4,
-        algorithm: str = "standalone",
-    ) -> GenerationResult:
-        """Generate to completion (from synchronous code; `agenerate` inside an event loop)."""
-        with torch.inference_mode():
-            return asyncio.run(self.agenerate(prompt_ids, params, num_speculative_tokens, algorithm))
-
     async def agenerate(
         self,
         prompt_ids: list[int],
@@ -94,6 +100,7 @@ class SpeculativeEngine:
         num_speculative_tokens: int = 4,
         algorithm: str = "standalone",
     ) -> GenerationResult:
+        """Generate to completion, inside an event loop."""
         params.validate(self.target.vocab_size)
         check_token_ids(prompt_ids, self.target.vocab_size)
         if not 0 <= num_speculative_tokens <= MAX_SPEC_LEN:
@@ -110,3 +117,6 @@ class SpeculativeEngine:
         if decode is not None:
             result.text = stop.text()
         return result
+
+    # The same, from synchronous code.
+    generate = _blocking(agenerate)
