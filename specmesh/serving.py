@@ -15,11 +15,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from wsgiref.simple_server import WSGIServer
 
 import grpc
@@ -118,38 +119,35 @@ class ServiceInterceptor(grpc.aio.ServerInterceptor):
             return grpc.stream_stream_rpc_method_handler(self._streaming(handler.stream_stream, method), **ser)
         return handler
 
+    @contextlib.asynccontextmanager
+    async def _call(self, method: str, context) -> AsyncIterator[None]:
+        """One call of `method`, unary or streaming, from its start to its final code: in its span, errors
+        answered as statuses, counted when it ends."""
+        call = _Call(self.telemetry, method, context)
+        try:
+            with trace.use_span(call.span, end_on_exit=False):
+                yield
+        except (asyncio.CancelledError, grpc.aio.AbortError) as exc:
+            call.code = _code_after(exc, context)
+            raise
+        except Exception as exc:  # every error reaches the caller as a status
+            await call.fail(exc)
+            raise
+        finally:
+            call.end()
+
     def _unary(self, behavior, method: str):
         async def unary(request, context):
-            call = _Call(self.telemetry, method, context)
-            try:
-                with trace.use_span(call.span, end_on_exit=False):
-                    return await behavior(request, context)
-            except (asyncio.CancelledError, grpc.aio.AbortError) as exc:
-                call.code = _code_after(exc, context)
-                raise
-            except Exception as exc:  # every error reaches the caller as a status
-                await call.fail(exc)
-                raise
-            finally:
-                call.end()
+            async with self._call(method, context):
+                return await behavior(request, context)
 
         return unary
 
     def _streaming(self, behavior, method: str):
         async def streaming(request, context):
-            call = _Call(self.telemetry, method, context)
-            try:
-                with trace.use_span(call.span, end_on_exit=False):
-                    async for item in behavior(request, context):
-                        yield item
-            except (asyncio.CancelledError, grpc.aio.AbortError) as exc:
-                call.code = _code_after(exc, context)
-                raise
-            except Exception as exc:  # every error reaches the caller as a status
-                await call.fail(exc)
-                raise
-            finally:
-                call.end()
+            async with self._call(method, context):
+                async for item in behavior(request, context):
+                    yield item
 
         return streaming
 
