@@ -2,57 +2,39 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Request
-from fastapi.responses import Response
+from fastapi import APIRouter
 
-from gateway.core import Chunk, Outcome
+from gateway.core import Gateway
+from gateway.openai import serving
 from gateway.openai.protocol import (
     CompletionChoice,
     CompletionRequest,
     CompletionResponse,
     CompletionStreamResponse,
-    SpecmeshStats,
-    Usage,
-    parse_request,
 )
-from gateway.openai.serving import Front, Head, respond
 
 
 class Completions:
-    """The completion shape of an answer (see `serving.Api`)."""
+    """The completions route and the shape of its answers (see `serving.Api`)."""
 
+    path, name = "/v1/completions", "completions"
+    request_type = CompletionRequest
+    response_type, chunk_type = CompletionResponse, CompletionStreamResponse
     id_prefix = "cmpl-"
     span_name = "gateway.completions"
 
-    def response(self, head: Head, text: str, finish: str | None, outcome: Outcome) -> CompletionResponse:
-        return CompletionResponse(
-            **head._asdict(),
-            choices=[CompletionChoice(text=text, finish_reason=finish)],
-            usage=Usage.of(outcome),
-            specmesh=SpecmeshStats.of(outcome),
-        )
+    def prompt_ids(self, gateway: Gateway, body: CompletionRequest) -> list[int]:
+        return gateway.encode(body.prompt) if isinstance(body.prompt, str) else list(body.prompt)
 
-    def stream_chunks(self, head: Head, chunk: Chunk, first: bool) -> list[CompletionStreamResponse]:
-        choices = []
-        if chunk.text:
-            choices.append(CompletionChoice(text=chunk.text, finish_reason=None))
-        if chunk.finish_reason is not None:
-            choices.append(CompletionChoice(text="", finish_reason=chunk.finish_reason))
-        return [CompletionStreamResponse(**head._asdict(), choices=[c]) for c in choices]
+    def choice(self, text: str, finish: str | None) -> CompletionChoice:
+        return CompletionChoice(text=text, finish_reason=finish)
 
-    def usage_chunk(self, head: Head, outcome: Outcome) -> CompletionStreamResponse:
-        return CompletionStreamResponse(
-            **head._asdict(), choices=[], usage=Usage.of(outcome), specmesh=SpecmeshStats.of(outcome)
-        )
+    def opening(self) -> list[CompletionChoice]:
+        return []
+
+    def delta(self, text: str | None, finish: str | None) -> CompletionChoice:
+        return CompletionChoice(text=text or "", finish_reason=finish)
 
 
-def router(front: Front) -> APIRouter:
-    api = APIRouter()
-
-    @api.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        body = parse_request(CompletionRequest, await front.read_body(request))
-        ids = front.gateway.encode(body.prompt) if isinstance(body.prompt, str) else list(body.prompt)
-        return await respond(front, request, front.gen_request(request, body, ids), body, Completions())
-
-    return api
+def router(front: serving.Front) -> APIRouter:
+    return serving.router(front, Completions())

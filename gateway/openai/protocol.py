@@ -366,6 +366,26 @@ class SpecmeshStats(BaseModel):
         )
 
 
+class ResponseBase(BaseModel):
+    """The fields of a whole answer, in the order they are sent; each kind fixes `object` and its choices'
+    type (pydantic keeps a redefined field where the base put it)."""
+
+    id: str
+    object: str
+    created: int
+    model: str
+    choices: list
+    usage: Usage
+    specmesh: SpecmeshStats
+
+
+class StreamResponseBase(ResponseBase):
+    """One server-sent event: `usage` is there (null but the last) only when asked for."""
+
+    usage: Usage | None = None
+    specmesh: SpecmeshStats | None = None
+
+
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
@@ -373,26 +393,14 @@ class CompletionChoice(BaseModel):
     finish_reason: str | None
 
 
-class CompletionResponse(BaseModel):
-    id: str
+class CompletionResponse(ResponseBase):
     object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
     choices: list[CompletionChoice]
-    usage: Usage
-    specmesh: SpecmeshStats
 
 
-class CompletionStreamResponse(BaseModel):
-    """One server-sent event of a completion: `usage` is there (null but the last) only when asked for."""
-
-    id: str
+class CompletionStreamResponse(StreamResponseBase):
     object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
     choices: list[CompletionChoice]
-    usage: Usage | None = None
-    specmesh: SpecmeshStats | None = None
 
 
 class ChatResponseMessage(BaseModel):
@@ -407,14 +415,9 @@ class ChatChoice(BaseModel):
     finish_reason: str | None
 
 
-class ChatCompletionResponse(BaseModel):
-    id: str
+class ChatCompletionResponse(ResponseBase):
     object: Literal["chat.completion"] = "chat.completion"
-    created: int
-    model: str
     choices: list[ChatChoice]
-    usage: Usage
-    specmesh: SpecmeshStats
 
 
 class DeltaMessage(BaseModel):
@@ -435,17 +438,12 @@ class ChatStreamChoice(BaseModel):
     finish_reason: str | None
 
 
-class ChatCompletionStreamResponse(BaseModel):
-    id: str
+class ChatCompletionStreamResponse(StreamResponseBase):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
     choices: list[ChatStreamChoice]
-    usage: Usage | None = None
-    specmesh: SpecmeshStats | None = None
 
 
-def stream_payload(chunk: CompletionStreamResponse | ChatCompletionStreamResponse, include_usage: bool) -> dict:
+def stream_payload(chunk: StreamResponseBase, include_usage: bool) -> dict:
     """A stream chunk as its event's JSON object: `usage` only when asked for, `specmesh` only with the usage."""
     exclude = {"specmesh"} if chunk.specmesh is None else set()
     if not include_usage:

@@ -1,6 +1,7 @@
-"""What the completions and chat routes share: a request's way in (API key, body size, JSON, the model
-asked for) and its way out (one generation answered as one JSON body or as server-sent events, traced,
-with a request id). A client that goes away, streaming or not, cancels the work downstream.
+"""What the completions and chat routes share (each is an `Api`: its route, request and answer types): a
+request's way in (API key, body size, JSON, the model asked for) and its way out (one generation answered
+as one JSON body or as server-sent events, traced, with a request id). A client that goes away, streaming
+or not, cancels the work downstream.
 """
 
 from __future__ import annotations
@@ -11,16 +12,25 @@ import time
 import uuid
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
-from typing import NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 
-from fastapi import Request
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from opentelemetry import propagate, trace
 from pydantic import BaseModel
 
 from gateway.core import Chunk, Gateway, GenRequest, Outcome
 from gateway.openai import sse
-from gateway.openai.protocol import APIError, GenerationRequest, stream_payload
+from gateway.openai.protocol import (
+    APIError,
+    GenerationRequest,
+    ResponseBase,
+    SpecmeshStats,
+    StreamResponseBase,
+    Usage,
+    parse_request,
+    stream_payload,
+)
 from specmesh import telemetry
 from specmesh.errors import SpecmeshError, Unavailable
 
@@ -97,16 +107,47 @@ class Head(NamedTuple):
 
 
 class Api(Protocol):
-    """How one route family (completions, chat) shapes a generation's answer."""
+    """What one route family (completions, chat) has of its own: its route, its request, the prompt it
+    makes of it, and the types and choices of its answer."""
 
+    path: str
+    name: str  # the route's name (and OpenAPI operation)
+    request_type: type[GenerationRequest]
+    response_type: type[ResponseBase]
+    chunk_type: type[StreamResponseBase]
     id_prefix: str
     span_name: str
 
-    def response(self, head: Head, text: str, finish: str | None, outcome: Outcome) -> BaseModel: ...
+    def prompt_ids(self, gateway: Gateway, body: Any) -> list[int]: ...
 
-    def stream_chunks(self, head: Head, chunk: Chunk, first: bool) -> list[BaseModel]: ...
+    def choice(self, text: str, finish: str | None) -> BaseModel:
+        """The one choice of a whole answer."""
+        ...
 
-    def usage_chunk(self, head: Head, outcome: Outcome) -> BaseModel: ...
+    def opening(self) -> list[BaseModel]:
+        """The choices of a stream's first chunks, before any text."""
+        ...
+
+    def delta(self, text: str | None, finish: str | None) -> BaseModel:
+        """A stream chunk's choice: new text, or the finish reason."""
+        ...
+
+
+def router(front: Front, api: Api) -> APIRouter:
+    routes = APIRouter()
+
+    @routes.post(api.path, name=api.name)
+    async def generate(request: Request) -> Response:
+        body = parse_request(api.request_type, await front.read_body(request))
+        ids = api.prompt_ids(front.gateway, body)
+        return await respond(front, request, front.gen_request(request, body, ids), body, api)
+
+    return routes
+
+
+def _with_totals(model: type[ResponseBase], head: Head, choices: list, outcome: Outcome) -> ResponseBase:
+    """A whole answer, or a stream's last chunk: the choices with the generation's usage and speculation."""
+    return model(**head._asdict(), choices=choices, usage=Usage.of(outcome), specmesh=SpecmeshStats.of(outcome))
 
 
 class RequestSpan:
@@ -209,7 +250,8 @@ class Generation:
                 collector.cancel()
             await self.chunks.aclose()
             self.span.end()
-        answer = self.api.response(Head(rid, int(time.time()), model), text, finish, self.outcome)
+        head = Head(rid, int(time.time()), model)
+        answer = _with_totals(self.api.response_type, head, [self.api.choice(text, finish)], self.outcome)
         return JSONResponse(answer.model_dump(), headers={"x-request-id": rid})
 
     async def _collect(self) -> tuple[str, str | None]:
@@ -233,13 +275,16 @@ class Generation:
         )
 
     async def _payloads(self, head: Head, include_usage: bool) -> AsyncGenerator[dict, None]:
-        chunk, started = self.first, False
+        chunk, choices = self.first, self.api.opening()
         while chunk is not None:
-            for event in self.api.stream_chunks(head, chunk, first=not started):
-                yield stream_payload(event, include_usage)
-            started = True
+            if chunk.text:
+                choices.append(self.api.delta(chunk.text, None))
+            if chunk.finish_reason is not None:
+                choices.append(self.api.delta(None, chunk.finish_reason))
+            for choice in choices:  # one choice per event
+                yield stream_payload(self.api.chunk_type(**head._asdict(), choices=[choice]), include_usage)
             if chunk.finish_reason is not None:
                 break
-            chunk = await self.chunks.__anext__()
+            chunk, choices = await self.chunks.__anext__(), []
         if include_usage:
-            yield stream_payload(self.api.usage_chunk(head, self.outcome), include_usage)
+            yield stream_payload(_with_totals(self.api.chunk_type, head, [], self.outcome), include_usage)
