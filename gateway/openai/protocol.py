@@ -11,7 +11,7 @@ in a response.
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any, Literal, TypeVar, get_args
+from typing import Annotated, Any, Generic, Literal, TypeVar, get_args
 
 from fastapi.responses import JSONResponse
 from pydantic import (
@@ -366,41 +366,11 @@ class SpecmeshStats(BaseModel):
         )
 
 
-class ResponseBase(BaseModel):
-    """The fields of a whole answer, in the order they are sent; each kind fixes `object` and its choices'
-    type (pydantic keeps a redefined field where the base put it)."""
-
-    id: str
-    object: str
-    created: int
-    model: str
-    choices: list
-    usage: Usage
-    specmesh: SpecmeshStats
-
-
-class StreamResponseBase(ResponseBase):
-    """One server-sent event: `usage` is there (null but the last) only when asked for."""
-
-    usage: Usage | None = None
-    specmesh: SpecmeshStats | None = None
-
-
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
     logprobs: None = None
     finish_reason: str | None
-
-
-class CompletionResponse(ResponseBase):
-    object: Literal["text_completion"] = "text_completion"
-    choices: list[CompletionChoice]
-
-
-class CompletionStreamResponse(StreamResponseBase):
-    object: Literal["text_completion"] = "text_completion"
-    choices: list[CompletionChoice]
 
 
 class ChatResponseMessage(BaseModel):
@@ -413,11 +383,6 @@ class ChatChoice(BaseModel):
     message: ChatResponseMessage
     logprobs: None = None
     finish_reason: str | None
-
-
-class ChatCompletionResponse(ResponseBase):
-    object: Literal["chat.completion"] = "chat.completion"
-    choices: list[ChatChoice]
 
 
 class DeltaMessage(BaseModel):
@@ -438,9 +403,43 @@ class ChatStreamChoice(BaseModel):
     finish_reason: str | None
 
 
-class ChatCompletionStreamResponse(StreamResponseBase):
+ChoiceT = TypeVar("ChoiceT", bound=BaseModel)
+
+
+class ResponseBase(BaseModel, Generic[ChoiceT]):
+    """The fields of a whole answer, in the order they are sent; each kind fixes `object` (pydantic keeps a
+    redefined field where the base put it)."""
+
+    id: str
+    object: str
+    created: int
+    model: str
+    choices: list[ChoiceT]
+    usage: Usage
+    specmesh: SpecmeshStats
+
+
+class StreamResponseBase(ResponseBase[ChoiceT], Generic[ChoiceT]):
+    """One server-sent event: `usage` is there (null but the last) only when asked for."""
+
+    usage: Usage | None = None
+    specmesh: SpecmeshStats | None = None
+
+
+class CompletionResponse(ResponseBase[CompletionChoice]):
+    object: Literal["text_completion"] = "text_completion"
+
+
+class CompletionStreamResponse(StreamResponseBase[CompletionChoice]):
+    object: Literal["text_completion"] = "text_completion"
+
+
+class ChatCompletionResponse(ResponseBase[ChatChoice]):
+    object: Literal["chat.completion"] = "chat.completion"
+
+
+class ChatCompletionStreamResponse(StreamResponseBase[ChatStreamChoice]):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    choices: list[ChatStreamChoice]
 
 
 def stream_payload(chunk: StreamResponseBase, include_usage: bool) -> dict:
