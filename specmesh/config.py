@@ -10,6 +10,10 @@ from __future__ import annotations
 
 import argparse
 import os
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+ConfigT = TypeVar("ConfigT")
 
 
 def _env_name(prefix: str, flag: str) -> str:
@@ -52,6 +56,26 @@ class EnvArgumentParser(argparse.ArgumentParser):
         )
 
 
+def add_config_flags(
+    ap: EnvArgumentParser, defaults: Any, helps: dict[str, str], options: dict[str, dict] | None = None
+) -> None:
+    """A flag per config field that `helps` describes, in its order (`max_sessions`: --max-sessions), with the
+    field's value in `defaults` as its default and that value's type as its own; `options[field]`: more
+    keyword arguments of that flag (choices, a different type)."""
+    options = options or {}
+    for name, help in helps.items():
+        default = getattr(defaults, name)
+        kw = {"type": type(default), "default": default, "help": help, **options.get(name, {})}
+        ap.flag("--" + name.replace("_", "-"), **kw)
+
+
+def add_server_flags(ap: EnvArgumentParser, host: str, port: int) -> None:
+    """Where a model service listens for gRPC, and the torch device its model runs on."""
+    ap.flag("--host", default=host, help="address to listen on (0.0.0.0 for all interfaces)")
+    ap.flag("--port", type=int, default=port, help="gRPC port (0 = any free port, printed at start)")
+    ap.flag("--device", default=None, help="torch device; default cuda when available, else cpu")
+
+
 PROCESS_FLAGS = ("threads", "log_level", "log_format")
 
 
@@ -72,3 +96,14 @@ def add_process_flags(ap: EnvArgumentParser, metrics_port: int = 9464) -> None:
 def split_process_flags(args: dict) -> dict:
     """Remove the process flags from parsed args (the rest builds the service's config); return them."""
     return {k: args.pop(k) for k in PROCESS_FLAGS}
+
+
+def parse_config(ap: EnvArgumentParser, config_type: Callable[..., ConfigT], argv=None) -> tuple[ConfigT, dict]:
+    """The service's config from every flag but the process flags, and those; a config that refuses its values
+    (ValueError) is a usage error."""
+    args = vars(ap.parse_args(argv))
+    process = split_process_flags(args)
+    try:
+        return config_type(**args), process
+    except ValueError as e:
+        ap.error(str(e))
