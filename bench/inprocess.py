@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from bench.plots import label_bars, pyplot, save
 from specmesh.domain import SpecStats
 from specmesh.engine import SpeculativeEngine
 from specmesh.runtime.hf import ModelRunner
@@ -95,28 +96,16 @@ def decode_ms(model, context: int = 64, steps: int = 50) -> float:
 
 
 def plot(results: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    names = list(results["methods"])
-    speed = [results["methods"][n]["tokens_per_s"] for n in names]
+    plt = pyplot()
+    methods = results["methods"]
+    names = list(methods)
     fig, ax = plt.subplots(figsize=(9, 4))
-    bars = ax.bar(names, speed, color=["#888"] * 2 + ["#4a7"] * (len(names) - 2))
-    for b, n in zip(bars, names, strict=True):
-        ax.annotate(
-            f"{results['methods'][n]['speedup_vs_target_only']:.2f}x",
-            (b.get_x() + b.get_width() / 2, b.get_height()),
-            ha="center",
-            va="bottom",
-            fontsize=9,
-        )
+    bars = ax.bar(names, [methods[n]["tokens_per_s"] for n in names], color=["#888"] * 2 + ["#4a7"] * (len(names) - 2))
+    label_bars(ax, bars, [f"{methods[n]['speedup_vs_target_only']:.2f}x" for n in names], fontsize=9)
     ax.set_ylabel("tokens / s (greedy)")
     ax.set_title(f"in-process decoding, {results['prompts']} held-out prompts x {results['max_tokens']} tokens")
     plt.xticks(rotation=20, ha="right")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save(fig, path)
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -55,7 +55,8 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from specmesh.placement import service_threads
+from bench.plots import concurrency_axis, pyplot, save
+from specmesh.placement import add_thread_flags, cores, service_threads
 from specmesh.stack import start, wait_healthy
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -66,14 +67,6 @@ MODEL_NAME = "demo"
 FALLBACK_K = 4
 SPEC, TARGET_ONLY = "speculative", "target-only"
 MODES = (SPEC, TARGET_ONLY)
-
-
-def cores() -> int:
-    """CPUs this process may run on (what torch threads and the comparison should be sized to)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:
-        return os.cpu_count() or 1
 
 
 def sampling_name(t: float) -> str:
@@ -483,10 +476,7 @@ def markdown(r: dict) -> str:
 
 
 def plot(r: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     from matplotlib.ticker import FuncFormatter
 
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(13, 4.8), gridspec_kw={"width_ratios": [1.4, 1]})
@@ -521,9 +511,7 @@ def plot(r: dict, path: Path) -> None:
                 label=f"vs HF assisted, {sampling}",
             )
     for a in (ax, ax2):
-        a.set_xscale("log", base=2)
-        a.set_xticks(levels, [str(v) for v in levels])
-        a.set_xlabel("concurrent requests")
+        concurrency_axis(a, levels, "concurrent requests")
         a.grid(alpha=0.3)
     ax.set_ylabel("aggregate completion tokens / s")
     s = r["settings"]
@@ -536,9 +524,7 @@ def plot(r: dict, path: Path) -> None:
     ax2.set_ylabel("speculative / baseline")
     ax2.set_title(f"speedup of speculation (target-only: {r['target_only_method']['short']})", fontsize=10)
     ax2.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save(fig, path)
 
 
 def git_info() -> dict:
@@ -573,51 +559,26 @@ def parse_args(argv=None):
     )
     ap.add_argument("--target", type=Path, default=ROOT / "models/demo/target", help="target checkpoint")
     ap.add_argument("--draft", type=Path, default=ROOT / "models/demo/draft", help="draft checkpoint")
-    ap.add_argument(
-        "--concurrency",
-        type=parse_list(int),
-        default=[1, 2, 4, 8, 16, 32],
-        help="comma-separated concurrency levels (clients in the closed loop)",
-    )
-    ap.add_argument(
-        "--temperatures",
-        type=parse_list(float),
-        default=[0.0, 0.7],
-        help="comma-separated sampling temperatures (0 = greedy)",
-    )
+    for name, kind, default, what in (
+        ("--concurrency", int, [1, 2, 4, 8, 16, 32], "concurrency levels (clients in the closed loop)"),
+        ("--temperatures", float, [0.0, 0.7], "sampling temperatures (0 = greedy)"),
+    ):
+        ap.add_argument(name, type=parse_list(kind), default=default, help=f"comma-separated {what}")
     ap.add_argument("--max-tokens", type=int, default=64, help="completion tokens per request (ignore_eos)")
     ap.add_argument("--prompt-len", type=int, default=64, help="tokens per held-out prompt")
     ap.add_argument("--prompts", type=int, default=20, help="distinct held-out prompts, cycled over the requests")
     ap.add_argument("--requests-factor", type=int, default=2, help="requests per level = factor x concurrency ...")
     ap.add_argument("--min-requests", type=int, default=4, help="... but at least this many")
-    ap.add_argument(
-        "--num-speculative-tokens",
-        type=int,
-        default=None,
-        help="K sent with speculative requests (default: left out, the draft service's default)",
-    )
-    ap.add_argument(
-        "--verify-threads",
-        type=int,
-        default=0,
-        help="torch threads of the verify service (0 = as `make run` chooses: specmesh.placement)",
-    )
-    ap.add_argument(
-        "--draft-threads",
-        type=int,
-        default=0,
-        help="torch threads of the draft service (0 = as `make run` chooses: specmesh.placement)",
-    )
+    k_help = "K sent with speculative requests (default: left out, the draft service's default)"
+    ap.add_argument("--num-speculative-tokens", type=int, default=None, help=k_help)
+    add_thread_flags(ap)
     ap.add_argument("--hf-prompts", type=int, default=12, help="prompts for the HF assisted-generation peer")
     ap.add_argument("--hf-threads", type=int, default=0, help="torch threads of the HF peer (0 = this machine's cores)")
     ap.add_argument("--skip-hf", action="store_true", help="no HF assisted-generation peer (its ratios are null)")
     ap.add_argument("--request-timeout-s", type=float, default=300.0, help="client timeout per request")
     ap.add_argument("--seed", type=int, default=0, help="torch seed of the HF peer's sampling")
-    ap.add_argument(
-        "--quick",
-        action="store_true",
-        help="smoke run: concurrency 1,4, four requests per level, 16 tokens, 2 HF prompts",
-    )
+    quick_help = "smoke run: concurrency 1,4, four requests per level, 16 tokens, 2 HF prompts"
+    ap.add_argument("--quick", action="store_true", help=quick_help)
     ap.add_argument("--out", type=Path, default=RESULTS / "load.json", help="JSON results (the PNG goes beside it)")
     args = ap.parse_args(argv)
     if args.quick:

@@ -51,6 +51,7 @@ import transformers
 from tqdm import tqdm
 
 from bench.inprocess import decode_ms, heldout_prompts
+from bench.plots import concurrency_axis, label_bars, pyplot, save
 from specmesh import wire
 from specmesh.domain import DraftBlock, SpecStats
 from specmesh.drafters import ModelDrafter
@@ -311,25 +312,15 @@ def batch_delta(before: dict, after: dict) -> dict:
 
 
 def plot(results: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.6), gridspec_kw={"width_ratios": [1.5, 1, 1]})
     ss = results["single_stream"]["methods"]
     names = list(ss)
     ax = axes[0]
     colors = ["#888", "#4a7", "#37c", "#79d", "#c84"]
     bars = ax.bar(range(len(names)), [ss[n]["tokens_per_s"] for n in names], color=colors[: len(names)])
-    for b, n in zip(bars, names, strict=True):
-        ax.annotate(
-            f"{ss[n]['speedup_vs_inprocess_target_only']:.2f}x / {ss[n]['speedup_vs_service_target_only']:.2f}x",
-            (b.get_x() + b.get_width() / 2, b.get_height()),
-            ha="center",
-            va="bottom",
-            fontsize=8,
-        )
+    ratio = "{m[speedup_vs_inprocess_target_only]:.2f}x / {m[speedup_vs_service_target_only]:.2f}x"
+    label_bars(ax, bars, [ratio.format(m=ss[n]) for n in names], fontsize=8)
     ax.set_xticks(range(len(names)), [textwrap.fill(n, 15) for n in names], fontsize=7)
     ax.set_ylabel("tokens / s (greedy)")
     s = results["settings"]
@@ -370,18 +361,14 @@ def plot(results: dict, path: Path) -> None:
                 xytext=(4, -10 if key == "verify_generate" else 4),
                 textcoords="offset points",
             )
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(n, [str(v) for v in n])
-    ax.set_xlabel("concurrent sessions")
+    concurrency_axis(ax, n, "concurrent sessions")
     ax.set_ylabel("aggregate tokens / s")
     ax.set_title(
         f"concurrency, {results['concurrency']['tokens_per_session']} tokens per session\n(b = mean verify batch size)",
         fontsize=9,
     )
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save(fig, path)
 
 
 def print_report(r: dict) -> None:

@@ -8,6 +8,7 @@ verify service owns it and the draft stays on the CPU threads it is given.
 
 from __future__ import annotations
 
+import argparse
 import os
 
 
@@ -28,3 +29,10 @@ def service_threads(role: str, requested: int = 0) -> int:
     if role == "draft":
         return max(1, n // 2)
     raise ValueError(f"unknown role {role!r}")
+
+
+def add_thread_flags(ap: argparse.ArgumentParser) -> None:
+    """--verify-threads and --draft-threads, for a launcher that starts both model services (0: as above)."""
+    for role, default in (("verify", "every core"), ("draft", "half the cores, at least one")):
+        help = f"torch threads of each {role} process (0 = {default}: see specmesh.placement)"
+        ap.add_argument(f"--{role}-threads", type=int, default=0, help=help)

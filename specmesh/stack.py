@@ -21,7 +21,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from specmesh.placement import service_threads
+from specmesh.placement import add_thread_flags, service_threads
 
 ROOT = Path(__file__).resolve().parent.parent
 DEMO = ROOT / "models" / "demo"
@@ -98,18 +98,7 @@ def main(argv=None) -> int:
     ap.add_argument("--target", default=str(DEMO / "target"), help="target checkpoint (verify service)")
     ap.add_argument("--draft", default=str(DEMO / "draft"), help="draft checkpoint (draft service)")
     ap.add_argument("--verify-replicas", type=int, default=1, help="verify service processes")
-    ap.add_argument(
-        "--verify-threads",
-        type=int,
-        default=0,
-        help="torch threads of each verify process (0 = every core: see specmesh.placement)",
-    )
-    ap.add_argument(
-        "--draft-threads",
-        type=int,
-        default=0,
-        help="torch threads of the draft process (0 = half the cores, at least one)",
-    )
+    add_thread_flags(ap)
     ap.add_argument("--smoke", action="store_true", help="exit after the first answer")
     args = ap.parse_args(argv)
 
