@@ -123,7 +123,7 @@ class DraftEngine:
         self._busy: set[str] = set()
         self._active = 0
         self._channels: dict[str, grpc.aio.Channel] = {}
-        self._checked: set[str] = set()
+        self._max_spec_len: dict[str, int] = {}  # each verify replica's limit, learnt from its Info
         self.shutting_down = False
 
     @classmethod
@@ -146,22 +146,23 @@ class DraftEngine:
             await ch.close()
         self.model_thread.shutdown(wait=False, cancel_futures=True)
 
-    async def _stub(self, address: str) -> verify_pb2_grpc.VerifyServiceStub:
+    async def _stub(self, address: str) -> tuple[verify_pb2_grpc.VerifyServiceStub, int]:
+        """The replica's stub and its largest draft block; its Info is read at first contact."""
         if not address:
             raise InvalidArgument("no verify_address in the request and no --verify-address default")
         ch = self._channels.get(address)
         if ch is None:
             ch = self._channels[address] = grpc.aio.insecure_channel(address)
         stub = verify_pb2_grpc.VerifyServiceStub(ch)
-        if self.runner is not None and address not in self._checked:
+        if address not in self._max_spec_len:
             info = await stub.Info(verify_pb2.VerifyServiceInfoRequest(), timeout=self.config.verify_timeout_s)
-            if info.vocab_size != self.vocab_size:
+            if self.runner is not None and info.vocab_size != self.vocab_size:
                 raise FailedPrecondition(
                     f"the draft's vocabulary ({self.vocab_size}) differs from the target's "
                     f"({info.vocab_size}) at {address}"
                 )
-            self._checked.add(address)
-        return stub
+            self._max_spec_len[address] = info.max_spec_len or MAX_SPEC_LEN
+        return stub, self._max_spec_len[address]
 
     def _drafter(self, session_id: str):
         """The session's drafter: a cached one keeps its draft KV cache for the session's next turn."""
@@ -213,7 +214,8 @@ class DraftEngine:
         """Yields Opened, then Tokens as rounds commit them, then Finished."""
         k_max = self.check(prompt_ids, params, num_speculative_tokens)
         self._admit(session_id)
-        stub = await self._stub(verify_address or self.config.verify_address)
+        stub, max_spec_len = await self._stub(verify_address or self.config.verify_address)
+        k_max = min(k_max, max_spec_len)  # a K the replica would refuse is a K it cannot verify
         metadata = metadata or outgoing_metadata()
         self._active += 1
         if session_id:

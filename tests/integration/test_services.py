@@ -234,3 +234,18 @@ def test_num_speculative_tokens_zero_is_target_only_and_unset_is_the_default(sta
     with pytest.raises(grpc.RpcError) as e:
         generate(stub, p, GREEDY, num_speculative_tokens=33)
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "num_speculative_tokens" in e.value.details()
+
+
+def test_k_above_the_verifiers_limit_is_clamped_to_it(target, reference):
+    """A K the verify replica would refuse (its --max-spec-len) is clamped by the draft service, which
+    learns the limit from the replica's Info, instead of failing the request."""
+    verify = start_verify(target, max_spec_len=3)
+    draft = start_draft(noisy_copy(target, 0.03, seed=2), verify.address, adaptive=False)
+    try:
+        p = prompts(1, seed=12)[0]
+        tokens, chunks = generate(draft_stub(draft), p, GREEDY, num_speculative_tokens=20)
+        assert tokens == reference(p)
+        assert len(chunks[-1].finished.stats.drafted_per_pos) == 3
+    finally:
+        draft.stop()
+        verify.stop()
