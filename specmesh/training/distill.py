@@ -748,14 +748,7 @@ def _train(args, work_dir: Path, device, autocast: bool, target, draft, tokenize
         m = heldout_metrics(target, draft, heldout, max_batches=2, autocast=autocast)
         print(f"\nstep {step}: held-out alpha {m['greedy_agreement']:.4f}, KL {m['kl_to_target']:.4f}", flush=True)
 
-    cfg = TrainConfig(
-        steps=args.steps,
-        lr=args.lr,
-        warmup=args.warmup,
-        checkpoint_every=args.checkpoint_every,
-        out_dir=work_dir,
-        desc="draft",
-    )
+    cfg = TrainConfig.from_args(args, work_dir, "draft")
     _atomic_write_text(run_path, json.dumps(settings, indent=2) + "\n")  # describes the checkpoint beside it
     t0 = time.time()
     losses = distill(

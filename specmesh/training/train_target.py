@@ -177,14 +177,7 @@ def main(argv: list[str] | None = None) -> None:
         model.train()
         print(f"\nstep {step}: held-out loss (4 batches) {loss:.4f}", flush=True)
 
-    cfg = TrainConfig(
-        steps=args.steps,
-        lr=args.lr,
-        warmup=args.warmup,
-        checkpoint_every=args.checkpoint_every,
-        out_dir=args.work_dir,
-        desc="target",
-    )
+    cfg = TrainConfig.from_args(args, args.work_dir, "target")
     t0 = time.time()
     losses = train(model, loss_fn, cfg, resume=args.resume, stop_after=args.stop_after, on_checkpoint=on_checkpoint)
     if args.stop_after is not None and args.stop_after < args.steps:

@@ -33,6 +33,18 @@ class TrainConfig:
     out_dir: Path = Path("out")
     desc: str = "train"
 
+    @classmethod
+    def from_args(cls, args, out_dir: Path, desc: str) -> TrainConfig:
+        """The schedule a training CLI's --steps, --lr, --warmup and --checkpoint-every ask for."""
+        return cls(
+            steps=args.steps,
+            lr=args.lr,
+            warmup=args.warmup,
+            checkpoint_every=args.checkpoint_every,
+            out_dir=out_dir,
+            desc=desc,
+        )
+
 
 def lr_at(cfg: TrainConfig, step: int) -> float:
     if step < cfg.warmup:
