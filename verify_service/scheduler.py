@@ -112,6 +112,7 @@ class Scheduler:
         expected: Callable[[], int] | None = None,
         max_batch_tokens: int = 512,
         prefill_chunk_tokens: int = 0,
+        model_thread: ThreadPoolExecutor | None = None,
     ):
         if max_batch_size < 1 or max_batch_tokens < 1:
             raise ValueError("max_batch_size and max_batch_tokens must be >= 1")
@@ -121,7 +122,7 @@ class Scheduler:
         self.max_batch_tokens = max_batch_tokens
         self.prefill_chunk_tokens = prefill_chunk_tokens
         self.chunked_prefill = isinstance(runner, BatchedRunner)  # prefill chunks join the ticks' passes
-        self.model_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
+        self.model_thread = model_thread or ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
         self.stats = SchedulerStats()
         self.on_batch = on_batch  # (batch size, seconds) -> None, for metrics
         # Sessions answered by one tick need a moment (the verdict's trip, the next block's) before they
