@@ -5,7 +5,7 @@ from __future__ import annotations
 from draft_service.engine import DraftConfig, DraftEngine
 from draft_service.servicer import DraftServicer
 from draft_service.telemetry import DraftMetrics
-from specmesh.serving import GrpcServer, ServiceTelemetry
+from specmesh.serving import GrpcServer, engine_server
 from specmesh.v1 import draft_pb2, draft_pb2_grpc
 
 SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name
@@ -21,24 +21,6 @@ async def build_server(config: DraftConfig, model=None) -> GrpcServer:
     metrics.watch(engine)
 
     def add(server):
-        servicer = DraftServicer(engine)
-        draft_pb2_grpc.add_DraftServiceServicer_to_server(servicer, server)
+        draft_pb2_grpc.add_DraftServiceServicer_to_server(DraftServicer(engine), server)
 
-    def drain():
-        engine.shutting_down = True
-
-    return GrpcServer(
-        config.host,
-        config.port,
-        [SERVICE_NAME],
-        add,
-        config.grace_period_s,
-        engine.close,
-        on_drain=drain,
-        active=lambda: engine.active,
-        metrics_registry=metrics.registry,
-        metrics_port=config.metrics_port,
-        telemetry=ServiceTelemetry("draft", metrics.rpc),
-        engine=engine,
-        metrics=metrics,
-    )
+    return engine_server(config, "draft", SERVICE_NAME, add, engine, metrics, active=lambda: engine.active)

@@ -246,6 +246,40 @@ class GrpcServer:
         await self._stopped.wait()
 
 
+def engine_server(
+    config,
+    service: str,
+    service_name: str,
+    add_servicer: Callable[[grpc.aio.Server], None],
+    engine,
+    metrics,
+    active: Callable[[], int],
+) -> GrpcServer:
+    """The server of a model service (`service` "draft" or "verify", serving the gRPC service `service_name`):
+    the address, grace period and metrics port of its `config`; its `engine`, told when the drain starts
+    (`shutting_down`) and closed at the end; its `metrics` (a registry and RPC metrics). `active`: the work in
+    flight, which the drain waits for."""
+
+    def drain() -> None:
+        engine.shutting_down = True
+
+    return GrpcServer(
+        config.host,
+        config.port,
+        [service_name],
+        add_servicer,
+        config.grace_period_s,
+        engine.close,
+        on_drain=drain,
+        active=active,
+        metrics_registry=metrics.registry,
+        metrics_port=config.metrics_port,
+        telemetry=ServiceTelemetry(service, metrics.rpc),
+        engine=engine,
+        metrics=metrics,
+    )
+
+
 class BackgroundServer:
     """Run `build()` -> (GrpcServer, extra) on a private event loop thread; `stop()` shuts it down."""
 
