@@ -107,12 +107,15 @@ class DraftEngine:
         model=None,
         stream_metrics: StreamMetrics | None = None,
         on_batch: Callable[[int, float], None] | None = None,
+        model_thread: ThreadPoolExecutor | None = None,
     ):
-        """`on_batch(sessions, seconds)` is told of every batched draft forward (metrics)."""
+        """`on_batch(sessions, seconds)` is told of every batched draft forward (metrics). Every torch op runs
+        on `model_thread`, building the runner (its probe forwards) included: a second OpenMP team, busy or
+        spinning on another thread, slows every forward on a machine with few cores."""
         self.config = config
-        self.runner = make_runner(model, config) if model is not None else None
+        self.model_thread = model_thread or ThreadPoolExecutor(max_workers=1, thread_name_prefix="draft-model")
+        self.runner = self.model_thread.submit(make_runner, model, config).result() if model is not None else None
         self.vocab_size = self.runner.vocab_size if self.runner else 0
-        self.model_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="draft-model")
         self.batcher = (
             DraftBatcher(self.runner, config.draft_topk, self._on_model, on_batch) if self.runner is not None else None
         )
@@ -133,8 +136,11 @@ class DraftEngine:
         stream_metrics: StreamMetrics | None = None,
         on_batch: Callable[[int, float], None] | None = None,
     ) -> DraftEngine:
-        model = load_model(config.model_path, config.device)[0] if config.algorithm.needs_model else None
-        return cls(config, model, stream_metrics, on_batch)
+        model_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="draft-model")
+        model = None
+        if config.algorithm.needs_model:
+            model = model_thread.submit(load_model, config.model_path, config.device).result()[0]
+        return cls(config, model, stream_metrics, on_batch, model_thread)
 
     async def _on_model(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.model_thread, fn, *args)
