@@ -9,7 +9,8 @@ extracted by `incoming_context()`.
 
 **Metrics** (Prometheus). Each service owns a `CollectorRegistry`; gRPC services serve it over a small HTTP
 server (`serve_metrics`), the gateway on its REST port at `/metrics`. `RpcMetrics` counts requests by
-method and status code and their latency; services add their own histograms and collectors.
+method and status code and their latency; `ServiceMetrics` holds them with a service's stream latencies and
+builds its live families at scrape time; services add their own histograms (`BatchMetrics`) and families.
 
 **Logs**. `setup_logging(level, fmt)`: plain text, or one JSON object per line (`--log-format json`) with
 the trace and span ids of the current span and the request id (`x-request-id`, set by the gateway and
@@ -19,11 +20,13 @@ passed downstream in metadata).
 from __future__ import annotations
 
 import contextvars
+import functools
 import json
 import logging
 import os
 import time
 from collections.abc import Iterable
+from typing import Self
 from wsgiref.simple_server import WSGIServer
 
 from opentelemetry import propagate, trace
@@ -105,36 +108,41 @@ def wall_ns(perf: float, now_perf: float | None = None) -> int:
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
 
+def _latency(registry: CollectorRegistry, name: str, doc: str, labels: list[str]) -> Histogram:
+    return Histogram(name, doc, labels, buckets=LATENCY_BUCKETS, registry=registry)
+
+
 class RpcMetrics:
     """Requests by method and final status code, and their duration, for one service."""
 
     def __init__(self, registry: CollectorRegistry, service: str):
         self.service = service
-        self.requests = Counter(
-            "specmesh_requests",
-            "Requests handled, by method and status code",
-            ["service", "method", "code"],
-            registry=registry,
-        )
-        self.errors = Counter(
-            "specmesh_request_errors",
-            "Requests that ended with an error, by status code",
-            ["service", "method", "code"],
-            registry=registry,
-        )
-        self.duration = Histogram(
-            "specmesh_request_duration_seconds",
-            "Time from request to its last response",
-            ["service", "method"],
-            buckets=LATENCY_BUCKETS,
-            registry=registry,
-        )
+        counter = functools.partial(Counter, labelnames=["service", "method", "code"], registry=registry)
+        self.requests = counter("specmesh_requests", "Requests handled, by method and status code")
+        self.errors = counter("specmesh_request_errors", "Requests that ended with an error, by status code")
+        duration_doc = "Time from request to its last response"
+        self.duration = _latency(registry, "specmesh_request_duration_seconds", duration_doc, ["service", "method"])
 
     def observe(self, method: str, code: str, seconds: float) -> None:
         self.requests.labels(self.service, method, code).inc()
         if code != "OK":
             self.errors.labels(self.service, method, code).inc()
         self.duration.labels(self.service, method).observe(seconds)
+
+
+class BatchMetrics:
+    """How much work each batched forward of a service took (`size`: rows, sessions or blocks) and how long it
+    ran; `observe(size, seconds)` is the `on_batch` a batcher reports to."""
+
+    def __init__(self, registry: CollectorRegistry, prefix: str, size_doc: str, seconds_doc: str, size_buckets):
+        self.size = Histogram(f"{prefix}_batch_size", size_doc, buckets=size_buckets, registry=registry)
+        self.seconds = Histogram(
+            f"{prefix}_batch_duration_seconds", seconds_doc, buckets=LATENCY_BUCKETS, registry=registry
+        )
+
+    def observe(self, size: int, seconds: float) -> None:
+        self.size.observe(size)
+        self.seconds.observe(seconds)
 
 
 def serve_metrics(registry: CollectorRegistry, host: str, port: int) -> WSGIServer:
@@ -192,39 +200,31 @@ class FnCollector:
 
 def spec_families(prefix: str, stats) -> list:
     """vLLM's speculation metrics from a SpecStats-like total (rounds, drafted, accepted, per position)."""
-    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+    from prometheus_client.core import CounterMetricFamily as C
+    from prometheus_client.core import GaugeMetricFamily as G
 
-    rounds = CounterMetricFamily(f"{prefix}_spec_rounds", "Speculation rounds that verified a draft block")
-    rounds.add_metric([], stats.drafts)
-    drafted = CounterMetricFamily(f"{prefix}_spec_draft_tokens", "Draft tokens verified")
-    drafted.add_metric([], stats.drafted)
-    accepted = CounterMetricFamily(f"{prefix}_spec_accepted_tokens", "Draft tokens accepted")
-    accepted.add_metric([], stats.accepted)
-    per_pos_d = CounterMetricFamily(
-        f"{prefix}_spec_draft_tokens_per_pos", "Rounds that drafted position i", labels=["position"]
-    )
-    per_pos_a = CounterMetricFamily(
-        f"{prefix}_spec_accepted_tokens_per_pos",
-        "Rounds that accepted the draft token at position i",
-        labels=["position"],
-    )
-    rate_pos = GaugeMetricFamily(
-        f"{prefix}_spec_acceptance_rate_per_pos",
-        "Acceptance at position i (accepted / drafted there), since start",
-        labels=["position"],
-    )
-    for i, (d, a) in enumerate(zip(stats.drafted_per_pos, stats.accepted_per_pos, strict=True)):
-        per_pos_d.add_metric([str(i)], d)
-        per_pos_a.add_metric([str(i)], a)
-        rate_pos.add_metric([str(i)], a / d if d else 0.0)
-    rate = GaugeMetricFamily(f"{prefix}_spec_acceptance_rate", "Accepted / drafted tokens, since start")
-    rate.add_metric([], stats.acceptance_rate)
-    length = GaugeMetricFamily(
-        f"{prefix}_spec_mean_accepted_length",
-        "1 + accepted / drafts (tokens per drafted round, bonus included), since start",
-    )
-    length.add_metric([], stats.mean_accepted_length)
-    return [rounds, drafted, accepted, per_pos_d, per_pos_a, rate_pos, rate, length]
+    rate_at = [a / d if d else 0.0 for d, a in zip(stats.drafted_per_pos, stats.accepted_per_pos, strict=True)]
+    length_doc = "1 + accepted / drafts (tokens per drafted round, bonus included), since start"
+    table = [  # a list value: one sample per draft position
+        (C, "rounds", "Speculation rounds that verified a draft block", stats.drafts),
+        (C, "draft_tokens", "Draft tokens verified", stats.drafted),
+        (C, "accepted_tokens", "Draft tokens accepted", stats.accepted),
+        (C, "draft_tokens_per_pos", "Rounds that drafted position i", stats.drafted_per_pos),
+        (C, "accepted_tokens_per_pos", "Rounds that accepted the draft token at position i", stats.accepted_per_pos),
+        (G, "acceptance_rate_per_pos", "Acceptance at position i (accepted / drafted there), since start", rate_at),
+        (G, "acceptance_rate", "Accepted / drafted tokens, since start", stats.acceptance_rate),
+        (G, "mean_accepted_length", length_doc, stats.mean_accepted_length),
+    ]
+    families = []
+    for kind, metric, doc, value in table:
+        if isinstance(value, list):
+            family = kind(f"{prefix}_spec_{metric}", doc, labels=["position"])
+            for i, v in enumerate(value):
+                family.add_metric([str(i)], v)
+        else:
+            family = kind(f"{prefix}_spec_{metric}", doc, value=value)
+        families.append(family)
+    return families
 
 
 class StreamMetrics:
@@ -232,20 +232,11 @@ class StreamMetrics:
 
     def __init__(self, registry: CollectorRegistry, service: str):
         self.service = service
-        self.ttft = Histogram(
-            "specmesh_time_to_first_token_seconds",
-            "From the request to its first token",
-            ["service"],
-            buckets=LATENCY_BUCKETS,
-            registry=registry,
+        self.ttft = _latency(
+            registry, "specmesh_time_to_first_token_seconds", "From the request to its first token", ["service"]
         ).labels(service)
-        self.itl = Histogram(
-            "specmesh_inter_token_latency_seconds",
-            "Time between tokens of a stream (a chunk's gap spread over its tokens)",
-            ["service"],
-            buckets=LATENCY_BUCKETS,
-            registry=registry,
-        ).labels(service)
+        itl_doc = "Time between tokens of a stream (a chunk's gap spread over its tokens)"
+        self.itl = _latency(registry, "specmesh_inter_token_latency_seconds", itl_doc, ["service"]).labels(service)
         self.tokens = Counter(
             "specmesh_generated_tokens", "Tokens generated (rate() gives tokens/s)", ["service"], registry=registry
         ).labels(service)
@@ -273,3 +264,20 @@ class StreamTimer:
                 self.m.itl.observe(gap)
         self.last = now
         self.m.tokens.inc(n)
+
+
+class ServiceMetrics:
+    """A service's registry with its RPC metrics and (`streams`) its stream latencies. `watch(source)` adds, at
+    every scrape, the families a subclass builds from the live state of what it reports on (`families`)."""
+
+    def __init__(self, service: str, registry: CollectorRegistry | None = None, streams: bool = True):
+        self.registry = registry or CollectorRegistry()
+        self.rpc = RpcMetrics(self.registry, service)
+        self.stream = StreamMetrics(self.registry, service) if streams else None
+
+    def watch(self, source) -> Self:
+        self.registry.register(FnCollector(lambda: self.families(source)))
+        return self
+
+    def families(self, source) -> list:
+        raise NotImplementedError
