@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 
@@ -20,23 +22,16 @@ from specmesh.sampling import SamplingParams
 from specmesh.v1 import verify_pb2, verify_pb2_grpc
 
 
+@dataclass(eq=False)
 class RemoteVerifier:
-    def __init__(
-        self,
-        stub: verify_pb2_grpc.VerifyServiceStub,
-        session_id: str,
-        timeout: float,
-        on_open: Callable[[verify_pb2.OpenSessionResponse], None] | None = None,
-        metadata: tuple = (),
-    ):
-        self.stub = stub
-        self.session_id = session_id
-        self.timeout = timeout
-        self.on_open = on_open
-        self.metadata = metadata
-        self.call = None
-        self.epoch = 0
-        self.position = 0
+    stub: verify_pb2_grpc.VerifyServiceStub
+    session_id: str  # the replica's name for the session once it is open
+    timeout: float
+    on_open: Callable[[verify_pb2.OpenSessionResponse], None] | None = None
+    metadata: tuple = ()
+    call: Any = field(default=None, init=False)  # the Verify stream, from start()
+    epoch: int = field(default=0, init=False)
+    position: int = field(default=0, init=False)
 
     async def start(self, prompt_ids: list[int], params: SamplingParams) -> None:
         resp = await self.stub.OpenSession(
