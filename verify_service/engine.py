@@ -169,17 +169,17 @@ class VerifyEngine:
             )
         session = self.sessions.open(session_id, prompt_ids)
         session.opening = True
-        self._begin_turn(session, prompt_ids, params)
         t0 = time.perf_counter()
         try:
+            self._begin_turn(session, prompt_ids, params)
             # Chunked: with BatchedRunner the chunks ride in the ticks' forwards, else they run between ticks.
             reused, chunks = await self.scheduler.prefill(session)
         except BaseException:
-            session.opening = False
             if session.ephemeral:  # nobody can name it again: it would hold its cache until the TTL
                 self.sessions.release(session.session_id)
             raise
-        session.opening = False
+        finally:
+            session.opening = False
         self.counters.prefill_chunks += chunks
         return Opened(
             session.session_id, len(prompt_ids), reused, time.perf_counter() - t0, session.epoch, session.position
