@@ -142,7 +142,7 @@ class RejectionSampler:
             from specmesh.rejection.triton_kernel import rejection_sample_triton as kernel
         else:
             kernel = rejection_sample_torch
-        out = kernel(**prep.kernel_args())
+        out = kernel(prep)
         return RejectionOutput(out, prep.num_accepted_from(out))
 
 
@@ -160,9 +160,6 @@ class PreparedBatch:
     is_greedy: torch.Tensor  # [B] bool
     exponentials: torch.Tensor  # [B, V] float32, Exp(1); unused rows of greedy requests are ones
     max_spec_len: int
-
-    def kernel_args(self) -> dict:
-        return {k: getattr(self, k) for k in self.__dataclass_fields__}
 
     def num_accepted_from(self, out: torch.Tensor) -> list[int]:
         # accepted = (filled entries) - 1; one sync for the whole batch
@@ -303,43 +300,32 @@ def _draw_random(blocks, cu, uniforms, exponentials, shared) -> None:
     exponentials.clamp_(min=_EXP_FLOOR)
 
 
-def rejection_sample_torch(
-    draft_token_ids: torch.Tensor,
-    cu_num_draft_tokens: torch.Tensor,
-    draft_p_x: torch.Tensor,
-    draft_q_x: torch.Tensor,
-    uniforms: torch.Tensor,
-    residual_probs: torch.Tensor,
-    target_argmax: torch.Tensor,
-    is_greedy: torch.Tensor,
-    exponentials: torch.Tensor,
-    max_spec_len: int,
-) -> torch.Tensor:
+def rejection_sample_torch(b: PreparedBatch) -> torch.Tensor:
     """Vectorised reference of the accept loop + exponential race. Returns [B, max_spec_len + 1]."""
-    device = draft_token_ids.device
-    n_req = cu_num_draft_tokens.numel()
-    cu = cu_num_draft_tokens.long()
+    device = b.draft_token_ids.device
+    n_req, k_max = b.cu_num_draft_tokens.numel(), b.max_spec_len
+    cu = b.cu_num_draft_tokens.long()
     num_draft = torch.diff(cu, prepend=cu.new_zeros(1))
     starts = cu - num_draft
-    pos = torch.arange(max_spec_len, device=device)[None, :]
+    pos = torch.arange(k_max, device=device)[None, :]
     valid = pos < num_draft[:, None]  # [B, Kmax]
-    flat = (starts[:, None] + pos).clamp(max=max(draft_token_ids.numel() - 1, 0))
+    flat = (starts[:, None] + pos).clamp(max=max(b.draft_token_ids.numel() - 1, 0))
     row0 = starts + torch.arange(n_req, device=device)  # first target row of each request
 
-    out = torch.full((n_req, max_spec_len + 1), PLACEHOLDER_TOKEN_ID, dtype=torch.int64, device=device)
-    if draft_token_ids.numel():
-        x = draft_token_ids[flat]
-        ratio = draft_p_x[flat].double() / draft_q_x[flat].double()
-        accept_sampled = (draft_q_x[flat] > 0) & (uniforms[flat] < ratio)
-        accept_greedy = x == target_argmax[(row0[:, None] + pos).clamp(max=target_argmax.numel() - 1)]
-        accept = torch.where(is_greedy[:, None], accept_greedy, accept_sampled) & valid
+    out = torch.full((n_req, k_max + 1), PLACEHOLDER_TOKEN_ID, dtype=torch.int64, device=device)
+    if b.draft_token_ids.numel():
+        x = b.draft_token_ids[flat]
+        ratio = b.draft_p_x[flat].double() / b.draft_q_x[flat].double()
+        accept_sampled = (b.draft_q_x[flat] > 0) & (b.uniforms[flat] < ratio)
+        accept_greedy = x == b.target_argmax[(row0[:, None] + pos).clamp(max=b.target_argmax.numel() - 1)]
+        accept = torch.where(b.is_greedy[:, None], accept_greedy, accept_sampled) & valid
         num_accepted = accept.long().cumprod(dim=1).sum(dim=1)
         keep = pos < num_accepted[:, None]
-        out[:, :max_spec_len] = torch.where(keep, x, PLACEHOLDER_TOKEN_ID)
+        out[:, :k_max] = torch.where(keep, x, PLACEHOLDER_TOKEN_ID)
     else:
         num_accepted = torch.zeros(n_req, dtype=torch.int64, device=device)
     emit_rows = row0 + num_accepted  # the first rejected position's row, or the bonus row
-    raced = (residual_probs[emit_rows] / exponentials).argmax(dim=-1)
-    emitted = torch.where(is_greedy, target_argmax[emit_rows], raced)
+    raced = (b.residual_probs[emit_rows] / b.exponentials).argmax(dim=-1)
+    emitted = torch.where(b.is_greedy, b.target_argmax[emit_rows], raced)
     out[torch.arange(n_req, device=device), num_accepted] = emitted
     return out

@@ -9,11 +9,16 @@ reference in `sampler.py`, with which it must agree token for token.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import triton
 import triton.language as tl
 
 from specmesh.rejection.limits import MAX_SPEC_LEN, PLACEHOLDER_TOKEN_ID
+
+if TYPE_CHECKING:
+    from specmesh.rejection.sampler import PreparedBatch
 
 
 # Sizes and strides are runtime values: no recompilation when K, the batch or the vocabulary changes shape.
@@ -82,49 +87,38 @@ def _rejection_kernel(
     tl.store(out_ptr + b * out_stride + num_accepted, token)
 
 
-def rejection_sample_triton(
-    draft_token_ids: torch.Tensor,
-    cu_num_draft_tokens: torch.Tensor,
-    draft_p_x: torch.Tensor,
-    draft_q_x: torch.Tensor,
-    uniforms: torch.Tensor,
-    residual_probs: torch.Tensor,
-    target_argmax: torch.Tensor,
-    is_greedy: torch.Tensor,
-    exponentials: torch.Tensor,
-    max_spec_len: int,
-) -> torch.Tensor:
+def rejection_sample_triton(b: PreparedBatch) -> torch.Tensor:
     """Same interface and result as `rejection_sample_torch`; checks inputs, allocates, launches once."""
-    if max_spec_len > MAX_SPEC_LEN:
-        raise ValueError(f"K = {max_spec_len} exceeds the kernel bound {MAX_SPEC_LEN}")
-    n_req = cu_num_draft_tokens.numel()
-    vocab = residual_probs.size(1)
-    assert residual_probs.dtype == torch.float32 and exponentials.dtype == torch.float32
-    assert uniforms.dtype == torch.float64 and draft_token_ids.dtype == torch.int64
-    assert residual_probs.stride(1) == 1 and exponentials.stride(1) == 1
-    out = torch.full((n_req, max_spec_len + 1), PLACEHOLDER_TOKEN_ID, dtype=torch.int64, device=residual_probs.device)
+    if b.max_spec_len > MAX_SPEC_LEN:
+        raise ValueError(f"K = {b.max_spec_len} exceeds the kernel bound {MAX_SPEC_LEN}")
+    n_req = b.cu_num_draft_tokens.numel()
+    probs, exps = b.residual_probs, b.exponentials
+    assert probs.dtype == torch.float32 and exps.dtype == torch.float32
+    assert b.uniforms.dtype == torch.float64 and b.draft_token_ids.dtype == torch.int64
+    assert probs.stride(1) == 1 and exps.stride(1) == 1
+    out = torch.full((n_req, b.max_spec_len + 1), PLACEHOLDER_TOKEN_ID, dtype=torch.int64, device=probs.device)
     if n_req == 0:
         return out
     # Empty draft tensors still need a valid pointer.
-    draft = draft_token_ids if draft_token_ids.numel() else out.new_zeros(1)
-    p_x = draft_p_x if draft_p_x.numel() else residual_probs.new_zeros(1)
-    q_x = draft_q_x if draft_q_x.numel() else residual_probs.new_zeros(1)
-    u = uniforms if uniforms.numel() else uniforms.new_zeros(1)
+    draft = b.draft_token_ids if b.draft_token_ids.numel() else out.new_zeros(1)
+    p_x = b.draft_p_x if b.draft_p_x.numel() else probs.new_zeros(1)
+    q_x = b.draft_q_x if b.draft_q_x.numel() else probs.new_zeros(1)
+    u = b.uniforms if b.uniforms.numel() else b.uniforms.new_zeros(1)
     _rejection_kernel[(n_req,)](
         out,
         out.stride(0),
         draft,
-        cu_num_draft_tokens.contiguous(),
+        b.cu_num_draft_tokens.contiguous(),
         p_x,
         q_x,
         u,
-        residual_probs,
-        residual_probs.stride(0),
-        target_argmax.contiguous(),
-        is_greedy.contiguous(),
-        exponentials,
-        exponentials.stride(0),
-        vocab,
+        probs,
+        probs.stride(0),
+        b.target_argmax.contiguous(),
+        b.is_greedy.contiguous(),
+        exps,
+        exps.stride(0),
+        probs.size(1),
         MAX_K=MAX_SPEC_LEN,
         BLOCK_V=1024,
     )

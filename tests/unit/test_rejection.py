@@ -166,7 +166,7 @@ def test_no_zero_probability_token_when_the_residual_vanishes():
     block = RejectionInput.of([3], SamplingParams(temperature=1.0), q_ids, (probs * 1.0000005)[None])
     prep = rejection.prepare(torch.stack([probs.log(), probs.log()]), [block], torch.Generator().manual_seed(0))
     prep.uniforms.fill_(1 - 1e-12)
-    tok = rejection.rejection_sample_torch(**prep.kernel_args())[0, 0]
+    tok = rejection.rejection_sample_torch(prep)[0, 0]
     assert probs[tok] > 0 and prep.residual_probs[0].amax() > 0
 
 
