@@ -18,25 +18,16 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from specmesh.runtime.sequence import SequenceBase
+
 
 @dataclass
-class Sequence:
+class Sequence(SequenceBase):
     """One sequence's committed tokens and the KV cache of (a prefix of) them."""
 
     token_ids: list[int]
     cache: DynamicCache
     cached_ids: list[int] = field(default_factory=list)  # ids whose KV the cache holds, in order
-
-    def commit(self, tokens: list[int]) -> None:
-        self.token_ids.extend(tokens)
-
-    def reset_tokens(self, token_ids: list[int]) -> None:
-        """Replace the committed tokens (a new turn); the cache keeps whatever prefix still matches."""
-        self.token_ids = list(token_ids)
-
-    @property
-    def num_cached(self) -> int:
-        return len(self.cached_ids)
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

@@ -36,6 +36,8 @@ import torch.nn.functional as F
 from transformers import PreTrainedModel
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
+from specmesh.runtime.sequence import SequenceBase
+
 _NONE_CHANGED = sys.maxsize
 
 # Architectures whose decoder the hand-written path reproduces op for op (pre-norm RMSNorm, rotary
@@ -61,20 +63,21 @@ class _TrackedIds(list[int]):
         if i < self.low:
             self.low = i
 
-    def _touch_slice(self, s: slice) -> None:
-        r = range(*s.indices(len(self)))
-        self._touch(min(r.start, r[-1]) if r else min(r.start, len(self)))
+    def _touch_at(self, i: SupportsIndex | slice) -> None:
+        """Record a change at index or slice `i`, as the list method given `i` will see it."""
+        if isinstance(i, slice):
+            r = range(*i.indices(len(self)))
+            self._touch(min(r.start, r[-1]) if r else min(r.start, len(self)))
+        else:
+            i = operator.index(i)
+            self._touch(max(i + len(self) if i < 0 else i, 0))
 
     def append(self, x: int) -> None:
-        n = len(self)
-        if n < self.low:
-            self.low = n
+        self._touch(len(self))
         list.append(self, x)
 
     def extend(self, xs: Iterable[int]) -> None:
-        n = len(self)
-        if n < self.low:
-            self.low = n
+        self._touch(len(self))
         list.extend(self, xs)
 
     # mypy checks __iadd__ against __add__, which typeshed overloads for list: every list subclass's
@@ -93,8 +96,7 @@ class _TrackedIds(list[int]):
         list.insert(self, i, x)
 
     def pop(self, i: SupportsIndex = -1) -> int:
-        i, n = operator.index(i), len(self)
-        self._touch(max(i + n if i < 0 else i, 0))
+        self._touch_at(i)
         return list.pop(self, i)
 
     def remove(self, x: int) -> None:
@@ -102,19 +104,11 @@ class _TrackedIds(list[int]):
         list.remove(self, x)
 
     def __setitem__(self, i: SupportsIndex | slice, x: Any) -> None:
-        if isinstance(i, slice):
-            self._touch_slice(i)
-        else:
-            i = operator.index(i)
-            self._touch(max(i + len(self) if i < 0 else i, 0))
+        self._touch_at(i)
         list.__setitem__(self, i, x)
 
     def __delitem__(self, i: SupportsIndex | slice) -> None:
-        if isinstance(i, slice):
-            self._touch_slice(i)
-        else:
-            i = operator.index(i)
-            self._touch(max(i + len(self) if i < 0 else i, 0))
+        self._touch_at(i)
         list.__delitem__(self, i)
 
     def clear(self) -> None:
@@ -232,15 +226,14 @@ class _PreallocCache(Cache):
             layer.reserve(needed)
 
 
-class FastSequence:
-    """ModelRunner's `Sequence` for StaticCacheRunner: committed ids, cached ids, a preallocated cache."""
+class TrackedSequence(SequenceBase):
+    """A sequence whose committed ids are `_TrackedIds`, so that its runner compares only what changed."""
 
-    __slots__ = ("_tokens", "cache", "cached_ids")
+    __slots__ = ("_tokens", "cached_ids")
 
-    def __init__(self, token_ids: list[int], cache: _PreallocCache):
+    def __init__(self, token_ids: list[int]):
         self._tokens = _TrackedIds(token_ids)
-        self.cache = cache
-        self.cached_ids: list[int] = []  # ids whose KV the cache holds, in order
+        self.cached_ids: list[int] = []
 
     @property
     def token_ids(self) -> list[int]:
@@ -248,18 +241,17 @@ class FastSequence:
 
     @token_ids.setter
     def token_ids(self, ids: list[int]) -> None:
-        self._tokens = _TrackedIds(ids)  # low = 0: everything is compared again
+        self._tokens = _TrackedIds(ids)  # low = 0: everything is compared again at the next sync
 
-    def commit(self, tokens: list[int]) -> None:
-        self._tokens.extend(tokens)
 
-    def reset_tokens(self, token_ids: list[int]) -> None:
-        """Replace the committed tokens (a new turn); the cache keeps whatever prefix still matches."""
-        self.token_ids = list(token_ids)
+class FastSequence(TrackedSequence):
+    """ModelRunner's `Sequence` for StaticCacheRunner: committed ids, cached ids, a preallocated cache."""
 
-    @property
-    def num_cached(self) -> int:
-        return len(self.cached_ids)
+    __slots__ = ("cache",)
+
+    def __init__(self, token_ids: list[int], cache: _PreallocCache):
+        super().__init__(token_ids)
+        self.cache = cache
 
 
 class _FastDecoder:
