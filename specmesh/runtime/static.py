@@ -243,6 +243,22 @@ class TrackedSequence(SequenceBase):
     def token_ids(self, ids: list[int]) -> None:
         self._tokens = _TrackedIds(ids)  # low = 0: everything is compared again at the next sync
 
+    def sync(self) -> int:
+        """Drop the cached ids past the prefix still valid for token_ids, leaving >= 1 token to feed; return
+        how many stay (the runner cuts its cache to that). Only ids at or after the lowest index changed
+        since the last sync are compared."""
+        tok, cached = self._tokens, self.cached_ids
+        c, n = len(cached), len(tok)
+        lim = c if c < n else n
+        i = tok.low if tok.low < lim else lim
+        while i < lim and cached[i] == tok[i]:
+            i += 1
+        keep = i if i < n else n - 1
+        tok.low = _NONE_CHANGED
+        if keep < c:
+            del cached[keep:]
+        return keep
+
 
 class FastSequence(TrackedSequence):
     """ModelRunner's `Sequence` for StaticCacheRunner: committed ids, cached ids, a preallocated cache."""
@@ -493,20 +509,10 @@ class StaticCacheRunner:
         return FastSequence(list(token_ids), self._new_cache(len(token_ids) + 16))
 
     def _sync(self, seq: FastSequence) -> int:
-        """Move the valid length back to the prefix still valid for token_ids, leaving >= 1 token to feed.
-
-        Only ids at or after the lowest index changed since the last sync are compared.
-        """
-        tok, cached = seq._tokens, seq.cached_ids
-        c, n = len(cached), len(tok)
-        lim = c if c < n else n
-        i = tok.low if tok.low < lim else lim
-        while i < lim and cached[i] == tok[i]:
-            i += 1
-        keep = i if i < n else n - 1
-        tok.low = _NONE_CHANGED
-        if keep < c:
-            del cached[keep:]
+        """Move the valid length back to the prefix still valid for token_ids, leaving >= 1 token to feed."""
+        cached = len(seq.cached_ids)
+        keep = seq.sync()
+        if keep < cached:
             seq.cache.set_length(keep)
         return keep
 
