@@ -124,6 +124,21 @@ class _TrackedIds(list[int]):
         list.reverse(self)
 
 
+def _prefix_view(name: str, buffer: str) -> property:
+    """`_PreallocLayer.keys` or `.values`: a view of the valid prefix of its buffer. Only None may be assigned
+    (what DynamicLayer's own code assigns): anything else would bypass the buffer."""
+
+    def view(layer):
+        buf = getattr(layer, buffer)
+        return None if buf is None else buf[:, :, : layer.length]
+
+    def assign(layer, value):
+        if value is not None:
+            raise AttributeError(f"_PreallocLayer.{name} is a view of its buffer")
+
+    return property(view, assign)
+
+
 class _PreallocLayer(DynamicLayer):
     """A DynamicLayer over a preallocated buffer: `update` writes in place, `crop` moves the length back.
 
@@ -137,23 +152,8 @@ class _PreallocLayer(DynamicLayer):
         self.capacity = capacity
         super().__init__()
 
-    @property
-    def keys(self):
-        return None if self.k_buf is None else self.k_buf[:, :, : self.length]
-
-    @keys.setter
-    def keys(self, value):
-        if value is not None:
-            raise AttributeError("_PreallocLayer.keys is a view of its buffer")
-
-    @property
-    def values(self):
-        return None if self.v_buf is None else self.v_buf[:, :, : self.length]
-
-    @values.setter
-    def values(self, value):
-        if value is not None:
-            raise AttributeError("_PreallocLayer.values is a view of its buffer")
+    keys = _prefix_view("keys", "k_buf")
+    values = _prefix_view("values", "v_buf")
 
     def allocate(self, batch: int, kv_heads: int, k_dim: int, v_dim: int, dtype, device) -> None:
         self.device = device
