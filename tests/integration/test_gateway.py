@@ -39,6 +39,11 @@ def http(method, url, body: bytes | None = None, json_body=None) -> Reply:
         return Reply(e.code, e.read())
 
 
+def streamed_with_usage(create, **kw) -> list:
+    """Every chunk of a streamed completion or chat reply that asks for usage (in its last chunk)."""
+    return list(create(stream=True, stream_options={"include_usage": True}, **kw))
+
+
 @pytest.fixture(scope="module")
 def tokenizer():
     return AutoTokenizer.from_pretrained(ROOT / "models" / "demo" / "target")
@@ -96,16 +101,7 @@ def test_completions_stream_with_usage(client, tokenizer, reference):
     prompt = "import os\n"
     ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
     want_ids, want_text, _ = reference(ids, 30)
-    chunks = list(
-        client.completions.create(
-            model="demo",
-            prompt=prompt,
-            max_tokens=30,
-            temperature=0,
-            stream=True,
-            stream_options={"include_usage": True},
-        )
-    )
+    chunks = streamed_with_usage(client.completions.create, model="demo", prompt=prompt, max_tokens=30, temperature=0)
     assert "".join(c.choices[0].text for c in chunks if c.choices) == want_text
     finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
     assert finishes[-1] == "length" and all(f is None for f in finishes[:-1])
@@ -299,16 +295,13 @@ def test_num_speculative_tokens_zero_is_target_only_unset_speculates(stack, clie
     assert r.choices[0].text == want_text and spec["drafted"] == 0 and spec["rounds"] == 0 and spec["target_only"]
     messages = [{"role": "user", "content": "A loop, please."}]
     _, want_chat, _ = reference(gw.gateway.chat_prompt(messages), 12)
-    chunks = list(
-        client.chat.completions.create(
-            model="demo",
-            messages=messages,
-            max_tokens=12,
-            temperature=0,
-            stream=True,
-            stream_options={"include_usage": True},
-            extra_body={"num_speculative_tokens": 0},
-        )
+    chunks = streamed_with_usage(
+        client.chat.completions.create,
+        model="demo",
+        messages=messages,
+        max_tokens=12,
+        temperature=0,
+        extra_body={"num_speculative_tokens": 0},
     )
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want_chat
     assert chunks[-1].model_extra["specmesh"]["drafted"] == 0 and chunks[-1].model_extra["specmesh"]["target_only"]

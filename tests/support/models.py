@@ -1,9 +1,9 @@
-"""Tiny randomly initialised Llama / Qwen2 models built from a config in the test."""
+"""Tiny randomly initialised Llama / Qwen2 / Qwen3 models built from a config in the test."""
 
 import copy
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 
 def tiny_model(
@@ -28,6 +28,22 @@ def tiny_model(
     if arch == "qwen2":
         return Qwen2ForCausalLM(Qwen2Config(**kw)).eval()
     raise ValueError(arch)
+
+
+def tiny_qwen3(seed: int = 3, **overrides):
+    """A Qwen3 (q_norm / k_norm and an explicit head_dim) of tiny_model's size; `overrides`: config fields."""
+    torch.manual_seed(seed)
+    kw = dict(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        initializer_range=0.2,
+    )
+    return Qwen3ForCausalLM(Qwen3Config(**{**kw, **overrides})).eval()
 
 
 def noisy_copy(model, noise: float, seed: int = 1):

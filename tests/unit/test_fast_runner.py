@@ -4,7 +4,7 @@ import asyncio
 
 import pytest
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel, Qwen3Config, Qwen3ForCausalLM
+from transformers import GPT2Config, GPT2LMHeadModel
 
 from specmesh.drafters import DraftBatcher, ModelDrafter
 from specmesh.engine import SpeculativeEngine
@@ -12,25 +12,9 @@ from specmesh.rejection import RejectionSampler
 from specmesh.runtime.hf import ModelRunner
 from specmesh.runtime.static import StaticCacheRunner
 from specmesh.sampling import SamplingParams
-from tests.support.models import noisy_copy, tiny_model
+from tests.support.models import noisy_copy, tiny_model, tiny_qwen3
 
 ATOL = 1e-4
-
-
-def qwen3_tiny():
-    torch.manual_seed(3)
-    return Qwen3ForCausalLM(
-        Qwen3Config(
-            vocab_size=128,
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=16,
-            initializer_range=0.2,
-        )
-    ).eval()
 
 
 def gpt2_tiny():
@@ -74,7 +58,7 @@ class Pair:
 MODELS = {
     "llama": lambda: tiny_model("llama", seed=5),
     "qwen2": lambda: tiny_model("qwen2", seed=6),
-    "qwen3": qwen3_tiny,
+    "qwen3": tiny_qwen3,
     "gpt2 (HF path)": gpt2_tiny,
 }
 

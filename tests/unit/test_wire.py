@@ -135,18 +135,20 @@ def test_verdict_round_trip(verdict):
 # statistics, finish reasons and generation streams ---------------------------------------------------------
 
 
+STATS = SpecStats(
+    rounds=5,
+    drafts=4,
+    drafted=12,
+    accepted=9,
+    drafted_per_pos=[4, 4, 4],
+    accepted_per_pos=[4, 3, 2],
+    draft_seconds=0.25,
+    verify_seconds=0.5,
+)
+
+
 def test_stats_round_trip():
-    stats = SpecStats(
-        rounds=5,
-        drafts=4,
-        drafted=12,
-        accepted=9,
-        drafted_per_pos=[4, 4, 4],
-        accepted_per_pos=[4, 3, 2],
-        draft_seconds=0.25,
-        verify_seconds=0.5,
-    )
-    assert wire.stats_from_pb(through_bytes(wire.stats_to_pb(stats))) == stats
+    assert wire.stats_from_pb(through_bytes(wire.stats_to_pb(STATS))) == STATS
     assert wire.stats_from_pb(common_pb2.SpecStats()) == SpecStats()
 
 
@@ -169,19 +171,7 @@ def test_an_unknown_finish_reason_raises_invalid_argument():
     [
         Opened("chat-1", 12, 8),
         Tokens([1, 2, 3]),
-        Finished(
-            "length",
-            SpecStats(
-                rounds=2,
-                drafts=2,
-                drafted=6,
-                accepted=5,
-                drafted_per_pos=[2, 2, 2],
-                accepted_per_pos=[2, 2, 1],
-                draft_seconds=0.1,
-                verify_seconds=0.2,
-            ),
-        ),
+        Finished("length", STATS),
         Finished("stop"),
     ],
 )
