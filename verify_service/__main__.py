@@ -69,6 +69,31 @@ def _add_memory_flags(ap: EnvArgumentParser, d: VerifyConfig) -> None:
         f"fewer than {MIN_AUTO_SLOT_TOKENS} tokens)",
     )
     ap.flag("--session-ttl-s", type=float, default=d.session_ttl_s, help="idle sessions are evicted after this")
+    _add_bound_flags(ap, d)
+
+
+def _add_bound_flags(ap: EnvArgumentParser, d: VerifyConfig) -> None:
+    """Hard bounds against clients that open sessions and never stream, or stream and go silent."""
+    ap.flag(
+        "--max-cached-sessions",
+        type=int,
+        default=d.max_cached_sessions,
+        help="sessions held, idle cached ones included (LRU-evicted beyond it, RESOURCE_EXHAUSTED when all are "
+        "in use); 0 = the KV slot count (hf runner: 4 x --max-sessions)",
+    )
+    ap.flag(
+        "--attach-timeout-s",
+        type=float,
+        default=d.attach_timeout_s,
+        help="an opened session that no Verify stream attaches to within this is released (0 = never)",
+    )
+    ap.flag(
+        "--stream-idle-timeout-s",
+        type=float,
+        default=d.stream_idle_timeout_s,
+        help="a Verify stream whose client sends nothing for this is closed with DEADLINE_EXCEEDED and its "
+        "session released (0 = never); unlike --draft-deadline-ms, which only takes target-only steps",
+    )
 
 
 def _add_batching_flags(ap: EnvArgumentParser, d: VerifyConfig) -> None:
@@ -96,7 +121,14 @@ def _add_batching_flags(ap: EnvArgumentParser, d: VerifyConfig) -> None:
         "--batch-wait-ms",
         type=float,
         default=d.batch_wait_ms,
-        help="a batch waits up to this long for the other active sessions' blocks (0 = start at once)",
+        help="a batch waits up to this long for the other active sessions' blocks (0 = start at once) ...",
+    )
+    ap.flag(
+        "--batch-wait-fraction",
+        type=float,
+        default=d.batch_wait_fraction,
+        help="... or up to this fraction of a recent batch's time, if longer: under speculation the other "
+        "sessions' blocks come only after their drafts, and one full batch costs less than two halves",
     )
     ap.flag(
         "--prefill-chunk-tokens",

@@ -14,9 +14,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from specmesh.domain import DraftBlock, Finished, GenerationEvent, Opened, Tokens, Verdict
-from specmesh.errors import FailedPrecondition, InvalidArgument, ResourceExhausted, Unavailable
+from specmesh.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, ResourceExhausted, Unavailable
 from specmesh.models import eos_token_ids, load_model
 from specmesh.rejection import MAX_SPEC_LEN, RejectionInput, RejectionSampler, validate_block
+from specmesh.runtime.batched import BatchedRunner
 from specmesh.sampling import SamplingParams, StopChecker, check_token_ids, make_generator
 from specmesh.telemetry import tracer, wall_ns
 from verify_service.runner import RUNNERS, build_runner, context_limit
@@ -42,13 +43,18 @@ class VerifyConfig:
     max_batch_tokens: int = 512  # positions one tick's forward may compute (vLLM's max_num_batched_tokens)
     session_ttl_s: float = 600.0
     draft_deadline_ms: float = 250.0  # 0 = wait for the draft forever
-    batch_wait_ms: float = 3.0  # a tick waits this long for the other attached sessions' steps
+    batch_wait_ms: float = 3.0  # a tick waits this long for the other attached sessions' steps ...
+    batch_wait_fraction: float = 0.5  # ... or this fraction of a recent pass's time, if longer
     max_spec_len: int = 16  # most draft tokens per block
     sampler_backend: str = "auto"
     seed: int | None = None  # the shared random stream of unseeded requests
     grace_period_s: float = 10.0
     prefill_chunk_tokens: int = 512  # prompt tokens one session prefills per forward (0 = no own limit)
     attached_wait_s: float = 5.0  # a new turn waits this long for the session's previous stream to end
+    # Hard bounds against clients that open and never stream, or stream and go silent (0 = no bound):
+    attach_timeout_s: float = 30.0  # an opened turn no stream attaches to within this is released
+    stream_idle_timeout_s: float = 60.0  # a Verify stream whose client sends nothing for this is closed
+    max_cached_sessions: int = 0  # sessions held, idle ones included; 0 = the slot count (hf: 4 x max_sessions)
     metrics_port: int = -1  # Prometheus /metrics over HTTP; -1 = not served (the CLI defaults to 9464)
 
     def __post_init__(self):
@@ -60,6 +66,10 @@ class VerifyConfig:
             raise ValueError(f"runner must be one of {', '.join(RUNNERS)}")
         if self.max_model_len < 0 or self.prefill_chunk_tokens < 0:
             raise ValueError("max_model_len and prefill_chunk_tokens must be >= 0")
+        if min(self.attach_timeout_s, self.stream_idle_timeout_s, self.max_cached_sessions) < 0:
+            raise ValueError("attach_timeout_s, stream_idle_timeout_s and max_cached_sessions must be >= 0")
+        if self.max_cached_sessions and self.max_cached_sessions < self.max_sessions:
+            raise ValueError("max_cached_sessions must be >= max_sessions (or 0)")
 
 
 @dataclass
@@ -99,13 +109,18 @@ class VerifyEngine:
         self.eos_token_ids = eos_token_ids(model)
         self.max_context = context_limit(self.runner, config.max_model_len)
         self.sampler = RejectionSampler(config.sampler_backend, seed=config.seed, device=self.runner.device)
-        self.sessions = SessionStore(self.runner, budget, config.session_ttl_s)
+        # The slot pool already caps the batched runner's sessions; hf caches need a count of their own.
+        cap = config.max_cached_sessions or (
+            None if isinstance(self.runner, BatchedRunner) else 4 * config.max_sessions
+        )
+        self.sessions = SessionStore(self.runner, budget, config.session_ttl_s, max_count=cap)
         self.scheduler = Scheduler(
             self.runner,
             self.sampler,
             config.max_batch_size,
             on_batch=on_batch,
             batch_wait_s=config.batch_wait_ms / 1000,
+            batch_wait_fraction=config.batch_wait_fraction,
             expected=lambda: self.sessions.attached,
             max_batch_tokens=config.max_batch_tokens,
             prefill_chunk_tokens=config.prefill_chunk_tokens,
@@ -134,12 +149,16 @@ class VerifyEngine:
         await self.scheduler.close()
 
     async def _reap(self) -> None:
-        period = max(0.5, min(30.0, self.config.session_ttl_s / 4))
+        bounds = [b for b in (self.config.session_ttl_s, self.config.attach_timeout_s) if b > 0]
+        period = max(0.05, min([30.0] + [b / 4 for b in bounds]))
         while True:
             await asyncio.sleep(period)
             n = self.sessions.evict_expired()
             if n:
                 log.info("evicted %d idle sessions (ttl %.0f s)", n, self.config.session_ttl_s)
+            n = self.sessions.release_unattached()
+            if n:
+                log.info("released %d opened sessions no stream attached to", n)
 
     # requests -------------------------------------------------------------------------------------
     def check_prompt(self, prompt_ids: list[int], params: SamplingParams) -> None:
@@ -181,6 +200,8 @@ class VerifyEngine:
         finally:
             session.opening = False
         self.counters.prefill_chunks += chunks
+        if self.config.attach_timeout_s:
+            session.attach_by = self.sessions.clock() + self.config.attach_timeout_s
         return Opened(
             session.session_id, len(prompt_ids), reused, time.perf_counter() - t0, session.epoch, session.position
         )
@@ -209,11 +230,14 @@ class VerifyEngine:
         if session.stop is None:
             raise FailedPrecondition(f"session {session.session_id!r} has no open turn: call OpenSession first")
         session.attached = True
+        session.attach_by = None
 
-    def _detach(self, session: Session) -> None:
+    def _detach(self, session: Session, failed: bool = False) -> None:
+        """A stream that failed or was abandoned is no conversation worth keeping, named or not: its KV goes
+        back at once (once no forward in flight writes it) instead of waiting out the TTL."""
         session.attached = False
-        if session.ephemeral:
-            self.sessions.release(session.session_id)
+        if (session.ephemeral or failed) and self.sessions.remove(session):
+            self.scheduler.after_pass(session, lambda: self.sessions.account.free(session.seq))
 
     def _to_verify(self, session: Session, block: DraftBlock) -> RejectionInput:
         validate_block(block, self.vocab_size, self.config.max_spec_len)
@@ -232,7 +256,7 @@ class VerifyEngine:
 
     async def session_stream(self, inbox: asyncio.Queue) -> AsyncIterator[Verdict]:
         """Serve one session's Verify stream: `inbox` yields BlockIn, END_OF_STREAM, or an exception to raise."""
-        first = await inbox.get()
+        first = await self._receive(inbox, self._idle_s())
         if first is END_OF_STREAM:
             return
         if isinstance(first, BaseException):
@@ -241,12 +265,16 @@ class VerifyEngine:
             raise InvalidArgument("the first block of a Verify stream must name its session_id")
         session = self.sessions.get(first.session_id)
         self._attach(session)
+        failed = True
         try:
-            msg = first
+            msg, heard = first, time.monotonic()
             while not session.finished:
                 if msg is None:
-                    msg = await self._next_block(session, inbox)
-                if msg is END_OF_STREAM:
+                    msg = await self._next_block(session, inbox, heard)
+                    if not isinstance(msg, Verdict):
+                        heard = time.monotonic()
+                if msg is END_OF_STREAM:  # the client half-closed: a normal end
+                    failed = False
                     return
                 if isinstance(msg, BaseException):
                     raise msg
@@ -255,14 +283,34 @@ class VerifyEngine:
                 else:
                     verdict, msg = await self._verify_block(session, msg), None
                 yield verdict
+            failed = False
         finally:
-            self._detach(session)
+            # Past a return or the loop's end the stream ended normally; an exception, a cancelled handler or
+            # a closed generator (the client went away) leaves failed set.
+            self._detach(session, failed)
 
-    async def _next_block(self, session: Session, inbox: asyncio.Queue):
-        """The stream's next message; past the draft deadline, a target-only step's Verdict instead, so a
-        late draft never stalls its session."""
+    def _idle_s(self) -> float | None:
+        return self.config.stream_idle_timeout_s or None
+
+    async def _receive(self, inbox: asyncio.Queue, timeout: float | None):
         try:
-            return await asyncio.wait_for(inbox.get(), self.config.draft_deadline_ms / 1000 or None)
+            return await asyncio.wait_for(inbox.get(), timeout)
+        except TimeoutError:
+            raise DeadlineExceeded(
+                f"the Verify stream sent nothing for {self.config.stream_idle_timeout_s:g} s: closed"
+            ) from None
+
+    async def _next_block(self, session: Session, inbox: asyncio.Queue, heard: float):
+        """The stream's next message; past the draft deadline, a target-only step's Verdict instead, so a
+        late draft never stalls its session. Past the idle timeout since the client last sent (`heard`,
+        target-only steps do not count), DEADLINE_EXCEEDED."""
+        draft_s = self.config.draft_deadline_ms / 1000 or None
+        idle_s = self._idle_s()
+        left = None if idle_s is None else max(0.0, heard + idle_s - time.monotonic())
+        if left is not None and (draft_s is None or left <= draft_s):
+            return await self._receive(inbox, left)
+        try:
+            return await asyncio.wait_for(inbox.get(), draft_s)
         except TimeoutError:
             self.counters.deadline_steps += 1
             verdict = await self.scheduler.submit(session, self._target_only(session))
@@ -311,6 +359,7 @@ class VerifyEngine:
         opened = await self.open(session_id, prompt_ids, params)
         session = self.sessions.get(opened.session_id)
         self._attach(session)
+        failed = True
         try:
             yield opened
             while not session.finished:
@@ -319,8 +368,9 @@ class VerifyEngine:
                     yield Tokens(verdict.tokens)
             reason = session.stop.finish_reason if session.stop is not None else None
             yield Finished(reason or "stop")  # the loop ends only once the stop checker has set it
+            failed = False
         finally:
-            self._detach(session)
+            self._detach(session, failed)
 
     def release(self, session_id: str) -> bool:
         session = self.sessions.peek(session_id)

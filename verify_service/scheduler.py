@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections import deque
@@ -110,6 +111,7 @@ class Scheduler:
         on_batch=None,
         batch_wait_s: float = 0.0,
         expected: Callable[[], int] | None = None,
+        batch_wait_fraction: float = 0.0,
         max_batch_tokens: int = 512,
         prefill_chunk_tokens: int = 0,
         model_thread: ThreadPoolExecutor | None = None,
@@ -128,11 +130,21 @@ class Scheduler:
         # Sessions answered by one tick need a moment (the verdict's trip, the next block's) before they
         # can join the next: without a window, a tick starts with whoever is back first and the sessions
         # split into groups that take turns. `expected()` = sessions that may submit (attached ones).
+        # Under speculation a session's next block comes only after its draft drafted it, which takes
+        # longer than any fixed few ms: the window also grows with the forward it fills (a fraction of the
+        # recent batch time), since one pass over all sessions costs far less than two over halves.
         self.batch_wait_s = batch_wait_s
+        self.batch_wait_fraction = batch_wait_fraction
+        self.recent_batch_s = 0.0  # moving average of a pass's seconds
         self.expected = expected
         self.tracer = tracer("verify")
         self._waiting: deque[_Step] = deque()
         self._opening: deque[_Prefill] = deque()
+        # Sessions whose KV the model thread may be writing right now, and what waits for that to end: a
+        # session released mid-pass (its stream failed or was cancelled) must not lose its slot or cache
+        # to another session until the pass is done with it.
+        self._in_pass: dict[int, int] = {}  # id(session) -> passes queued or running on the model thread
+        self._after_pass: list[tuple[int, Callable[[], None]]] = []
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
 
@@ -179,10 +191,42 @@ class Scheduler:
         self._wake.set()
         return await future
 
+    def after_pass(self, session: Session, fn: Callable[[], None]) -> None:
+        """Run `fn` once no forward in flight touches `session` (at once if none does)."""
+        if id(session) in self._in_pass:
+            self._after_pass.append((id(session), fn))
+        else:
+            fn()
+
+    def _pass_begins(self, sessions: list[Session]) -> list[int]:
+        ids = [id(s) for s in sessions]
+        for i in ids:
+            self._in_pass[i] = self._in_pass.get(i, 0) + 1
+        return ids
+
+    def _pass_done(self, ids: list[int]) -> None:
+        for i in ids:
+            self._in_pass[i] -= 1
+            if not self._in_pass[i]:
+                del self._in_pass[i]
+        ready = [fn for i, fn in self._after_pass if i not in self._in_pass]
+        self._after_pass = [(i, fn) for i, fn in self._after_pass if i in self._in_pass]
+        for fn in ready:
+            fn()
+
+    def _after_chunk(self, ids: list[int], _: object) -> None:
+        self._pass_done(ids)
+
     async def _prefill_between_ticks(self, session: Session) -> tuple[int, int]:
         reused, chunks, left = 0, 0, 1
         while left:
-            done = await self.run_on_model(self._prefill_alone, session.seq, chunks == 0)
+            ids = self._pass_begins([session])
+            chunk = asyncio.get_running_loop().run_in_executor(
+                self.model_thread, self._prefill_alone, session.seq, chunks == 0
+            )
+            # Shielded: a cancelled open leaves the chunk running, and its session is released after it.
+            chunk.add_done_callback(functools.partial(self._after_chunk, ids))
+            done = await asyncio.shield(chunk)
             left, reused, chunks = done.left, reused + done.reused, chunks + 1
         return reused, chunks
 
@@ -205,6 +249,7 @@ class Scheduler:
                 plan = self._plan_prefill(batch)
                 if not batch and not plan:
                     continue
+                ids = self._pass_begins([s.session for s in batch] + [p.session for p, _ in plan])
                 try:
                     results = await loop.run_in_executor(
                         self.model_thread, self._execute, batch, plan, len(self._waiting)
@@ -212,6 +257,8 @@ class Scheduler:
                 except Exception:  # a bug after the forward must fail this pass, never the scheduler
                     log.exception("a pass of %d blocks and %d prefill chunks failed", len(batch), len(plan))
                     results = [RuntimeError("verification failed on the target model")] * (len(batch) + len(plan))
+                finally:
+                    self._pass_done(ids)
                 self._resolve(batch, plan, results)
 
     def _take_steps(self) -> list[_Step]:
@@ -261,11 +308,12 @@ class Scheduler:
                 p.future.set_result((p.reused, p.chunks))
 
     async def _gather_window(self) -> None:
-        """Wait up to batch_wait_s for the other attached sessions' steps (never when all are here)."""
-        if self.batch_wait_s <= 0 or self.expected is None:
+        """Wait up to the window for the other attached sessions' steps (never when all are here)."""
+        window = max(self.batch_wait_s, self.batch_wait_fraction * self.recent_batch_s)
+        if window <= 0 or self.expected is None:
             return
         loop = asyncio.get_running_loop()
-        end = loop.time() + self.batch_wait_s
+        end = loop.time() + window
         while len(self._waiting) < min(self.expected(), self.max_batch_size):
             remaining = end - loop.time()
             if remaining <= 0:
@@ -343,6 +391,7 @@ class Scheduler:
         st.steps += len(batch)
         st.max_batch_size_seen = max(st.max_batch_size_seen, len(batch))
         st.batch_size_hist[len(batch)] = st.batch_size_hist.get(len(batch), 0) + 1
+        self.recent_batch_s = seconds if not self.recent_batch_s else 0.8 * self.recent_batch_s + 0.2 * seconds
         if self.on_batch is not None:
             self.on_batch(len(batch), seconds)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 from specmesh import wire
+from specmesh.errors import Unavailable
 from specmesh.v1 import verify_pb2, verify_pb2_grpc
 from verify_service.engine import END_OF_STREAM, BlockIn, VerifyEngine
 
@@ -40,7 +41,9 @@ class VerifyServicer(verify_pb2_grpc.VerifyServiceServicer):
                     inbox.put_nowait(BlockIn(pb.session_id, pb.epoch, pb.base_position, block))
                 inbox.put_nowait(END_OF_STREAM)
             except Exception as e:  # noqa: BLE001 — the stream broke: end the session's loop
-                inbox.put_nowait(END_OF_STREAM if context.cancelled() else e)
+                # A client that cancelled or went away abandoned its turn: an error, so its session is
+                # released (a half-close, the loop's normal end above, keeps it).
+                inbox.put_nowait(Unavailable("the client cancelled the Verify stream") if context.cancelled() else e)
 
         reader = asyncio.get_running_loop().create_task(pump())
         try:

@@ -8,7 +8,13 @@ stream or generate call attached, or a turn being prefilled) are never evicted.
 What a session holds depends on the runner: with `BatchedRunner` one whole slot of its pool from
 creation to release (so "no slot free" and "budget reached" are the same thing, and the slot goes back
 to the pool the moment the session is released, evicted or expired); with `ModelRunner` a cache that
-grows token by token (counted as cached tokens x bytes per token; it is freed with its last reference).
+grows token by token (counted by the bytes its key/value tensors' storages really hold, which a cropped
+cache keeps until it grows again; it is freed with its last reference).
+
+Besides bytes, the number of sessions is capped (`max_count`; with BatchedRunner the slot count caps it
+too): every session counts, idle cached ones included, so a flood of opens can never grow the store past
+it. A new session beyond both bounds first evicts idle sessions LRU, and gets RESOURCE_EXHAUSTED when
+only busy ones are left.
 
 Every timestamp (LRU recency, TTL expiry) comes from the store's `clock`, so tests can drive time
 instead of sleeping.
@@ -56,6 +62,7 @@ class Session:
     # Bookkeeping:
     attached: bool = False  # a Verify stream or a Generate call is using it
     opening: bool = False  # its turn is being prefilled: its cache is being written
+    attach_by: float | None = None  # an opened turn not yet attached is released past this (store's clock)
     last_used: float = field(default_factory=time.monotonic)
 
     @property
@@ -92,7 +99,18 @@ class TokenAccount:
         self.bytes_per_token = bytes_per_token
 
     def held(self, seq: RunnerSequence) -> int:
-        return len(seq.cached_ids) * self.bytes_per_token
+        # The storages, not the cached token count: a cache cropped to a shorter prefix keeps its tensors'
+        # full storage, which is what the process really holds.
+        layers = getattr(getattr(seq, "cache", None), "layers", None)
+        if layers is None:
+            return len(seq.cached_ids) * self.bytes_per_token
+        storages = {}
+        for layer in layers:
+            for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
+                if isinstance(t, torch.Tensor) and t.numel():
+                    st = t.untyped_storage()
+                    storages[st.data_ptr()] = st.nbytes()
+        return max(sum(storages.values()), len(seq.cached_ids) * self.bytes_per_token)
 
     def needed(self, seq: RunnerSequence | None, tokens: int) -> int:
         return max(0, tokens * self.bytes_per_token - (self.held(seq) if seq is not None else 0))
@@ -119,7 +137,9 @@ class SlotAccount:
 
 class SessionStore:
     """`budget_bytes`: the most KV the sessions may hold (with BatchedRunner, at most its pool).
-    `bytes_per_token`: ModelRunner's KV bytes per cached token (default: from the model's config)."""
+    `bytes_per_token`: ModelRunner's KV bytes per cached token (default: from the model's config).
+    `max_count`: the most sessions held, busy or idle (None: the slot count with BatchedRunner, else no cap
+    of its own)."""
 
     def __init__(
         self,
@@ -128,6 +148,7 @@ class SessionStore:
         ttl_seconds: float,
         bytes_per_token: int | None = None,
         clock: Callable[[], float] = time.monotonic,
+        max_count: int | None = None,
     ):
         self.runner = runner
         self.clock = clock  # seconds, monotonic: only differences between its readings matter
@@ -136,10 +157,13 @@ class SessionStore:
         if isinstance(runner, BatchedRunner):
             self.account = SlotAccount(runner)
             self.budget_bytes = min(budget_bytes, runner.pool_bytes)
+            slots = runner.pool_bytes // runner.slot_bytes
+            max_count = min(max_count or slots, slots)
         else:
             dtype = next(runner.model.parameters()).dtype
             self.account = TokenAccount(bytes_per_token or kv_bytes_per_token(runner.model.config, dtype))
             self.budget_bytes = budget_bytes
+        self.max_count = max_count or 2**62
         self._sessions: OrderedDict[str, Session] = OrderedDict()  # LRU order: oldest first
         self.evicted = 0
 
@@ -175,6 +199,8 @@ class SessionStore:
         session = self._sessions.get(session_id) if session_id else None
         if session is not None and session.busy:
             raise FailedPrecondition(f"session {session_id!r} is in use by another stream")
+        if session is None:
+            self._make_count_room()
         self.make_room(self.account.needed(session.seq if session is not None else None, len(prompt_ids)), keep=session)
         if session is None:
             session = Session(
@@ -186,6 +212,15 @@ class SessionStore:
         self._sessions.move_to_end(session.session_id)
         session.last_used = self.clock()
         return session
+
+    def _make_count_room(self) -> None:
+        """Evict the LRU idle session when a new one would pass `max_count`."""
+        if len(self._sessions) < self.max_count:
+            return
+        idle = next((sid for sid, s in self._sessions.items() if not s.busy), None)
+        if idle is None:
+            raise ResourceExhausted(f"session cap reached: all {len(self._sessions)} sessions are in use")
+        self._drop(idle)
 
     def make_room(self, need: int, keep: Session | None = None) -> None:
         """Evict idle sessions (LRU) until `need` more bytes fit the budget. If evicting every idle session
@@ -212,6 +247,24 @@ class SessionStore:
             return False
         self.account.free(session.seq)
         return True
+
+    def remove(self, session: Session) -> bool:
+        """Forget `session` (if it is still the one under its id) without freeing its KV: the caller frees
+        it (`account.free`) once no forward in flight writes it."""
+        if self._sessions.get(session.session_id) is not session:
+            return False
+        del self._sessions[session.session_id]
+        return True
+
+    def release_unattached(self, now: float | None = None) -> int:
+        """Release opened turns that no stream attached to in time."""
+        now = self.clock() if now is None else now
+        late = [
+            sid for sid, s in self._sessions.items() if not s.busy and s.attach_by is not None and now > s.attach_by
+        ]
+        for sid in late:
+            self._drop(sid)
+        return len(late)
 
     def evict_expired(self, now: float | None = None) -> int:
         now = self.clock() if now is None else now
