@@ -26,15 +26,19 @@ class SpecStats:
     pipelined_used: int = 0  # blocks drafted ahead during verification and then sent
     pipelined_discarded: int = 0
 
+    def _cover(self, positions: int) -> None:
+        """Make the per-position counts at least `positions` long."""
+        grow = positions - len(self.drafted_per_pos)
+        if grow > 0:
+            self.drafted_per_pos += [0] * grow
+            self.accepted_per_pos += [0] * grow
+
     def record(self, k: int, num_accepted: int) -> None:
         self.rounds += 1
         self.drafts += k > 0
         self.drafted += k
         self.accepted += num_accepted
-        grow = k - len(self.drafted_per_pos)
-        if grow > 0:
-            self.drafted_per_pos += [0] * grow
-            self.accepted_per_pos += [0] * grow
+        self._cover(k)
         for i in range(k):
             self.drafted_per_pos[i] += 1
         for i in range(num_accepted):
@@ -53,10 +57,7 @@ class SpecStats:
             "pipelined_discarded",
         ):
             setattr(self, name, getattr(self, name) + getattr(other, name))
-        grow = len(other.drafted_per_pos) - len(self.drafted_per_pos)
-        if grow > 0:
-            self.drafted_per_pos += [0] * grow
-            self.accepted_per_pos += [0] * grow
+        self._cover(len(other.drafted_per_pos))
         # Not strict: `other` may come off the wire (wire.stats_from_pb), where a peer's two lists need not match.
         for i, (d, a) in enumerate(zip(other.drafted_per_pos, other.accepted_per_pos, strict=False)):
             self.drafted_per_pos[i] += d

@@ -163,30 +163,20 @@ def verdict_from_pb(pb: verify_pb2.VerifyResponse) -> Verdict:
 # Statistics and generation streams -------------------------------------------------------------------
 
 
+# The SpecStats fields that travel, under the same names in the message (the pipelining counts stay with
+# the draft service that drafted ahead).
+STATS_FIELDS = ("rounds", "drafts", "drafted", "accepted", "draft_seconds", "verify_seconds")
+STATS_LIST_FIELDS = ("drafted_per_pos", "accepted_per_pos")
+
+
 def stats_to_pb(stats: SpecStats) -> common_pb2.SpecStats:
-    return common_pb2.SpecStats(
-        rounds=stats.rounds,
-        drafts=stats.drafts,
-        drafted=stats.drafted,
-        accepted=stats.accepted,
-        drafted_per_pos=stats.drafted_per_pos,
-        accepted_per_pos=stats.accepted_per_pos,
-        draft_seconds=stats.draft_seconds,
-        verify_seconds=stats.verify_seconds,
-    )
+    return common_pb2.SpecStats(**{name: getattr(stats, name) for name in STATS_FIELDS + STATS_LIST_FIELDS})
 
 
 def stats_from_pb(pb: common_pb2.SpecStats) -> SpecStats:
-    return SpecStats(
-        rounds=pb.rounds,
-        drafts=pb.drafts,
-        drafted=pb.drafted,
-        accepted=pb.accepted,
-        drafted_per_pos=list(pb.drafted_per_pos),
-        accepted_per_pos=list(pb.accepted_per_pos),
-        draft_seconds=pb.draft_seconds,
-        verify_seconds=pb.verify_seconds,
-    )
+    values: dict[str, Any] = {name: getattr(pb, name) for name in STATS_FIELDS}
+    values.update((name, list(getattr(pb, name))) for name in STATS_LIST_FIELDS)
+    return SpecStats(**values)
 
 
 def event_to_pb(event: GenerationEvent, response_type: type) -> Any:
