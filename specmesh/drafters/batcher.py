@@ -25,6 +25,7 @@ from typing import Any, cast
 
 import torch
 
+from specmesh.futures import settle
 from specmesh.runtime import Runner, RunnerSequence
 from specmesh.runtime.batched import BatchedRunner, PrefillChunk, SlotSequence
 from specmesh.sampling import BatchSamplingParams, SamplingParams, process_logits
@@ -162,12 +163,7 @@ class DraftBatcher:
             except Exception as e:  # noqa: BLE001 - every waiting session gets the error, the batcher lives on
                 results = [e] * len(batch)
             for request, result in zip(batch, results, strict=True):
-                if request.future.done():
-                    continue
-                if isinstance(result, BaseException):
-                    request.future.set_exception(result)
-                else:
-                    request.future.set_result(result)
+                settle(request.future, result)
 
     @torch.inference_mode()
     def _step(self, batch: list[_Request]) -> list[DraftToken | None]:
