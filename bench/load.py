@@ -44,7 +44,6 @@ import json
 import os
 import platform
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -57,7 +56,7 @@ from tqdm import tqdm
 
 from bench.plots import concurrency_axis, pyplot, save
 from specmesh.placement import add_thread_flags, cores, service_threads
-from specmesh.stack import start, wait_healthy
+from specmesh.stack import free_port, start, wait_healthy
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
@@ -75,13 +74,6 @@ def sampling_name(t: float) -> str:
 
 # ---------------------------------------------------------------------------------------------------------
 # the stack
-
-
-def free_port() -> int:
-    # The gateway prints the port it was given, not the one it bound, so it needs a concrete free port.
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Stack:

@@ -14,6 +14,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -25,6 +26,14 @@ from specmesh.placement import add_thread_flags, service_threads
 
 ROOT = Path(__file__).resolve().parent.parent
 DEMO = ROOT / "models" / "demo"
+
+
+def free_port() -> int:
+    """A loopback port free right now, for a process that must be told its port rather than take port 0 (the
+    gateway prints the port it was given, not the one it bound)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def start(

@@ -12,7 +12,6 @@ import io
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -24,6 +23,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 
 from specmesh import healthcheck
+from specmesh.stack import free_port
 from specmesh.v1 import draft_pb2, verify_pb2
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -45,12 +45,6 @@ def _tool(name: str, hint: str) -> str:
 
 # ---------------------------------------------------------------------------------------------------
 # specmesh.healthcheck
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def _probe(*args: str, subprocess_: bool = False) -> tuple[int, str]:
@@ -93,7 +87,7 @@ def test_healthcheck_cli_against_real_server():
             await health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
             await health.set(VERIFY_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
             results += [await _probe(addr, subprocess_=True), await _probe(addr, "--service", VERIFY_NAME)]
-            results.append(await _probe(f"127.0.0.1:{_free_port()}"))  # nothing listening
+            results.append(await _probe(f"127.0.0.1:{free_port()}"))  # nothing listening
             return results
         finally:
             await server.stop(0)

@@ -19,6 +19,7 @@ import grpc
 from draft_service.engine import DraftConfig
 from draft_service.server import build_server as build_draft
 from specmesh.serving import BackgroundServer
+from specmesh.stack import free_port
 from specmesh.v1 import draft_pb2, draft_pb2_grpc, verify_pb2, verify_pb2_grpc
 from verify_service.engine import VerifyConfig
 from verify_service.server import build_server as build_verify
@@ -55,14 +56,6 @@ def generate(stub, prompt, params, **kw) -> tuple[list[int], list]:
     )
     chunks = list(stub.Generate(req_type(prompt_ids=prompt, params=params, **kw), timeout=120))
     return [t for c in chunks for t in c.tokens.token_ids], chunks
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class GatewayServer:
