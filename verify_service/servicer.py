@@ -9,6 +9,12 @@ from specmesh.errors import Unavailable
 from specmesh.v1 import verify_pb2, verify_pb2_grpc
 from verify_service.engine import END_OF_STREAM, BlockIn, VerifyEngine
 
+HALF_CLOSE_GRACE_S = 0.05
+
+
+def _cancelled() -> Unavailable:
+    return Unavailable("the client cancelled the Verify stream")
+
 
 class VerifyServicer(verify_pb2_grpc.VerifyServiceServicer):
     def __init__(self, engine: VerifyEngine):
@@ -39,11 +45,15 @@ class VerifyServicer(verify_pb2_grpc.VerifyServiceServicer):
                         inbox.put_nowait(e)
                         return
                     inbox.put_nowait(BlockIn(pb.session_id, pb.epoch, pb.base_position, block))
-                inbox.put_nowait(END_OF_STREAM)
+                # A client's cancel ends the request iterator as quietly as a half-close, and the handler
+                # is cancelled only a moment later: wait that moment, so a cancelled stream is not taken
+                # for a finished one (whose session would be kept). Only early half-closes pay it.
+                await asyncio.sleep(HALF_CLOSE_GRACE_S)
+                inbox.put_nowait(_cancelled() if context.cancelled() else END_OF_STREAM)
             except Exception as e:  # noqa: BLE001 — the stream broke: end the session's loop
                 # A client that cancelled or went away abandoned its turn: an error, so its session is
                 # released (a half-close, the loop's normal end above, keeps it).
-                inbox.put_nowait(Unavailable("the client cancelled the Verify stream") if context.cancelled() else e)
+                inbox.put_nowait(_cancelled() if context.cancelled() else e)
 
         reader = asyncio.get_running_loop().create_task(pump())
         try:
