@@ -46,7 +46,12 @@ class Runner(Protocol[SeqT]):
 
     def prefill(self, seq: SeqT) -> int | None:
         """Cache every committed token of `seq` but the last (the next forward feeds it), reusing a cached
-        prefix. Runners that prefill in chunks take more (optional) arguments and return the tokens left."""
+        prefix.
+
+        Runners that prefill in chunks take two more, optional, arguments and return how many tokens are
+        still to prefill: `max_tokens`, compute at most that many (call again until it returns 0), and
+        `count_reuse`, add the cached prefix to `prefix_tokens_reused` (only on a turn's first call, so
+        chunks are not counted as reuse)."""
         ...
 
     def forward(self, seqs: list[SeqT], extra: list[list[int]] | None = None) -> list[torch.Tensor]:

@@ -36,40 +36,22 @@ from transformers import PreTrainedModel
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from specmesh.errors import InvalidArgument, ResourceExhausted
-from specmesh.runtime.static import _NONE_CHANGED, _FastDecoder, _TrackedIds
+from specmesh.runtime.sequence import common_prefix
+from specmesh.runtime.static import TrackedSequence, _FastDecoder
 
 
-class SlotSequence:
-    """One sequence: committed ids, the ids whose KV its slot holds, and the slot (-1 once freed)."""
+class SlotSequence(TrackedSequence):
+    """One sequence: committed ids, the ids whose KV its slot positions [0, len) hold, and the slot (-1 once
+    freed)."""
 
-    __slots__ = ("__weakref__", "_release", "_runner", "_tokens", "cached_ids", "slot")
+    __slots__ = ("__weakref__", "_release", "_runner", "slot")
 
     def __init__(self, token_ids: list[int], runner: BatchedRunner, slot: int):
-        self._tokens = _TrackedIds(token_ids)
-        self.cached_ids: list[int] = []  # ids whose KV slot positions [0, len) hold, in order
+        super().__init__(token_ids)
         self.slot = slot
         self._runner = runner
         # Returns the slot when the sequence is freed or garbage-collected, whichever comes first.
         self._release = weakref.finalize(self, runner._release_slot, slot)
-
-    @property
-    def token_ids(self) -> list[int]:
-        return self._tokens
-
-    @token_ids.setter
-    def token_ids(self, ids: list[int]) -> None:
-        self._tokens = _TrackedIds(ids)  # low = 0: everything is compared again at the next sync
-
-    def commit(self, tokens: list[int]) -> None:
-        self._tokens.extend(tokens)
-
-    def reset_tokens(self, token_ids: list[int]) -> None:
-        """Replace the committed tokens (a new turn); the slot keeps whatever prefix still matches."""
-        self.token_ids = list(token_ids)
-
-    @property
-    def num_cached(self) -> int:
-        return len(self.cached_ids)
 
     @property
     def freed(self) -> bool:
@@ -315,39 +297,24 @@ class BatchedRunner:
         prefix of them held by any open sequence (a sequence continuing that one would reuse it)."""
         if isinstance(seq_or_ids, SlotSequence):
             self._own(seq_or_ids, allow_freed=True)
-            return _common_prefix(seq_or_ids.cached_ids, seq_or_ids.token_ids)
+            return common_prefix(seq_or_ids.cached_ids, seq_or_ids.token_ids)
         ids = list(seq_or_ids)
         best = 0
         for ref in list(self._owners):
             seq = ref() if ref is not None else None
             if seq is not None and seq.slot >= 0:
-                best = max(best, _common_prefix(seq.cached_ids, ids))
+                best = max(best, common_prefix(seq.cached_ids, ids))
         return best
 
     # forward --------------------------------------------------------------------------------------
     def _sync(self, seq: SlotSequence) -> int:
-        """Move the valid length back to the prefix still valid for token_ids, leaving >= 1 token to feed.
-
-        Only ids at or after the lowest index changed since the last sync are compared."""
-        tok, cached = seq._tokens, seq.cached_ids
-        c, n = len(cached), len(tok)
-        lim = c if c < n else n
-        i = tok.low if tok.low < lim else lim
-        while i < lim and cached[i] == tok[i]:
-            i += 1
-        keep = i if i < n else n - 1
-        tok.low = _NONE_CHANGED
-        if keep < c:
-            del cached[keep:]
-        return keep
+        """Move the valid length back to the prefix still valid for token_ids, leaving >= 1 token to feed: a
+        slot's valid length is its cached ids' count, so the sequence's own sync is all there is to do."""
+        return seq.sync()
 
     @torch.inference_mode()
     def prefill(self, seq: SlotSequence, max_tokens: int | None = None, count_reuse: bool = True) -> int:
-        """Cache every committed token but the last (the next forward feeds it), reusing a cached prefix.
-
-        With `max_tokens`, compute at most that many (chunked prefill: call again until it returns 0);
-        returns how many tokens are still to prefill. `count_reuse`: add the cached prefix to
-        `prefix_tokens_reused` (only on a turn's first call, so chunks are not counted as reuse)."""
+        """`Runner.prefill`, chunked: one `step` with this sequence's chunk and no decode blocks."""
         return self.step([], prefill=[PrefillChunk(seq, max_tokens, count_reuse)]).prefill_left[0]
 
     @torch.inference_mode()
@@ -482,11 +449,3 @@ class BatchedRunner:
 
 def _no_logits(vocab: int, device) -> torch.Tensor:
     return torch.empty((0, vocab), dtype=torch.float32, device=device)
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i

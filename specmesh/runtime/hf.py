@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from specmesh.runtime.sequence import SequenceBase
+from specmesh.runtime.sequence import SequenceBase, common_prefix
 
 
 @dataclass
@@ -28,14 +28,6 @@ class Sequence(SequenceBase):
     token_ids: list[int]
     cache: DynamicCache
     cached_ids: list[int] = field(default_factory=list)  # ids whose KV the cache holds, in order
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
 
 
 class ModelRunner:
@@ -58,7 +50,7 @@ class ModelRunner:
 
     def _sync(self, seq: Sequence) -> int:
         """Crop the cache to the prefix still valid for token_ids, leaving >= 1 token to feed."""
-        keep = min(_common_prefix(seq.cached_ids, seq.token_ids), len(seq.token_ids) - 1)
+        keep = min(common_prefix(seq.cached_ids, seq.token_ids), len(seq.token_ids) - 1)
         drop = len(seq.cached_ids) - keep
         if drop:
             seq.cache.crop(-drop)
@@ -67,11 +59,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def prefill(self, seq: Sequence, max_tokens: int | None = None, count_reuse: bool = True) -> int:
-        """Cache every committed token but the last (the next forward feeds it), reusing a cached prefix.
-
-        With `max_tokens`, compute at most that many (chunked prefill: call again until it returns 0);
-        returns how many tokens are still to prefill. `count_reuse`: add the cached prefix to
-        `prefix_tokens_reused` (only on a turn's first call, so chunks are not counted as reuse)."""
+        """`Runner.prefill`, chunked: each chunk runs in a forward of its own."""
         keep = self._sync(seq)
         if count_reuse:
             self.prefix_tokens_reused += keep

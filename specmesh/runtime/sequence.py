@@ -22,3 +22,12 @@ class SequenceBase:
     @property
     def num_cached(self) -> int:
         return len(self.cached_ids)
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading ids `a` and `b` share."""
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i

@@ -30,20 +30,29 @@ def tiny_model(
     raise ValueError(arch)
 
 
+# The config fields tiny_qwen3 and tiny_llama_mha share: tiny_model's size, built from config fields directly.
+_TINY = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    initializer_range=0.2,
+)
+
+
 def tiny_qwen3(seed: int = 3, **overrides):
     """A Qwen3 (q_norm / k_norm and an explicit head_dim) of tiny_model's size; `overrides`: config fields."""
     torch.manual_seed(seed)
-    kw = dict(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        initializer_range=0.2,
-    )
-    return Qwen3ForCausalLM(Qwen3Config(**{**kw, **overrides})).eval()
+    return Qwen3ForCausalLM(Qwen3Config(**{**_TINY, "head_dim": 16, **overrides})).eval()
+
+
+def tiny_llama_mha(seed: int = 7, **overrides):
+    """A Llama without GQA (as the demo target: as many KV heads as query heads) of tiny_model's size, for
+    the attention path without the grouped-query fold; `overrides`: config fields."""
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(LlamaConfig(**{**_TINY, "num_key_value_heads": 4, **overrides})).eval()
 
 
 def noisy_copy(model, noise: float, seed: int = 1):

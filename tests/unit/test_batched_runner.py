@@ -4,55 +4,20 @@ import gc
 
 import pytest
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from transformers import GPT2Config, GPT2LMHeadModel
 
 from specmesh.errors import InvalidArgument, ResourceExhausted
 from specmesh.runtime import Runner, RunnerSequence
 from specmesh.runtime.batched import BatchedRunner, PrefillChunk
 from specmesh.runtime.hf import ModelRunner
-from tests.support.models import tiny_model
-
-
-def llama_mha():
-    """No GQA (as the demo target): the attention path without the grouped-query fold."""
-    torch.manual_seed(7)
-    return LlamaForCausalLM(
-        LlamaConfig(
-            vocab_size=128,
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=4,
-            max_position_embeddings=512,
-            initializer_range=0.2,
-        )
-    ).eval()
-
-
-def qwen3_tiny():
-    """q_norm / k_norm and an explicit head_dim."""
-    torch.manual_seed(3)
-    return Qwen3ForCausalLM(
-        Qwen3Config(
-            vocab_size=128,
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=16,
-            max_position_embeddings=512,
-            initializer_range=0.2,
-        )
-    ).eval()
-
+from tests.support.models import tiny_llama_mha, tiny_model, tiny_qwen3
 
 MODELS = {
     "llama": lambda: tiny_model("llama", seed=5),
     "qwen2": lambda: tiny_model("qwen2", seed=6),
-    "llama-mha": llama_mha,
-    "qwen3": qwen3_tiny,
+    # A shorter context than the configs' own, so that a runner sized by it allocates less.
+    "llama-mha": lambda: tiny_llama_mha(max_position_embeddings=512),
+    "qwen3": lambda: tiny_qwen3(max_position_embeddings=512),
 }
 
 

@@ -54,12 +54,11 @@ def reference(model, prompt: list[int], n: int) -> list[int]:
     return out
 
 
-def make_session(runner, session_id: str, prompt: list[int], params: SamplingParams = GREEDY) -> Session:
-    seq = runner.new_sequence(prompt)
-    runner.prefill(seq)
+def fresh_session(runner, session_id: str, prompt: list[int], params: SamplingParams = GREEDY) -> Session:
+    """A session as VerifyEngine.open hands it to the scheduler: its turn set up, nothing prefilled yet."""
     return Session(
         session_id,
-        seq,
+        runner.new_sequence(prompt),
         ephemeral=False,
         params=params,
         stop=StopChecker(params, eos_token_ids(runner.model)),
@@ -67,6 +66,13 @@ def make_session(runner, session_id: str, prompt: list[int], params: SamplingPar
         prompt_len=len(prompt),
         epoch=0,
     )
+
+
+def make_session(runner, session_id: str, prompt: list[int], params: SamplingParams = GREEDY) -> Session:
+    """A session as the scheduler gets it after VerifyEngine.open's prefill."""
+    session = fresh_session(runner, session_id, prompt, params)
+    runner.prefill(session.seq)
+    return session
 
 
 def block(session: Session, draft: list[int] | tuple[int, ...] = ()) -> RejectionInput:
@@ -338,20 +344,6 @@ def test_an_error_after_the_forward_fails_its_batch_and_the_scheduler_keeps_serv
 # chunked prefill -----------------------------------------------------------------------------------------
 
 LONG = [(3 * i + 1) % (VOCAB - 1) for i in range(40)]  # 39 tokens to prefill
-
-
-def fresh_session(runner, session_id: str, prompt: list[int], params: SamplingParams = GREEDY) -> Session:
-    """A session as VerifyEngine.open hands it to the scheduler: its turn set up, nothing prefilled yet."""
-    return Session(
-        session_id,
-        runner.new_sequence(prompt),
-        ephemeral=False,
-        params=params,
-        stop=StopChecker(params, eos_token_ids(runner.model)),
-        generator=make_generator(params.seed, runner.device),
-        prompt_len=len(prompt),
-        epoch=0,
-    )
 
 
 def spy_steps(monkeypatch, runner) -> list[tuple[int, list[int | None], int]]:
