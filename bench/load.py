@@ -55,7 +55,7 @@ import numpy as np
 from tqdm import tqdm
 
 from bench.plots import concurrency_axis, pyplot, save
-from specmesh.placement import add_thread_flags, cores, service_threads
+from specmesh.placement import add_thread_flags, cores, pipeline_pays, service_threads
 from specmesh.stack import free_port, start, wait_healthy
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -118,6 +118,7 @@ class Stack:
                 *common,
                 "--threads",
                 str(self.draft_threads),
+                "--pipeline" if pipeline_pays(self.verify_threads, self.draft_threads) else "--no-pipeline",
             ],
             ports=self.metrics_ports,
         )
@@ -779,6 +780,7 @@ def main(argv=None) -> dict:
             "speculative_k": measured["speculative_k_sent"] or "service default",
             "verify_torch_threads": args.verify_threads,
             "draft_torch_threads": args.draft_threads,
+            "draft_pipelining": pipeline_pays(args.verify_threads, args.draft_threads),
             "hf_torch_threads": args.hf_threads,
             "hf_prompts": min(args.hf_prompts, len(prompts)) if hf else 0,
             "quick": args.quick,

@@ -1,9 +1,11 @@
 """Where the local stack's model processes run: torch threads per service, chosen from the machine's cores.
 
-Within a round the draft and the verify forward mostly alternate (the draft drafts, the target verifies),
-so the verify service may use every core: they are idle while it runs. The draft's forwards are small and
-overlap verification when drafting ahead, so it gets half the cores (at least one). With a CUDA device the
-verify service owns it and the draft stays on the CPU threads it is given.
+Within a round the draft and the verify forward alternate (the draft drafts, the target verifies), so the
+verify service may use every core: they are idle while it runs. The draft's forwards are small: half the
+cores, at least one. Drafting ahead while a block is verified (pipelining) only pays where the two do not
+share cores: on the 2-core dev machine it made every verify forward wait for a core and cut single-stream
+speed from 58 to 36 tokens/s, so the launchers turn it off when the services' threads exceed the cores.
+With a CUDA device the verify service owns it and the draft stays on the CPU threads it is given.
 """
 
 from __future__ import annotations
@@ -36,3 +38,8 @@ def add_thread_flags(ap: argparse.ArgumentParser) -> None:
     for role, default in (("verify", "every core"), ("draft", "half the cores, at least one")):
         help = f"torch threads of each {role} process (0 = {default}: see specmesh.placement)"
         ap.add_argument(f"--{role}-threads", type=int, default=0, help=help)
+
+
+def pipeline_pays(verify_threads: int, draft_threads: int) -> bool:
+    """Whether drafting ahead during verification has cores of its own (see the module docstring)."""
+    return verify_threads + draft_threads <= cores()

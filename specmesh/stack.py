@@ -22,7 +22,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from specmesh.placement import add_thread_flags, service_threads
+from specmesh.placement import add_thread_flags, pipeline_pays, service_threads
 
 ROOT = Path(__file__).resolve().parent.parent
 DEMO = ROOT / "models" / "demo"
@@ -121,8 +121,9 @@ def main(argv=None) -> int:
     signal.signal(signal.SIGTERM, shutdown)
     # Any free ports (printed), so several stacks and services can share a machine.
     common = ["--host", "127.0.0.1", "--port", "0", "--metrics-port", "0"]
-    verify_threads = ["--threads", str(service_threads("verify", args.verify_threads))]
-    draft_threads = ["--threads", str(service_threads("draft", args.draft_threads))]
+    n_verify, n_draft = service_threads("verify", args.verify_threads), service_threads("draft", args.draft_threads)
+    verify_threads = ["--threads", str(n_verify)]
+    draft_threads = ["--threads", str(n_draft), "--pipeline" if pipeline_pays(n_verify, n_draft) else "--no-pipeline"]
     metrics: dict[str, str] = {}
     try:
         verify = []
