@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from specmesh.v1 import common_pb2 as specmesh_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19specmesh/v1/gateway.proto\x12\x0bspecmesh.v1\x1a\x18specmesh/v1/common.proto\"\xd3\x01\n\x1dGatewayServiceGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x12\n\nprompt_ids\x18\x03 \x03(\x05\x12+\n\x06params\x18\x04 \x01(\x0b\x32\x1b.specmesh.v1.SamplingParams\x12\x12\n\nsession_id\x18\x05 \x01(\t\x12#\n\x16num_speculative_tokens\x18\x06 \x01(\rH\x00\x88\x01\x01\x42\x19\n\x17_num_speculative_tokens\"\xd9\x01\n#GatewayServiceGenerateStreamRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x12\n\nprompt_ids\x18\x03 \x03(\x05\x12+\n\x06params\x18\x04 \x01(\x0b\x32\x1b.specmesh.v1.SamplingParams\x12\x12\n\nsession_id\x18\x05 \x01(\t\x12#\n\x16num_speculative_tokens\x18\x06 \x01(\rH\x00\x88\x01\x01\x42\x19\n\x17_num_speculative_tokens\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\xe5\x01\n\x1eGatewayServiceGenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x30\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x19.specmesh.v1.FinishReason\x12!\n\x05usage\x18\x04 \x01(\x0b\x32\x12.specmesh.v1.Usage\x12%\n\x05stats\x18\x05 \x01(\x0b\x32\x16.specmesh.v1.SpecStats\x12\x11\n\tfailovers\x18\x06 \x01(\r\x12\x13\n\x0btarget_only\x18\x07 \x01(\x08\"\xc5\x03\n$GatewayServiceGenerateStreamResponse\x12H\n\x05\x64\x65lta\x18\x01 \x01(\x0b\x32\x37.specmesh.v1.GatewayServiceGenerateStreamResponse.DeltaH\x00\x12N\n\x08\x66inished\x18\x02 \x01(\x0b\x32:.specmesh.v1.GatewayServiceGenerateStreamResponse.FinishedH\x00\x1a(\n\x05\x44\x65lta\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x1a\xcf\x01\n\x08\x46inished\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x30\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x19.specmesh.v1.FinishReason\x12!\n\x05usage\x18\x04 \x01(\x0b\x32\x12.specmesh.v1.Usage\x12%\n\x05stats\x18\x05 \x01(\x0b\x32\x16.specmesh.v1.SpecStats\x12\x11\n\tfailovers\x18\x06 \x01(\r\x12\x13\n\x0btarget_only\x18\x07 \x01(\x08\x42\x07\n\x05\x63hunk2\xee\x01\n\x0eGatewayService\x12\x63\n\x08Generate\x12*.specmesh.v1.GatewayServiceGenerateRequest\x1a+.specmesh.v1.GatewayServiceGenerateResponse\x12w\n\x0eGenerateStream\x12\x30.specmesh.v1.GatewayServiceGenerateStreamRequest\x1a\x31.specmesh.v1.GatewayServiceGenerateStreamResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19specmesh/v1/gateway.proto\x12\x0bspecmesh.v1\x1a\x18specmesh/v1/common.proto\"\x93\x02\n\x1dGatewayServiceGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x12\n\nprompt_ids\x18\x03 \x03(\x05\x12+\n\x06params\x18\x04 \x01(\x0b\x32\x1b.specmesh.v1.SamplingParams\x12\x12\n\nsession_id\x18\x05 \x01(\t\x12#\n\x16num_speculative_tokens\x18\x06 \x01(\rH\x00\x88\x01\x01\x12\x12\n\ncache_salt\x18\x07 \x01(\t\x12*\n\x08messages\x18\x08 \x03(\x0b\x32\x18.specmesh.v1.ChatMessageB\x19\n\x17_num_speculative_tokens\"\x99\x02\n#GatewayServiceGenerateStreamRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x12\n\nprompt_ids\x18\x03 \x03(\x05\x12+\n\x06params\x18\x04 \x01(\x0b\x32\x1b.specmesh.v1.SamplingParams\x12\x12\n\nsession_id\x18\x05 \x01(\t\x12#\n\x16num_speculative_tokens\x18\x06 \x01(\rH\x00\x88\x01\x01\x12\x12\n\ncache_salt\x18\x07 \x01(\t\x12*\n\x08messages\x18\x08 \x03(\x0b\x32\x18.specmesh.v1.ChatMessageB\x19\n\x17_num_speculative_tokens\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\xa6\x02\n\x1eGatewayServiceGenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x30\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x19.specmesh.v1.FinishReason\x12!\n\x05usage\x18\x04 \x01(\x0b\x32\x12.specmesh.v1.Usage\x12%\n\x05stats\x18\x05 \x01(\x0b\x32\x16.specmesh.v1.SpecStats\x12\x11\n\tfailovers\x18\x06 \x01(\r\x12\x13\n\x0btarget_only\x18\x07 \x01(\x08\x12+\n\x08logprobs\x18\x08 \x03(\x0b\x32\x19.specmesh.v1.TokenLogprob\x12\x12\n\nsession_id\x18\t \x01(\t\"\xb3\x04\n$GatewayServiceGenerateStreamResponse\x12H\n\x05\x64\x65lta\x18\x01 \x01(\x0b\x32\x37.specmesh.v1.GatewayServiceGenerateStreamResponse.DeltaH\x00\x12N\n\x08\x66inished\x18\x02 \x01(\x0b\x32:.specmesh.v1.GatewayServiceGenerateStreamResponse.FinishedH\x00\x1aU\n\x05\x44\x65lta\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12+\n\x08logprobs\x18\x03 \x03(\x0b\x32\x19.specmesh.v1.TokenLogprob\x1a\x90\x02\n\x08\x46inished\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x30\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x19.specmesh.v1.FinishReason\x12!\n\x05usage\x18\x04 \x01(\x0b\x32\x12.specmesh.v1.Usage\x12%\n\x05stats\x18\x05 \x01(\x0b\x32\x16.specmesh.v1.SpecStats\x12\x11\n\tfailovers\x18\x06 \x01(\r\x12\x13\n\x0btarget_only\x18\x07 \x01(\x08\x12+\n\x08logprobs\x18\x08 \x03(\x0b\x32\x19.specmesh.v1.TokenLogprob\x12\x12\n\nsession_id\x18\t \x01(\tB\x07\n\x05\x63hunk2\xee\x01\n\x0eGatewayService\x12\x63\n\x08Generate\x12*.specmesh.v1.GatewayServiceGenerateRequest\x1a+.specmesh.v1.GatewayServiceGenerateResponse\x12w\n\x0eGenerateStream\x12\x30.specmesh.v1.GatewayServiceGenerateStreamRequest\x1a\x31.specmesh.v1.GatewayServiceGenerateStreamResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,19 +33,21 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specmesh.v1.gateway_pb2', _
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_GATEWAYSERVICEGENERATEREQUEST']._serialized_start=69
-  _globals['_GATEWAYSERVICEGENERATEREQUEST']._serialized_end=280
-  _globals['_GATEWAYSERVICEGENERATESTREAMREQUEST']._serialized_start=283
-  _globals['_GATEWAYSERVICEGENERATESTREAMREQUEST']._serialized_end=500
-  _globals['_USAGE']._serialized_start=502
-  _globals['_USAGE']._serialized_end=589
-  _globals['_GATEWAYSERVICEGENERATERESPONSE']._serialized_start=592
-  _globals['_GATEWAYSERVICEGENERATERESPONSE']._serialized_end=821
-  _globals['_GATEWAYSERVICEGENERATESTREAMRESPONSE']._serialized_start=824
-  _globals['_GATEWAYSERVICEGENERATESTREAMRESPONSE']._serialized_end=1277
-  _globals['_GATEWAYSERVICEGENERATESTREAMRESPONSE_DELTA']._serialized_start=1018
-  _globals['_GATEWAYSERVICEGENERATESTREAMRESPONSE_DELTA']._serialized_end=1058
-  _globals['_GATEWAYSERVICEGENERATESTREAMRESPONSE_FINISHED']._serialized_start=1061
-  _globals['_GATEWAYSERVICEGENERATESTREAMRESPONSE_FINISHED']._serialized_end=1268
-  _globals['_GATEWAYSERVICE']._serialized_start=1280
-  _globals['_GATEWAYSERVICE']._serialized_end=1518
+  _globals['_GATEWAYSERVICEGENERATEREQUEST']._serialized_end=344
+  _globals['_GATEWAYSERVICEGENERATESTREAMREQUEST']._serialized_start=347
+  _globals['_GATEWAYSERVICEGENERATESTREAMREQUEST']._serialized_end=628
+  _globals['_CHATMESSAGE']._serialized_start=630
+  _globals['_CHATMESSAGE']._serialized_end=674
+  _globals['_USAGE']._serialized_start=676
+  _globals['_USAGE']._serialized_end=763
+  _globals['_GATEWAYSERVICEGENERATERESPONSE']._serialized_start=766
+  _globals['_GATEWAYSERVICEGENERATERESPONSE']._serialized_end=1060
+  _globals['_GATEWAYSERVICEGENERATESTREAMRESPONSE']._serialized_start=1063
+  _globals['_GATEWAYSERVICEGENERATESTREAMRESPONSE']._serialized_end=1626
+  _globals['_GATEWAYSERVICEGENERATESTREAMRESPONSE_DELTA']._serialized_start=1257
+  _globals['_GATEWAYSERVICEGENERATESTREAMRESPONSE_DELTA']._serialized_end=1342
+  _globals['_GATEWAYSERVICEGENERATESTREAMRESPONSE_FINISHED']._serialized_start=1345
+  _globals['_GATEWAYSERVICEGENERATESTREAMRESPONSE_FINISHED']._serialized_end=1617
+  _globals['_GATEWAYSERVICE']._serialized_start=1629
+  _globals['_GATEWAYSERVICE']._serialized_end=1867
 # @@protoc_insertion_point(module_scope)

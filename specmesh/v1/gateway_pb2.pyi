@@ -8,36 +8,52 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class GatewayServiceGenerateRequest(_message.Message):
-    __slots__ = ("model", "prompt", "prompt_ids", "params", "session_id", "num_speculative_tokens")
+    __slots__ = ("model", "prompt", "prompt_ids", "params", "session_id", "num_speculative_tokens", "cache_salt", "messages")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
     model: str
     prompt: str
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
     params: _common_pb2.SamplingParams
     session_id: str
     num_speculative_tokens: int
-    def __init__(self, model: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., session_id: _Optional[str] = ..., num_speculative_tokens: _Optional[int] = ...) -> None: ...
+    cache_salt: str
+    messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
+    def __init__(self, model: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., session_id: _Optional[str] = ..., num_speculative_tokens: _Optional[int] = ..., cache_salt: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ...) -> None: ...
 
 class GatewayServiceGenerateStreamRequest(_message.Message):
-    __slots__ = ("model", "prompt", "prompt_ids", "params", "session_id", "num_speculative_tokens")
+    __slots__ = ("model", "prompt", "prompt_ids", "params", "session_id", "num_speculative_tokens", "cache_salt", "messages")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
     model: str
     prompt: str
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
     params: _common_pb2.SamplingParams
     session_id: str
     num_speculative_tokens: int
-    def __init__(self, model: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., session_id: _Optional[str] = ..., num_speculative_tokens: _Optional[int] = ...) -> None: ...
+    cache_salt: str
+    messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
+    def __init__(self, model: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., session_id: _Optional[str] = ..., num_speculative_tokens: _Optional[int] = ..., cache_salt: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ...) -> None: ...
+
+class ChatMessage(_message.Message):
+    __slots__ = ("role", "content")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    content: str
+    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens", "cached_prompt_tokens")
@@ -50,7 +66,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class GatewayServiceGenerateResponse(_message.Message):
-    __slots__ = ("text", "token_ids", "finish_reason", "usage", "stats", "failovers", "target_only")
+    __slots__ = ("text", "token_ids", "finish_reason", "usage", "stats", "failovers", "target_only", "logprobs", "session_id")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
@@ -58,6 +74,8 @@ class GatewayServiceGenerateResponse(_message.Message):
     STATS_FIELD_NUMBER: _ClassVar[int]
     FAILOVERS_FIELD_NUMBER: _ClassVar[int]
     TARGET_ONLY_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     text: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     finish_reason: _common_pb2.FinishReason
@@ -65,19 +83,23 @@ class GatewayServiceGenerateResponse(_message.Message):
     stats: _common_pb2.SpecStats
     failovers: int
     target_only: bool
-    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., stats: _Optional[_Union[_common_pb2.SpecStats, _Mapping]] = ..., failovers: _Optional[int] = ..., target_only: _Optional[bool] = ...) -> None: ...
+    logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
+    session_id: str
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., stats: _Optional[_Union[_common_pb2.SpecStats, _Mapping]] = ..., failovers: _Optional[int] = ..., target_only: _Optional[bool] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., session_id: _Optional[str] = ...) -> None: ...
 
 class GatewayServiceGenerateStreamResponse(_message.Message):
     __slots__ = ("delta", "finished")
     class Delta(_message.Message):
-        __slots__ = ("text", "token_ids")
+        __slots__ = ("text", "token_ids", "logprobs")
         TEXT_FIELD_NUMBER: _ClassVar[int]
         TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+        LOGPROBS_FIELD_NUMBER: _ClassVar[int]
         text: str
         token_ids: _containers.RepeatedScalarFieldContainer[int]
-        def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+        logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
+        def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
     class Finished(_message.Message):
-        __slots__ = ("text", "token_ids", "finish_reason", "usage", "stats", "failovers", "target_only")
+        __slots__ = ("text", "token_ids", "finish_reason", "usage", "stats", "failovers", "target_only", "logprobs", "session_id")
         TEXT_FIELD_NUMBER: _ClassVar[int]
         TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
         FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
@@ -85,6 +107,8 @@ class GatewayServiceGenerateStreamResponse(_message.Message):
         STATS_FIELD_NUMBER: _ClassVar[int]
         FAILOVERS_FIELD_NUMBER: _ClassVar[int]
         TARGET_ONLY_FIELD_NUMBER: _ClassVar[int]
+        LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+        SESSION_ID_FIELD_NUMBER: _ClassVar[int]
         text: str
         token_ids: _containers.RepeatedScalarFieldContainer[int]
         finish_reason: _common_pb2.FinishReason
@@ -92,7 +116,9 @@ class GatewayServiceGenerateStreamResponse(_message.Message):
         stats: _common_pb2.SpecStats
         failovers: int
         target_only: bool
-        def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., stats: _Optional[_Union[_common_pb2.SpecStats, _Mapping]] = ..., failovers: _Optional[int] = ..., target_only: _Optional[bool] = ...) -> None: ...
+        logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
+        session_id: str
+        def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., stats: _Optional[_Union[_common_pb2.SpecStats, _Mapping]] = ..., failovers: _Optional[int] = ..., target_only: _Optional[bool] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., session_id: _Optional[str] = ...) -> None: ...
     DELTA_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
     delta: GatewayServiceGenerateStreamResponse.Delta
