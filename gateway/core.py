@@ -209,13 +209,15 @@ class Gateway:
             req.metadata = outgoing_metadata()  # the caller's span is current here
         await self.admit()
         self.inflight += 1
-        timer = self.stream_metrics.timer() if self.stream_metrics is not None else None
+        timer = self.stream_metrics.timer(len(req.prompt_ids)) if self.stream_metrics is not None else None
         try:
             async for chunk in self._generate(req, outcome):
                 if timer is not None:
-                    timer.tokens(len(chunk.token_ids))
+                    timer.tokens(len(chunk.token_ids), chunk.finish_reason)
                 yield chunk
         finally:
+            if timer is not None:
+                timer.end()
             self.inflight -= 1
             self._slots.release()
             self.totals.merge(outcome.stats)

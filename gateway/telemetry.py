@@ -1,6 +1,9 @@
 """The gateway's Prometheus metrics: requests by endpoint and status, time to first token, inter-token
 latency, tokens, speculation totals (per-position acceptance included), queue, replica health and load,
-routing decisions, failovers and target-only fallbacks."""
+routing decisions, failovers and target-only fallbacks; and, under vLLM's names with its `model_name`
+label (the served name), what vLLM's API server counts: prompt and generated tokens, finished requests by
+reason, requests running and waiting. vLLM's spec-decode counters come from the verify service, which
+sees every verified block (a gateway's totals would count only its own requests, once they end)."""
 
 from __future__ import annotations
 
@@ -38,4 +41,24 @@ class GatewayMetrics(ServiceMetrics):
             c("specmesh_gateway_failovers", "Generations moved to another replica mid-stream", value=gw.failovers),
             c("specmesh_gateway_target_only", target_only_doc, value=gw.target_only_fallbacks),
             *spec_families("specmesh_gateway", gw.totals),
+            *self.vllm_families(gw),
         ]
+
+    def vllm_families(self, gw) -> list:
+        g, c = GaugeMetricFamily, CounterMetricFamily
+        model = [gw.config.model_name]
+        s = self.stream
+        assert s is not None  # the gateway's metrics always time streams
+        running = g("vllm:num_requests_running", "Generations running", labels=["model_name"])
+        running.add_metric(model, gw.inflight)
+        waiting = g("vllm:num_requests_waiting", "Generations waiting for a concurrency slot", labels=["model_name"])
+        waiting.add_metric(model, gw.waiting)
+        prompt = c("vllm:prompt_tokens", "Prompt tokens of the generations admitted", labels=["model_name"])
+        prompt.add_metric(model, s.prompt_tokens)
+        generated = c("vllm:generation_tokens", "Tokens generated", labels=["model_name"])
+        generated.add_metric(model, s.generated_tokens)
+        success_doc = "Generations finished, by finish reason (abort: an error or a client that went away)"
+        success = c("vllm:request_success", success_doc, labels=["model_name", "finished_reason"])
+        for reason in sorted({"stop", "length", "abort"} | s.finished.keys()):
+            success.add_metric([*model, reason], s.finished.get(reason, 0))
+        return [running, waiting, prompt, generated, success]

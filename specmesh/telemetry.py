@@ -125,9 +125,15 @@ class RpcMetrics:
 
     def observe(self, method: str, code: str, seconds: float) -> None:
         self.requests.labels(self.service, method, code).inc()
-        if code != "OK":
+        if is_error(code):
             self.errors.labels(self.service, method, code).inc()
         self.duration.labels(self.service, method).observe(seconds)
+
+
+def is_error(code: str) -> bool:
+    """Whether a final status is an error: the REST front reports HTTP statuses ("200", "400", "499"), the
+    gRPC services status code names ("OK", "INVALID_ARGUMENT"); a client that went away (499) counts too."""
+    return int(code) >= 400 if code.isdigit() else code != "OK"
 
 
 class BatchMetrics:
@@ -199,36 +205,58 @@ class FnCollector:
 
 
 def spec_families(prefix: str, stats) -> list:
-    """vLLM's speculation metrics from a SpecStats-like total (rounds, drafted, accepted, per position)."""
+    """A service's speculation counters from a SpecStats-like total (rounds, drafted, accepted, per position).
+    Counters only: acceptance over any window is a ratio of rates in PromQL (accepted / draft tokens, and
+    1 + accepted / rounds for the mean accepted length), which lifetime gauges could not give."""
     from prometheus_client.core import CounterMetricFamily as C
-    from prometheus_client.core import GaugeMetricFamily as G
 
-    rate_at = [a / d if d else 0.0 for d, a in zip(stats.drafted_per_pos, stats.accepted_per_pos, strict=True)]
-    length_doc = "1 + accepted / drafts (tokens per drafted round, bonus included), since start"
     table = [  # a list value: one sample per draft position
-        (C, "rounds", "Speculation rounds that verified a draft block", stats.drafts),
-        (C, "draft_tokens", "Draft tokens verified", stats.drafted),
-        (C, "accepted_tokens", "Draft tokens accepted", stats.accepted),
-        (C, "draft_tokens_per_pos", "Rounds that drafted position i", stats.drafted_per_pos),
-        (C, "accepted_tokens_per_pos", "Rounds that accepted the draft token at position i", stats.accepted_per_pos),
-        (G, "acceptance_rate_per_pos", "Acceptance at position i (accepted / drafted there), since start", rate_at),
-        (G, "acceptance_rate", "Accepted / drafted tokens, since start", stats.acceptance_rate),
-        (G, "mean_accepted_length", length_doc, stats.mean_accepted_length),
+        ("rounds", "Speculation rounds that verified a draft block", stats.drafts),
+        ("draft_tokens", "Draft tokens verified", stats.drafted),
+        ("accepted_tokens", "Draft tokens accepted", stats.accepted),
+        ("draft_tokens_per_pos", "Rounds that drafted position i", stats.drafted_per_pos),
+        ("accepted_tokens_per_pos", "Rounds that accepted the draft token at position i", stats.accepted_per_pos),
     ]
     families = []
-    for kind, metric, doc, value in table:
+    for metric, doc, value in table:
         if isinstance(value, list):
-            family = kind(f"{prefix}_spec_{metric}", doc, labels=["position"])
+            family = C(f"{prefix}_spec_{metric}", doc, labels=["position"])
             for i, v in enumerate(value):
                 family.add_metric([str(i)], v)
         else:
-            family = kind(f"{prefix}_spec_{metric}", doc, value=value)
+            family = C(f"{prefix}_spec_{metric}", doc, value=value)
         families.append(family)
     return families
 
 
+def vllm_spec_decode_families(stats, model_name: str) -> list:
+    """vLLM's spec-decode counters (its names, its `model_name` label) from a SpecStats-like total, so that
+    dashboards and scripts written for vLLM read them unchanged: mean accepted length is
+    1 + rate(accepted) / rate(drafts), acceptance rate rate(accepted) / rate(draft tokens)."""
+    from prometheus_client.core import CounterMetricFamily as C
+
+    out = []
+    for metric, doc, value in (
+        ("num_drafts", "Draft blocks verified (rounds with at least one draft token)", stats.drafts),
+        ("num_draft_tokens", "Draft tokens verified", stats.drafted),
+        ("num_accepted_tokens", "Draft tokens accepted", stats.accepted),
+    ):
+        family = C(f"vllm:spec_decode_{metric}", doc, labels=["model_name"])
+        family.add_metric([model_name], value)
+        out.append(family)
+    per_pos = C(
+        "vllm:spec_decode_num_accepted_tokens_per_pos",
+        "Draft tokens accepted at position i of their block",
+        labels=["model_name", "position"],
+    )
+    for i, v in enumerate(stats.accepted_per_pos):
+        per_pos.add_metric([model_name, str(i)], v)
+    return [*out, per_pos]
+
+
 class StreamMetrics:
-    """Latency of streamed generations: time to first token, inter-token latency, tokens generated."""
+    """Latency of streamed generations: time to first token, inter-token latency, tokens generated; and the
+    totals a service exports under vLLM's names (prompt and generated tokens, requests by finish reason)."""
 
     def __init__(self, registry: CollectorRegistry, service: str):
         self.service = service
@@ -240,18 +268,32 @@ class StreamMetrics:
         self.tokens = Counter(
             "specmesh_generated_tokens", "Tokens generated (rate() gives tokens/s)", ["service"], registry=registry
         ).labels(service)
+        self.prompt_tokens = 0
+        self.generated_tokens = 0
+        self.finished: dict[str, int] = {}  # generations by finish reason ("abort": ended without one)
 
-    def timer(self) -> StreamTimer:
+    def timer(self, prompt_tokens: int = 0) -> StreamTimer:
+        self.prompt_tokens += prompt_tokens
         return StreamTimer(self)
+
+    def finish(self, reason: str) -> None:
+        reason = "abort" if reason == "cancelled" else reason  # vLLM's word for it
+        self.finished[reason] = self.finished.get(reason, 0) + 1
 
 
 class StreamTimer:
+    """One generation's stream: `tokens(n, finish)` per chunk, then `end()` on every exit path."""
+
     def __init__(self, metrics: StreamMetrics):
         self.m = metrics
         self.start = self.last = time.perf_counter()
         self.first = True
+        self.finish: str | None = None
 
-    def tokens(self, n: int) -> None:
+    def tokens(self, n: int, finish: str | None = None) -> None:
+        if finish is not None and self.finish is None:
+            self.finish = finish
+            self.m.finish(finish)
         if n <= 0:
             return
         now = time.perf_counter()
@@ -264,6 +306,14 @@ class StreamTimer:
                 self.m.itl.observe(gap)
         self.last = now
         self.m.tokens.inc(n)
+        self.m.generated_tokens += n
+
+    def end(self) -> None:
+        """The generation is over: one that never got a finish reason (an error, a client that went away)
+        counts as aborted, as vLLM counts it."""
+        if self.finish is None:
+            self.finish = "abort"
+            self.m.finish("abort")
 
 
 class ServiceMetrics:

@@ -1,5 +1,7 @@
 """The verify service's Prometheus metrics: requests (RpcMetrics), batches, queue, KV cache, sessions,
-and vLLM's speculation metrics over every verified block."""
+and the speculation counters over every verified block, also under vLLM's spec-decode names with its
+`model_name` label: the service sees every block verified, whichever gateway or client sent it, so the
+vLLM-named counters are exported here alone (never summed twice across services)."""
 
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ from typing import TYPE_CHECKING
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from specmesh.telemetry import LATENCY_BUCKETS, FnCollector, RpcMetrics, spec_families
+from specmesh.telemetry import LATENCY_BUCKETS, FnCollector, RpcMetrics, spec_families, vllm_spec_decode_families
 
 if TYPE_CHECKING:
     from verify_service.engine import VerifyEngine
@@ -19,8 +21,11 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 class VerifyMetrics:
     """Built before the engine (whose scheduler reports each batch to `on_batch`); `watch` adds its state."""
 
-    def __init__(self, registry: CollectorRegistry | None = None):
+    def __init__(self, registry: CollectorRegistry | None = None, model_name: str = ""):
+        """`model_name` labels the vLLM-named families; by default the --model-path as given, which is what
+        vLLM labels with when it has no served name."""
         self.registry = registry or CollectorRegistry()
+        self.model_name = model_name
         self.rpc = RpcMetrics(self.registry, "verify")
         self.batch_size = Histogram(
             "specmesh_verify_batch_size",
@@ -61,7 +66,11 @@ class VerifyMetrics:
         sessions = g("specmesh_verify_sessions", "Sessions by state (cached = holding a KV cache)", labels=["state"])
         sessions.add_metric(["cached"], len(e.sessions))
         sessions.add_metric(["active"], e.sessions.attached)
-        out: list[Metric] = [queue, kv, budget, sessions]
+        usage = g("vllm:kv_cache_usage_perc", "KV cache held / its budget (1 = full)", labels=["model_name"])
+        usage.add_metric(
+            [self.label(e)], e.sessions.kv_bytes() / e.sessions.budget_bytes if e.sessions.budget_bytes else 0.0
+        )
+        out: list[Metric] = [queue, kv, budget, sessions, usage]
         for name, doc, value in [
             ("specmesh_verify_batches", "Scheduler ticks that ran a batch", st.batches),
             ("specmesh_verify_steps", "Session steps verified (target-only steps included)", st.steps),
@@ -88,4 +97,8 @@ class VerifyMetrics:
             f = c(name, doc)
             f.add_metric([], value)
             out.append(f)
-        return out + spec_families("specmesh_verify", st.spec)
+        return out + spec_families("specmesh_verify", st.spec) + vllm_spec_decode_families(st.spec, self.label(e))
+
+    def label(self, e: VerifyEngine) -> str:
+        """The `model_name` of the vLLM-named families."""
+        return self.model_name or e.config.model_path or "specmesh"

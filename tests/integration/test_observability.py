@@ -138,7 +138,10 @@ def test_metrics_on_every_service_move_with_requests(stack):
     assert moved(g, "specmesh_gateway_spec_draft_tokens_total") > 0
     assert total(after[g], "specmesh_gateway_replica_healthy", pool="verify") == 1
     assert moved(g, "specmesh_gateway_routing_decisions_total", pool="verify") == 3  # the 400 was routed too
-    assert after[g]["specmesh_gateway_spec_acceptance_rate_per_pos"]  # per-position acceptance
+    assert after[g]["specmesh_gateway_spec_accepted_tokens_per_pos_total"]  # per-position acceptance
+    # successes are not errors: the REST front's statuses are HTTP codes, only >= 400 count
+    assert moved(g, "specmesh_request_errors_total", code="200") == 0
+    assert moved(g, "specmesh_request_errors_total") == 1
 
     d = "draft"
     assert moved(d, "specmesh_requests_total", method="Generate", code="OK") == 2
@@ -146,7 +149,9 @@ def test_metrics_on_every_service_move_with_requests(stack):
     assert moved(d, "specmesh_request_errors_total", method="Generate", code="INVALID_ARGUMENT") == 1
     assert moved(d, "specmesh_draft_spec_rounds_total") > 0
     assert moved(d, "specmesh_draft_spec_accepted_tokens_per_pos_total", position="0") > 0
-    assert 0 < total(after[d], "specmesh_draft_spec_mean_accepted_length") <= 5
+    # mean accepted length over this window, from counters as PromQL would: 1 + accepted / rounds
+    length = 1 + moved(d, "specmesh_draft_spec_accepted_tokens_total") / moved(d, "specmesh_draft_spec_rounds_total")
+    assert 1 < length <= 5
     assert total(after[d], "specmesh_draft_seconds_per_token") > 0
 
     v = "verify"
@@ -157,7 +162,7 @@ def test_metrics_on_every_service_move_with_requests(stack):
     assert moved(v, "specmesh_verify_emitted_tokens_total") == 40
     assert total(after[v], "specmesh_verify_sessions", state="active") == 0
     assert "specmesh_verify_kv_cache_bytes" in after[v] and "specmesh_verify_queue_depth" in after[v]
-    assert after[v]["specmesh_verify_spec_acceptance_rate_per_pos"]
+    assert after[v]["specmesh_verify_spec_accepted_tokens_per_pos_total"]
 
 
 def test_target_only_requests_never_reach_the_draft_service(stack):
