@@ -1,10 +1,11 @@
 """Batched drafting: one draft-model forward advances every session that is drafting by one token.
 
-Each session's drafter awaits `DraftBatcher.next_token`; the batcher's tick takes every request waiting
-(and every prompt waiting to be prefilled), runs ONE forward over all of them on the model executor, samples
-each row under its own session's parameters, and answers each request. A session that reaches its K simply
-stops asking and its block goes out at once; a session whose block is being verified keeps asking (drafting
-ahead), so pipelined sessions share the same forwards. Sessions join and leave between ticks.
+Each session's drafter awaits `DraftBatcher.draft(state, k)`; the batcher's tick takes every request waiting
+(and every prompt waiting to be prefilled) to the model executor and runs forwards over all of them back to
+back, each advancing every session still short of its k by one token sampled under that session's own
+parameters. A session that has its k leaves the run and its block goes out when the run ends; a session
+whose block is being verified drafts ahead a token at a time (it stops when the verdict arrives), in the
+same forwards. Sessions join between runs.
 
 Sampling is exact per session: row i is processed by `process_logits` with session i's parameters and
 sampled from the top `draft_topk` entries renormalised, with session i's generator; that sparse q is what
@@ -71,6 +72,8 @@ class _Request:
     state: DraftState
     future: asyncio.Future
     prefill_only: bool = False
+    want: int = 1  # draft tokens asked for: drafted in consecutive forwards without leaving the model thread
+    drafted: list[DraftToken] = field(default_factory=list)
 
 
 @dataclass
@@ -122,9 +125,24 @@ class DraftBatcher:
         """Cache the session's committed tokens, in the next forward with everyone else's work."""
         await self._submit(_Request(state, self._loop().create_future(), prefill_only=True))
 
-    async def next_token(self, state: DraftState) -> DraftToken:
-        """The next draft token after the state's sequence (committed + assumed tokens)."""
-        return await self._submit(_Request(state, self._loop().create_future()))
+    async def draft(self, state: DraftState, n: int) -> list[DraftToken]:
+        """The next `n` draft tokens after the state's sequence (committed + assumed tokens), each appended to
+        `state.seq.token_ids` as it is drafted (the next forward feeds it).
+
+        The n forwards run back to back on the model thread, each with every other session drafting then:
+        one hand-off to the model thread per block rather than per token (each costs the event loop, the
+        thread switch and every waiting session's wake-up), and sessions that start a block together draft
+        it together, so their blocks reach the verifier together and share its batch. A session asking in
+        the middle of a run joins the next one, at most n forwards later.
+
+        Not cancellable half-way: the model thread owns the sequence's ids until the run ends, so a caller
+        that is cancelled still waits for it (at most n forwards) before it lets go of them."""
+        inner = asyncio.ensure_future(self._submit(_Request(state, self._loop().create_future(), want=n)))
+        try:
+            return await asyncio.shield(inner)
+        except asyncio.CancelledError:
+            await asyncio.wait([inner])
+            raise
 
     # the tick -------------------------------------------------------------------------------------
     def _loop(self) -> asyncio.AbstractEventLoop:
@@ -160,22 +178,32 @@ class DraftBatcher:
                 continue
             try:
                 results = await self.execute(self._step, batch)
+            except asyncio.CancelledError:  # closing: nobody may wait for these forever
+                for request in batch:
+                    settle(request.future, RuntimeError("the draft batcher was closed"))
+                raise
             except Exception as e:  # noqa: BLE001 - every waiting session gets the error, the batcher lives on
                 results = [e] * len(batch)
             for request, result in zip(batch, results, strict=True):
                 settle(request.future, result)
 
     @torch.inference_mode()
-    def _step(self, batch: list[_Request]) -> list[DraftToken | None]:
-        t0 = time.perf_counter()
+    def _step(self, batch: list[_Request]) -> list[list[DraftToken] | None]:
+        """Forwards until every request has the tokens it asked for; a request that has them leaves the
+        batch (its block is complete), the prefills ride along in the first."""
         decode = [r for r in batch if not r.prefill_only]
         prefill = [r for r in batch if r.prefill_only]
-        logits = self._forward([r.state.seq for r in decode], [r.state.seq for r in prefill])
-        tokens = self._sample(logits, [r.state for r in decode]) if decode else []
-        seconds = time.perf_counter() - t0
-        self._account(decode, prefill, seconds)
-        it = iter(tokens)
-        return [None if r.prefill_only else next(it) for r in batch]
+        while True:
+            t0 = time.perf_counter()
+            logits = self._forward([r.state.seq for r in decode], [r.state.seq for r in prefill])
+            tokens = self._sample(logits, [r.state for r in decode]) if decode else []
+            for r, t in zip(decode, tokens, strict=True):
+                r.state.seq.token_ids.append(t.token_id)
+                r.drafted.append(t)
+            self._account(decode, prefill, time.perf_counter() - t0)
+            decode, prefill = [r for r in decode if len(r.drafted) < r.want], []
+            if not decode:
+                return [None if r.prefill_only else r.drafted for r in batch]
 
     def _forward(self, seqs: list[RunnerSequence], prefill: list[RunnerSequence]) -> torch.Tensor:
         """Last-position logits [len(seqs), V] of each sequence, prefills riding along in the same pass."""

@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from specmesh.domain import DraftBlock
-from specmesh.drafters.batcher import DraftBatcher, DraftState
+from specmesh.drafters.batcher import DraftBatcher, DraftState, DraftToken
 from specmesh.sampling import SamplingParams
 
 
@@ -45,23 +45,20 @@ class ModelDrafter:
         committed = len(seq.token_ids)
         seq.token_ids.extend(after)
         start = len(seq.token_ids)
-        q_ids: list[torch.Tensor] = []
-        q_probs: list[torch.Tensor] = []
+        tokens: list[DraftToken] = []
         try:
-            for _ in range(k):
-                if should_stop is not None and should_stop():
-                    break
-                token = await self.batcher.next_token(state)
-                seq.token_ids.append(token.token_id)
-                if token.q_ids is not None and token.q_probs is not None:
-                    q_ids.append(token.q_ids)
-                    q_probs.append(token.q_probs)
+            if should_stop is None:  # the whole block in one run of forwards
+                tokens = await self.batcher.draft(state, k) if k > 0 else []
+            else:  # drafting ahead: a token at a time, until the verdict it races arrives
+                while len(tokens) < k and not should_stop():
+                    tokens += await self.batcher.draft(state, 1)
             drafted = seq.token_ids[start:]
         finally:
             del seq.token_ids[committed:]  # drafts stay in the cache, not in the committed tokens
         if state.params.greedy or not drafted:
             return DraftBlock(drafted)
-        return DraftBlock(drafted, torch.stack(q_ids), torch.stack(q_probs))
+        q = [(t.q_ids, t.q_probs) for t in tokens if t.q_ids is not None and t.q_probs is not None]
+        return DraftBlock(drafted, torch.stack([i for i, _ in q]), torch.stack([p for _, p in q]))
 
     def commit(self, tokens: list[int]) -> None:
         assert self.state is not None  # start() comes first
