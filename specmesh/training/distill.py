@@ -103,14 +103,22 @@ def online_teacher(target, topk: int, temperature: float, autocast: bool = False
 
 
 def distill_loss(
-    draft, batch: torch.Tensor, teacher: TeacherTargets | None, kl_weight: float, autocast: bool = False
+    draft,
+    batch: torch.Tensor,
+    teacher: TeacherTargets | None,
+    kl_weight: float,
+    autocast: bool = False,
+    mask: torch.Tensor | None = None,
 ) -> DistillLoss:
-    """Loss of the draft on `batch` [B, T + 1] (inputs [:, :-1], corpus labels [:, 1:])."""
+    """Loss of the draft on `batch` [B, T + 1] (inputs [:, :-1], corpus labels [:, 1:]); `mask` [B, T]: the
+    positions that count (online distillation has the target's feedback only where tokens were committed)."""
     inputs, labels = batch[:, :-1], batch[:, 1:]
     with _autocast(batch.device, autocast):
         logits = draft(input_ids=inputs, use_cache=False).logits
     logq = torch.log_softmax(logits.float(), dim=-1)  # full vocabulary: mass outside the top-k is penalised too
-    ce = F.nll_loss(logq.reshape(-1, logq.size(-1)), labels.reshape(-1))
+    weights = None if mask is None else mask.to(logq.device, torch.float32) / mask.sum().clamp_min(1)
+    nll = F.nll_loss(logq.reshape(-1, logq.size(-1)), labels.reshape(-1), reduction="none").view_as(labels)
+    ce = nll.mean() if weights is None else (nll * weights).sum()
     if teacher is None:
         if kl_weight:
             raise ValueError("kl_weight > 0 needs the teacher's targets")
@@ -118,7 +126,8 @@ def distill_loss(
     logp = teacher.logprobs.to(logq.device, torch.float32)
     logp = logp - torch.logsumexp(logp, dim=-1, keepdim=True)  # exactly normalised again after float16 rounding
     logq_at_p = logq.gather(-1, teacher.ids.to(logq.device).long())
-    kl = (logp.exp() * (logp - logq_at_p)).sum(-1).mean()
+    kl_pos = (logp.exp() * (logp - logq_at_p)).sum(-1)
+    kl = kl_pos.mean() if weights is None else (kl_pos * weights).sum()
     return DistillLoss(kl_weight * kl + (1 - kl_weight) * ce, kl, ce)
 
 

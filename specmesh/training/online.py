@@ -1,0 +1,385 @@
+"""Online distillation: the draft learns from the verifier's feedback while it serves.
+
+The verify service already computes the target's distribution at every position it verifies. A session
+that opts in asks for its top-k (`SamplingParams.logprobs`: the log-softmax of the target's raw logits at
+each committed token); `SessionFeedback` lays those next to the session's tokens, and every `window`
+committed tokens becomes one training window in a bounded `ReplayBuffer`. An `OnlineDistiller` thread runs
+knowledge-distillation steps (`distill_loss`, the offline distiller's loss, here over the positions that
+have feedback) on its own copy of the draft's weights, at most `cpu_share` of one core's time, and every
+`steps_per_version` steps publishes a new version:
+
+- saved under `dir/v{n}/` (weights + meta.json with its live acceptance, rewritten as it is measured);
+- swapped into the serving model on the draft's model thread, between two runs of draft forwards, so a
+  block is always drafted by one version (the runner sees the in-place update and refreshes its copies);
+- rolled back when its live acceptance over its first `rollback_window` drafted tokens is below its
+  predecessor's over that predecessor's last `rollback_window` by more than `rollback_margin`.
+
+Lossless whatever the weights: a block carries the q its tokens were sampled from, and the verifier's test
+is exact for any q. Swapping weights only changes which q the next block is sampled from.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from specmesh.training.distill import TeacherTargets, distill_loss
+
+log = logging.getLogger("specmesh.online")
+
+
+@dataclass(frozen=True)
+class OnlineConfig:
+    topk: int = 8  # target tokens per position asked of the verifier (1-20)
+    window: int = 64  # tokens per training window (its inputs; one more token is its last label)
+    buffer_windows: int = 1024  # replay buffer size; the oldest windows go first
+    min_windows: int = 16  # no training before the buffer holds this many
+    batch_size: int = 8
+    lr: float = 3e-4
+    kl_weight: float = 1.0  # 1 = pure KD on the target's top-k; below, mixes in CE on the committed token
+    steps_per_version: int = 40
+    cpu_share: float = 0.3  # the trainer's share of one core's wall time (it sleeps the rest)
+    rollback_window: int = 400  # drafted tokens a version is judged on
+    rollback_margin: float = 0.02  # acceptance a new version may lose before it is rolled back
+    dir: Path | None = None  # where every version is saved (None: kept in memory only)
+
+    def __post_init__(self):
+        for name in ("topk", "window", "buffer_windows", "batch_size", "steps_per_version", "rollback_window"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"online distillation: {name} must be >= 1")
+        if not 1 <= self.topk <= 20:
+            raise ValueError("online distillation: topk must be in [1, 20] (the verifier's logprobs limit)")
+        if not 0 < self.cpu_share <= 1:
+            raise ValueError("online distillation: cpu_share must be in (0, 1]")
+        if not 0 <= self.kl_weight <= 1:
+            raise ValueError("online distillation: kl_weight must be in [0, 1]")
+
+
+@dataclass
+class Window:
+    """One training example: tokens [T + 1] and, at each input position whose next token the verifier
+    committed, the target's top-k there (mask False elsewhere: prompt positions, padding)."""
+
+    tokens: torch.Tensor  # [T + 1] int64
+    top_ids: torch.Tensor  # [T, k] int64
+    top_logprobs: torch.Tensor  # [T, k] float32 (log-softmax of the target's raw logits, not renormalised)
+    mask: torch.Tensor  # [T] bool
+
+
+class ReplayBuffer:
+    """The most recent windows of live traffic, thread-safe (the event loop adds, the trainer samples)."""
+
+    def __init__(self, capacity: int, seed: int = 0):
+        self._items: deque[Window] = deque(maxlen=capacity)
+        self._lock = threading.Lock()
+        self._rng = torch.Generator().manual_seed(seed)
+        self.added = 0
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def add(self, window: Window) -> None:
+        with self._lock:
+            self._items.append(window)
+            self.added += 1
+
+    def sample(self, n: int) -> list[Window]:
+        with self._lock:
+            idx = torch.randint(len(self._items), (n,), generator=self._rng).tolist()
+            return [self._items[i] for i in idx]
+
+
+class SessionFeedback:
+    """One session's committed tokens and the target's top-k at each, turned into windows as they fill."""
+
+    def __init__(self, prompt_ids: Sequence[int], config: OnlineConfig, sink: Callable[[Window], None]):
+        self.config, self.sink = config, sink
+        self.ids: list[int] = list(prompt_ids)
+        self.first = len(self.ids)  # index of the first committed token
+        self.top: dict[int, tuple[list[int], list[float]]] = {}  # token index -> the target's top-k there
+        self.emitted = len(self.ids)  # windows cover tokens up to here
+
+    def extend(self, tokens: Sequence[int], logprobs: Sequence | None) -> None:
+        """Tokens the verifier committed, with their TokenLogprob entries (None: no feedback for them)."""
+        for i, t in enumerate(tokens):
+            if logprobs is not None and i < len(logprobs) and logprobs[i].top:
+                top = logprobs[i].top[: self.config.topk]
+                self.top[len(self.ids)] = ([tid for tid, _ in top], [lp for _, lp in top])
+            self.ids.append(int(t))
+        if len(self.ids) - self.emitted >= self.config.window:
+            self.flush()
+
+    def flush(self) -> None:
+        """The last `window` + 1 tokens as a window, if any of them has feedback not yet in a window."""
+        n = len(self.ids)
+        if n < 2 or not any(j >= self.emitted for j in self.top):
+            return
+        t = min(self.config.window, n - 1)
+        start = n - 1 - t
+        k = self.config.topk
+        tokens = torch.tensor(self.ids[start:], dtype=torch.long)
+        top_ids = torch.zeros((t, k), dtype=torch.long)
+        top_lp = torch.full((t, k), -1e4, dtype=torch.float32)
+        mask = torch.zeros(t, dtype=torch.bool)
+        for p in range(t):
+            entry = self.top.get(start + p + 1)  # input position p predicts token start + p + 1
+            if entry is None:
+                continue
+            ids, lps = entry
+            top_ids[p, : len(ids)] = torch.tensor(ids)
+            top_lp[p, : len(lps)] = torch.tensor(lps)
+            mask[p] = True
+        self.top = {j: v for j, v in self.top.items() if j > start}
+        self.emitted = n
+        self.sink(Window(tokens, top_ids, top_lp, mask))
+
+
+def collate(windows: list[Window]) -> tuple[torch.Tensor, TeacherTargets, torch.Tensor]:
+    """Right-padded batch [B, T + 1], teacher targets [B, T, k] and mask [B, T] (padding masked out)."""
+    t = max(w.mask.numel() for w in windows)
+    k = windows[0].top_ids.size(1)
+    batch = torch.zeros((len(windows), t + 1), dtype=torch.long)
+    ids = torch.zeros((len(windows), t, k), dtype=torch.long)
+    lps = torch.full((len(windows), t, k), -1e4, dtype=torch.float32)
+    mask = torch.zeros((len(windows), t), dtype=torch.bool)
+    for b, w in enumerate(windows):
+        n = w.mask.numel()
+        batch[b, : n + 1] = w.tokens
+        ids[b, :n], lps[b, :n], mask[b, :n] = w.top_ids, w.top_logprobs, w.mask
+    return batch, TeacherTargets(ids, lps), mask
+
+
+@dataclass
+class Version:
+    number: int
+    parent: int | None
+    state: dict[str, torch.Tensor] = field(repr=False)
+    drafted: int = 0  # live draft tokens verified while this version served
+    accepted: int = 0
+    recent: deque = field(default_factory=deque, repr=False)  # (drafted, accepted) of its latest rounds
+    rolled_back: bool = False
+    created: float = field(default_factory=time.time)
+
+    @property
+    def acceptance(self) -> float | None:
+        return self.accepted / self.drafted if self.drafted else None
+
+
+def _window_rate(rounds: Sequence[tuple[int, int]], limit: int, first: bool) -> tuple[float | None, int]:
+    """Acceptance over the first (or last) `limit` drafted tokens of `rounds`, and how many that was."""
+    drafted = accepted = 0
+    for d, a in rounds if first else reversed(rounds):
+        if drafted >= limit:
+            break
+        drafted, accepted = drafted + d, accepted + a
+    return (accepted / drafted if drafted else None), drafted
+
+
+class OnlineDistiller:
+    """Trains a copy of the serving draft on the replay buffer, publishes versions, rolls bad ones back.
+
+    `apply(fn)` runs fn() on the draft's model thread and returns a Future (the swap must not race a
+    forward). `on_swap(version, reason)` is told of every swap (metrics, traces)."""
+
+    def __init__(
+        self,
+        serving_model: torch.nn.Module,
+        config: OnlineConfig,
+        apply: Callable[[Callable[[], None]], Future],
+        on_swap: Callable[[int, str], None] | None = None,
+    ):
+        self.config = config
+        self.serving = serving_model
+        self.apply = apply
+        self.on_swap = on_swap
+        self.buffer = ReplayBuffer(config.buffer_windows)
+        self.student = copy.deepcopy(serving_model).float().train()
+        for p in self.student.parameters():
+            p.requires_grad_(True)
+        self.optimizer = torch.optim.AdamW(self.student.parameters(), lr=config.lr, weight_decay=0.0)
+        self.versions: dict[int, Version] = {0: Version(0, None, self._snapshot(serving_model))}
+        self.serving_version = 0
+        self.steps = 0
+        self.updates = 0  # versions published
+        self.rollbacks = 0
+        self.train_seconds = 0.0
+        self.started = time.monotonic()
+        self.last_loss: float | None = None
+        # Two locks, so that the event loop (record_round) never waits for a training step: `_lock` guards
+        # the versions' statistics, `_train_lock` the student and its optimizer.
+        self._lock = threading.Lock()
+        self._train_lock = threading.Lock()
+        self._reset_to: Version | None = None  # a rollback's weights, for the trainer to restart from
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._save(self.versions[0])
+
+    # serving side ---------------------------------------------------------------------------------
+    def session(self, prompt_ids: Sequence[int]) -> SessionFeedback:
+        return SessionFeedback(prompt_ids, self.config, self.buffer.add)
+
+    def record_round(self, version: int, drafted: int, accepted: int) -> None:
+        """A verified block drafted by `version`: its live acceptance, and a rollback if it is worse."""
+        if drafted <= 0:
+            return
+        with self._lock:
+            v = self.versions.get(version)
+            if v is None:
+                return
+            v.drafted += drafted
+            v.accepted += accepted
+            v.recent.append((drafted, accepted))
+            while len(v.recent) > 4 * self.config.rollback_window:
+                v.recent.popleft()
+            verdict = self._judge(v)
+        if verdict is not None:
+            self._rollback(v, verdict)
+
+    def _judge(self, v: Version) -> str | None:
+        if v.rolled_back or v.parent is None or v.number != self.serving_version:
+            return None
+        parent = self.versions[v.parent]
+        limit = self.config.rollback_window
+        mine, n = _window_rate(v.recent, limit, first=True)
+        theirs, m = _window_rate(parent.recent, limit, first=False)
+        if mine is None or theirs is None or n < limit or m < limit:
+            return None
+        if mine < theirs - self.config.rollback_margin:
+            return f"acceptance {mine:.3f} over its first {n} drafted tokens < v{parent.number}'s {theirs:.3f}"
+        return None
+
+    def _rollback(self, v: Version, why: str) -> None:
+        assert v.parent is not None  # judged versions have one
+        parent = self.versions[v.parent]
+        log.warning("online distillation: rolling back v%d to v%d: %s", v.number, parent.number, why)
+        with self._lock:
+            v.rolled_back = True
+            self.rollbacks += 1
+            self._reset_to = parent  # the trainer restarts from it before its next step
+        self._swap(parent, "rollback")
+
+    # the trainer ----------------------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="online-distill", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+
+    @property
+    def train_share(self) -> float:
+        """The trainer's share of wall time since it started."""
+        return self.train_seconds / max(1e-9, time.monotonic() - self.started)
+
+    def _run(self) -> None:
+        torch.set_num_threads(1)  # one core at most, and only cpu_share of it
+        while not self._stop.is_set():
+            if len(self.buffer) < max(self.config.min_windows, 1):
+                self._stop.wait(0.5)
+                continue
+            t0 = time.monotonic()
+            try:
+                self.step()
+            except Exception:  # a failed step must never take serving down (logged, then retried)
+                log.exception("online distillation step failed")
+                self._stop.wait(5.0)
+                continue
+            dt = time.monotonic() - t0
+            self.train_seconds += dt
+            self._stop.wait(dt * (1 - self.config.cpu_share) / self.config.cpu_share)
+
+    def step(self) -> float:
+        """One KD step on a batch from the buffer; every `steps_per_version`, a new version goes live."""
+        batch, teacher, mask = collate(self.buffer.sample(self.config.batch_size))
+        with self._train_lock:
+            with self._lock:
+                reset, self._reset_to = self._reset_to, None
+            if reset is not None:
+                self._save(self.versions[max(self.versions)])  # the rolled-back version's record
+                self._load(self.student, reset.state)
+                self.optimizer = torch.optim.AdamW(self.student.parameters(), lr=self.config.lr, weight_decay=0.0)
+            self.student.train()
+            out = distill_loss(self.student, batch, teacher, self.config.kl_weight, mask=mask)
+            self.optimizer.zero_grad(set_to_none=True)
+            out.loss.backward()
+            torch.nn.utils.clip_grad_norm_(self.student.parameters(), 1.0)
+            self.optimizer.step()
+            self.steps += 1
+            self.last_loss = float(out.loss.detach())
+            publish = self.steps % self.config.steps_per_version == 0
+            if publish:
+                with self._lock:
+                    number = max(self.versions) + 1
+                    v = Version(number, self.serving_version, self._snapshot(self.student))
+                    self.versions[number] = v
+                    self.updates += 1
+        if publish:
+            self._save(v)
+            self._swap(v, "update").result()
+        return self.last_loss
+
+    # weights --------------------------------------------------------------------------------------
+    @staticmethod
+    def _snapshot(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        return {k: t.detach().clone() for k, t in model.state_dict().items()}
+
+    @staticmethod
+    @torch.no_grad()
+    def _load(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+        # In place: every holder of these tensors sees the new values (the fast runners notice the version
+        # bump and refresh their fused copies before their next forward).
+        for k, t in model.state_dict().items():
+            t.copy_(state[k].to(t.dtype))
+
+    def _swap(self, v: Version, reason: str) -> Future:
+        """Put `v` into the serving model on the model thread, between two runs of forwards (not waited
+        for: the event loop calls this on a rollback)."""
+
+        def swap() -> None:
+            self._load(self.serving, v.state)
+            self.serving_version = v.number
+            log.info("online distillation: draft weights v%d live (%s)", v.number, reason)
+            if self.on_swap is not None:
+                self.on_swap(v.number, reason)
+
+        return self.apply(swap)
+
+    def _save(self, v: Version) -> None:
+        if self.config.dir is None:
+            return
+        d = Path(self.config.dir) / f"v{v.number}"
+        d.mkdir(parents=True, exist_ok=True)
+        weights = d / "weights.pt"
+        if not weights.exists():
+            torch.save(v.state, weights)
+        meta = {
+            "version": v.number,
+            "parent": v.parent,
+            "created": v.created,
+            "drafted": v.drafted,
+            "accepted": v.accepted,
+            "acceptance": v.acceptance,
+            "rolled_back": v.rolled_back,
+        }
+        (d / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+
+    def save_all(self) -> None:
+        """Rewrite every version's meta.json with its live acceptance so far."""
+        for v in list(self.versions.values()):
+            self._save(v)
+
+    def acceptance_by_version(self) -> dict[int, tuple[int, int]]:
+        with self._lock:
+            return {n: (v.drafted, v.accepted) for n, v in self.versions.items()}

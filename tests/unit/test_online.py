@@ -1,0 +1,163 @@
+"""Online distillation's parts: feedback windows, the trainer, versions, swaps and rollbacks."""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from specmesh.domain import TokenLogprob
+from specmesh.runtime.batched import BatchedRunner
+from specmesh.training.online import OnlineConfig, OnlineDistiller, SessionFeedback, collate
+from tests.support.models import tiny_model
+
+
+def feedback_of(target, ids: list[int], start: int, k: int) -> list[TokenLogprob]:
+    """What the verifier sends for tokens ids[start:]: each token's raw log-softmax top-k at its position."""
+    with torch.no_grad():
+        logits = target(input_ids=torch.tensor([ids])).logits[0].float()
+    lp = torch.log_softmax(logits, dim=-1)
+    out = []
+    for j in range(start, len(ids)):
+        top = lp[j - 1].topk(k)
+        pairs = tuple(zip(top.indices.tolist(), top.values.tolist()))
+        out.append(TokenLogprob(ids[j], float(lp[j - 1, ids[j]]), pairs))
+    return out
+
+
+def test_feedback_windows_line_up_with_the_tokens_they_predict():
+    cfg = OnlineConfig(topk=3, window=8)
+    got = []
+    fb = SessionFeedback([1, 2, 3, 4, 5], cfg, got.append)
+    tops = [TokenLogprob(t, -0.1, ((t, -0.1), (t + 1, -2.0), (t + 2, -3.0))) for t in (10, 11, 12, 13)]
+    fb.extend([10, 11], tops[:2])
+    assert got == []  # not a window's worth yet
+    fb.extend([12, 13], tops[2:])
+    fb.extend([14, 15, 16, 17], None)  # committed without feedback (a session that did not ask)
+    assert len(got) == 1
+    w = got[0]
+    assert w.tokens.tolist() == [5, 10, 11, 12, 13, 14, 15, 16, 17]  # the last window + 1 tokens
+    # Input position p predicts tokens[p + 1]: feedback exactly where a fed-back token is next.
+    assert w.mask.tolist() == [True, True, True, True, False, False, False, False]
+    for p in range(8):
+        if w.mask[p]:
+            assert w.top_ids[p, 0] == w.tokens[p + 1]
+    batch, teacher, mask = collate([w, w])
+    assert batch.shape == (2, 9) and teacher.ids.shape == (2, 8, 3) and mask.sum() == 8
+
+
+def test_config_is_checked():
+    with pytest.raises(ValueError, match="topk"):
+        OnlineConfig(topk=21)
+    with pytest.raises(ValueError, match="cpu_share"):
+        OnlineConfig(cpu_share=0)
+
+
+def make(tmp_path, **kw):
+    torch.manual_seed(0)
+    target = tiny_model("llama", seed=1).eval()
+    draft = tiny_model("llama", seed=2).eval()
+    pool = ThreadPoolExecutor(1)
+    swaps = []
+    cfg = OnlineConfig(
+        topk=8, window=16, min_windows=1, batch_size=4, lr=3e-3, steps_per_version=10, dir=tmp_path, **kw
+    )
+    d = OnlineDistiller(draft, cfg, lambda fn: pool.submit(fn), lambda v, why: swaps.append((v, why)))
+    return target, draft, d, swaps, pool
+
+
+def continuations(target, sessions: int, seed: int) -> list[tuple[list[int], list[int]]]:
+    """(prompt, prompt + the target's greedy continuation): what a verifier commits."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(sessions):
+        prompt = torch.randint(0, 128, (6,), generator=g).tolist()
+        ids = list(prompt)
+        with torch.no_grad():
+            for _ in range(24):
+                ids.append(int(target(input_ids=torch.tensor([ids])).logits[0, -1].argmax()))
+        out.append((prompt, ids))
+    return out
+
+
+def traffic(target, d: OnlineDistiller, sessions: int = 12, seed: int = 0):
+    for prompt, ids in continuations(target, sessions, seed):
+        fb = d.session(prompt)
+        fb.extend(ids[len(prompt) :], feedback_of(target, ids, len(prompt), 8))
+        fb.flush()
+
+
+def agreement(target, draft, seed: int = 7) -> float:
+    """How often the draft's argmax is the target's on fresh traffic like the training traffic."""
+    hits = total = 0
+    for prompt, ids in continuations(target, 6, seed):
+        with torch.no_grad():
+            guess = draft(input_ids=torch.tensor([ids])).logits[0].argmax(-1)
+        hits += int((guess[len(prompt) - 1 : -1] == torch.tensor(ids[len(prompt) :])).sum())
+        total += len(ids) - len(prompt)
+    return hits / total
+
+
+def test_the_trainer_moves_the_draft_toward_the_target_and_versions_go_live(tmp_path):
+    target, draft, d, swaps, pool = make(tmp_path)
+    traffic(target, d)
+    before = agreement(target, draft)
+    runner = BatchedRunner(draft, num_slots=2, max_seq_len=64)  # serves from fused copies of the weights
+    seq = runner.new_sequence([5, 6, 7])
+    logits_v0 = runner.forward([seq])[0][-1].clone()
+    losses = [d.step() for _ in range(60)]
+    pool.shutdown(wait=True)
+    assert d.updates == 6 and d.serving_version == 6
+    assert [v for v, _ in swaps] == [1, 2, 3, 4, 5, 6]
+    assert sum(losses[-10:]) < 0.7 * sum(losses[:10])
+    assert agreement(target, draft) > before  # the serving model itself changed, in place
+    seq.reset_tokens([5, 6, 7])
+    assert not torch.allclose(runner.forward([seq])[0][-1], logits_v0)  # and the runner saw it
+    saved = sorted(p.name for p in tmp_path.iterdir())
+    assert saved == [f"v{i}" for i in range(7)]
+    assert json.loads((tmp_path / "v3" / "meta.json").read_text())["parent"] == 2
+
+
+def test_a_version_worse_than_its_predecessor_is_rolled_back(tmp_path):
+    target, draft, d, swaps, pool = make(tmp_path, rollback_window=40, rollback_margin=0.05)
+    traffic(target, d, sessions=4)
+    for _ in range(40):  # v0 serves: 50 % acceptance
+        d.record_round(0, 4, 2)
+    v0_weights = {k: t.clone() for k, t in draft.state_dict().items()}
+    for _ in range(10):
+        d.step()
+    pool.submit(lambda: None).result()
+    assert d.serving_version == 1
+    for _ in range(5):  # 20 drafted at 25 %: not yet judged
+        d.record_round(1, 4, 1)
+    assert d.rollbacks == 0
+    for _ in range(5):
+        d.record_round(1, 4, 1)
+    pool.submit(lambda: None).result()
+    assert d.rollbacks == 1 and d.serving_version == 0
+    assert swaps[-1] == (0, "rollback")
+    for k, t in draft.state_dict().items():
+        torch.testing.assert_close(t, v0_weights[k])
+    d.step()  # the trainer restarts from v0's weights
+    for k, t in d.student.state_dict().items():
+        assert (t - v0_weights[k]).abs().max() < 0.05
+    pool.shutdown(wait=True)
+    meta = json.loads((tmp_path / "v1" / "meta.json").read_text())
+    assert meta["rolled_back"] is True and meta["acceptance"] == pytest.approx(0.25)
+
+
+def test_a_good_version_is_kept(tmp_path):
+    target, draft, d, swaps, pool = make(tmp_path, rollback_window=40)
+    traffic(target, d, sessions=4)
+    for _ in range(40):
+        d.record_round(0, 4, 2)
+    for _ in range(10):
+        d.step()
+    pool.submit(lambda: None).result()
+    for _ in range(40):
+        d.record_round(1, 4, 3)
+    pool.shutdown(wait=True)
+    assert d.rollbacks == 0 and d.serving_version == 1
+    assert d.acceptance_by_version()[1] == (160, 120)
