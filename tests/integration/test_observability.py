@@ -3,6 +3,7 @@
 import io
 import json
 import logging
+import re
 import urllib.request
 from pathlib import Path
 
@@ -15,11 +16,12 @@ from prometheus_client.parser import text_string_to_metric_families
 from transformers import AutoTokenizer
 
 from specmesh import telemetry
-from specmesh.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+from specmesh.v1 import common_pb2, draft_pb2, gateway_pb2, gateway_pb2_grpc
 from tests.support.models import noisy_copy, tiny_model
-from tests.support.services import GatewayServer, start_draft, start_verify
+from tests.support.services import GatewayServer, draft_stub, start_draft, start_verify
 
 ROOT = Path(__file__).resolve().parents[2]
+VLLM_SPEC = ("drafts", "draft_tokens", "accepted_tokens")
 
 
 @pytest.fixture(scope="module")
@@ -109,10 +111,24 @@ def test_metrics_on_every_service_move_with_requests(stack):
     }
     before = {k: scrape(u) for k, u in urls.items()}
     client = openai.OpenAI(base_url=gw.base_url + "/v1", api_key="x", max_retries=0)
-    for prompt in ("import re\n", "class Node:\n"):
-        list(client.completions.create(model="demo", prompt=prompt, max_tokens=20, temperature=0, stream=True))
-    with pytest.raises(openai.BadRequestError):
-        client.completions.create(model="demo", prompt=[1, 10**7], max_tokens=2)
+    prompts = ("import re\n", "class Node:\n")
+    finishes = []
+    for prompt in prompts:
+        chunks = client.completions.create(model="demo", prompt=prompt, max_tokens=20, temperature=0, stream=True)
+        finishes += [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    with pytest.raises(openai.BadRequestError):  # refused by the gateway's validation, before any routing
+        client.completions.create(model="demo", prompt="x", max_tokens=-1)
+    # and an error of the draft service's own: ids outside the vocabulary, sent to it directly
+    with pytest.raises(grpc.RpcError) as refused:
+        list(
+            draft_stub(draft).Generate(
+                draft_pb2.DraftServiceGenerateRequest(
+                    prompt_ids=[1, 10**7], params=common_pb2.SamplingParams(max_tokens=2)
+                ),
+                timeout=30,
+            )
+        )
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     import time
 
     def moved(service, name, **labels):
@@ -131,22 +147,32 @@ def test_metrics_on_every_service_move_with_requests(stack):
     g = "gateway"
     assert moved(g, "specmesh_requests_total", method="POST /v1/completions", code="200") == 2
     assert moved(g, "specmesh_request_errors_total", method="POST /v1/completions", code="400") == 1
+    # successes are not errors: the REST front's statuses are HTTP codes, only >= 400 count
+    assert moved(g, "specmesh_request_errors_total", code="200") == 0
+    assert moved(g, "specmesh_request_errors_total") == 1
     assert moved(g, "specmesh_time_to_first_token_seconds_count") == 2
     # one observation per token after each stream's first chunk (which counts in TTFT)
     assert 0 < moved(g, "specmesh_inter_token_latency_seconds_count") <= 38
     assert moved(g, "specmesh_generated_tokens_total") == 40
     assert moved(g, "specmesh_gateway_spec_draft_tokens_total") > 0
     assert total(after[g], "specmesh_gateway_replica_healthy", pool="verify") == 1
-    assert moved(g, "specmesh_gateway_routing_decisions_total", pool="verify") == 3  # the 400 was routed too
+    assert moved(g, "specmesh_gateway_routing_decisions_total", pool="verify") == 2
     assert after[g]["specmesh_gateway_spec_accepted_tokens_per_pos_total"]  # per-position acceptance
-    # successes are not errors: the REST front's statuses are HTTP codes, only >= 400 count
-    assert moved(g, "specmesh_request_errors_total", code="200") == 0
-    assert moved(g, "specmesh_request_errors_total") == 1
+    # vLLM's names, labelled with the served model name
+    tok = AutoTokenizer.from_pretrained(ROOT / "models" / "demo" / "target")
+    prompt_tokens = sum(len(tok(p, add_special_tokens=False)["input_ids"]) for p in prompts)
+    assert moved(g, "vllm:prompt_tokens_total", model_name="demo") == prompt_tokens
+    assert moved(g, "vllm:generation_tokens_total", model_name="demo") == 40
+    assert len(finishes) == 2
+    for reason in ("stop", "length", "abort"):
+        want = finishes.count(reason)
+        assert moved(g, "vllm:request_success_total", model_name="demo", finished_reason=reason) == want, reason
+    assert total(after[g], "vllm:num_requests_running", model_name="demo") == 0
 
     d = "draft"
     assert moved(d, "specmesh_requests_total", method="Generate", code="OK") == 2
-    # the out-of-range ids were refused by the draft service (the gateway has no vocabulary)
     assert moved(d, "specmesh_request_errors_total", method="Generate", code="INVALID_ARGUMENT") == 1
+    assert moved(d, "specmesh_request_errors_total", code="OK") == 0
     assert moved(d, "specmesh_draft_spec_rounds_total") > 0
     assert moved(d, "specmesh_draft_spec_accepted_tokens_per_pos_total", position="0") > 0
     # mean accepted length over this window, from counters as PromQL would: 1 + accepted / rounds
@@ -163,6 +189,77 @@ def test_metrics_on_every_service_move_with_requests(stack):
     assert total(after[v], "specmesh_verify_sessions", state="active") == 0
     assert "specmesh_verify_kv_cache_bytes" in after[v] and "specmesh_verify_queue_depth" in after[v]
     assert after[v]["specmesh_verify_spec_accepted_tokens_per_pos_total"]
+    # vLLM's spec-decode counters: the verify service's own totals under vLLM's names (model_name: the
+    # model path as given, vLLM's label without a served name)
+    vllm = {m: moved(v, f"vllm:spec_decode_num_{m}_total", model_name="(in-memory)") for m in VLLM_SPEC}
+    assert vllm["drafts"] == moved(v, "specmesh_verify_spec_rounds_total") > 0
+    assert vllm["draft_tokens"] == moved(d, "specmesh_draft_spec_draft_tokens_total") > vllm["drafts"]
+    assert 0 < vllm["accepted_tokens"] == moved(d, "specmesh_draft_spec_accepted_tokens_total")
+    per_pos = [
+        (int(lab["position"]), val - total(before[v], "vllm:spec_decode_num_accepted_tokens_per_pos_total", **lab))
+        for lab, val in after[v]["vllm:spec_decode_num_accepted_tokens_per_pos_total"]
+    ]
+    assert sum(n for _, n in per_pos) == vllm["accepted_tokens"]
+    ordered = [n for _, n in sorted(per_pos)]
+    assert ordered == sorted(ordered, reverse=True)  # position i is accepted only after 0..i-1 were
+    assert 0 <= total(after[v], "vllm:kv_cache_usage_perc") <= 1
+
+
+# PromQL words that are not metric names (aggregation modifiers, set operators)
+PROMQL_WORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "bool", "and", "or", "unless", "offset"}
+
+
+def promql_metric_names(expr: str) -> set[str]:
+    """The metric names a PromQL expression reads: its identifiers, less function calls, keywords, label
+    matchers, ranges and grouping labels."""
+    expr = re.sub(r'"(?:[^"\\]|\\.)*"', '""', expr)
+    expr = re.sub(r"\{[^}]*\}", "", expr)
+    expr = re.sub(r"\[[^\]]*\]", "", expr)
+    expr = re.sub(r"\b(by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", "", expr)
+    names = set()
+    for m in re.finditer(r"(?<![\w.$])[A-Za-z_:][A-Za-z0-9_:]*", expr):
+        if m.group(0) not in PROMQL_WORDS and not expr[m.end() :].lstrip().startswith("("):
+            names.add(m.group(0))
+    return names
+
+
+def test_promql_metric_names():
+    expr = 'histogram_quantile(0.99, sum by (le) (rate(a_bucket{service="x",le=~"1"}[$__rate_interval]))) / b:c_total'
+    assert promql_metric_names(expr) == {"a_bucket", "b:c_total"}
+    assert promql_metric_names("1 + sum(rate(x[5m])) / scalar(y) and on (position) z") == {"x", "y", "z"}
+
+
+def test_every_dashboard_query_reads_live_metrics(stack):
+    """The Grafana dashboard's queries name only metrics the services really export (after a request)."""
+    gw, verify, draft = stack
+    dashboard = json.loads((ROOT / "deploy" / "grafana" / "specmesh.json").read_text())
+    panels = dashboard["panels"]
+    assert len({p["id"] for p in panels}) == len(panels)
+    exprs = [t["expr"] for p in panels for t in p["targets"]]
+    assert all(p["targets"] and p["gridPos"] for p in panels)
+    wanted = set().union(*map(promql_metric_names, exprs))
+    assert {
+        "vllm:spec_decode_num_drafts_total",
+        "vllm:spec_decode_num_draft_tokens_total",
+        "vllm:spec_decode_num_accepted_tokens_total",
+        "vllm:spec_decode_num_accepted_tokens_per_pos_total",
+        "vllm:request_success_total",
+        "vllm:prompt_tokens_total",
+        "specmesh_request_errors_total",
+    } <= wanted
+    client = openai.OpenAI(base_url=gw.base_url + "/v1", api_key="x", max_retries=0)
+    list(client.completions.create(model="demo", prompt="def f(x):\n", max_tokens=12, temperature=0, stream=True))
+    with pytest.raises(openai.BadRequestError):  # so that the error counter has a sample
+        client.completions.create(model="demo", prompt="x", max_tokens=-1)
+    urls = [
+        gw.base_url + "/metrics",
+        f"http://127.0.0.1:{verify.server.metrics_port}/metrics",
+        f"http://127.0.0.1:{draft.server.metrics_port}/metrics",
+    ]
+    live: set[str] = set()
+    for url in urls:
+        live |= set(scrape(url))
+    assert not wanted - live, sorted(wanted - live)
 
 
 def test_target_only_requests_never_reach_the_draft_service(stack):
