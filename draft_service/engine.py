@@ -348,7 +348,7 @@ class _Generation:
                     self.params,
                     self.policy,
                     stop,
-                    on_tokens=lambda toks: self.queue.put_nowait(Tokens(toks)),
+                    on_tokens=lambda toks, logprobs: self.queue.put_nowait(Tokens(toks, logprobs)),
                     pipeline=self.pipeline,
                     on_round=self._trace_round,
                 )

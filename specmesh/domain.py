@@ -92,6 +92,16 @@ class SpecStats:
         }
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A token's log-probability under the target's raw logits (the log-softmax before any processing, as
+    vLLM returns by default), and the most likely tokens at its position."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # (token id, log-probability), most likely first
+
+
 @dataclass
 class DraftBlock:
     """A draft's proposal for one round: K tokens and, optionally, the sparse draft distribution each was
@@ -158,6 +168,7 @@ class Verdict:
     stale: bool = False  # answers a block for a past epoch: nothing was verified
     deadline: bool = False  # a target-only step taken because the draft was late
     load: BatchLoad = field(default_factory=BatchLoad)
+    logprobs: list[TokenLogprob] | None = None  # one per token of `tokens`, when the request asks for them
 
 
 # The events of one generation stream, in order: Opened, then Tokens (any number), then Finished.
@@ -174,6 +185,7 @@ class Opened:
 @dataclass(frozen=True)
 class Tokens:
     token_ids: list[int]
+    logprobs: list[TokenLogprob] | None = None  # one per token id, when the request asks for them
 
 
 @dataclass(frozen=True)

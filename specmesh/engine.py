@@ -109,10 +109,11 @@ class SpeculativeEngine:
             )
         drafter = make_drafter(Algorithm.parse(algorithm), self.batcher)
         decode = (lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)) if self.tokenizer else None
-        stop = StopChecker(params, eos_token_ids(self.target.model), decode)
+        eos = eos_token_ids(self.target.model)
+        stop = StopChecker(params, eos, decode)
         with torch.inference_mode():
             result = await speculative_generate(
-                LocalVerifier(self.target, self.sampler), drafter, prompt_ids, params, num_speculative_tokens, stop
+                LocalVerifier(self.target, self.sampler, eos), drafter, prompt_ids, params, num_speculative_tokens, stop
             )
         if decode is not None:
             result.text = stop.text()

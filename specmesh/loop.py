@@ -25,7 +25,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from specmesh.domain import BatchLoad, DraftBlock, SpecStats, Verdict
+from specmesh.domain import BatchLoad, DraftBlock, SpecStats, TokenLogprob, Verdict
 from specmesh.sampling import SamplingParams, StopChecker
 
 
@@ -56,6 +56,7 @@ class GenerationResult:
     finish_reason: str  # "stop" | "length" | "cancelled"
     stats: SpecStats
     text: str | None = None
+    logprobs: list[TokenLogprob] | None = None  # one per token id, when the request asked for them
 
 
 @dataclass
@@ -231,18 +232,20 @@ async def speculative_generate(
     params: SamplingParams,
     num_speculative_tokens: int | FixedK | AdaptiveK,
     stop: StopChecker,
-    on_tokens: Callable[[list[int]], None] | None = None,
+    on_tokens: Callable[[list[int], list[TokenLogprob] | None], None] | None = None,
     pipeline: bool = False,
     cancelled: Callable[[], bool] | None = None,
     on_round: Callable[[RoundRecord], None] | None = None,
 ) -> GenerationResult:
     """Run rounds until `stop` (or the verifier's verdict) says so. Tokens past a stop condition are
-    dropped, never emitted. `on_tokens` receives each round's kept tokens as soon as they are known;
+    dropped, never emitted. `on_tokens` receives each round's kept tokens (and their log-probabilities when
+    the request asks for them) as soon as they are known;
     `on_round` a RoundRecord per round (tracing)."""
     policy = num_speculative_tokens if not isinstance(num_speculative_tokens, int) else FixedK(num_speculative_tokens)
     if drafter is None:
         policy = FixedK(0)
     stats = SpecStats()
+    logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
     await verifier.start(prompt_ids, params)
     if drafter is not None and policy.k_max:
         await drafter.start(prompt_ids, params)
@@ -307,8 +310,11 @@ async def speculative_generate(
         kept = stop.extend(verdict.tokens)
         if verdict.finish_reason is not None and not stop.finished:
             stop.finish(verdict.finish_reason)
+        kept_logprobs = verdict.logprobs[:kept] if verdict.logprobs is not None else None
+        if logprobs is not None and kept_logprobs is not None:
+            logprobs += kept_logprobs
         if on_tokens is not None and kept:
-            on_tokens(verdict.tokens[:kept])
+            on_tokens(verdict.tokens[:kept], kept_logprobs)
         ahead = None
         if guess is not None:
             full = verdict.num_drafted in (None, proposal.k) and verdict.num_accepted == proposal.k
@@ -320,4 +326,4 @@ async def speculative_generate(
         if drafter is not None and policy.k_max and not stop.finished:
             drafter.commit(verdict.tokens)
     assert stop.finish_reason is not None  # the loop ends only once stop.finished
-    return GenerationResult(stop.token_ids, stop.finish_reason, stats)
+    return GenerationResult(stop.token_ids, stop.finish_reason, stats, logprobs=logprobs)

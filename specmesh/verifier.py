@@ -16,7 +16,7 @@ import torch
 from specmesh.domain import DraftBlock, Verdict
 from specmesh.rejection import RejectionInput, RejectionSampler
 from specmesh.runtime import Runner, RunnerSequence, SeqT
-from specmesh.sampling import SamplingParams, make_generator
+from specmesh.sampling import LogitsContext, SamplingParams, make_generator, output_start
 
 
 def verify_batch(
@@ -42,20 +42,22 @@ def sample_and_commit(
     for i, seq in enumerate(seqs):
         tokens = out.tokens(i)
         seq.commit(tokens)
-        verdicts.append(Verdict(tokens, out.num_accepted[i], blocks[i].k))
+        verdicts.append(Verdict(tokens, out.num_accepted[i], blocks[i].k, logprobs=out.logprobs[i]))
     return verdicts
 
 
 class LocalVerifier:
     """The `Verifier` of in-process generation: one sequence, verified in this process."""
 
-    def __init__(self, runner: Runner[Any], sampler: RejectionSampler):
+    def __init__(self, runner: Runner[Any], sampler: RejectionSampler, eos_token_ids: frozenset[int] = frozenset()):
         self.runner = runner
         self.sampler = sampler
+        self.eos_token_ids = eos_token_ids  # held back by min_tokens
         self.seq: RunnerSequence | None = None
 
     async def start(self, prompt_ids: list[int], params: SamplingParams) -> None:
         self.params = params
+        self.output_start = output_start(len(prompt_ids), params)
         self.generator = make_generator(params.seed, self.runner.device)
         if self.seq is None:
             self.seq = self.runner.new_sequence(prompt_ids)
@@ -65,5 +67,6 @@ class LocalVerifier:
 
     async def submit(self, proposal: DraftBlock) -> Verdict:
         assert self.seq is not None  # start() comes first
-        block = RejectionInput(proposal, self.params, self.generator)
+        context = LogitsContext(self.seq.token_ids, self.output_start, (), self.eos_token_ids)
+        block = RejectionInput(proposal, self.params, self.generator, context)
         return verify_batch(self.runner, self.sampler, [self.seq], [block])[0]

@@ -15,7 +15,17 @@ from typing import Any, TypeAlias
 
 import torch
 
-from specmesh.domain import BatchLoad, DraftBlock, Finished, GenerationEvent, Opened, SpecStats, Tokens, Verdict
+from specmesh.domain import (
+    BatchLoad,
+    DraftBlock,
+    Finished,
+    GenerationEvent,
+    Opened,
+    SpecStats,
+    TokenLogprob,
+    Tokens,
+    Verdict,
+)
 from specmesh.errors import InvalidArgument
 from specmesh.sampling import DEFAULT_MAX_TOKENS, SamplingParams
 from specmesh.v1 import common_pb2, verify_pb2
@@ -59,6 +69,15 @@ def params_from_pb(pb: common_pb2.SamplingParams, vocab_size: int | None = None)
         stop_token_ids=tuple(pb.stop_token_ids),
         stop=tuple(pb.stop),
         ignore_eos=pb.ignore_eos,
+        repetition_penalty=pb.repetition_penalty if pb.HasField("repetition_penalty") else 1.0,
+        presence_penalty=pb.presence_penalty,
+        frequency_penalty=pb.frequency_penalty,
+        min_p=pb.min_p,
+        logit_bias=tuple(sorted(pb.logit_bias.items())),
+        min_tokens=pb.min_tokens,
+        bad_words=tuple(tuple(w.token_ids) for w in pb.bad_words),
+        logprobs=pb.logprobs if pb.HasField("logprobs") else None,
+        prior_output_tokens=pb.prior_output_tokens,
     )
     try:
         return params.validate(vocab_size)
@@ -77,10 +96,51 @@ def params_to_pb(params: SamplingParams) -> common_pb2.SamplingParams:
         stop_token_ids=params.stop_token_ids,
         stop=params.stop,
         ignore_eos=params.ignore_eos,
+        presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty,
+        min_p=params.min_p,
+        logit_bias=dict(params.logit_bias),
+        min_tokens=params.min_tokens,
+        bad_words=[common_pb2.TokenSequence(token_ids=w) for w in params.bad_words],
+        prior_output_tokens=params.prior_output_tokens,
     )
     if params.seed is not None:
         pb.seed = params.seed
+    if params.repetition_penalty != 1.0:
+        pb.repetition_penalty = params.repetition_penalty
+    if params.logprobs is not None:
+        pb.logprobs = params.logprobs
     return pb
+
+
+# Log-probabilities -----------------------------------------------------------------------------------
+
+
+def logprobs_to_pb(logprobs: list[TokenLogprob] | None) -> list[common_pb2.TokenLogprob]:
+    return [
+        common_pb2.TokenLogprob(
+            token_id=lp.token_id,
+            logprob=lp.logprob,
+            top_ids=[t for t, _ in lp.top],
+            top_logprobs=[v for _, v in lp.top],
+        )
+        for lp in logprobs or ()
+    ]
+
+
+def logprobs_from_pb(pbs, n_tokens: int) -> list[TokenLogprob] | None:
+    """The log-probabilities of `n_tokens` tokens; None when none were sent (not asked for). A count that
+    does not match the tokens, or top lists of different lengths, is refused."""
+    if not len(pbs):
+        return None
+    if len(pbs) != n_tokens:
+        raise InvalidArgument(f"logprobs: {len(pbs)} entries for {n_tokens} tokens")
+    out = []
+    for pb in pbs:
+        if len(pb.top_ids) != len(pb.top_logprobs):
+            raise InvalidArgument("logprobs: top_ids and top_logprobs differ in length")
+        out.append(TokenLogprob(pb.token_id, pb.logprob, tuple(zip(pb.top_ids, pb.top_logprobs, strict=True))))
+    return out
 
 
 def spec_len_from_pb(pb) -> int | None:
@@ -143,6 +203,7 @@ def verdict_to_pb(v: Verdict) -> verify_pb2.VerifyResponse:
             batch_tokens=v.load.batch_tokens,
             queue_depth=v.load.queue_depth,
         ),
+        logprobs=logprobs_to_pb(v.logprobs),
     )
 
 
@@ -157,6 +218,7 @@ def verdict_from_pb(pb: verify_pb2.VerifyResponse) -> Verdict:
         stale=pb.stale,
         deadline=pb.deadline,
         load=BatchLoad(t.queue_seconds, t.batch_seconds, t.batch_size, t.batch_tokens, t.queue_depth),
+        logprobs=logprobs_from_pb(pb.logprobs, len(pb.token_ids)),
     )
 
 
@@ -191,7 +253,9 @@ def event_to_pb(event: GenerationEvent, response_type: type) -> Any:
             )
         )
     if isinstance(event, Tokens):
-        return response_type(tokens=common_pb2.GenerationTokens(token_ids=event.token_ids))
+        return response_type(
+            tokens=common_pb2.GenerationTokens(token_ids=event.token_ids, logprobs=logprobs_to_pb(event.logprobs))
+        )
     if isinstance(event, Finished):
         pb = response_type(finished=common_pb2.GenerationFinished(finish_reason=finish_to_pb(event.finish_reason)))
         if event.stats != SpecStats():  # all zero (target-only decoding) travels as unset, so HasField tells
@@ -207,7 +271,8 @@ def event_from_pb(pb) -> GenerationEvent:
         o = pb.opened
         return Opened(o.session_id, o.prompt_tokens, o.cached_prompt_tokens)
     if kind == "tokens":
-        return Tokens(list(pb.tokens.token_ids))
+        ids = list(pb.tokens.token_ids)
+        return Tokens(ids, logprobs_from_pb(pb.tokens.logprobs, len(ids)))
     if kind == "finished":
         reason = finish_from_pb(pb.finished.finish_reason)
         if reason is None:

@@ -13,12 +13,23 @@ from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from specmesh.domain import DraftBlock, Finished, GenerationEvent, Opened, Tokens, Verdict
+import torch
+
+from specmesh.domain import DraftBlock, Finished, GenerationEvent, Opened, TokenLogprob, Tokens, Verdict
 from specmesh.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, ResourceExhausted, Unavailable
 from specmesh.models import eos_token_ids, load_model
 from specmesh.rejection import MAX_SPEC_LEN, RejectionInput, RejectionSampler, validate_block
 from specmesh.runtime.batched import BatchedRunner
-from specmesh.sampling import SamplingParams, StopChecker, check_token_ids, make_generator
+from specmesh.sampling import (
+    MAX_LOGPROBS,
+    LogitsContext,
+    SamplingParams,
+    StopChecker,
+    check_token_ids,
+    make_generator,
+    output_start,
+    token_logprobs,
+)
 from specmesh.telemetry import tracer, wall_ns
 from verify_service.runner import RUNNERS, build_runner, context_limit
 from verify_service.scheduler import Scheduler
@@ -248,11 +259,19 @@ class VerifyEngine:
         # draft, so this keeps the output distribution. (check_prompt already makes the first bound the
         # tighter one; the second says why no room for a block is kept at open.)
         room = min(params.draft_budget(len(stop.token_ids)), self.max_context - session.position)
-        return RejectionInput(block[:room] if block.k > room else block, params, session.generator)
+        block = block[:room] if block.k > room else block
+        return RejectionInput(block, params, session.generator, self._context(session))
 
     def _target_only(self, session: Session) -> RejectionInput:
         assert session.params is not None  # attached sessions have an open turn
-        return RejectionInput(DraftBlock([]), session.params, session.generator)
+        return RejectionInput(DraftBlock([]), session.params, session.generator, self._context(session))
+
+    def _context(self, session: Session) -> LogitsContext:
+        """What context-dependent processing reads: the session's committed tokens (read when the batch is
+        sampled, before this step commits), where this turn's output starts in them, and the EOS ids."""
+        assert session.params is not None
+        start = output_start(session.prompt_len, session.params)
+        return LogitsContext(session.seq.token_ids, start, (), self.eos_token_ids)
 
     async def session_stream(self, inbox: asyncio.Queue) -> AsyncIterator[Verdict]:
         """Serve one session's Verify stream: `inbox` yields BlockIn, END_OF_STREAM, or an exception to raise."""
@@ -365,12 +384,36 @@ class VerifyEngine:
             while not session.finished:
                 verdict = await self.scheduler.submit(session, self._target_only(session))
                 if verdict.tokens:
-                    yield Tokens(verdict.tokens)
+                    yield Tokens(verdict.tokens, verdict.logprobs)
             reason = session.stop.finish_reason if session.stop is not None else None
             yield Finished(reason or "stop")  # the loop ends only once the stop checker has set it
             failed = False
         finally:
             self._detach(session, failed)
+
+    async def prompt_logprobs(self, prompt_ids: list[int], top: int) -> list[TokenLogprob | None]:
+        """The target's raw log-probability of each prompt token given the ones before it (None for the first,
+        which has no context), with its `top` most likely tokens: echo + logprobs on completions, the
+        log-likelihood scoring of evaluation harnesses. One forward over the prompt, no session, on the model
+        thread between ticks."""
+        if self.shutting_down:
+            raise Unavailable("the verify service is shutting down")
+        check_token_ids(prompt_ids, self.vocab_size)
+        if len(prompt_ids) > self.max_context:
+            raise InvalidArgument(
+                f"the prompt ({len(prompt_ids)} tokens) exceeds the context length {self.max_context}"
+            )
+        if not 0 <= top <= MAX_LOGPROBS:
+            raise InvalidArgument(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {top}")
+        model, device = self.runner.model, self.runner.device
+
+        def score() -> list[TokenLogprob]:
+            with torch.inference_mode():
+                ids = torch.tensor([prompt_ids], device=device)
+                logits = model(input_ids=ids, use_cache=False).logits[0, :-1]
+                return token_logprobs(logits, prompt_ids[1:], [top] * (len(prompt_ids) - 1))
+
+        return [None, *await self.scheduler.run_on_model(score)]
 
     def release(self, session_id: str) -> bool:
         session = self.sessions.peek(session_id)

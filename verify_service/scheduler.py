@@ -367,7 +367,7 @@ class Scheduler:
         self._trace_batch(batch, start, end)
         load = dict(batch_seconds=end - start, batch_size=len(batch), batch_tokens=tokens, queue_depth=queue_depth)
         results: list[Verdict | _ChunkDone | BaseException] = [
-            self._commit(step, v.tokens, v.num_accepted, start, load) for step, v in zip(batch, verdicts, strict=True)
+            self._commit(step, v, start, load) for step, v in zip(batch, verdicts, strict=True)
         ]
         for step, r in zip(batch, results, strict=True):
             assert isinstance(r, Verdict)
@@ -413,8 +413,8 @@ class Scheduler:
         span.end(end_time=wall_ns(end, now))
 
     @staticmethod
-    def _commit(step: _Step, tokens: list[int], num_accepted: int, start: float, load: dict) -> Verdict:
-        session = step.session
+    def _commit(step: _Step, sampled: Verdict, start: float, load: dict) -> Verdict:
+        session, tokens = step.session, sampled.tokens
         assert session.stop is not None  # a session takes steps only within an open turn
         kept = session.stop.extend(tokens)
         if kept < len(tokens):  # the session holds exactly what was emitted
@@ -423,9 +423,10 @@ class Scheduler:
         session.epoch += 1
         return Verdict(
             tokens[:kept],
-            num_accepted,
+            sampled.num_accepted,
             step.block.k,
             session.stop.finish_reason,
             epoch=epoch,
             load=BatchLoad(queue_seconds=start - step.arrived, **load),
+            logprobs=sampled.logprobs[:kept] if sampled.logprobs is not None else None,
         )

@@ -71,5 +71,9 @@ class VerifyServicer(verify_pb2_grpc.VerifyServiceServicer):
     async def ReleaseSession(self, request, context):
         return verify_pb2.ReleaseSessionResponse(released=self.engine.release(request.session_id))
 
+    async def PromptLogprobs(self, request, context):
+        logprobs = await self.engine.prompt_logprobs(list(request.prompt_ids), request.top_logprobs)
+        return verify_pb2.PromptLogprobsResponse(logprobs=wire.logprobs_to_pb([lp for lp in logprobs if lp]))
+
     async def Info(self, request, context):
         return verify_pb2.VerifyServiceInfoResponse(**self.engine.info())

@@ -7,9 +7,10 @@ parameters. A session that has its k leaves the run and its block goes out when 
 whose block is being verified drafts ahead a token at a time (it stops when the verdict arrives), in the
 same forwards. Sessions join between runs.
 
-Sampling is exact per session: row i is processed by `process_logits` with session i's parameters and
-sampled from the top `draft_topk` entries renormalised, with session i's generator; that sparse q is what
-the block carries, so the verifier's test is exact whatever the batch looked like.
+Sampling is exact per session: row i is processed by `apply_context_processing` (penalties, bans, bias,
+the session's drafted tokens counted as output, as the verifier counts them) and `process_logits` with
+session i's parameters, and sampled from the top `draft_topk` entries renormalised, with session i's
+generator; that sparse q is what the block carries, so the verifier's test is exact whatever the batch looked like.
 
 The executor decides where forwards run: inline (in-process generation, one session) or a single model
 thread (the draft service), so the event loop never blocks on torch there.
@@ -27,9 +28,17 @@ from typing import Any, cast
 import torch
 
 from specmesh.futures import settle
+from specmesh.models import eos_token_ids
 from specmesh.runtime import Runner, RunnerSequence
 from specmesh.runtime.batched import BatchedRunner, PrefillChunk, SlotSequence
-from specmesh.sampling import BatchSamplingParams, SamplingParams, process_logits
+from specmesh.sampling import (
+    BatchSamplingParams,
+    LogitsContext,
+    SamplingParams,
+    apply_context_processing,
+    output_start,
+    process_logits,
+)
 
 DRAFT_SEED_SALT = 0x5EED_D4AF7  # the draft's stream must differ from the verifier's for the same seed
 
@@ -47,6 +56,7 @@ class DraftState:
     seq: RunnerSequence
     params: SamplingParams
     generator: torch.Generator
+    output_start: int = 0  # where the output begins in seq.token_ids (context-dependent processing)
     tokens_drafted: int = 0  # including tokens drafted ahead and thrown away
     draft_seconds: float = 0.0  # this session's share of the forwards it took part in
 
@@ -57,7 +67,7 @@ class DraftState:
             generator.manual_seed(params.seed ^ DRAFT_SEED_SALT)
         else:
             generator.seed()
-        return cls(seq, params, generator)
+        return cls(seq, params, generator, output_start(len(seq.token_ids), params))
 
 
 @dataclass(frozen=True)
@@ -103,6 +113,8 @@ class DraftBatcher:
         self.draft_topk = draft_topk
         self.execute = execute
         self.on_batch = on_batch  # (sessions advanced, seconds) per forward, for metrics
+        model = getattr(runner, "model", None)
+        self.eos_token_ids = eos_token_ids(model) if model is not None else frozenset()  # for min_tokens
         self.stats = BatcherStats()
         self._waiting: list[_Request] = []
         self._wake: asyncio.Event | None = None
@@ -224,6 +236,10 @@ class DraftBatcher:
         """Row i from session i's processed distribution, truncated to its top draft_topk, renormalised."""
         greedy = [s.params.greedy for s in states]
         out: list[DraftToken | None] = [None] * len(states)
+        # seq.token_ids holds the committed tokens, those assumed and those drafted so far: the context the
+        # verifier will process this position under.
+        contexts = [LogitsContext(s.seq.token_ids, s.output_start, (), self.eos_token_ids) for s in states]
+        logits = apply_context_processing(logits, [s.params for s in states], contexts)
         argmax = logits.argmax(dim=-1).tolist()
         for i, g in enumerate(greedy):
             if g:

@@ -24,6 +24,7 @@ MAX_SPEC_LEN a compile-time bound so K changes never recompile). `auto` = triton
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -31,7 +32,15 @@ import torch
 from specmesh.domain import DraftBlock
 from specmesh.errors import InvalidArgument
 from specmesh.rejection.limits import MAX_SPEC_LEN, PLACEHOLDER_TOKEN_ID
-from specmesh.sampling import BatchSamplingParams, SamplingParams, process_logits
+from specmesh.sampling import (
+    BatchSamplingParams,
+    LogitsContext,
+    SamplingParams,
+    TokenLogprob,
+    apply_context_processing,
+    process_logits,
+    token_logprobs,
+)
 
 _EXP_FLOOR = torch.finfo(torch.float32).tiny  # exponential_ can round to 0; keep p / E finite
 
@@ -44,6 +53,9 @@ class RejectionInput:
     block: DraftBlock
     params: SamplingParams
     generator: torch.Generator | None = None  # per-request stream (seeded requests); None = shared
+    # The committed tokens the block continues, for context-dependent processing (penalties, bans, ...);
+    # its draft_ids are ignored: the block's own tokens are used. None = no such processing.
+    context: LogitsContext | None = None
 
     @classmethod
     def of(
@@ -53,8 +65,17 @@ class RejectionInput:
         q_ids: torch.Tensor | None = None,
         q_probs: torch.Tensor | None = None,
         generator: torch.Generator | None = None,
+        context: LogitsContext | None = None,
     ) -> RejectionInput:
-        return cls(DraftBlock(list(token_ids), q_ids, q_probs), params, generator)
+        return cls(DraftBlock(list(token_ids), q_ids, q_probs), params, generator, context)
+
+    @property
+    def block_context(self) -> LogitsContext | None:
+        """The context of this block's K + 1 rows: row i continues the committed tokens + x_1..x_i."""
+        if self.context is None:
+            return None
+        c = self.context
+        return LogitsContext(c.tokens, c.output_start, self.block.token_ids, c.eos_token_ids)
 
     @property
     def k(self) -> int:
@@ -112,6 +133,8 @@ def validate_block(block: DraftBlock | RejectionInput, vocab_size: int, max_spec
 class RejectionOutput:
     output_token_ids: torch.Tensor  # [B, max_K + 1] int64, PLACEHOLDER_TOKEN_ID padded
     num_accepted: list[int]  # [B] accepted draft tokens (the emitted recovered/bonus token not counted)
+    # [B] per committed token of request b, its raw log-probability (and top ones); None where not asked for
+    logprobs: list[list[TokenLogprob] | None] = dataclasses.field(default_factory=list)
 
     def tokens(self, b: int) -> list[int]:
         """Committed tokens of request b: accepted drafts + the recovered or bonus token."""
@@ -143,7 +166,36 @@ class RejectionSampler:
         else:
             kernel = rejection_sample_torch
         out = kernel(prep)
-        return RejectionOutput(out, prep.num_accepted_from(out))
+        num_accepted = prep.num_accepted_from(out)
+        return RejectionOutput(out, num_accepted, _logprobs(target_logits, blocks, out, num_accepted))
+
+
+def _logprobs(
+    raw_logits: torch.Tensor, blocks: list[RejectionInput], out: torch.Tensor, num_accepted: list[int]
+) -> list[list[TokenLogprob] | None]:
+    """The raw log-probabilities of each committed token, for the requests that ask (nothing otherwise): the
+    committed token at position i was drawn from row i of its request, so the rows are read as they are."""
+    result: list[list[TokenLogprob] | None] = [None] * len(blocks)
+    want = [b for b, blk in enumerate(blocks) if blk.params.logprobs is not None]
+    if not want:
+        return result
+    row0 = [0]
+    for blk in blocks:
+        row0.append(row0[-1] + blk.k + 1)
+    rows: list[int] = []
+    tokens: list[int] = []
+    tops: list[int] = []
+    for b in want:
+        n = num_accepted[b] + 1
+        rows += range(row0[b], row0[b] + n)
+        tokens += out[b, :n].tolist()
+        tops += [blocks[b].params.logprobs or 0] * n
+    lps = token_logprobs(raw_logits[torch.tensor(rows, device=raw_logits.device)], tokens, tops)
+    at = 0
+    for b in want:
+        n = num_accepted[b] + 1
+        result[b], at = lps[at : at + n], at + n
+    return result
 
 
 @dataclass
@@ -175,6 +227,8 @@ def prepare(target_logits: torch.Tensor, blocks: list[RejectionInput], shared: t
         raise ValueError(f"target_logits must be [{n_tok + n_req}, V], got {tuple(target_logits.shape)}")
     vocab = target_logits.size(1)
     params = [b.params for b in blocks]
+    # Context-dependent processing first: every rule below (greedy's argmax included) sees processed logits.
+    target_logits = apply_context_processing(target_logits, params, [b.block_context for b in blocks], rows_per_req)
     target_argmax = target_logits.argmax(dim=-1)
     cu = torch.tensor(num_draft, device=device).cumsum(0)
     draft_ids = torch.tensor([t for b in blocks for t in b.token_ids], dtype=torch.int64, device=device)

@@ -50,7 +50,7 @@ class VerifyRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., base_position: _Optional[int] = ..., draft_ids: _Optional[_Iterable[int]] = ..., q_ids: _Optional[_Iterable[int]] = ..., q_probs: _Optional[_Iterable[float]] = ..., q_width: _Optional[int] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
-    __slots__ = ("epoch", "num_drafted", "num_accepted", "token_ids", "finish_reason", "stale", "deadline", "timings")
+    __slots__ = ("epoch", "num_drafted", "num_accepted", "token_ids", "finish_reason", "stale", "deadline", "timings", "logprobs")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAFTED_FIELD_NUMBER: _ClassVar[int]
     NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
@@ -59,6 +59,7 @@ class VerifyResponse(_message.Message):
     STALE_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     num_drafted: int
     num_accepted: int
@@ -67,7 +68,8 @@ class VerifyResponse(_message.Message):
     stale: bool
     deadline: bool
     timings: VerifyTimings
-    def __init__(self, epoch: _Optional[int] = ..., num_drafted: _Optional[int] = ..., num_accepted: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., stale: _Optional[bool] = ..., deadline: _Optional[bool] = ..., timings: _Optional[_Union[VerifyTimings, _Mapping]] = ...) -> None: ...
+    logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
+    def __init__(self, epoch: _Optional[int] = ..., num_drafted: _Optional[int] = ..., num_accepted: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., stale: _Optional[bool] = ..., deadline: _Optional[bool] = ..., timings: _Optional[_Union[VerifyTimings, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class VerifyTimings(_message.Message):
     __slots__ = ("queue_seconds", "batch_seconds", "batch_size", "batch_tokens", "queue_depth")
@@ -114,6 +116,20 @@ class ReleaseSessionResponse(_message.Message):
     RELEASED_FIELD_NUMBER: _ClassVar[int]
     released: bool
     def __init__(self, released: _Optional[bool] = ...) -> None: ...
+
+class PromptLogprobsRequest(_message.Message):
+    __slots__ = ("prompt_ids", "top_logprobs")
+    PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    prompt_ids: _containers.RepeatedScalarFieldContainer[int]
+    top_logprobs: int
+    def __init__(self, prompt_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[int] = ...) -> None: ...
+
+class PromptLogprobsResponse(_message.Message):
+    __slots__ = ("logprobs",)
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
+    def __init__(self, logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class VerifyServiceInfoRequest(_message.Message):
     __slots__ = ()

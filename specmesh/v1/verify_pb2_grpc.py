@@ -54,6 +54,11 @@ class VerifyServiceStub:
                 request_serializer=specmesh_dot_v1_dot_verify__pb2.ReleaseSessionRequest.SerializeToString,
                 response_deserializer=specmesh_dot_v1_dot_verify__pb2.ReleaseSessionResponse.FromString,
                 _registered_method=True)
+        self.PromptLogprobs = channel.unary_unary(
+                '/specmesh.v1.VerifyService/PromptLogprobs',
+                request_serializer=specmesh_dot_v1_dot_verify__pb2.PromptLogprobsRequest.SerializeToString,
+                response_deserializer=specmesh_dot_v1_dot_verify__pb2.PromptLogprobsResponse.FromString,
+                _registered_method=True)
         self.Info = channel.unary_unary(
                 '/specmesh.v1.VerifyService/Info',
                 request_serializer=specmesh_dot_v1_dot_verify__pb2.VerifyServiceInfoRequest.SerializeToString,
@@ -93,6 +98,14 @@ class VerifyServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PromptLogprobs(self, request, context):
+        """The target's log-probability of each prompt token given those before it (echo + logprobs, scoring).
+        One forward over the prompt; no session is created.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Info(self, request, context):
         """The served model, its limits and live counters.
         """
@@ -122,6 +135,11 @@ def add_VerifyServiceServicer_to_server(servicer, server):
                     servicer.ReleaseSession,
                     request_deserializer=specmesh_dot_v1_dot_verify__pb2.ReleaseSessionRequest.FromString,
                     response_serializer=specmesh_dot_v1_dot_verify__pb2.ReleaseSessionResponse.SerializeToString,
+            ),
+            'PromptLogprobs': grpc.unary_unary_rpc_method_handler(
+                    servicer.PromptLogprobs,
+                    request_deserializer=specmesh_dot_v1_dot_verify__pb2.PromptLogprobsRequest.FromString,
+                    response_serializer=specmesh_dot_v1_dot_verify__pb2.PromptLogprobsResponse.SerializeToString,
             ),
             'Info': grpc.unary_unary_rpc_method_handler(
                     servicer.Info,
@@ -237,6 +255,33 @@ class VerifyService:
             '/specmesh.v1.VerifyService/ReleaseSession',
             specmesh_dot_v1_dot_verify__pb2.ReleaseSessionRequest.SerializeToString,
             specmesh_dot_v1_dot_verify__pb2.ReleaseSessionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PromptLogprobs(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/specmesh.v1.VerifyService/PromptLogprobs',
+            specmesh_dot_v1_dot_verify__pb2.PromptLogprobsRequest.SerializeToString,
+            specmesh_dot_v1_dot_verify__pb2.PromptLogprobsResponse.FromString,
             options,
             channel_credentials,
             insecure,
