@@ -4,10 +4,18 @@ the speculation loop. Every flag can also be set by an environment variable SPEC
 
 from __future__ import annotations
 
+import argparse
+import os
+import time
+
 from draft_service.engine import ALGORITHMS, RUNNERS, DraftConfig
 from draft_service.server import build_server
 from specmesh.config import EnvArgumentParser, add_config_flags, add_process_flags, add_server_flags, parse_config
+from specmesh.drafters import DraftBatcher
+from specmesh.security import add_service_flags
 from specmesh.serving import run_service
+
+DEBUG_DELAY_ENV = "SPECMESH_DRAFT_DEBUG_DRAFT_DELAY_MS"
 
 # The flags of DraftConfig's fields past the model, server and verifier: each takes its field's default and type.
 FLAG_HELP = {
@@ -22,8 +30,20 @@ FLAG_HELP = {
     "max_model_len": "longest sequence a session's draft KV slot holds (0 = the model's max_position_embeddings)",
     "max_sessions": "concurrent generations; more get RESOURCE_EXHAUSTED",
     "max_cached_sessions": "per-session draft KV caches kept for later turns (LRU)",
+    "verify_allow": "verify replicas a request's verify_address may name besides --verify-address: comma-separated "
+    "host:port, the host an IP, a CIDR block (10.0.0.0/8), a DNS name (its addresses too) or a pattern "
+    "(*.verify.svc.cluster.local), the port a number or *; any other address is refused (PERMISSION_DENIED)",
     "verify_timeout_s": "timeout of each call to the verifier",
     "grace_period_s": "on SIGTERM, in-flight generations get this long to finish",
+    "online_distill": "distil the draft from the verifier's top-k on live traffic while serving, swapping new "
+    "weights in between rounds and rolling back a version whose live acceptance is worse (see README)",
+    "online_distill_dir": "save every weight version and its live acceptance here (empty = in memory only)",
+    "online_distill_topk": "target tokens per position the verifier returns as feedback (1-20)",
+    "online_distill_cpu_share": "the trainer's share of one core's time (it sleeps the rest)",
+    "online_distill_buffer": "replay buffer size, in training windows of 64 tokens",
+    "online_distill_lr": "the trainer's learning rate (AdamW)",
+    "online_distill_steps_per_version": "training steps between two weight versions",
+    "online_distill_rollback_window": "draft tokens a new version is judged on against its predecessor",
 }
 FLAG_OPTIONS = {
     "speculative_algorithm": {"type": str.lower, "choices": list(ALGORITHMS)},
@@ -39,10 +59,31 @@ def parse_args(argv=None) -> tuple[DraftConfig, dict]:
     ap.flag("--verify-address", default="", help="default verify replica host:port (a request may name another)")
     add_config_flags(ap, d, FLAG_HELP, FLAG_OPTIONS)
     add_process_flags(ap, metrics_port=9465)
+    add_service_flags(ap)
     return parse_config(ap, DraftConfig, argv)
 
 
+def debug_draft_delay(argv=None) -> tuple[list[str], float]:
+    """TEST KNOB, not for serving: `--debug-draft-delay-ms MS` (or SPECMESH_DRAFT_DEBUG_DRAFT_DELAY_MS) makes
+    every batched draft forward MS slower, as a slower draft model would be, so that tests and `specmesh
+    profile`'s checks can stage a draft-bound stack. Hidden from --help; returns the other flags and MS."""
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--debug-draft-delay-ms", type=float, default=float(os.environ.get(DEBUG_DELAY_ENV, 0)))
+    known, rest = pre.parse_known_args(argv)
+    delay_s = known.debug_draft_delay_ms / 1000
+    if delay_s > 0:
+        forward = DraftBatcher._forward
+
+        def slowed(self, *args, **kw):
+            time.sleep(delay_s)
+            return forward(self, *args, **kw)
+
+        DraftBatcher._forward = slowed  # type: ignore[method-assign]
+    return rest, known.debug_draft_delay_ms
+
+
 def main(argv=None) -> None:
+    argv, _delay_ms = debug_draft_delay(argv)
     config, process = parse_args(argv)
     run_service("draft_service", build_server, config, process)
 

@@ -24,6 +24,7 @@ import grpc
 import torch
 from opentelemetry import context as otel_context
 
+from draft_service.online import OnlineLoop, online_config
 from draft_service.remote import RemoteVerifier
 from specmesh import wire
 from specmesh.domain import Finished, GenerationEvent, Opened, SpecStats, Tokens
@@ -36,6 +37,7 @@ from specmesh.runtime.batched import BatchedRunner
 from specmesh.runtime.hf import ModelRunner
 from specmesh.runtime.static import StaticCacheRunner
 from specmesh.sampling import SamplingParams, StopChecker, check_token_ids
+from specmesh.security import AllowList, Security, dial
 from specmesh.telemetry import StreamMetrics, outgoing_metadata, tracer, wall_ns
 from specmesh.v1 import verify_pb2, verify_pb2_grpc
 
@@ -50,6 +52,9 @@ class DraftConfig:
     port: int = 50062
     device: str | None = None
     verify_address: str = ""  # default verify replica (host:port)
+    # Other verify replicas a request may name (specmesh.security.AllowList): a caller chooses among the
+    # replicas the operator configured, never an address of its own.
+    verify_allow: str = ""
     speculative_algorithm: str = "standalone"
     speculative_num_steps: int = 4  # most draft tokens per block (K max)
     adaptive: bool = True
@@ -63,6 +68,16 @@ class DraftConfig:
     max_model_len: int = 0  # longest sequence the draft's KV slots hold; 0 = the model's
     verify_timeout_s: float = 60.0  # per verify call / round
     grace_period_s: float = 10.0
+    # The predict-verify-optimize loop (draft_service.online): the draft distils from the verifier's top-k
+    # while it serves. Off by default: it costs a share of a core and the verifier's top-k on every token.
+    online_distill: bool = False
+    online_distill_dir: str = ""  # every weight version and its live acceptance ("" = kept in memory only)
+    online_distill_topk: int = 8
+    online_distill_cpu_share: float = 0.3
+    online_distill_buffer: int = 1024
+    online_distill_lr: float = 3e-4
+    online_distill_steps_per_version: int = 40
+    online_distill_rollback_window: int = 400
     metrics_port: int = -1  # Prometheus /metrics over HTTP; -1 = not served (the CLI defaults to 9465)
 
     def __post_init__(self):
@@ -74,6 +89,7 @@ class DraftConfig:
             raise ValueError(f"draft_runner must be one of {RUNNERS}, got {self.draft_runner!r}")
         if not 0 <= self.speculative_num_steps <= MAX_SPEC_LEN:
             raise ValueError(f"speculative_num_steps must be in [0, {MAX_SPEC_LEN}]")
+        AllowList.parse(self.verify_allow)  # ValueError naming --verify-allow
 
     @property
     def algorithm(self) -> Algorithm:
@@ -127,7 +143,13 @@ class DraftEngine:
         self._active = 0
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._max_spec_len: dict[str, int] = {}  # each verify replica's limit, learnt from its Info
+        self.verify_allow = AllowList.parse(config.verify_allow, always=[config.verify_address])
+        self.security: Security | None = None  # TLS and service key of the channels to verify replicas
         self.shutting_down = False
+        self.online: OnlineLoop | None = None
+        if config.online_distill and model is not None:
+            self.online = OnlineLoop(model, online_config(config), self.model_thread)
+            self.online.start()
 
     @classmethod
     def from_config(
@@ -146,6 +168,8 @@ class DraftEngine:
         return await asyncio.get_running_loop().run_in_executor(self.model_thread, fn, *args)
 
     async def close(self) -> None:
+        if self.online is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self.online.stop)
         if self.batcher is not None:
             await self.batcher.close()
         for ch in self._channels.values():
@@ -158,7 +182,8 @@ class DraftEngine:
             raise InvalidArgument("no verify_address in the request and no --verify-address default")
         ch = self._channels.get(address)
         if ch is None:
-            ch = self._channels[address] = grpc.aio.insecure_channel(address)
+            await self.verify_allow.check(address)
+            ch = self._channels[address] = dial(address, self.security)
         stub = verify_pb2_grpc.VerifyServiceStub(ch)
         if address not in self._max_spec_len:
             info = await stub.Info(verify_pb2.VerifyServiceInfoRequest(), timeout=self.config.verify_timeout_s)
@@ -342,7 +367,7 @@ class _Generation:
         try:
             with torch.inference_mode():
                 result = await speculative_generate(
-                    self.remote,
+                    self.engine.online.wrap(self.remote) if self.engine.online is not None else self.remote,
                     self.drafter,
                     self.prompt_ids,
                     self.params,

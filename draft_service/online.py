@@ -1,0 +1,122 @@
+"""The draft service's side of the predict-verify-optimize loop (`--online-distill`).
+
+Each generation's verifier is wrapped: the session asks the verify replica for the target's top-k at every
+committed token (SamplingParams.logprobs), the verdicts feed `specmesh.training.online` (replay buffer,
+trainer, versions), and each verified block is counted against the weight version that drafted it. What the
+caller asked for is all it sees: feedback it did not ask for is removed from the verdicts before they go
+on. Metrics and a trace event per weight swap make the loop visible.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import replace
+from pathlib import Path
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from specmesh.domain import DraftBlock, TokenLogprob, Verdict
+from specmesh.loop import Verifier
+from specmesh.sampling import SamplingParams
+from specmesh.telemetry import tracer
+from specmesh.training.online import OnlineConfig, OnlineDistiller, SessionFeedback
+
+
+class OnlineLoop:
+    """One per draft service: the distiller over the serving draft model and the metrics of the loop."""
+
+    def __init__(self, model, config: OnlineConfig, model_thread: ThreadPoolExecutor):
+        self.tracer = tracer("draft")
+        self.distiller = OnlineDistiller(model, config, self._on_model_thread(model_thread), self._swapped)
+
+    @staticmethod
+    def _on_model_thread(pool: ThreadPoolExecutor) -> Callable[[Callable[[], None]], Future]:
+        return lambda fn: pool.submit(fn)
+
+    def _swapped(self, version: int, reason: str) -> None:
+        span = self.tracer.start_span("draft.weights_swap", attributes={"specmesh.weights_version": version})
+        span.add_event("swap", {"specmesh.weights_version": version, "specmesh.reason": reason})
+        span.end()
+
+    def start(self) -> None:
+        self.distiller.start()
+
+    def stop(self) -> None:
+        self.distiller.stop()
+        self.distiller.save_all()
+
+    def wrap(self, verifier: Verifier) -> FeedbackVerifier:
+        return FeedbackVerifier(verifier, self)
+
+    def families(self) -> list:
+        d = self.distiller
+        g, c = GaugeMetricFamily, CounterMetricFamily
+        by_version = d.acceptance_by_version()
+        drafted = c(
+            "specmesh_draft_online_drafted_tokens", "Draft tokens verified, by weight version", labels=["version"]
+        )
+        accepted = c(
+            "specmesh_draft_online_accepted_tokens", "Draft tokens accepted, by weight version", labels=["version"]
+        )
+        for n, (dr, ac) in sorted(by_version.items()):
+            drafted.add_metric([str(n)], dr)
+            accepted.add_metric([str(n)], ac)
+        return [
+            g("specmesh_draft_online_weights_version", "The draft weight version serving now", value=d.serving_version),
+            c("specmesh_draft_online_updates", "Weight versions published by the online trainer", value=d.updates),
+            c("specmesh_draft_online_rollbacks", "Versions rolled back for a worse live acceptance", value=d.rollbacks),
+            c("specmesh_draft_online_train_steps", "Distillation steps taken", value=d.steps),
+            g("specmesh_draft_online_buffer_windows", "Training windows in the replay buffer", value=len(d.buffer)),
+            g("specmesh_draft_online_train_share", "The trainer's share of wall time", value=d.train_share),
+            drafted,
+            accepted,
+        ]
+
+
+class FeedbackVerifier:
+    """A generation's verifier with the loop around it (see the module's docstring)."""
+
+    def __init__(self, inner: Verifier, loop: OnlineLoop):
+        self.inner, self.loop = inner, loop
+        self.feedback: SessionFeedback | None = None
+        self.asked: int | None = None  # the caller's own logprobs request
+
+    async def start(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        self.asked = params.logprobs
+        k = self.loop.distiller.config.topk
+        await self.inner.start(prompt_ids, replace(params, logprobs=max(params.logprobs or 0, k)))
+        self.feedback = self.loop.distiller.session(prompt_ids)
+
+    async def submit(self, proposal: DraftBlock) -> Verdict:
+        version = self.loop.distiller.serving_version  # the block was drafted by the weights live now
+        verdict = await self.inner.submit(proposal)
+        if verdict.stale:
+            return verdict
+        assert self.feedback is not None  # start() comes first
+        self.feedback.extend(verdict.tokens, verdict.logprobs)
+        if verdict.finish_reason is not None:  # the last verdict: a short generation still makes a window
+            self.feedback.flush()
+        drafted = proposal.k if verdict.num_drafted is None else verdict.num_drafted
+        self.loop.distiller.record_round(version, drafted, verdict.num_accepted)
+        verdict.logprobs = _as_asked(verdict.logprobs, self.asked)
+        return verdict
+
+
+def _as_asked(logprobs: list[TokenLogprob] | None, asked: int | None) -> list[TokenLogprob] | None:
+    if logprobs is None or asked is None:
+        return None
+    return [replace(t, top=t.top[:asked]) for t in logprobs]
+
+
+def online_config(config) -> OnlineConfig:
+    """The OnlineConfig a DraftConfig's online_distill_* fields describe."""
+    return OnlineConfig(
+        topk=config.online_distill_topk,
+        buffer_windows=config.online_distill_buffer,
+        lr=config.online_distill_lr,
+        steps_per_version=config.online_distill_steps_per_version,
+        cpu_share=config.online_distill_cpu_share,
+        rollback_window=config.online_distill_rollback_window,
+        dir=Path(config.online_distill_dir) if config.online_distill_dir else None,
+    )
