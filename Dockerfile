@@ -15,10 +15,15 @@
 #
 #   docker build -t specmesh:cuda --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128 .
 #
-# Pick the cuXXX index that torch 2.13.0 is published for and your driver supports. BASE_IMAGE may be
-# swapped for any Debian-based image with Python 3.11+ at /usr/local/bin/python (e.g. a mirror).
+# Pick the cuXXX index that torch 2.13.0 is published for and your driver supports (the CUDA torch wheel
+# brings its own triton; the CPU image has neither triton nor grpcio-tools: they are extras).
+#
+# The base is pinned by digest (the python:3.11-slim multi-platform index as docker-library/repo-info
+# recorded it), so a rebuild cannot silently change the OS or Python underneath. BASE_IMAGE may be swapped
+# for any Debian-based image with Python 3.11+ at /usr/local/bin/python and python's venv module (a mirror,
+# or the debootstrap image scripts/container-test.sh builds where no registry is reachable).
 
-ARG BASE_IMAGE=python:3.11-slim
+ARG BASE_IMAGE=python:3.11-slim@sha256:90744cff8f32887f075c47d747a173ff333e9e98801667af93c357fa9f5e28ff
 
 # ---------------------------------------------------------------------------------------------------
 FROM ${BASE_IMAGE} AS build
@@ -60,7 +65,11 @@ ENV PATH=/opt/venv/bin:$PATH \
     SPECMESH_GATEWAY_HOST=0.0.0.0 \
     SPECMESH_GATEWAY_TOKENIZER_PATH=/app/models/demo/target
 USER 10001:10001
-# verify gRPC, draft gRPC, gateway REST, gateway gRPC, Prometheus metrics of the gRPC services
-EXPOSE 50061 50062 8000 50070 9464
+# verify gRPC, draft gRPC, gateway REST (and its /metrics), gateway gRPC, verify metrics, draft metrics
+EXPOSE 50061 50062 8000 50070 9464 9465
+# Whichever service the container runs: the healthcheck reads the command of PID 1 and probes that
+# service's own port (gRPC health for verify / draft, GET /health for the gateway).
+HEALTHCHECK --interval=10s --timeout=5s --start-period=120s --retries=3 \
+    CMD ["python", "-m", "specmesh.healthcheck", "--auto"]
 ENTRYPOINT ["python", "-m"]
 CMD ["gateway", "--help"]

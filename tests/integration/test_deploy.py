@@ -11,6 +11,7 @@ import contextlib
 import io
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -108,7 +109,8 @@ def test_healthcheck_cli_against_real_server():
 def test_dockerfile_copies_what_exists_and_ignore_keeps_it():
     text = (ROOT / "Dockerfile").read_text()
     assert 'ENTRYPOINT ["python", "-m"]' in text
-    assert "ARG BASE_IMAGE=python:3.11-slim" in text and "ARG TORCH_INDEX_URL=" in text
+    assert re.search(r"^ARG BASE_IMAGE=python:3\.11-slim@sha256:[0-9a-f]{64}$", text, re.M), "base not pinned by digest"
+    assert "ARG TORCH_INDEX_URL=" in text
     assert "torch==${TORCH_VERSION}" in text and "ARG TORCH_VERSION=2.13.0" in text
     assert "\nUSER " in text
     sources = []
@@ -124,6 +126,119 @@ def test_dockerfile_copies_what_exists_and_ignore_keeps_it():
         assert (ROOT / src).exists(), f"Dockerfile copies {src}, which does not exist"
         assert src.rstrip("/").split("/")[0] not in ignored, f".dockerignore excludes {src}"
     assert {".venv", ".git", ".work"} <= ignored
+
+
+def _dockerfile_default(arg: str) -> str:
+    (value,) = re.findall(rf"^ARG {arg}=(\S+)$", (ROOT / "Dockerfile").read_text(), re.M)
+    return value
+
+
+def _service_defaults() -> dict[str, tuple[int, int]]:
+    """module -> (port, metrics port) as each service's own command line defines them."""
+    from draft_service.__main__ import parse_args as draft_args
+    from gateway.__main__ import parse_args as gateway_args
+    from verify_service.__main__ import parse_args as verify_args
+
+    verify, _ = verify_args(["--model-path", "-"])
+    draft, _ = draft_args(["--model-path", "-"])
+    _, gateway = gateway_args(["--verify", "-"])
+    return {
+        "verify_service": (verify.port, verify.metrics_port),
+        "draft_service": (draft.port, draft.metrics_port),
+        "gateway": (gateway.port, gateway.grpc_port),  # REST (with /metrics) and gRPC
+    }
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    for key in list(os.environ):
+        if key.startswith("SPECMESH_"):
+            monkeypatch.delenv(key)
+
+
+def test_dockerfile_exposes_the_services_ports_and_has_a_healthcheck(clean_env):
+    text = (ROOT / "Dockerfile").read_text().replace("\\\n", " ")  # continuation lines joined
+    (expose,) = re.findall(r"^EXPOSE (.+)$", text, re.M)
+    defaults = _service_defaults()
+    assert {int(p) for p in expose.split()} == {p for pair in defaults.values() for p in pair}
+    (health,) = re.findall(r"^HEALTHCHECK (.+)$", text, re.M)
+    assert 'CMD ["python", "-m", "specmesh.healthcheck", "--auto"]' in health
+    # the probe's table of ports is the services' own defaults
+    assert {m: port for m, (_, port, _) in healthcheck.SERVICES.items()} == {m: p[0] for m, p in defaults.items()}
+
+
+def test_the_image_installs_no_triton_nor_grpcio_tools():
+    """The image runs `pip install .`: the project's plain dependencies, which leave out what only CUDA
+    (triton) and development (grpcio-tools: make proto) need; those are extras."""
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    names = {re.split(r"[<>=!~ \[;]", d, maxsplit=1)[0].lower() for d in project["dependencies"]}
+    assert not names & {"triton", "grpcio-tools"}, names
+    extras = project["optional-dependencies"]
+    assert any(d.startswith("triton") for d in extras["cuda"])
+    assert any(d.startswith("grpcio-tools==") for d in extras["test"])  # make proto and test_proto
+    # every pip install of the project (the other one installs torch from its index) takes no extras
+    lines = (ROOT / "Dockerfile").read_text().splitlines()
+    installs = [ln for ln in lines if re.search(r"pip install (?!--upgrade pip)(?!--index-url)", ln)]
+    assert installs and all(re.search(r"pip install \.(\s|$)", ln) for ln in installs), installs
+
+
+def test_healthcheck_auto_probes_the_service_pid_1_runs(tmp_path, clean_env):
+    import http.server
+    import threading
+
+    async def grpc_server():
+        server = grpc.aio.server()
+        health = HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(health, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        await health.set(DRAFT_NAME, health_pb2.HealthCheckResponse.SERVING)
+        return server, port
+
+    class Ready(http.server.BaseHTTPRequestHandler):
+        status = 200
+
+        def do_GET(self):
+            self.send_response(Ready.status if self.path == "/health" else 404)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Ready)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    cmdline = tmp_path / "cmdline"
+
+    def auto(*argv: str) -> bool:
+        cmdline.write_bytes("\0".join(["/opt/venv/bin/python", "-m", *argv, ""]).encode())
+        return healthcheck.check_auto(2.0, cmdline)[0]
+
+    async def scenario():
+        server, port = await grpc_server()
+        try:
+            return [
+                await asyncio.to_thread(auto, "draft_service", "--port", str(port)),
+                await asyncio.to_thread(auto, "draft_service", f"--port={port}"),
+                await asyncio.to_thread(auto, "verify_service", "--port", str(port)),  # not its service name
+                await asyncio.to_thread(auto, "draft_service", "--port", str(free_port())),  # nothing there
+            ]
+        finally:
+            await server.stop(0)
+
+    assert asyncio.run(scenario()) == [True, True, False, False]
+    gw_port = str(httpd.server_address[1])
+    assert auto("gateway", "--port", gw_port)
+    Ready.status = 503  # not ready: no healthy verify replica
+    assert not auto("gateway", "--port", gw_port)
+    httpd.shutdown()
+    assert not auto("http.server")  # not a specmesh service
+    assert healthcheck.auto_target(["python", "-m", "gateway"], {"SPECMESH_GATEWAY_PORT": "8080"}) == (
+        "gateway",
+        8080,
+        "http",
+    )
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -153,7 +268,8 @@ def _check_core(services: dict) -> None:
     for svc, port, name in ((verify, 50061, VERIFY_NAME), (draft, 50062, DRAFT_NAME)):
         assert svc["healthcheck"]["test"][1:5] == ["python", "-m", "specmesh.healthcheck", f"127.0.0.1:{port}"]
         assert svc["healthcheck"]["test"][5:7] == ["--service", name]
-    assert "/health" in " ".join(gateway["healthcheck"]["test"])
+    # the image's HEALTHCHECK command, which probes GET /health on the gateway (see the --auto tests)
+    assert gateway["healthcheck"]["test"][1:5] == ["python", "-m", "specmesh.healthcheck", "--auto"]
 
     assert draft["depends_on"]["verify"]["condition"] == "service_healthy"
     assert {k: v["condition"] for k, v in gateway["depends_on"].items()} == {
@@ -174,6 +290,35 @@ def test_compose_default():
     assert set(cfg["services"]) == {"verify", "draft", "gateway"}  # observability only in its profile
     _check_core(cfg["services"])
     assert cfg["services"]["verify"]["environment"]["SPECMESH_VERIFY_DEVICE"] == "cpu"
+    # the Dockerfile's pinned base, not a floating tag
+    for svc in cfg["services"].values():
+        assert svc["build"]["args"]["BASE_IMAGE"] == _dockerfile_default("BASE_IMAGE")
+
+
+def test_one_served_model_name_across_readme_compose_and_k8s(k8s, k8s_cpu):
+    """The README's examples send `"model": "demo"`; compose and both Kubernetes renderings serve that name."""
+    readme = (ROOT / "README.md").read_text()
+    sent = set(re.findall(r'"model": "([^"]+)"', readme)) | set(re.findall(r'model="([^"]+)"', readme))
+    assert sent == {"demo"}, sent
+    compose = _compose_config("-f", str(COMPOSE_FILE))["services"]["gateway"]["environment"]
+    assert compose["SPECMESH_GATEWAY_MODEL_NAME"] == "demo"
+    for docs in (k8s, k8s_cpu):
+        assert _by_kind(docs, "ConfigMap")["specmesh-config"]["data"]["SPECMESH_GATEWAY_MODEL_NAME"] == "demo"
+
+
+def test_metrics_ports_agree_across_compose_prometheus_and_k8s(k8s, clean_env):
+    defaults = _service_defaults()
+    verify_metrics, draft_metrics = defaults["verify_service"][1], defaults["draft_service"][1]
+    services = _compose_config("-f", str(COMPOSE_FILE))["services"]
+    assert services["verify"]["environment"]["SPECMESH_VERIFY_METRICS_PORT"] == str(verify_metrics)
+    assert services["draft"]["environment"]["SPECMESH_DRAFT_METRICS_PORT"] == str(draft_metrics)
+    assert str(draft_metrics) in {str(p) for p in services["draft"]["expose"]}
+    deployments = _by_kind(k8s, "Deployment")
+    for name, port in (("specmesh-verify", verify_metrics), ("specmesh-draft", draft_metrics)):
+        pod = deployments[name]["spec"]["template"]
+        (c,) = pod["spec"]["containers"]
+        assert pod["metadata"]["annotations"]["prometheus.io/port"] == str(port), name
+        assert {p["containerPort"] for p in c["ports"] if p["name"] == "metrics"} == {port}, name
 
 
 def test_compose_observability_profile():
@@ -197,7 +342,7 @@ def test_compose_observability_profile():
     targets = {
         t for job in mounted["prometheus"]["scrape_configs"] for sc in job["static_configs"] for t in sc["targets"]
     }
-    assert {"gateway:8000", "verify:9464", "draft:9464"} <= targets
+    assert {"gateway:8000", "verify:9464", "draft:9465"} <= targets
 
 
 def test_compose_gpu_override():
@@ -217,12 +362,21 @@ def test_compose_gpu_override():
 # deploy/k8s
 
 
+def _kustomize(path: Path) -> list[dict]:
+    binary = _tool("kubectl", "install kubectl (it bundles kustomize) to render deploy/k8s")
+    proc = subprocess.run([binary, "kustomize", str(path)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, f"kubectl kustomize {path} failed:\n{proc.stderr}"
+    return [d for d in yaml.safe_load_all(proc.stdout) if d]
+
+
 @pytest.fixture(scope="module")
 def k8s() -> list[dict]:
-    binary = _tool("kubectl", "install kubectl (it bundles kustomize) to render deploy/k8s")
-    proc = subprocess.run([binary, "kustomize", str(K8S_DIR)], capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 0, f"kubectl kustomize {K8S_DIR} failed:\n{proc.stderr}"
-    return [d for d in yaml.safe_load_all(proc.stdout) if d]
+    return _kustomize(K8S_DIR)
+
+
+@pytest.fixture(scope="module")
+def k8s_cpu() -> list[dict]:
+    return _kustomize(K8S_DIR / "overlays" / "cpu")
 
 
 def _by_kind(docs, kind):
@@ -294,3 +448,27 @@ def test_k8s_services_and_pdbs(k8s):
     assert pdbs, "no PodDisruptionBudget"
     verify_labels = deployments["specmesh-verify"]["spec"]["template"]["metadata"]["labels"].items()
     assert any(p["spec"]["selector"]["matchLabels"].items() <= verify_labels for p in pdbs.values())
+
+
+def test_k8s_cpu_overlay_has_no_gpu_anywhere(k8s, k8s_cpu):
+    """overlays/cpu: the same objects as the base, the verify pods on the CPU image with device cpu, and
+    nothing that needs or tolerates a GPU (so kind or minikube can schedule everything)."""
+    assert sorted((d["kind"], d["metadata"]["name"]) for d in k8s_cpu) == sorted(
+        (d["kind"], d["metadata"]["name"]) for d in k8s
+    )
+    assert "nvidia.com/gpu" in yaml.safe_dump_all(k8s) and "nvidia.com/gpu" not in yaml.safe_dump_all(k8s_cpu)
+    configmaps = _by_kind(k8s_cpu, "ConfigMap")
+    deployments = _by_kind(k8s_cpu, "Deployment")
+    for name, d in deployments.items():
+        pod = d["spec"]["template"]["spec"]
+        assert "tolerations" not in pod and "nodeSelector" not in pod, name
+    verify, draft = (
+        deployments[n]["spec"]["template"]["spec"]["containers"][0] for n in ("specmesh-verify", "specmesh-draft")
+    )
+    assert verify["image"] == draft["image"] and "cuda" not in verify["image"]
+    assert _env(verify, configmaps)["SPECMESH_VERIFY_DEVICE"] == "cpu"
+    # the patch replaced what it meant to and kept the rest: probes, ports, the other env entries
+    base_verify = _by_kind(k8s, "Deployment")["specmesh-verify"]["spec"]["template"]["spec"]["containers"][0]
+    for key in ("readinessProbe", "livenessProbe", "startupProbe", "ports", "args", "lifecycle"):
+        assert verify[key] == base_verify[key], key
+    assert {e["name"] for e in verify["env"]} == {e["name"] for e in base_verify["env"]}
