@@ -4,11 +4,20 @@ The speculation loop runs on the event loop that owns the gRPC channel, so a blo
 as it is drafted, with no thread hand-off, and the loop keeps drafting ahead while it is verified. Stale
 verdicts (the answer to a block that crossed a deadline verdict) are skipped; a deadline verdict answers
 the block in flight with num_drafted = 0.
+
+A reader task takes every verdict off the stream as it arrives. The verify service may end the stream on
+its own: a late draft's deadline steps can finish the generation, and the service then closes the stream
+while this side is still writing its next block. gRPC fails that write (an `asyncio.InvalidStateError`, or
+an INTERNAL "Internal error from Core" that replaces the stream's real status), and a plain `read()` would
+then lose the verdicts already sent. So a failed write is not an error by itself: the verdicts read so far
+answer the rounds, and only a stream that ended without the verdict a round needs is, as UNAVAILABLE (or
+the stream's own error status), so the caller fails over instead of reporting an internal error.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,6 +30,8 @@ from specmesh.errors import Unavailable
 from specmesh.sampling import SamplingParams
 from specmesh.v1 import verify_pb2, verify_pb2_grpc
 
+_ENDED = object()  # the reader's last item after a stream that ended with an OK status
+
 
 @dataclass(eq=False)
 class RemoteVerifier:
@@ -32,6 +43,10 @@ class RemoteVerifier:
     call: Any = field(default=None, init=False)  # the Verify stream, from start()
     epoch: int = field(default=0, init=False)
     position: int = field(default=0, init=False)
+    # verdicts in arrival order, then _ENDED or the stream's error
+    _inbox: asyncio.Queue = field(default_factory=asyncio.Queue, init=False)
+    _reader: asyncio.Task | None = field(default=None, init=False)
+    _ended: BaseException | object | None = field(default=None, init=False)  # the stream's last item, once read
 
     async def start(self, prompt_ids: list[int], params: SamplingParams) -> None:
         resp = await self.stub.OpenSession(
@@ -43,8 +58,22 @@ class RemoteVerifier:
         )
         self.session_id, self.epoch, self.position = resp.session_id, resp.epoch, resp.base_position
         self.call = self.stub.Verify(metadata=self.metadata)
+        self._reader = asyncio.get_running_loop().create_task(self._read_all())
         if self.on_open is not None:
             self.on_open(resp)
+
+    async def _read_all(self) -> None:
+        try:
+            while True:
+                pb = await self.call.read()
+                if pb is grpc.aio.EOF:
+                    self._inbox.put_nowait(_ENDED)
+                    return
+                self._inbox.put_nowait(pb)
+        except grpc.aio.AioRpcError as e:
+            self._inbox.put_nowait(e)
+        except (asyncio.InvalidStateError, asyncio.CancelledError):  # the call was cancelled here
+            self._inbox.put_nowait(Unavailable("the session stream was cancelled"))
 
     async def submit(self, proposal: DraftBlock) -> Verdict:
         msg = wire.block_to_pb(proposal, self.session_id, self.epoch, self.position)
@@ -55,29 +84,51 @@ class RemoteVerifier:
 
     async def _round(self, msg: verify_pb2.VerifyRequest) -> Verdict:
         assert self.call is not None  # start() comes first
-        await self.call.write(msg)
+        if self._ended is None:
+            # A failed write means the stream has ended: what it sent before it did is in the inbox.
+            with contextlib.suppress(asyncio.InvalidStateError, grpc.aio.AioRpcError):
+                await self.call.write(msg)
         while True:
-            pb = await self.call.read()
-            if pb is grpc.aio.EOF:
-                raise Unavailable("the verify service closed the session stream before the generation ended")
-            if not pb.stale:
+            if self._ended is not None and self._inbox.empty():
+                raise self._end_error()
+            item = await self._inbox.get()
+            if item is _ENDED or isinstance(item, BaseException):
+                self._ended = item
+                continue
+            if not item.stale:
                 break
-        verdict = wire.verdict_from_pb(pb)
+        verdict = wire.verdict_from_pb(item)
         self.epoch = verdict.epoch + 1
         self.position += len(verdict.tokens)
         return verdict
 
+    def _end_error(self) -> BaseException:
+        """Why a round got no verdict: the stream's own error, unless that is gRPC's stand-in for a write the
+        server had already ended the stream for (its real status is lost then)."""
+        e = self._ended
+        if isinstance(e, grpc.aio.AioRpcError) and e.code() != grpc.StatusCode.INTERNAL:
+            return e
+        if isinstance(e, Unavailable):
+            return e
+        return Unavailable("the verify service closed the session stream before the generation ended")
+
     async def aclose(self, finished: bool) -> None:
         """End the stream: half-close and let the server end it after a finished generation; cancel it
         (the server drops the work) otherwise."""
-        if self.call is None or self.call.done():
-            return
-        if finished:
-            try:
-                await self.call.done_writing()
-                await asyncio.wait_for(self.call.wait_for_connection(), 1.0)
-                await asyncio.wait_for(self.call.code(), 5.0)
+        try:
+            if self.call is None or self.call.done():
                 return
-            except (TimeoutError, grpc.aio.AioRpcError, asyncio.InvalidStateError):
-                pass
-        self.call.cancel()
+            if finished:
+                try:
+                    await self.call.done_writing()
+                    await asyncio.wait_for(self.call.wait_for_connection(), 1.0)
+                    await asyncio.wait_for(self.call.code(), 5.0)
+                    return
+                except (TimeoutError, grpc.aio.AioRpcError, asyncio.InvalidStateError):
+                    pass
+            self.call.cancel()
+        finally:
+            if self._reader is not None and not self._reader.done():
+                self._reader.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await self._reader
