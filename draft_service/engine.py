@@ -75,9 +75,9 @@ class DraftConfig:
     online_distill_topk: int = 8
     online_distill_cpu_share: float = 0.3
     online_distill_buffer: int = 1024
-    online_distill_lr: float = 3e-4
-    online_distill_steps_per_version: int = 40
-    online_distill_rollback_window: int = 400
+    online_distill_lr: float = 5e-4
+    online_distill_steps_per_version: int = 100
+    online_distill_rollback_window: int = 1500
     metrics_port: int = -1  # Prometheus /metrics over HTTP; -1 = not served (the CLI defaults to 9465)
 
     def __post_init__(self):

@@ -45,12 +45,14 @@ class OnlineConfig:
     buffer_windows: int = 1024  # replay buffer size; the oldest windows go first
     min_windows: int = 16  # no training before the buffer holds this many
     batch_size: int = 8
-    lr: float = 3e-4
+    lr: float = 5e-4
     kl_weight: float = 1.0  # 1 = pure KD on the target's top-k; below, mixes in CE on the committed token
-    steps_per_version: int = 40
+    steps_per_version: int = 100
     cpu_share: float = 0.3  # the trainer's share of one core's wall time (it sleeps the rest)
-    rollback_window: int = 400  # drafted tokens a version is judged on
-    rollback_margin: float = 0.02  # acceptance a new version may lose before it is rolled back
+    # Drafted tokens a version is judged on: enough that prompt-to-prompt noise (about 0.5 / sqrt(window))
+    # stays under the margin.
+    rollback_window: int = 1500
+    rollback_margin: float = 0.03  # acceptance a new version may lose before it is rolled back
     dir: Path | None = None  # where every version is saved (None: kept in memory only)
 
     def __post_init__(self):

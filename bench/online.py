@@ -1,0 +1,249 @@
+"""Online distillation on traffic the draft was not distilled on: acceptance and tokens/s over time, with the
+predict-verify-optimize loop on and off, in the same run.
+
+    python -m bench.online [--minutes 10] [--slice-s 30] [--max-tokens 64]
+
+The demo pair was trained and distilled on the standard library's Python code. The traffic here is English:
+the text files that ship with the interpreter but are not library code (IDLE's NEWS, HISTORY, README,
+TODO and CREDITS, the licence, the email package's architecture notes, IDLE's help page with its tags
+stripped), cut into 64-token prompts served in a fixed order, greedy.
+
+One verify service; two draft services on the same demo draft, one with `--online-distill` and one
+without. Time goes in slices of `--slice-s` seconds, alternately to each draft, each serving the next
+prompts of the same stream one request at a time. The draft that is not serving is SIGSTOPped (trainer
+included), so each side runs on the machine alone and pays for its own trainer: the loop's cost is in its
+tokens/s. `--minutes` is the loop's own traffic time (the run takes twice as long).
+
+Writes bench/results/online.json and bench/results/online.png: acceptance (accepted / drafted) and tokens/s
+per slice, against the loop's traffic time, for both sides, and the weight versions as they go live.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import html
+import itertools
+import json
+import os
+import re
+import signal
+import sysconfig
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import grpc
+from transformers import AutoTokenizer
+
+from bench.load import git_info
+from bench.plots import pyplot, save
+from bench.services import RESULTS, ROOT, Services
+from specmesh.v1 import common_pb2, draft_pb2, draft_pb2_grpc
+
+ENGLISH = [
+    "idlelib/NEWS.txt",
+    "idlelib/NEWS2x.txt",
+    "idlelib/HISTORY.txt",
+    "idlelib/README.txt",
+    "idlelib/TODO.txt",
+    "idlelib/CREDITS.txt",
+    "LICENSE.txt",
+    "email/architecture.rst",
+    "idlelib/help.html",
+]
+
+
+def english_prompts(tokenizer, length: int) -> list[list[int]]:
+    """Consecutive `length`-token prompts from the English files that ship with the interpreter."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    out: list[list[int]] = []
+    for name in ENGLISH:
+        path = root / name
+        if not path.is_file():
+            continue
+        text = path.read_text(encoding="utf-8", errors="replace")
+        if path.suffix == ".html":
+            text = html.unescape(re.sub(r"<[^>]+>", " ", text))
+        text = re.sub(r"[ \t]+", " ", text)
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        out.extend(ids[i : i + length] for i in range(0, len(ids) - length, length))
+    if not out:
+        raise SystemExit(f"none of the English corpus files were found under {root}")
+    return out
+
+
+def scrape(port: int) -> dict[str, float]:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    values: dict[str, float] = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            with contextlib.suppress(ValueError):
+                values[name] = float(value)
+    return values
+
+
+def metrics_port(log: str) -> int:
+    m = re.search(r"metrics port (\d+)", log)
+    if not m:
+        raise RuntimeError(f"no metrics port in the service's log:\n{log[-2000:]}")
+    return int(m.group(1))
+
+
+def serve_slice(stub, prompts, cursor: int, seconds: float, max_tokens: int) -> tuple[dict, int]:
+    """Requests one at a time for `seconds`; the slice's tokens, time and speculation counters."""
+    params = common_pb2.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    tokens = drafted = accepted = requests = 0
+    busy = 0.0
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        prompt = prompts[cursor % len(prompts)]
+        cursor += 1
+        t0 = time.perf_counter()
+        req = draft_pb2.DraftServiceGenerateRequest(prompt_ids=prompt, params=params)
+        for chunk in stub.Generate(req, timeout=300):
+            if chunk.HasField("tokens"):
+                tokens += len(chunk.tokens.token_ids)
+            elif chunk.HasField("finished"):
+                drafted += chunk.finished.stats.drafted
+                accepted += chunk.finished.stats.accepted
+        busy += time.perf_counter() - t0
+        requests += 1
+    return {
+        "requests": requests,
+        "tokens": tokens,
+        "seconds": round(busy, 3),
+        "tokens_per_s": round(tokens / busy, 2) if busy else None,
+        "drafted": drafted,
+        "accepted": accepted,
+        "acceptance": round(accepted / drafted, 4) if drafted else None,
+    }, cursor
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--target", default=str(ROOT / "models" / "demo" / "target"))
+    ap.add_argument("--draft", default=str(ROOT / "models" / "demo" / "draft"))
+    ap.add_argument("--minutes", type=float, default=10.0, help="the loop's traffic time (the run takes twice this)")
+    ap.add_argument("--slice-s", type=float, default=30.0)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--k", type=int, default=4, help="draft tokens per block (fixed, so acceptance is comparable)")
+    ap.add_argument("--online-arg", action="append", default=[], help="extra draft flag for the loop's side")
+    ap.add_argument("--out", default=str(RESULTS / "online.json"))
+    args = ap.parse_args(argv)
+    tokenizer = AutoTokenizer.from_pretrained(args.target)
+    prompts = english_prompts(tokenizer, 64)
+    slices = max(1, round(args.minutes * 60 / args.slice_s))
+    threads = ["--threads", str(max(1, (os.cpu_count() or 2) // 2))]
+    with tempfile.TemporaryDirectory() as tmp:
+        services = Services(Path(tmp))
+        try:
+            services.spawn("verify", "verify_service", ["--model-path", args.target, *threads])
+            verify = services.wait_listening("verify")
+            common = ["--model-path", args.draft, "--verify-address", verify, "--no-adaptive", "--no-pipeline"]
+            common += ["--speculative-num-steps", str(args.k), *threads]
+            online_dir = Path(tmp) / "versions"
+            loop_flags = ["--online-distill", "--online-distill-dir", str(online_dir), *args.online_arg]
+            services.spawn("on", "draft_service", [*common, *loop_flags])
+            services.spawn("off", "draft_service", common)
+            sides = {name: services.wait_listening(name) for name in ("on", "off")}
+            procs = {name: p for name, p, _ in services.procs}
+            ports = {name: metrics_port((Path(tmp) / f"{name}.log").read_text()) for name in sides}
+            stubs = {name: draft_pb2_grpc.DraftServiceStub(grpc.insecure_channel(a)) for name, a in sides.items()}
+            rows: list[dict] = []
+            cursor = {"on": 0, "off": 0}
+            loop_time = 0.0
+            for i in range(2 * slices):
+                name = "on" if i % 2 == 0 else "off"
+                other = "off" if name == "on" else "on"
+                os.kill(procs[other].pid, signal.SIGSTOP)
+                os.kill(procs[name].pid, signal.SIGCONT)
+                row, cursor[name] = serve_slice(stubs[name], prompts, cursor[name], args.slice_s, args.max_tokens)
+                row["side"] = name
+                if name == "on":
+                    loop_time += args.slice_s
+                    m = scrape(ports["on"])
+                    row["version"] = int(m.get("specmesh_draft_online_weights_version", 0))
+                    row["updates"] = int(m.get("specmesh_draft_online_updates_total", 0))
+                    row["rollbacks"] = int(m.get("specmesh_draft_online_rollbacks_total", 0))
+                    row["train_share"] = round(m.get("specmesh_draft_online_train_share", 0.0), 3)
+                row["loop_minutes"] = round(loop_time / 60, 2)
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+            for p in procs.values():
+                os.kill(p.pid, signal.SIGCONT)
+        finally:
+            for _, p, _ in services.procs:
+                if p.poll() is None:
+                    os.kill(p.pid, signal.SIGCONT)
+            services.close()
+    result = summarize(args, rows, len(prompts))
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    plot(result, Path(args.out).with_suffix(".png"))
+    print(json.dumps(result["summary"], indent=2))
+    return result
+
+
+def _rate(rows: list[dict], key_num: str, key_den: str) -> float | None:
+    num, den = sum(r[key_num] for r in rows), sum(r[key_den] for r in rows)
+    return round(num / den, 4) if den else None
+
+
+def summarize(args, rows: list[dict], n_prompts: int) -> dict:
+    on = [r for r in rows if r["side"] == "on"]
+    off = [r for r in rows if r["side"] == "off"]
+    third = max(1, len(on) // 3)
+    half = max(1, len(on) // 2)
+    summary = {
+        "acceptance_off": _rate(off, "accepted", "drafted"),
+        "acceptance_on_first_third": _rate(on[:third], "accepted", "drafted"),
+        "acceptance_on_last_third": _rate(on[-third:], "accepted", "drafted"),
+        "acceptance_off_last_third": _rate(off[-third:], "accepted", "drafted"),
+        "tokens_per_s_on_last_half": _rate(on[-half:], "tokens", "seconds"),
+        "tokens_per_s_off_last_half": _rate(off[-half:], "tokens", "seconds"),
+        "versions": max((r.get("version", 0) for r in on), default=0),
+        "updates": max((r.get("updates", 0) for r in on), default=0),
+        "rollbacks": max((r.get("rollbacks", 0) for r in on), default=0),
+        "loop_minutes": on[-1]["loop_minutes"] if on else 0,
+    }
+    a_on, a_off = summary["acceptance_on_last_third"], summary["acceptance_off_last_third"]
+    summary["acceptance_gain_last_third"] = round(a_on - a_off, 4) if a_on is not None and a_off is not None else None
+    t_on, t_off = summary["tokens_per_s_on_last_half"], summary["tokens_per_s_off_last_half"]
+    summary["tokens_per_s_ratio_last_half"] = round(t_on / t_off, 3) if t_on and t_off else None
+    return {
+        "bench": "online",
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "git": git_info(),
+        "corpus": {"files": ENGLISH, "prompts": n_prompts, "prompt_tokens": 64},
+        "settings": {k: v for k, v in vars(args).items() if k != "out"},
+        "summary": summary,
+        "slices": rows,
+    }
+
+
+def plot(r: dict, path: Path) -> None:
+    plt = pyplot()
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    for side, style in (("on", "o-"), ("off", "s--")):
+        rows = [x for x in r["slices"] if x["side"] == side]
+        xs = [x["loop_minutes"] for x in rows]
+        ax1.plot(xs, [x["acceptance"] for x in rows], style, label=f"loop {side}")
+        ax2.plot(xs, [x["tokens_per_s"] for x in rows], style, label=f"loop {side}")
+    swaps = [x for x in r["slices"] if x["side"] == "on"]
+    for prev, cur in itertools.pairwise(swaps):
+        if cur.get("version", 0) != prev.get("version", 0):
+            ax1.axvline(cur["loop_minutes"], color="grey", alpha=0.3)
+    ax1.set_xlabel("the loop's traffic time (min)")
+    ax1.set_ylabel("acceptance (accepted / drafted)")
+    ax2.set_xlabel("the loop's traffic time (min)")
+    ax2.set_ylabel("tokens/s (one stream)")
+    ax1.legend()
+    ax2.legend()
+    ax1.set_title("English traffic, demo pair distilled on code")
+    save(fig, path)
+
+
+if __name__ == "__main__":
+    main()
