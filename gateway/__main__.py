@@ -1,12 +1,14 @@
 """python -m gateway --verify HOST:PORT[,...] --draft HOST:PORT[,...] --tokenizer-path DIR: the front door.
 
 REST (OpenAI-compatible) on --port, gRPC (specmesh.v1.GatewayService, health, reflection) on --grpc-port.
-Every flag can also be set by an environment variable SPECMESH_GATEWAY_<FLAG>.
+Every flag can also be set by an environment variable SPECMESH_GATEWAY_<FLAG>. API keys come from
+--api-key-file or SPECMESH_GATEWAY_API_KEY, never from the command line.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import signal
 from pathlib import Path
 
@@ -18,7 +20,10 @@ from gateway.server import build_grpc_server
 from gateway.telemetry import GatewayMetrics
 from specmesh.config import EnvArgumentParser
 from specmesh.rejection.limits import MAX_SPEC_LEN
-from specmesh.telemetry import setup_logging, setup_tracing
+from specmesh.security import KeyRing, Security, TLSConfig, add_tls_flags, keys_from
+from specmesh.telemetry import serve_metrics, setup_logging, setup_tracing
+
+log = logging.getLogger("specmesh.gateway")
 
 
 def _list(text: str) -> tuple[str, ...]:
@@ -41,7 +46,7 @@ def parse_args(argv=None):
     ap.flag("--draft", default="", help="draft replicas, comma-separated host:port (none = target-only)")
     ap.flag("--tokenizer-path", default="", help="directory with the target's tokenizer (text in and out)")
     ap.flag("--model-name", default="", help="the model id clients send (default: the tokenizer directory's name)")
-    ap.flag("--api-key", default="", help="comma-separated API keys; when set, requests need Authorization: Bearer")
+    _security_flags(ap)
     ap.flag(
         "--speculative-num-steps",
         type=int,
@@ -83,7 +88,58 @@ def parse_args(argv=None):
         ap.error("--verify needs at least one host:port")
     if not 0 <= config.speculative_num_steps <= MAX_SPEC_LEN:
         ap.error(f"--speculative-num-steps must be in [0, {MAX_SPEC_LEN}]")
+    try:
+        flags = vars(a)
+        a.api_keys = keys_from(a.api_key_file, a.api_key, "--api-key-file")
+        a.front = Security(TLSConfig.from_flags(flags), KeyRing(a.api_keys), open_health=a.open_health)
+        service_keys = keys_from(a.service_key_file, a.service_key, "--service-key-file")
+        tls = TLSConfig.from_flags(flags, "upstream_tls", "--upstream-tls")
+        a.upstream = Security(tls, key=service_keys[0] if service_keys else "")
+    except ValueError as e:
+        ap.error(str(e))
     return config, a
+
+
+def _security_flags(ap: EnvArgumentParser) -> None:
+    """Who may call the gateway and how it dials the replicas (specmesh.security)."""
+    ap.flag(
+        "--api-key-file", default="", help="file of API keys, one a line; when any, requests need Authorization: Bearer"
+    )
+    ap.secret_flag("--api-key", file_flag="--api-key-file", help="API keys, comma-separated")
+    ap.flag("--open-health", type=bool, default=True, help="/health, /health/live and gRPC health need no key (probes)")
+    ap.flag(
+        "--open-metrics",
+        type=bool,
+        default=False,
+        help="/metrics on the REST port needs no key (it lists the replicas' addresses); see --metrics-port",
+    )
+    ap.flag(
+        "--metrics-port",
+        type=int,
+        default=-1,
+        help="serve /metrics on this port of its own, plain HTTP without a key, and not on the REST port "
+        "(-1 = on the REST port; 0 = any free port)",
+    )
+    add_tls_flags(ap, "--tls", "served on the REST and gRPC ports (HTTPS, TLS)", "verifies client certificates")
+    ap.flag("--tls-client-auth", type=bool, default=False, help="both fronts require a client certificate (mTLS)")
+    add_tls_flags(
+        ap,
+        "--upstream-tls",
+        "presented to the draft and verify replicas (mTLS)",
+        "verifies the draft and verify replicas; TLS to them is on when this or --upstream-tls-cert is set",
+    )
+    ap.flag(
+        "--upstream-tls-server-name",
+        default="",
+        help="name the replicas' certificates must carry (default: the host dialed; set it for replicas found by "
+        "DNS, such as pod IPs behind a headless Service)",
+    )
+    ap.flag(
+        "--service-key-file",
+        default="",
+        help="file whose first line is the service key presented to the draft and verify replicas",
+    )
+    ap.secret_flag("--service-key", file_flag="--service-key-file", help="service key presented to the replicas")
 
 
 def load_tokenizer(path: str):
@@ -98,14 +154,31 @@ async def serve(config: GatewayConfig, args) -> None:
     metrics = GatewayMetrics()
     gateway = Gateway(config, load_tokenizer(args.tokenizer_path), metrics.stream)
     metrics.watch(gateway)
+    gateway.verify_pool.security = gateway.draft_pool.security = args.upstream  # before the first channel
     await gateway.start()
-    app = create_app(gateway, _list(args.api_key), args.max_body_bytes, metrics)
-    server = uvicorn.Server(
-        uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=10)
+    front: Security = args.front
+    if not front.keys:
+        log.warning("no API key (--api-key-file): anyone who reaches %s can generate", args.host)
+    app = create_app(
+        gateway,
+        args.api_keys,
+        args.max_body_bytes,
+        metrics,
+        open_health=args.open_health,
+        open_metrics=args.open_metrics,
+        metrics_route=args.metrics_port < 0,
     )
+    tls = front.tls.uvicorn_options() if front.tls is not None else {}
+    server = uvicorn.Server(
+        uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=10, **tls)
+    )
+    metrics_server = None
+    if args.metrics_port >= 0:
+        metrics_server = serve_metrics(metrics.registry, args.host, args.metrics_port)
+        print(f"gateway metrics on http://{args.host}:{metrics_server.server_port}/metrics", flush=True)
     grpc_server = None
     if args.grpc_port >= 0:
-        grpc_server = build_grpc_server(gateway, args.host, args.grpc_port, metrics)
+        grpc_server = build_grpc_server(gateway, args.host, args.grpc_port, metrics, security=front)
         port = await grpc_server.start()
         print(f"gateway gRPC listening on {args.host}:{port}", flush=True)
     loop = asyncio.get_running_loop()
@@ -120,6 +193,8 @@ async def serve(config: GatewayConfig, args) -> None:
     await server.serve()
     if grpc_server is not None:
         await grpc_server.stop()
+    if metrics_server is not None:
+        metrics_server.shutdown()
     await gateway.close()
 
 

@@ -1,6 +1,7 @@
 """The REST app (FastAPI): the OpenAI-compatible routes of `gateway.openai`, errors in OpenAI's shape
 `{"error": {"message", "type", "param", "code"}}` (unknown routes and methods included), and with metrics,
-/metrics and a count of requests by route and status.
+/metrics and a count of requests by route and status. With API keys, every route needs one (the one check of
+`specmesh.security`), but those the operator leaves open: health by default, metrics on request.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from gateway.core import Gateway
 from gateway.openai import chat, completions, models
 from gateway.openai.protocol import APIError
 from gateway.openai.serving import Front
-from specmesh.errors import SpecmeshError
+from specmesh.errors import SpecmeshError, Unauthenticated
+from specmesh.security import KeyRing, RequireKey
 
 
 class CountRequests:
@@ -61,19 +63,38 @@ def _add_error_handlers(app: FastAPI) -> None:
 
 
 def create_app(
-    gateway: Gateway, api_keys: tuple[str, ...] = (), max_body_bytes: int = 1 << 20, metrics=None
+    gateway: Gateway,
+    api_keys: tuple[str, ...] = (),
+    max_body_bytes: int = 1 << 20,
+    metrics=None,
+    *,
+    open_health: bool = True,
+    open_metrics: bool = False,
+    metrics_route: bool = True,
 ) -> FastAPI:
-    """The REST app. `metrics` (GatewayMetrics) adds /metrics and request counting."""
+    """The REST app. `metrics` (GatewayMetrics) adds request counting, and /metrics unless `metrics_route` is
+    False (metrics served on a port of their own). With `api_keys`, every request needs one, but /health and
+    /health/live when `open_health` and /metrics when `open_metrics`."""
     app = FastAPI(title="specmesh gateway", docs_url=None, redoc_url=None)
+    open_paths = ["/health", "/health/live"] if open_health else []
+    open_paths += ["/metrics"] if open_metrics else []
+    # Added before the counting middleware, which wraps it: refused requests are counted too.
+    app.add_middleware(
+        RequireKey,
+        keys=KeyRing(api_keys),
+        open_paths=open_paths,
+        reject=lambda message: APIError.from_domain(Unauthenticated(message)).response(),
+    )
     if metrics is not None:
         app.add_middleware(CountRequests, rpc=metrics.rpc)
+    if metrics is not None and metrics_route:
 
         @app.get("/metrics")
         async def prometheus():
             return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     _add_error_handlers(app)
-    front = Front(gateway, api_keys, max_body_bytes)
+    front = Front(gateway, (), max_body_bytes)  # the key was checked by RequireKey
     for family in (models, completions, chat):
         app.include_router(family.router(front))
     return app

@@ -35,6 +35,8 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from specmesh.security import Security, dial
+
 log = logging.getLogger("specmesh.gateway.routing")
 VNODES = 64
 PREFIX_BLOCK = 16
@@ -107,6 +109,7 @@ class Pool:
         self.replicas: dict[str, Replica] = {}
         self._ring: list[tuple[int, str]] = []
         self.decisions: dict[str, int] = {}  # routing decisions by kind (for metrics and tests)
+        self.security: Security | None = None  # TLS and service key of the channels to the replicas
         self._set_members(self._static_members())
 
     # membership ------------------------------------------------------------------------------------
@@ -155,7 +158,7 @@ class Pool:
 
     def channel(self, replica: Replica) -> grpc.aio.Channel:
         if replica.channel is None:
-            replica.channel = grpc.aio.insecure_channel(replica.address)
+            replica.channel = dial(replica.address, self.security)
         return replica.channel
 
     # choice ----------------------------------------------------------------------------------------

@@ -6,6 +6,7 @@ from __future__ import annotations
 from gateway.core import Gateway
 from gateway.grpc_api import GatewayServicer
 from gateway.telemetry import GatewayMetrics
+from specmesh.security import Security
 from specmesh.serving import GrpcServer, ServiceTelemetry
 from specmesh.v1 import gateway_pb2, gateway_pb2_grpc
 
@@ -13,10 +14,16 @@ SERVICE_NAME = gateway_pb2.DESCRIPTOR.services_by_name["GatewayService"].full_na
 
 
 def build_grpc_server(
-    gateway: Gateway, host: str, port: int, metrics: GatewayMetrics | None = None, grace_seconds: float = 10.0
+    gateway: Gateway,
+    host: str,
+    port: int,
+    metrics: GatewayMetrics | None = None,
+    grace_seconds: float = 10.0,
+    security: Security | None = None,
 ) -> GrpcServer:
     """The gRPC front of `gateway`, unstarted (port 0 = any free port). Its drain waits for every generation
-    in flight, REST ones included: they share the gateway's slots and replicas."""
+    in flight, REST ones included: they share the gateway's slots and replicas. `security`: its TLS and the
+    API keys its calls need (the same as the REST front's)."""
     servicer = GatewayServicer(gateway)
     return GrpcServer(
         host,
@@ -28,4 +35,5 @@ def build_grpc_server(
         telemetry=ServiceTelemetry("gateway", metrics.rpc if metrics is not None else None),
         engine=gateway,
         metrics=metrics,
+        security=security,
     )

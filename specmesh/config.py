@@ -36,6 +36,29 @@ class EnvArgumentParser(argparse.ArgumentParser):
         kw.setdefault("formatter_class", argparse.ArgumentDefaultsHelpFormatter)
         super().__init__(*a, **kw)
         self.env_prefix = env_prefix
+        self.secrets: dict[str, str] = {}  # dest -> the environment variable that alone may set it
+        self.process_only: tuple[str, ...] = ()  # dests that configure the process, not the service's config
+
+    def secret_flag(self, name: str, *, file_flag: str, help: str) -> None:
+        """A secret (a key) that only the environment may give: on the command line any user of the machine
+        could read it (ps, /proc/PID/cmdline), so there it is refused with a pointer to `file_flag`."""
+        env = _env_name(self.env_prefix, name)
+
+        class Refuse(argparse.Action):
+            def __call__(self, parser, namespace, values, option_string=None):
+                parser.error(
+                    f"{name} is refused on the command line, where any user of the machine can read it "
+                    f"(ps, /proc/PID/cmdline): put the key in a file and pass {file_flag} FILE, or set {env}"
+                )
+
+        action = self.add_argument(name, action=Refuse, default=None, help=f"{help} [env {env} only]")
+        self.secrets[action.dest] = env
+
+    def parse_known_args(self, args=None, namespace=None):
+        ns, rest = super().parse_known_args(args, namespace)
+        for dest, env in self.secrets.items():  # read here, so --help never shows them
+            setattr(ns, dest, os.environ.get(env, ""))
+        return ns, rest
 
     def flag(self, name: str, *, type=str, default=None, help: str, choices=None, required: bool = False):
         env = _env_name(self.env_prefix, name)
@@ -103,6 +126,7 @@ def parse_config(ap: EnvArgumentParser, config_type: Callable[..., ConfigT], arg
     (ValueError) is a usage error."""
     args = vars(ap.parse_args(argv))
     process = split_process_flags(args)
+    process.update({k: args.pop(k) for k in ap.process_only if k in args})
     try:
         return config_type(**args), process
     except ValueError as e:

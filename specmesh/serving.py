@@ -30,6 +30,7 @@ from grpc_reflection.v1alpha import reflection
 from opentelemetry import trace
 
 from specmesh.errors import grpc_code_name
+from specmesh.security import Security, bind
 from specmesh.telemetry import incoming_context, serve_metrics, setup_logging, setup_tracing, tracer
 
 log = logging.getLogger("specmesh.serving")
@@ -171,8 +172,12 @@ class GrpcServer:
         telemetry: ServiceTelemetry | None = None,
         engine=None,
         metrics=None,
+        security: Security | None = None,
     ):
+        """`security`: TLS / mTLS of the port and the keys its RPCs need (specmesh.security); None: plaintext
+        and open."""
         self.host, self.port = host, port
+        self.security = security
         self.engine, self.metrics = engine, metrics  # the domain object and metrics behind the servicers
         self.metrics_registry = metrics_registry  # served over HTTP on metrics_port (>= 0; 0 = any free)
         self.metrics_port = metrics_port if metrics_registry is not None and metrics_port >= 0 else None
@@ -183,6 +188,9 @@ class GrpcServer:
         self.grace_seconds = grace_seconds
         self.on_shutdown = on_shutdown
         interceptors = [ServiceInterceptor(telemetry)] if telemetry is not None else []
+        auth = security.interceptor() if security is not None else None
+        if auth is not None:  # after the service interceptor, so refused calls are counted and traced
+            interceptors.append(auth)
         self.server = grpc.aio.server(
             interceptors=interceptors,
             options=options
@@ -203,7 +211,7 @@ class GrpcServer:
 
     async def start(self) -> int:
         """Bind and start; returns the bound port (useful with port 0)."""
-        bound = self.server.add_insecure_port(f"{self.host}:{self.port}")
+        bound = bind(self.server, f"{self.host}:{self.port}", self.security)
         if bound == 0:
             raise OSError(f"cannot bind {self.host}:{self.port}")
         self.port = bound
@@ -254,6 +262,7 @@ def engine_server(
     engine,
     metrics,
     active: Callable[[], int],
+    security: Security | None = None,
 ) -> GrpcServer:
     """The server of a model service (`service` "draft" or "verify", serving the gRPC service `service_name`):
     the address, grace period and metrics port of its `config`; its `engine`, told when the drain starts
@@ -277,6 +286,7 @@ def engine_server(
         telemetry=ServiceTelemetry(service, metrics.rpc),
         engine=engine,
         metrics=metrics,
+        security=security,
     )
 
 
@@ -303,10 +313,15 @@ class BackgroundServer:
         self.loop.close()
 
 
-def run_service(service: str, build: Callable[[object], Awaitable[GrpcServer]], config, process: dict) -> None:
+def run_service(service: str, build: Callable[..., Awaitable[GrpcServer]], config, process: dict) -> None:
     """The `__main__` of a gRPC service: logging, tracing, torch threads, serve until SIGTERM / SIGINT.
-    Prints `<service> listening on HOST:PORT (metrics port N)` once serving (scripts parse it)."""
+    Prints `<service> listening on HOST:PORT (metrics port N)` once serving (scripts parse it). `build(config,
+    security=...)` gets the TLS and keys of the process flags (specmesh.security.add_service_flags)."""
     short = service.removesuffix("_service")  # "verify": the tracing / logging name
+    try:
+        security = Security.from_flags(process)
+    except ValueError as e:
+        raise SystemExit(f"{service}: {e}") from None
     setup_logging(process["log_level"], process["log_format"], short)
     setup_tracing(short)
     if process["threads"]:
@@ -315,7 +330,7 @@ def run_service(service: str, build: Callable[[object], Awaitable[GrpcServer]], 
         torch.set_num_threads(process["threads"])
 
     async def serve() -> None:
-        server = await build(config)
+        server = await build(config, security=security)
         port = await server.start()
         print(f"{service} listening on {config.host}:{port} (metrics port {server.metrics_port})", flush=True)
         await server.serve_forever()

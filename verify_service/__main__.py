@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from specmesh.config import EnvArgumentParser, add_config_flags, add_process_flags, add_server_flags, parse_config
 from specmesh.rejection import MAX_SPEC_LEN
+from specmesh.security import add_service_flags
 from specmesh.serving import run_service
 from verify_service.engine import VerifyConfig
 from verify_service.runner import MIN_AUTO_SLOT_TOKENS, RUNNERS
@@ -60,6 +61,7 @@ def parse_args(argv=None) -> tuple[VerifyConfig, dict]:
     add_server_flags(ap, d.host, d.port)
     add_config_flags(ap, d, FLAG_HELP, FLAG_OPTIONS)
     add_process_flags(ap)
+    add_service_flags(ap)
     return parse_config(ap, VerifyConfig, argv)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from specmesh.security import Security
 from specmesh.serving import GrpcServer, ServiceTelemetry
 from specmesh.v1 import verify_pb2, verify_pb2_grpc
 from verify_service.engine import VerifyConfig, VerifyEngine
@@ -11,9 +12,11 @@ from verify_service.telemetry import VerifyMetrics
 SERVICE_NAME = verify_pb2.DESCRIPTOR.services_by_name["VerifyService"].full_name
 
 
-async def build_server(config: VerifyConfig, model=None, tokenizer=None) -> GrpcServer:
+async def build_server(
+    config: VerifyConfig, model=None, tokenizer=None, security: Security | None = None
+) -> GrpcServer:
     """A started engine around `model` (None = load what the config names) behind an unstarted server
-    (call `await server.start()`)."""
+    (call `await server.start()`). `security`: its port's TLS and the keys callers need."""
     metrics = VerifyMetrics()
     if model is not None:
         engine = VerifyEngine(config, model, tokenizer, on_batch=metrics.on_batch)
@@ -43,4 +46,5 @@ async def build_server(config: VerifyConfig, model=None, tokenizer=None) -> Grpc
         telemetry=ServiceTelemetry("verify", metrics.rpc),
         engine=engine,
         metrics=metrics,
+        security=security,
     )

@@ -31,7 +31,13 @@ def start_verify(model, tokenizer=None, **kw) -> BackgroundServer:
     return BackgroundServer(lambda: build_verify(config, model, tokenizer))
 
 
+# The draft service dials only the verify replicas it is allowed to: in tests, any on loopback (a test of
+# several replicas names others than the draft's default).
+LOOPBACK_VERIFY = "127.0.0.1:*"
+
+
 def start_draft(model, verify_address: str, **kw) -> BackgroundServer:
+    kw.setdefault("verify_allow", LOOPBACK_VERIFY)
     config = DraftConfig(
         model_path="(in-memory)" if model is not None else "", port=0, verify_address=verify_address, **kw
     )
@@ -138,6 +144,8 @@ def save_tiny_checkpoints(base: Path, seed: int = 8) -> tuple[Path, Path]:
 
 
 def spawn(module: str, args: list[str], env: dict) -> tuple[subprocess.Popen, str]:
+    if module == "draft_service":
+        env = {"SPECMESH_DRAFT_VERIFY_ALLOW": LOOPBACK_VERIFY, **env}
     proc = subprocess.Popen(
         [sys.executable, "-m", module, "--port", "0", "--metrics-port", "0", "--threads", "1", *args],
         cwd=ROOT,
