@@ -42,5 +42,17 @@ class DraftMetrics(ServiceMetrics):
             g("specmesh_draft_cached_sessions", cached_doc, value=e.cached_sessions),
             g("specmesh_draft_seconds_per_token", "Mean time to draft one token", value=e.draft_seconds_per_token()),
             pipelined,
+            # Finished generations' rounds and where their time went (`specmesh profile`'s round budget).
+            CounterMetricFamily("specmesh_draft_generation_rounds", "Rounds, K = 0 included", value=e.totals.rounds),
+            CounterMetricFamily(
+                "specmesh_draft_round_draft_seconds",
+                "Rounds' time drafting (ahead included)",
+                value=e.totals.draft_seconds,
+            ),
+            CounterMetricFamily(
+                "specmesh_draft_round_verify_wait_seconds",
+                "Rounds' wait from sending a block to its verdict",
+                value=e.totals.verify_seconds,
+            ),
             *spec_families("specmesh_draft", e.totals),
         ]

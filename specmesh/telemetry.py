@@ -33,7 +33,7 @@ from opentelemetry import propagate, trace
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SimpleSpanProcessor
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, start_http_server
 
 REQUEST_ID = contextvars.ContextVar("specmesh_request_id", default="")
 REQUEST_ID_KEY = "x-request-id"
@@ -322,6 +322,7 @@ class ServiceMetrics:
 
     def __init__(self, service: str, registry: CollectorRegistry | None = None, streams: bool = True):
         self.registry = registry or CollectorRegistry()
+        ProcessCollector(registry=self.registry)  # CPU seconds and memory: how busy the process is
         self.rpc = RpcMetrics(self.registry, service)
         self.stream = StreamMetrics(self.registry, service) if streams else None
 

@@ -86,6 +86,12 @@ class SchedulerStats:
     prefill_chunks: int = 0
     prefill_tokens: int = 0  # positions prefilled (known exactly with BatchedRunner)
     mixed_batches: int = 0  # forwards that verified blocks and prefilled chunks together
+    # Where verified steps' time went, summed over steps (`specmesh profile` splits a round with them).
+    queue_wait_seconds: float = 0.0  # a block's arrival to the start of its batch
+    step_forward_seconds: float = 0.0  # its batch's target forward
+    step_sample_seconds: float = 0.0  # its batch's rejection sampling and commit
+    batch_tokens: int = 0  # positions the batches verified (K + 1 per step)
+    busy_seconds: float = 0.0  # the model thread's time in passes (prefill-only passes too)
 
 
 def uncached(seq: RunnerSequence) -> int:
@@ -345,6 +351,7 @@ class Scheduler:
         try:
             with torch.inference_mode():
                 logits, done, tokens = self._forward(batch, plan)
+                forwarded = time.perf_counter()
                 verdicts = sample_and_commit(
                     self.sampler, logits, [s.session.seq for s in batch], [s.block for s in batch]
                 )
@@ -364,6 +371,7 @@ class Scheduler:
             ]
         end = time.perf_counter()
         self._account(batch, plan, done, end - start)
+        self._time_steps(batch, start, forwarded, end)
         self._trace_batch(batch, start, end)
         load = dict(batch_seconds=end - start, batch_size=len(batch), batch_tokens=tokens, queue_depth=queue_depth)
         results: list[Verdict | _ChunkDone | BaseException] = [
@@ -394,6 +402,14 @@ class Scheduler:
         self.recent_batch_s = seconds if not self.recent_batch_s else 0.8 * self.recent_batch_s + 0.2 * seconds
         if self.on_batch is not None:
             self.on_batch(len(batch), seconds)
+
+    def _time_steps(self, batch: list[_Step], start: float, forwarded: float, end: float) -> None:
+        st = self.stats
+        st.busy_seconds += end - start
+        st.queue_wait_seconds += sum(start - s.arrived for s in batch)
+        st.step_forward_seconds += len(batch) * (forwarded - start)
+        st.step_sample_seconds += len(batch) * (end - forwarded)
+        st.batch_tokens += sum(s.block.k + 1 for s in batch)
 
     def _trace_batch(self, batch: list[_Step], start: float, end: float) -> None:
         """One span per batch (its own trace, linked to every session stream it served)."""

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client import CollectorRegistry, Histogram, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from specmesh.telemetry import LATENCY_BUCKETS, FnCollector, RpcMetrics, spec_families, vllm_spec_decode_families
@@ -26,6 +26,7 @@ class VerifyMetrics:
         vLLM labels with when it has no served name."""
         self.registry = registry or CollectorRegistry()
         self.model_name = model_name
+        ProcessCollector(registry=self.registry)  # CPU seconds and memory: how busy the process is
         self.rpc = RpcMetrics(self.registry, "verify")
         self.batch_size = Histogram(
             "specmesh_verify_batch_size",
@@ -93,6 +94,12 @@ class VerifyMetrics:
                 "Batched forwards that also prefilled sessions being opened",
                 st.mixed_batches,
             ),
+            # A verified step's time, summed over steps: / specmesh_verify_steps is the mean per round.
+            ("specmesh_verify_queue_wait_seconds", "Blocks' wait from arrival to their batch", st.queue_wait_seconds),
+            ("specmesh_verify_step_forward_seconds", "Steps' batch target forward", st.step_forward_seconds),
+            ("specmesh_verify_step_sample_seconds", "Steps' batch rejection sampling", st.step_sample_seconds),
+            ("specmesh_verify_batch_tokens", "Positions verified by batches (K + 1 per step)", st.batch_tokens),
+            ("specmesh_verify_busy_seconds", "Time the model thread spent in forwards", st.busy_seconds),
         ]:
             f = c(name, doc)
             f.add_metric([], value)
