@@ -24,12 +24,11 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from wsgiref.simple_server import WSGIServer
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_health.v1._async import HealthServicer
-from grpc_reflection.v1alpha import reflection
+from grpc_health.v1 import health_pb2
 from opentelemetry import trace
 
 from specmesh.errors import grpc_code_name
+from specmesh.grpc_std import add_standard_services
 from specmesh.security import Security, bind
 from specmesh.telemetry import incoming_context, serve_metrics, setup_logging, setup_tracing, tracer
 
@@ -200,12 +199,7 @@ class GrpcServer:
             ],
         )
         add_servicers(self.server)
-        self.health = HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        reflection.enable_server_reflection(
-            [*service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
-            self.server,
-        )
+        self.health = add_standard_services(self.server, service_names)  # health (with List), reflection v1 + v1alpha
         self.stopping = False
         self._stopped = asyncio.Event()
 
