@@ -12,7 +12,7 @@ the verifier checks against are built by identical code, in vLLM's order:
    processed distribution is a point mass on the argmax of the step-1 logits.
 
 Log-probabilities returned to clients are the log-softmax of the RAW logits (vLLM's default), so
-`token_logprobs` reads the logits before any of this.
+`specmesh.rejection.token_logprobs` reads the logits before any of this.
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specmesh.domain import TokenLogprob
 from specmesh.errors import InvalidArgument
 from specmesh.text import IncrementalDetokenizer, find_stop
 
@@ -343,23 +342,6 @@ def apply_context_processing(
         block[idx(ban_rows), idx(ban_ids)] = float("-inf")
     out[where] = block
     return out
-
-
-def token_logprobs(raw_logits: torch.Tensor, token_ids: Sequence[int], top: Sequence[int]) -> list[TokenLogprob]:
-    """raw_logits [n, V] (row i: the logits token_ids[i] was drawn from) -> the log-softmax of the raw logits
-    at each token, with its `top[i]` most likely tokens. One log-softmax and one top-k for all rows."""
-    if not len(token_ids):
-        return []
-    logprobs = torch.log_softmax(raw_logits.float(), dim=-1)
-    ids = torch.tensor(list(token_ids), dtype=torch.long, device=logprobs.device)
-    chosen = logprobs.gather(1, ids[:, None])[:, 0].tolist()
-    n_top = max(top)
-    top_v, top_i = logprobs.topk(n_top, dim=-1) if n_top else (logprobs[:, :0], ids[:, None][:, :0])
-    top_v_l, top_i_l = top_v.tolist(), top_i.tolist()
-    return [
-        TokenLogprob(int(t), float(c), tuple(zip(top_i_l[r][: top[r]], top_v_l[r][: top[r]], strict=True)))
-        for r, (t, c) in enumerate(zip(token_ids, chosen, strict=True))
-    ]
 
 
 def make_generator(seed: int | None, device="cpu") -> torch.Generator | None:

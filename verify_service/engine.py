@@ -18,7 +18,7 @@ import torch
 from specmesh.domain import DraftBlock, Finished, GenerationEvent, Opened, TokenLogprob, Tokens, Verdict
 from specmesh.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, ResourceExhausted, Unavailable
 from specmesh.models import eos_token_ids, load_model
-from specmesh.rejection import MAX_SPEC_LEN, RejectionInput, RejectionSampler, validate_block
+from specmesh.rejection import MAX_SPEC_LEN, RejectionInput, RejectionSampler, token_logprobs, validate_block
 from specmesh.runtime.batched import BatchedRunner
 from specmesh.sampling import (
     MAX_LOGPROBS,
@@ -28,7 +28,6 @@ from specmesh.sampling import (
     check_token_ids,
     make_generator,
     output_start,
-    token_logprobs,
 )
 from specmesh.telemetry import tracer, wall_ns
 from verify_service.runner import RUNNERS, build_runner, context_limit

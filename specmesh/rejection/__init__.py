@@ -11,6 +11,7 @@ from specmesh.rejection.sampler import (
     RejectionSampler,
     prepare,
     rejection_sample_torch,
+    token_logprobs,
     validate_block,
 )
 
@@ -22,5 +23,6 @@ __all__ = [
     "RejectionSampler",
     "prepare",
     "rejection_sample_torch",
+    "token_logprobs",
     "validate_block",
 ]

@@ -25,21 +25,20 @@ MAX_SPEC_LEN a compile-time bound so K changes never recompile). `auto` = triton
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from specmesh.domain import DraftBlock
+from specmesh.domain import DraftBlock, TokenLogprob
 from specmesh.errors import InvalidArgument
 from specmesh.rejection.limits import MAX_SPEC_LEN, PLACEHOLDER_TOKEN_ID
 from specmesh.sampling import (
     BatchSamplingParams,
     LogitsContext,
     SamplingParams,
-    TokenLogprob,
     apply_context_processing,
     process_logits,
-    token_logprobs,
 )
 
 _EXP_FLOOR = torch.finfo(torch.float32).tiny  # exponential_ can round to 0; keep p / E finite
@@ -168,6 +167,23 @@ class RejectionSampler:
         out = kernel(prep)
         num_accepted = prep.num_accepted_from(out)
         return RejectionOutput(out, num_accepted, _logprobs(target_logits, blocks, out, num_accepted))
+
+
+def token_logprobs(raw_logits: torch.Tensor, token_ids: Sequence[int], top: Sequence[int]) -> list[TokenLogprob]:
+    """raw_logits [n, V] (row i: the logits token_ids[i] was drawn from) -> the log-softmax of the raw logits
+    at each token, with its `top[i]` most likely tokens. One log-softmax and one top-k for all rows."""
+    if not len(token_ids):
+        return []
+    logprobs = torch.log_softmax(raw_logits.float(), dim=-1)
+    ids = torch.tensor(list(token_ids), dtype=torch.long, device=logprobs.device)
+    chosen = logprobs.gather(1, ids[:, None])[:, 0].tolist()
+    n_top = max(top)
+    top_v, top_i = logprobs.topk(n_top, dim=-1) if n_top else (logprobs[:, :0], ids[:, None][:, :0])
+    top_v_l, top_i_l = top_v.tolist(), top_i.tolist()
+    return [
+        TokenLogprob(int(t), float(c), tuple(zip(top_i_l[r][: top[r]], top_v_l[r][: top[r]], strict=True)))
+        for r, (t, c) in enumerate(zip(token_ids, chosen, strict=True))
+    ]
 
 
 def _logprobs(
