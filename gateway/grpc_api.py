@@ -8,6 +8,8 @@ from specmesh.errors import InvalidArgument, NotFound
 from specmesh.v1 import gateway_pb2, gateway_pb2_grpc
 
 Chunk = gateway_pb2.GatewayServiceGenerateStreamResponse
+# The roles the REST chat route takes; "developer" is OpenAI's newer name for "system".
+CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
@@ -19,14 +21,25 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             raise NotFound(
                 f"the model {request.model!r} does not exist; this gateway serves {self.gateway.config.model_name!r}"
             )
-        if bool(request.prompt) == bool(request.prompt_ids):
-            raise InvalidArgument("give exactly one of prompt (text) and prompt_ids")
-        ids = list(request.prompt_ids) or self.gateway.encode(request.prompt)
+        if sum(map(bool, (request.prompt, request.prompt_ids, request.messages))) != 1:
+            raise InvalidArgument("give exactly one of prompt (text), prompt_ids and messages")
+        if request.messages:
+            ids = self.gateway.chat_prompt([self._message(i, m) for i, m in enumerate(request.messages)])
+        else:
+            ids = list(request.prompt_ids) or self.gateway.encode(request.prompt)
         return GenRequest(ids, wire.params_from_pb(request.params), request.session_id, wire.spec_len_from_pb(request))
 
     @staticmethod
-    def _final(outcome: Outcome, finish) -> dict:
+    def _message(i: int, message) -> dict:
+        """A chat message as the chat template takes it (the REST chat route's shape)."""
+        if message.role not in CHAT_ROLES:
+            raise InvalidArgument(f"messages[{i}].role must be one of {sorted(CHAT_ROLES)}, got {message.role!r}")
+        return {"role": CHAT_ROLES[message.role], "content": message.content}
+
+    @staticmethod
+    def _final(request, outcome: Outcome, finish) -> dict:
         return dict(
+            session_id=request.session_id,
             finish_reason=wire.finish_to_pb(finish),
             usage=gateway_pb2.Usage(
                 prompt_tokens=outcome.prompt_tokens,
@@ -47,7 +60,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             ids += chunk.token_ids
             finish = chunk.finish_reason or finish
         return gateway_pb2.GatewayServiceGenerateResponse(
-            text="".join(text), token_ids=ids, **self._final(outcome, finish)
+            text="".join(text), token_ids=ids, **self._final(request, outcome, finish)
         )
 
     async def GenerateStream(self, request, context):
@@ -59,6 +72,6 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             else:
                 yield Chunk(
                     finished=Chunk.Finished(
-                        text=chunk.text, token_ids=chunk.token_ids, **self._final(outcome, chunk.finish_reason)
+                        text=chunk.text, token_ids=chunk.token_ids, **self._final(request, outcome, chunk.finish_reason)
                     )
                 )

@@ -1,6 +1,9 @@
 """The contract: committed generated code equals what the pinned protoc generates from proto/ today, every
 field is documented, and the shapes buf's STANDARD lint asks for hold even where buf is not installed."""
 
+import subprocess
+import sys
+import zipfile
 from pathlib import Path
 
 from specmesh import codegen
@@ -74,3 +77,24 @@ def test_the_gateway_requests_are_the_same_on_the_wire():
         ]
 
     assert shape(gateway_pb2.GatewayServiceGenerateRequest) == shape(gateway_pb2.GatewayServiceGenerateStreamRequest)
+
+
+def test_the_light_client_ships_the_same_fresh_stubs(tmp_path: Path):
+    """clients/python's wheel takes specmesh.v1 from the checkout: built here, its stubs are byte for byte
+    what protoc generates from proto/ today, and nothing of the server comes with them."""
+    client = codegen.ROOT / "clients" / "python"
+    proc = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", tmp_path / "w", client],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    (wheel,) = (tmp_path / "w").glob("specmesh_client-*.whl")
+    fresh = {p.name: p.read_bytes() for p in codegen.generate(tmp_path / "gen")}
+    with zipfile.ZipFile(wheel) as z:
+        shipped = {n: z.read(n) for n in z.namelist() if not n.startswith("specmesh_client")}
+        shipped = {n: b for n, b in shipped.items() if ".dist-info/" not in n}
+    assert {n.removeprefix("specmesh/v1/") for n in shipped} == {*fresh, "__init__.py"}
+    for name, data in fresh.items():
+        assert shipped[f"specmesh/v1/{name}"] == data, f"the client's {name} is stale"
