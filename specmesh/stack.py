@@ -136,7 +136,9 @@ def main(argv=None) -> int:
         p, draft = start(
             "draft",
             "draft_service",
-            ["--model-path", args.draft, "--verify-address", verify[0], *common, *draft_threads],
+            # the gateway names the replica of each session: the draft may dial every one of them
+            ["--model-path", args.draft, "--verify-address", verify[0], "--verify-allow", ",".join(verify)]
+            + [*common, *draft_threads],
             ports=metrics,
         )
         procs.append(p)

@@ -472,3 +472,94 @@ def test_k8s_cpu_overlay_has_no_gpu_anywhere(k8s, k8s_cpu):
     for key in ("readinessProbe", "livenessProbe", "startupProbe", "ports", "args", "lifecycle"):
         assert verify[key] == base_verify[key], key
     assert {e["name"] for e in verify["env"]} == {e["name"] for e in base_verify["env"]}
+
+
+# ---------------------------------------------------------------------------------------------------
+# TLS: docker-compose.tls.yml, deploy/k8s/overlays/mtls, deploy/tls/make-dev-certs.sh
+
+
+def test_tls_wiring_mounts_secrets_and_probes_over_mtls(tmp_path):
+    """The compose override and the Kubernetes overlay put every hop on mTLS with the certificate, CA and
+    keys from mounted secrets (never a key in the files themselves), probe the services the way their peers
+    dial them, and the development certificates of make-dev-certs.sh are ones the services accept."""
+    from specmesh.security import Security, TLSConfig, bind
+
+    services = _compose_config("-f", str(COMPOSE_FILE), "-f", str(ROOT / "docker-compose.tls.yml"))["services"]
+    for name, prefix in (
+        ("verify", "SPECMESH_VERIFY_"),
+        ("draft", "SPECMESH_DRAFT_"),
+        ("gateway", "SPECMESH_GATEWAY_"),
+    ):
+        svc = services[name]
+        env, mounted = svc["environment"], {s["target"] for s in svc["secrets"]}
+        files = [k for k in env if k.startswith(prefix) and k.endswith(("_CERT", "_KEY", "_CA", "_FILE"))]
+        assert files and all(env[k] in mounted for k in files), (name, files)
+        assert not any(k.endswith(("API_KEY", "SERVICE_KEY")) for k in env), name  # keys only from files
+        assert svc["healthcheck"]["test"] == ["CMD", "python", "-m", "specmesh.healthcheck", "--auto"]
+        if name != "gateway":
+            assert env[prefix + "TLS_CLIENT_AUTH"] == "true" and prefix + "SERVICE_KEY_FILE" in env
+    gateway = services["gateway"]["environment"]
+    assert {"SPECMESH_GATEWAY_API_KEY_FILE", "SPECMESH_GATEWAY_UPSTREAM_TLS_CA"} <= set(gateway)
+
+    binary = _tool("kubectl", "install kubectl (it bundles kustomize) to render deploy/k8s")
+    overlay = ROOT / "deploy" / "k8s" / "overlays" / "mtls"
+    proc = subprocess.run([binary, "kustomize", str(overlay)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    docs = [d for d in yaml.safe_load_all(proc.stdout) if d]
+    configmaps, deployments = _by_kind(docs, "ConfigMap"), _by_kind(docs, "Deployment")
+    assert set(deployments) == {"specmesh-verify", "specmesh-draft", "specmesh-gateway"}
+    for name, d in deployments.items():
+        pod = d["spec"]["template"]["spec"]
+        (c,) = pod["containers"]
+        secrets = {v["secret"]["secretName"] for v in pod["volumes"]}
+        assert {"specmesh-tls", "specmesh-keys"} <= secrets, name
+        mounts = [m["mountPath"] for m in c["volumeMounts"]]
+        env = _env(c, configmaps)
+        prefix = {"specmesh-verify": "SPECMESH_VERIFY_", "specmesh-draft": "SPECMESH_DRAFT_"}.get(
+            name, "SPECMESH_GATEWAY_"
+        )
+        paths = [v for k, v in env.items() if k.startswith(prefix) and k.endswith(("_CERT", "_KEY", "_CA", "_FILE"))]
+        assert paths and all(any(p.startswith(m + "/") for m in mounts) for p in paths), (name, paths)
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            if name == "specmesh-gateway":
+                assert c[probe]["httpGet"]["scheme"] == "HTTPS"
+            else:  # kubelet's gRPC probes speak no TLS
+                assert "grpc" not in c[probe] and c[probe]["exec"]["command"][:3] == [
+                    "python",
+                    "-m",
+                    "specmesh.healthcheck",
+                ]
+    gw = deployments["specmesh-gateway"]["spec"]["template"]
+    assert (
+        gw["metadata"]["annotations"]["prometheus.io/port"]
+        == _env(gw["spec"]["containers"][0], configmaps)["SPECMESH_GATEWAY_METRICS_PORT"]
+    )
+
+    script = ROOT / "deploy" / "tls" / "make-dev-certs.sh"
+    _tool("openssl", "install openssl (make-dev-certs.sh runs it)")
+    made = subprocess.run(["sh", str(script), str(tmp_path / "tls")], capture_output=True, text=True, timeout=120)
+    assert made.returncode == 0, made.stderr
+    d = tmp_path / "tls"
+
+    async def serve_and_probe():
+        server = grpc.aio.server()
+        health = HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(health, server)
+        tls = TLSConfig(str(d / "specmesh.pem"), str(d / "specmesh.key"), str(d / "ca.pem"), client_auth=True)
+        port = bind(server, "127.0.0.1:0", Security(tls))
+        await server.start()
+        try:
+            await health.set("", health_pb2.HealthCheckResponse.SERVING)
+            peer = TLSConfig(
+                str(d / "client.pem"), str(d / "client.key"), str(d / "ca.pem"), server_name="specmesh-internal"
+            )
+            anonymous = TLSConfig(ca=str(d / "ca.pem"), server_name="specmesh-internal")
+            return [
+                await asyncio.to_thread(healthcheck.check, f"127.0.0.1:{port}", "", 5, t) for t in (peer, anonymous)
+            ]
+        finally:
+            await server.stop(0)
+
+    (ok, _), (refused, _) = asyncio.run(serve_and_probe())
+    assert ok and not refused
+    assert len((d / "api-keys").read_text().split()) == 1 and oct((d / "ca.key").stat().st_mode)[-3:] == "600"

@@ -346,6 +346,19 @@ def test_internal_ports_refuse_clients_without_the_right_certificate(backend, pk
         plain.close()
 
 
+def test_healthcheck_probes_a_service_with_mtls(backend, pki, tmp_path):
+    from specmesh import healthcheck
+
+    verify, _ = backend
+    assert healthcheck.check(verify.address, "specmesh.v1.VerifyService", 10, pki.tls(cert="client"))[0]
+    assert not healthcheck.check(verify.address, "", 10, pki.tls(cert=""))[0]  # no certificate
+    assert not healthcheck.check(verify.address, "", 10)[0]  # plaintext
+    env = {"SPECMESH_VERIFY_TLS_CERT": pki.server + ".pem", "SPECMESH_VERIFY_TLS_KEY": pki.server + ".key"}
+    env["SPECMESH_VERIFY_TLS_CA"] = pki.ca + ".pem"
+    tls = healthcheck.tls_from_env("SPECMESH_VERIFY_", env)  # what --auto probes a container's service with
+    assert tls is not None and healthcheck.check(verify.address, "", 10, tls)[0]
+
+
 def test_draft_to_verify_hop_needs_certificate_and_key(backend, pki):
     verify, _ = backend
     cases = {
