@@ -1,0 +1,388 @@
+"""SGLang's native HTTP API over the gateway: `POST /generate` and the few service routes SGLang's frontend
+language (`sglang.RuntimeEndpoint`) and its tools call.
+
+`/generate` answers as SGLang's server does: one object `{"text", "output_ids", "meta_info"}` per generation
+(a list for a batch or n > 1); streamed, one server-sent event per step with the CUMULATIVE text and ids so
+far and `meta_info` (a batch's events carry their generation's `index`), then `data: [DONE]`. `meta_info`
+holds SGLang's fields (id, finish_reason {type, matched | length}, prompt_tokens, completion_tokens,
+cached_tokens, e2e_latency), its speculative-decoding fields (spec_verify_ct = verify rounds,
+spec_num_proposed_drafts, spec_num_correct_drafts, spec_accept_rate = correct / proposed, spec_accept_length =
+completion tokens per round) and specmesh's own `specmesh` object (as the OpenAI routes return it).
+
+Log-probabilities are the target's, in SGLang's shape: a list of [logprob, token id, text or null] per token,
+and per position a list of such entries for the top ones. The prompt's (from `logprob_start_len`; the first
+prompt token has none: null) come from one forward of the verify service over the prompt; the output's come
+with the generated tokens. `max_new_tokens` 0 generates nothing: the answer is the prompt's token count and,
+when asked, its log-probabilities (what the frontend's `select` scores choices with).
+
+Errors before any output are HTTP statuses with `{"error": {"message", ...}}` (400 for any bad input, naming
+the parameter); an error after a stream began is a `data: {"error": ...}` event, then [DONE].
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncGenerator
+from dataclasses import replace
+from importlib.metadata import PackageNotFoundError, version
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+
+from gateway.core import Chunk, GenRequest, Outcome
+from gateway.openai import sse
+from gateway.openai.protocol import APIError, SpecmeshStats
+from gateway.openai.serving import Front
+from gateway.sglang.protocol import GenerateRequest, Item, parse_generate
+from gateway.tenancy import downstream_session_id
+from specmesh.domain import TokenLogprob
+from specmesh.errors import SpecmeshError
+from specmesh.sampling import SamplingParams
+
+log = logging.getLogger("specmesh.gateway")
+
+
+def _version() -> str:
+    try:
+        return version("specmesh")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+class Run:
+    """One generation of a /generate request: its prompt, its output so far and the answer made of them."""
+
+    def __init__(
+        self,
+        front: Front,
+        item: Item,
+        prompt_ids: list[int],
+        prompt_lps: list[TokenLogprob | None] | None,
+        rid: str,
+        session_id: str,
+        return_prompt_ids: bool = False,
+    ):
+        self.front, self.item, self.prompt_ids, self.rid = front, item, prompt_ids, rid
+        self.return_prompt_ids = return_prompt_ids
+        self.prompt_lps: list[TokenLogprob | None] | None = prompt_lps  # from logprob_start_len; None: not asked
+        self.outcome = Outcome(prompt_tokens=len(prompt_ids))
+        self.t0 = time.perf_counter()
+        self.text_parts: list[str] = []
+        self.ids: list[int] = []
+        self.output_lps: list[TokenLogprob] = []
+        self.finish: dict | None = None
+        self.latency: float | None = None
+        self.gen: AsyncGenerator[Chunk, None] | None = None
+        if item.params.max_tokens > 0:
+            params = item.params
+            if item.logprobs is not None:
+                params = replace(params, logprobs=item.logprobs.top)
+            req = GenRequest(prompt_ids, params, session_id)
+            self.gen = front.gateway.generate(req, self.outcome)
+
+    async def events(self) -> AsyncGenerator[dict, None]:
+        """The answer after each step of the generation (the last one is the whole answer)."""
+        if self.gen is None:
+            self._finished({"type": "length", "length": 0})
+            yield self.payload()
+            return
+        try:
+            async for chunk in self.gen:
+                self.text_parts.append(chunk.text)
+                self.ids += chunk.token_ids
+                self.output_lps += chunk.logprobs or []
+                if chunk.finish_reason is not None:
+                    self._finished(self._finish_reason(chunk.finish_reason))
+                    yield self.payload()
+                    return
+                yield self.payload()
+        finally:
+            await self.gen.aclose()  # a client gone, or an error elsewhere in the batch: the work stops
+
+    def _finished(self, reason: dict) -> None:
+        self.finish, self.latency = reason, time.perf_counter() - self.t0
+
+    def _finish_reason(self, finish: str) -> dict:
+        """SGLang's finish_reason: {"type": "length", "length": n} or {"type": "stop", "matched": the stop
+        string, or the token id (EOS or one of stop_token_ids) that ended the output}."""
+        if finish == "length":
+            return {"type": "length", "length": len(self.ids)}
+        if finish != "stop":
+            return {"type": finish}
+        stop = self.item.params.stop
+        tokenizer = self.front.gateway.tokenizer
+        if stop and tokenizer is not None:
+            # The text ends where the first stop string began: find which one is there.
+            text, full = "".join(self.text_parts), tokenizer.decode(self.ids, skip_special_tokens=True)
+            found = [(i, s) for s in stop if (i := full.find(s, max(0, len(text) - len(s) + 1))) >= 0]
+            if found:
+                return {"type": "stop", "matched": min(found)[1]}
+        return {"type": "stop", "matched": self.ids[-1] if self.ids else None}
+
+    # the answer ---------------------------------------------------------------------------------------------
+    def payload(self) -> dict:
+        out = {"text": "".join(self.text_parts), "output_ids": list(self.ids), "meta_info": self.meta_info()}
+        if self.return_prompt_ids:
+            out["prompt_token_ids"] = list(self.prompt_ids)
+        return out
+
+    def meta_info(self) -> dict:
+        o, s = self.outcome, self.outcome.stats
+        meta: dict = {
+            "id": self.rid,
+            "finish_reason": self.finish,
+            "prompt_tokens": o.prompt_tokens,
+            "completion_tokens": len(self.ids),
+            "cached_tokens": o.cached_prompt_tokens,
+        }
+        if self.latency is not None:
+            meta["e2e_latency"] = round(self.latency, 6)
+        meta |= {
+            "spec_verify_ct": s.rounds,
+            "spec_num_proposed_drafts": s.drafted,
+            "spec_num_correct_drafts": s.accepted,
+            "spec_accept_rate": round(s.acceptance_rate, 6),
+            "spec_accept_length": round(len(self.ids) / s.rounds, 6) if s.rounds else 0.0,
+            "specmesh": SpecmeshStats.of(o).model_dump(),
+        }
+        lp = self.item.logprobs
+        if lp is not None:
+            prompt = self.prompt_lps or []
+            meta["input_token_logprobs"] = [self._entry(e, t) for e, t in zip(prompt, self._prompt_tail(), strict=True)]
+            meta["output_token_logprobs"] = [self._entry(e, e.token_id) for e in self.output_lps]
+            if lp.top > 0:
+                meta["input_top_logprobs"] = [self._top(e) for e in prompt]
+                meta["output_top_logprobs"] = [self._top(e) for e in self.output_lps]
+        return meta
+
+    def _prompt_tail(self) -> list[int]:
+        start = self.item.logprobs.start if self.item.logprobs is not None else None
+        return self.prompt_ids[start:] if start is not None else []
+
+    def _text(self, token_id: int) -> str | None:
+        tokenizer = self.front.gateway.tokenizer
+        if self.item.logprobs is None or not self.item.logprobs.text or tokenizer is None:
+            return None
+        return tokenizer.decode([token_id])
+
+    def _entry(self, e: TokenLogprob | None, token_id: int) -> list:
+        return [e.logprob if e is not None else None, token_id, self._text(token_id)]
+
+    def _top(self, e: TokenLogprob | None) -> list | None:
+        if e is None:
+            return None
+        return [[v, t, self._text(t)] for t, v in e.top[: self.item.logprobs.top if self.item.logprobs else 0]]
+
+
+async def _prompt_ids(front: Front, item: Item) -> list[int]:
+    if isinstance(item.prompt, str):
+        return await front.gateway.tokenize(item.prompt, item.prompt_param)
+    return list(item.prompt)
+
+
+async def _prompt_logprobs(front: Front, item: Item, ids: list[int]) -> list[TokenLogprob | None] | None:
+    """The prompt's log-probabilities from logprob_start_len on (None at position 0), or None if not asked."""
+    lp = item.logprobs
+    if lp is None:
+        return None
+    if lp.start is None or lp.start >= len(ids):
+        if lp.start is not None and lp.start > len(ids):
+            raise APIError(
+                400,
+                f"'logprob_start_len' is {lp.start}: more than the prompt's {len(ids)} tokens",
+                "logprob_start_len",
+                "invalid_value",
+            )
+        return []
+    scored: list[TokenLogprob | None] = [None]
+    if len(ids) > 1:
+        scored += await front.gateway.prompt_logprobs(ids, lp.top)
+    return scored[lp.start :]
+
+
+async def _start(front: Front, request: Request, req: GenerateRequest) -> list[Run]:
+    """A Run per generation, each started up to its first answer, so that whatever fails before any output
+    (bad input, overload, no replica) is an HTTP status rather than a stream event."""
+    gateway = front.gateway
+    session = downstream_session_id(front.tenant(request), "", req.session_id)
+    prompts: dict[int, tuple[list[int], list | None]] = {}  # the n samples of a prompt share its work
+    runs: list[Run] = []
+    base = uuid.uuid4().hex
+    for item in req.items:
+        key = id(item.prompt)
+        if key not in prompts:
+            ids = await _prompt_ids(front, item)
+            if item.params.max_tokens == 0:  # nothing is generated, so the gateway's checks are made here
+                gateway.check(GenRequest(ids, replace(item.params, max_tokens=1)))
+            prompts[key] = (ids, await _prompt_logprobs(front, item, ids))
+        ids, lps = prompts[key]
+        rid = item.rid or (f"{base}-{item.index}" if req.batch else base)
+        runs.append(Run(front, item, ids, lps, rid, session, req.return_prompt_token_ids))
+    return runs
+
+
+async def _first_answers(runs: list[Run]) -> tuple[list[AsyncGenerator[dict, None]], list[dict]]:
+    streams = [r.events() for r in runs]
+    firsts = await asyncio.gather(*(anext(s) for s in streams), return_exceptions=True)
+    failed = next((f for f in firsts if isinstance(f, BaseException)), None)
+    if failed is not None:
+        await _close(streams)
+        raise failed
+    return streams, [f for f in firsts if isinstance(f, dict)]
+
+
+async def _close(streams) -> None:
+    for s in streams:
+        await s.aclose()
+
+
+async def _rest(stream: AsyncGenerator[dict, None], first: dict) -> dict:
+    last = first
+    async for payload in stream:
+        last = payload
+    return last
+
+
+async def _complete(request: Request, streams, firsts, batch: bool) -> Response:
+    """The whole answer; 499 (and the work stopped) if the client goes away first."""
+    collector = asyncio.ensure_future(asyncio.gather(*(_rest(s, f) for s, f in zip(streams, firsts, strict=True))))
+    try:
+        while not collector.done():
+            await asyncio.wait({collector}, timeout=0.25)
+            if not collector.done() and await request.is_disconnected():
+                return Response(status_code=499)
+        answers = collector.result()
+    except SpecmeshError as e:
+        return APIError.from_domain(e).response()
+    finally:
+        if not collector.done():
+            collector.cancel()
+        await _close(streams)
+    return JSONResponse(answers if batch else answers[0])
+
+
+async def _merged(streams, firsts, batch: bool) -> AsyncGenerator[dict, None]:
+    """Every step's answer of every generation as it comes; a batch's carry their generation's index."""
+
+    def tagged(i: int, payload: dict) -> dict:
+        return {**payload, "index": i} if batch else payload
+
+    for i, first in enumerate(firsts):
+        yield tagged(i, first)
+    pending = {asyncio.ensure_future(anext(s)): i for i, s in enumerate(streams)}
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                i = pending.pop(task)
+                try:
+                    payload = task.result()
+                except StopAsyncIteration:
+                    continue
+                yield tagged(i, payload)
+                pending[asyncio.ensure_future(anext(streams[i]))] = i
+    finally:
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+
+
+def _stream(streams, firsts, batch: bool) -> StreamingResponse:
+    async def close() -> None:
+        await _close(streams)
+
+    def on_error(description: str) -> None:
+        log.warning("/generate stream failed: %s", description)
+
+    events = sse.event_stream(_merged(streams, firsts, batch), on_error, close)
+    return StreamingResponse(
+        events, media_type="text/event-stream", headers={"cache-control": "no-cache", "x-accel-buffering": "no"}
+    )
+
+
+def router(front: Front) -> APIRouter:
+    routes = APIRouter()
+    gateway = front.gateway
+
+    @routes.api_route("/generate", methods=["POST", "PUT"], name="sglang_generate")
+    async def generate(request: Request) -> Response:
+        req = parse_generate(await front.read_json(request), gateway.vocab_size)
+        try:
+            runs = await _start(front, request, req)
+            streams, firsts = await _first_answers(runs)
+        except SpecmeshError as e:
+            return APIError.from_domain(e).response()
+        if req.stream:
+            return _stream(streams, firsts, req.batch)
+        return await _complete(request, streams, firsts, req.batch)
+
+    @routes.get("/get_model_info")
+    @routes.get("/model_info")
+    async def model_info() -> dict:
+        return {
+            "model_path": front.model_name,
+            "served_model_name": front.model_name,
+            "tokenizer_path": None,
+            "is_generation": True,
+            "preferred_sampling_params": None,
+            "weight_version": "default",
+            "has_image_understanding": False,
+            "has_audio_understanding": False,
+        }
+
+    @routes.get("/get_server_info")
+    @routes.get("/server_info")
+    async def server_info() -> dict:
+        c, totals = gateway.config, gateway.totals
+        return {
+            "version": _version(),
+            "frontend": "specmesh",
+            "model_path": front.model_name,
+            "served_model_name": front.model_name,
+            "speculative_algorithm": "specmesh" if c.draft else None,
+            "speculative_num_steps": c.speculative_num_steps or None,
+            "max_prompt_tokens": c.max_prompt_tokens,
+            "max_new_tokens_limit": c.max_tokens_limit,
+            "max_running_requests": c.max_concurrency,
+            "verify_replicas": [r.address for r in gateway.verify_pool.healthy],
+            "draft_replicas": [r.address for r in gateway.draft_pool.healthy],
+            # SGLang's benchmarks read the mean acceptance length here.
+            "internal_states": [
+                {
+                    "avg_spec_accept_length": round(totals.mean_accepted_length, 6),
+                    "spec_accept_rate": round(totals.acceptance_rate, 6),
+                    "running_requests": gateway.inflight,
+                    "waiting_requests": gateway.waiting,
+                }
+            ],
+        }
+
+    @routes.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache() -> Response:
+        # SGLang flushes its radix cache here. specmesh keeps no shared prefix cache to flush: KV caches
+        # belong to sessions on the verify and draft replicas, one-off sessions are released when their
+        # request ends and named ones when they expire. Answered as such rather than pretending to flush.
+        return PlainTextResponse(
+            "Nothing to flush: specmesh keeps KV caches per session on its verify and draft replicas; one-off "
+            "sessions are released when their request ends, named sessions expire after the verify service's "
+            "--session-ttl-s.\n"
+        )
+
+    @routes.get("/health_generate")
+    async def health_generate() -> Response:
+        """Healthy when a one-token generation goes through the whole path, as SGLang checks."""
+        tokenizer = gateway.tokenizer
+        start = getattr(tokenizer, "bos_token_id", None) if tokenizer is not None else None
+        req = GenRequest([start if isinstance(start, int) else 0], SamplingParams(temperature=0.0, max_tokens=1))
+        try:
+            async for chunk in gateway.generate(req, Outcome(prompt_tokens=1)):
+                if chunk.finish_reason is not None:
+                    return Response(status_code=200)
+        except SpecmeshError as e:
+            log.warning("health_generate failed: %s", e)
+        return Response(status_code=503)
+
+    return routes

@@ -1,0 +1,92 @@
+"""SGLang's own frontend language, from the real `sglang` package (in a side env: tests.support.sglang_env),
+runs unchanged against the gateway over real services on loopback: `RuntimeEndpoint`, an `@sgl.function`
+with `sgl.user` / `sgl.assistant` / `sgl.gen`, streaming through `text_iter`, and `sgl.select`, whose choice
+must be the one the target's own log-probabilities make."""
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from specmesh.engine import SpeculativeEngine
+from specmesh.sampling import SamplingParams
+from tests.support import sglang_env
+from tests.support.models import noisy_copy, tiny_model
+from tests.support.services import GatewayServer, start_draft, start_verify
+
+ROOT = Path(__file__).resolve().parents[2]
+CLIENT = ROOT / "tests" / "support" / "sglang_frontend_client.py"
+
+
+@pytest.fixture(scope="module")
+def side_python() -> Path:
+    try:
+        return sglang_env.python()
+    except sglang_env.SideEnvError as e:
+        pytest.fail(
+            f"the side virtualenv with sglang=={sglang_env.SGLANG_VERSION} could not be built at "
+            f"{sglang_env.ENV_DIR} (the first build needs PyPI): {e}"
+        )
+
+
+def test_sglang_frontend_runs_unchanged_against_the_gateway(side_python):
+    # The client starts first: its `import sglang` (torch, transformers) overlaps the services' start.
+    client = subprocess.Popen(
+        [str(side_python), str(CLIENT), "-"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+    )
+    tokenizer = AutoTokenizer.from_pretrained(ROOT / "models" / "demo" / "target")
+    target = tiny_model("llama", vocab=len(tokenizer), seed=31)
+    verify = start_verify(target, tokenizer)
+    draft = start_draft(noisy_copy(target, 0.03), verify.address)
+    gw = GatewayServer([verify.address], [draft.address], tokenizer)
+    try:
+        stdout, stderr = client.communicate(gw.base_url + "\n", timeout=300)
+    finally:
+        client.kill()
+        gw.stop()
+        draft.stop()
+        verify.stop()
+    assert client.returncode == 0, f"the sglang frontend program failed:\n{stderr[-4000:]}"
+    out = json.loads(stdout.strip().splitlines()[-1])
+    assert out["model"] == "demo"
+
+    # sgl.gen: the target's greedy continuation of the prompt the frontend built (its chat template).
+    answer = out["answer"]
+    assert out["text"].endswith(answer + "\n") and "USER:" in out["text"]
+    prompt = out["text"][: -len(answer) - 1]
+    ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    engine = SpeculativeEngine.from_models(target, tokenizer=tokenizer)
+    want = engine.generate(ids, SamplingParams(temperature=0.0, max_tokens=12), 0)
+    assert answer == want.text and answer
+    meta = out["answer_meta"]
+    assert meta["completion_tokens"] == len(want.token_ids) and meta["prompt_tokens"] == len(ids)
+    assert meta["spec_verify_ct"] >= 1 and meta["finish_reason"]["type"] in ("length", "stop")
+
+    # Streaming through text_iter: the same answer, in more than one piece.
+    assert "".join(out["stream_pieces"]) == out["stream_answer"] == answer
+    assert len([p for p in out["stream_pieces"] if p]) >= 2
+
+    # sgl.select: each choice's log-probabilities are the target's, and the choice is their best mean.
+    sel, scores = out["select"], out["select_meta"]
+    means = []
+    for choice, entries in zip(sel["choices"], scores["input_token_logprobs"]):
+        full = tokenizer(sel["prefix"] + choice, add_special_tokens=False)["input_ids"]
+        with torch.inference_mode():
+            ref = torch.log_softmax(target(torch.tensor([full])).logits[0].float(), dim=-1)
+        skip = len(full) - len(entries)
+        assert skip >= 1 and [e[1] for e in entries] == full[skip:]
+        for j, (lp, tid, _) in enumerate(entries):
+            assert lp == pytest.approx(ref[skip + j - 1, tid].item(), abs=1e-4)
+        means.append(sum(e[0] for e in entries) / len(entries))
+    assert scores["normalized_prompt_logprobs"] == pytest.approx(means, abs=1e-4)
+    assert sel["choice"] == sel["choices"][max(range(len(means)), key=means.__getitem__)]
+
+    assert out["server_info"]["served_model_name"] == "demo"

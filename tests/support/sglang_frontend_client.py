@@ -1,0 +1,52 @@
+"""An SGLang frontend program, run unchanged in the side env (tests.support.sglang_env) against a gateway:
+`python sglang_frontend_client.py <base url>` (or `-`: the URL is read from stdin, so that the slow
+`import sglang` can overlap the start of the services) prints one JSON object with what each part produced.
+
+Only SGLang's public frontend API is used: RuntimeEndpoint, @sgl.function with sgl.user / sgl.assistant /
+sgl.gen, streaming through text_iter, sgl.select, flush_cache and get_server_info.
+"""
+
+import json
+import sys
+
+import sglang as sgl
+
+
+@sgl.function
+def chat(s, question):
+    s += sgl.user(question)
+    s += sgl.assistant(sgl.gen("answer", max_tokens=12, temperature=0))
+
+
+@sgl.function
+def pick(s, prefix, choices):
+    s += prefix + sgl.select("choice", choices=choices)
+
+
+def main(url: str) -> None:
+    backend = sgl.RuntimeEndpoint(url)
+    sgl.set_default_backend(backend)
+    out: dict = {"model": backend.get_model_name()}
+
+    state = chat.run(question="Write a function that adds two numbers.")
+    out["answer"] = state["answer"]
+    out["text"] = state.text()
+    out["answer_meta"] = state.get_meta_info("answer")
+
+    streamed = chat.run(question="Write a function that adds two numbers.", stream=True)
+    out["stream_pieces"] = list(streamed.text_iter("answer"))
+    out["stream_answer"] = streamed["answer"]
+
+    choices = ["def", "import", "class"]
+    prefix = "x = 1\n"
+    state = pick.run(prefix=prefix, choices=choices)
+    out["select"] = {"prefix": prefix, "choices": choices, "choice": state["choice"]}
+    out["select_meta"] = state.get_meta_info("choice")
+
+    sgl.flush_cache()
+    out["server_info"] = sgl.get_server_info()
+    print(json.dumps(out, default=repr))
+
+
+if __name__ == "__main__":
+    main(sys.stdin.readline().strip() if sys.argv[1] == "-" else sys.argv[1])
