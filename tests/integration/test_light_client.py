@@ -68,6 +68,7 @@ def venv() -> Path:
         _run(python, "-m", "pip", "install", "-q", "setuptools>=68", *deps, timeout=600)
         (path / ".ready").touch()
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    shutil.rmtree(CLIENT / "build", ignore_errors=True)  # pip builds in the tree: no stale build/ files
     _run(
         python, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--force-reinstall", CLIENT, env=env
     )

@@ -1,6 +1,7 @@
 """The contract: committed generated code equals what the pinned protoc generates from proto/ today, every
 field is documented, and the shapes buf's STANDARD lint asks for hold even where buf is not installed."""
 
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -83,6 +84,8 @@ def test_the_light_client_ships_the_same_fresh_stubs(tmp_path: Path):
     """clients/python's wheel takes specmesh.v1 from the checkout: built here, its stubs are byte for byte
     what protoc generates from proto/ today, and nothing of the server comes with them."""
     client = codegen.ROOT / "clients" / "python"
+    # pip builds in the tree: a build/ left by an earlier build would bring back files removed since
+    shutil.rmtree(client / "build", ignore_errors=True)
     proc = subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", tmp_path / "w", client],
         capture_output=True,
