@@ -16,8 +16,10 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --progress-bar on -e '.[test,bench,lint]'
 	touch $(STAMP)
 
+# `specmesh serve` on the committed demo pair: REST on 127.0.0.1:8000, gRPC on 50070, until Ctrl-C.
 run: venv
-	$(PY) -m specmesh.stack
+	$(VENV)/bin/specmesh serve --model-path models/demo/target --speculative-draft-model-path models/demo/draft \
+		--served-model-name demo
 
 test: venv
 	$(PY) -m pytest -q
