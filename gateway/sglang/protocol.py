@@ -42,7 +42,9 @@ def _is_int(value: Any) -> bool:
 
 
 def _is_number(value: Any) -> bool:
-    return (_is_int(value) or isinstance(value, float)) and math.isfinite(value)
+    if _is_int(value):
+        return abs(value) < 2**53  # a larger integer is no parameter's value, and may not even fit a float
+    return isinstance(value, float) and math.isfinite(value)
 
 
 def integer(param: str, value: Any, lo: int, hi: int) -> int:
@@ -94,7 +96,7 @@ def _logit_bias(param: str, value: Any, vocab_size: int) -> tuple[tuple[int, flo
         raise bad(param, f"must be an object of token id -> bias, got {shown(value)}", "invalid_type")
     out = []
     for key, bias in value.items():
-        if not (isinstance(key, str) and key.isdigit() and int(key) < vocab_size):
+        if not (isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 10 and int(key) < vocab_size):
             raise bad(param, f"keys must be token ids in [0, {vocab_size}), got {shown(key)}")
         out.append((int(key), number(f"{param}.{key}", bias, -100, 100)))
     return tuple(out)

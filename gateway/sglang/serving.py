@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 import uuid
 from collections.abc import AsyncGenerator
@@ -32,7 +33,7 @@ from importlib.metadata import PackageNotFoundError, version
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
-from gateway.core import Chunk, GenRequest, Outcome
+from gateway.core import Chunk, GenRequest, Outcome, shown
 from gateway.openai import sse
 from gateway.openai.protocol import APIError, SpecmeshStats
 from gateway.openai.serving import Front
@@ -63,13 +64,14 @@ class Run:
         prompt_lps: list[TokenLogprob | None] | None,
         rid: str,
         session_id: str,
+        t0: float,
         return_prompt_ids: bool = False,
     ):
         self.front, self.item, self.prompt_ids, self.rid = front, item, prompt_ids, rid
         self.return_prompt_ids = return_prompt_ids
         self.prompt_lps: list[TokenLogprob | None] | None = prompt_lps  # from logprob_start_len; None: not asked
         self.outcome = Outcome(prompt_tokens=len(prompt_ids))
-        self.t0 = time.perf_counter()
+        self.t0 = t0  # when the request arrived: e2e_latency counts from there
         self.text_parts: list[str] = []
         self.ids: list[int] = []
         self.output_lps: list[TokenLogprob] = []
@@ -203,7 +205,7 @@ async def _prompt_logprobs(front: Front, item: Item, ids: list[int]) -> list[Tok
     return scored[lp.start :]
 
 
-async def _start(front: Front, request: Request, req: GenerateRequest) -> list[Run]:
+async def _start(front: Front, request: Request, req: GenerateRequest, t0: float) -> list[Run]:
     """A Run per generation, each started up to its first answer, so that whatever fails before any output
     (bad input, overload, no replica) is an HTTP status rather than a stream event."""
     gateway = front.gateway
@@ -220,7 +222,7 @@ async def _start(front: Front, request: Request, req: GenerateRequest) -> list[R
             prompts[key] = (ids, await _prompt_logprobs(front, item, ids))
         ids, lps = prompts[key]
         rid = item.rid or (f"{base}-{item.index}" if req.batch else base)
-        runs.append(Run(front, item, ids, lps, rid, session, req.return_prompt_token_ids))
+        runs.append(Run(front, item, ids, lps, rid, session, t0, req.return_prompt_token_ids))
     return runs
 
 
@@ -309,9 +311,10 @@ def router(front: Front) -> APIRouter:
 
     @routes.api_route("/generate", methods=["POST", "PUT"], name="sglang_generate")
     async def generate(request: Request) -> Response:
+        t0 = time.perf_counter()
         req = parse_generate(await front.read_json(request), gateway.vocab_size)
         try:
-            runs = await _start(front, request, req)
+            runs = await _start(front, request, req, t0)
             streams, firsts = await _first_answers(runs)
         except SpecmeshError as e:
             return APIError.from_domain(e).response()
@@ -361,7 +364,17 @@ def router(front: Front) -> APIRouter:
         }
 
     @routes.api_route("/flush_cache", methods=["GET", "POST"])
-    async def flush_cache() -> Response:
+    async def flush_cache(request: Request) -> Response:
+        timeout = request.query_params.get("timeout")  # SGLang's wait for running requests, in seconds
+        if timeout is not None:
+            try:
+                ok = 0 <= float(timeout) < math.inf
+            except ValueError:
+                ok = False
+            if not ok:
+                raise APIError(
+                    400, f"'timeout' must be a number of seconds >= 0, got {shown(timeout)}", "timeout", "invalid_value"
+                )
         # SGLang flushes its radix cache here. specmesh keeps no shared prefix cache to flush: KV caches
         # belong to sessions on the verify and draft replicas, one-off sessions are released when their
         # request ends and named ones when they expire. Answered as such rather than pretending to flush.

@@ -272,6 +272,10 @@ def test_service_routes(url):
     for method in ("GET", "POST"):
         status, _, text = call(method, url + "/flush_cache")
         assert status == 200 and "session" in text
+        assert call(method, url + "/flush_cache?timeout=1.5")[0] == 200
+        for bad in ("abc", "-1", "nan", "inf"):
+            status, _, text = call(method, url + f"/flush_cache?timeout={bad}")
+            assert status == 400 and json.loads(text)["error"]["param"] == "timeout", text
     assert call("GET", url + "/health_generate")[0] == 200
     assert call("GET", url + "/generate")[0] == 405
 
@@ -327,6 +331,11 @@ BAD = [
     ({"text": "a", "sampling_params": {"bogus": 1}}, "sampling_params.bogus"),
     ({"text": "a", "sampling_params": {"logit_bias": {"x": 1}}}, "sampling_params.logit_bias"),
     ({"text": "a", "sampling_params": {"logit_bias": {"1": 500}}}, "sampling_params.logit_bias.1"),
+    ({"text": "a", "sampling_params": {"logit_bias": {"9" * 5000: 1}}}, "sampling_params.logit_bias"),
+    ({"text": "a", "sampling_params": {"logit_bias": {"²": 1}}}, "sampling_params.logit_bias"),
+    ({"text": "a", "sampling_params": {"temperature": 10**400}}, "sampling_params.temperature"),
+    ({"text": "a", "sampling_params": {"top_k": 10**400}}, "sampling_params.top_k"),
+    ({"text": ["a", "b"], "sampling_params": [{}, 3]}, "sampling_params[1]"),
     ({"text": "a", "sampling_params": {"sampling_seed": -1}}, "sampling_params.sampling_seed"),
     ({"text": ["a", "b"], "sampling_params": [{}]}, "sampling_params"),
     ({"text": ["a", "b"], "sampling_params": [{}, {"top_p": 2}]}, "sampling_params[1].top_p"),
