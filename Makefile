@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.specmesh-installed
 
-.PHONY: venv run test lint bench proto demo-models clean
+.PHONY: venv run test lint bench proto demo-models clean container-test
 
 venv: $(STAMP)
 
@@ -40,6 +40,13 @@ bench: venv
 	$(PY) -m bench.inprocess
 	$(PY) -m bench.services
 	$(PY) -m bench.load
+
+# The container test, kept out of `make test`: builds the Dockerfile as it is, brings up docker-compose.yml's
+# verify, draft and gateway containers, answers the README's curl, a streamed chat request and a gRPC call
+# through the published ports, then tears the stack down. podman + podman-compose by default (Debian's
+# packages; a debootstrap base where no registry is reachable); CONTAINER_ENGINE=docker for Docker.
+container-test: venv
+	scripts/container-test.sh
 
 # Reproduce models/demo from the standard library's sources (about 1.5 h on 2 cores; see README).
 DISTILL := $(PY) -m specmesh.training.distill --target models/demo/target --stdlib --steps 800 --batch-size 8 \
