@@ -6,13 +6,14 @@
 
 from __future__ import annotations
 
+import logging
 import time
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from gateway.core import Gateway
+from gateway.core import Gateway, shown
 from gateway.openai import chat, completions, models
 from gateway.openai.protocol import APIError
 from gateway.openai.serving import Front
@@ -44,6 +45,36 @@ class CountRequests:
             self.rpc.observe(f"{scope['method']} {scope['path']}", str(status["code"]), time.perf_counter() - t0)
 
 
+log = logging.getLogger("specmesh.gateway")
+
+
+class CatchAll:
+    """Plain ASGI middleware: an exception that reaches it is logged and answered as an OpenAI-shaped 500
+    ("internal error", no exception text: it may quote internals or the client's input). Starlette's own
+    answer would be plain text, and the server would then close the connection."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def send_and_note(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_and_note)
+        except Exception:
+            log.exception("unhandled error in %s %s", scope.get("method"), scope.get("path"))
+            if started:
+                raise  # the answer is under way: nothing better than closing the connection is left
+            await APIError(500, "internal error", code="internal_error").response()(scope, receive, send)
+
+
 def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
@@ -55,11 +86,11 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(404)
     async def _not_found(request: Request, exc):
-        return APIError(404, f"no route {request.method} {request.url.path}").response()
+        return APIError(404, f"no route {request.method} {shown(request.url.path)}").response()
 
     @app.exception_handler(405)
     async def _not_allowed(request: Request, exc):
-        return APIError(405, f"method {request.method} not allowed on {request.url.path}").response()
+        return APIError(405, f"method {request.method} not allowed on {shown(request.url.path)}").response()
 
 
 def create_app(
@@ -76,6 +107,7 @@ def create_app(
     False (metrics served on a port of their own). With `api_keys`, every request needs one, but /health and
     /health/live when `open_health` and /metrics when `open_metrics`."""
     app = FastAPI(title="specmesh gateway", docs_url=None, redoc_url=None)
+    app.add_middleware(CatchAll)  # added first: the innermost, so what answers errors and counts sees its 500
     open_paths = ["/health", "/health/live"] if open_health else []
     open_paths += ["/metrics"] if open_metrics else []
     # Added before the counting middleware, which wraps it: refused requests are counted too.
@@ -94,7 +126,7 @@ def create_app(
             return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     _add_error_handlers(app)
-    front = Front(gateway, (), max_body_bytes)  # the key was checked by RequireKey
+    front = Front(gateway, (), max_body_bytes, keyed_tenants=bool(api_keys))  # the key was checked by RequireKey
     for family in (models, completions, chat):
         app.include_router(family.router(front))
     return app

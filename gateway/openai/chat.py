@@ -27,8 +27,8 @@ class Chat:
     id_prefix = "chatcmpl-"
     span_name = "gateway.chat"
 
-    def prompt_ids(self, gateway: Gateway, body: ChatCompletionRequest) -> list[int]:
-        return gateway.chat_prompt([m.to_prompt() for m in body.messages])
+    async def prompt_ids(self, gateway: Gateway, body: ChatCompletionRequest) -> list[int]:
+        return await gateway.tokenize_chat([m.to_prompt() for m in body.messages])
 
     def choice(self, text: str, finish: str | None) -> ChatChoice:
         return ChatChoice(message=ChatResponseMessage(content=text), finish_reason=finish)

@@ -23,8 +23,8 @@ class Completions:
     id_prefix = "cmpl-"
     span_name = "gateway.completions"
 
-    def prompt_ids(self, gateway: Gateway, body: CompletionRequest) -> list[int]:
-        return gateway.encode(body.prompt) if isinstance(body.prompt, str) else list(body.prompt)
+    async def prompt_ids(self, gateway: Gateway, body: CompletionRequest) -> list[int]:
+        return await gateway.tokenize(body.prompt) if isinstance(body.prompt, str) else list(body.prompt)
 
     def choice(self, text: str, finish: str | None) -> CompletionChoice:
         return CompletionChoice(text=text, finish_reason=finish)

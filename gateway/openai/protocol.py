@@ -3,14 +3,14 @@
 Requests are validated strictly (no coercion: `"1"` is not a number, `true` is not 1); a field sent as
 null takes its default, and fields this API does not know are ignored, as OpenAI's clients expect. A
 validation failure becomes an OpenAI error (HTTP 400) naming the parameter, with the code `invalid_type`,
-`invalid_value`, `missing_required_parameter` or `unsupported`. Extensions: `top_k`, `ignore_eos`,
-`session_id` and `num_speculative_tokens` in a request; a `specmesh` object with the speculation stats
-in a response.
+`invalid_value`, `missing_required_parameter` or `unsupported`; a message quotes at most a few dozen
+characters of the value it refuses. Extensions: `top_k`, `ignore_eos`, `session_id`, `cache_salt` (as
+vLLM's) and `num_speculative_tokens` in a request; a `specmesh` object with the speculation stats in a
+response.
 """
 
 from __future__ import annotations
 
-import json
 from typing import Annotated, Any, Generic, Literal, TypeVar, get_args
 
 from fastapi.responses import JSONResponse
@@ -26,7 +26,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from gateway.core import Outcome
+from gateway.core import Outcome, shown
 from specmesh.errors import SpecmeshError
 from specmesh.rejection.limits import MAX_SPEC_LEN
 from specmesh.sampling import DEFAULT_MAX_TOKENS, MAX_STOP_STRINGS, SamplingParams
@@ -55,16 +55,25 @@ class ErrorResponse(BaseModel):
     error: ErrorInfo
 
 
-class APIError(Exception):
-    """An error answered in OpenAI's shape with an HTTP status."""
+# An error message is cut to this many characters: whatever a message quotes, no large input goes back.
+MAX_MESSAGE_CHARS = 1000
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+
+class APIError(Exception):
+    """An error answered in OpenAI's shape with an HTTP status. `close`: the connection cannot carry another
+    request (the request's body was not read to its end)."""
+
+    def __init__(
+        self, status: int, message: str, param: str | None = None, code: str | None = None, close: bool = False
+    ):
+        if len(message) > MAX_MESSAGE_CHARS:
+            message = message[: MAX_MESSAGE_CHARS - 3] + "..."
         super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
+        self.status, self.message, self.param, self.code, self.close = status, message, param, code, close
 
     @classmethod
     def from_domain(cls, e: SpecmeshError) -> APIError:
-        return cls(e.http_status, str(e), code=e.openai_code)
+        return cls(e.http_status, str(e), param=getattr(e, "param", None), code=e.openai_code)
 
     def body(self) -> dict:
         info = ErrorInfo(
@@ -74,7 +83,9 @@ class APIError(Exception):
 
     def response(self, retried: bool = False) -> JSONResponse:
         """`retried`: the gateway has already tried other replicas, so the client should not."""
-        headers = {"x-should-retry": "false"} if retried else None
+        headers = {"x-should-retry": "false"} if retried else {}
+        if self.close:
+            headers["connection"] = "close"
         return JSONResponse(self.body(), status_code=self.status, headers=headers)
 
 
@@ -120,7 +131,7 @@ def request_error(exc: ValidationError, model: type[BaseModel]) -> APIError:
     what = "an object" if kind == "model_type" else _description(model, err["loc"])
     if what is None:
         return APIError(400, f"'{param}': {err['msg']}", param, code)
-    got = json.dumps(value) if code == "invalid_value" or isinstance(value, bool) else type(value).__name__
+    got = shown(value) if code == "invalid_value" or isinstance(value, bool) else type(value).__name__
     return APIError(400, f"'{param}' must be {what}, got {got}", param, code)
 
 
@@ -135,6 +146,9 @@ def parse_request(model: type[RequestT], body: dict) -> RequestT:
 
 
 # requests -----------------------------------------------------------------------------------------------
+SESSION_ID_MAX = 256  # characters of a session_id or cache_salt
+
+
 class OpenAIRequestModel(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore", frozen=True)
 
@@ -172,8 +186,8 @@ class GenerationRequest(OpenAIRequestModel):
     model: str
     temperature: float = Field(1.0, ge=0, le=2, description="a number in [0, 2]")
     top_p: float = Field(1.0, gt=0, le=1, description="a number in (0, 1]")
-    top_k: int = Field(0, ge=-1, description="an integer >= -1 (-1 or 0 = off)")
-    max_tokens: int = Field(DEFAULT_MAX_TOKENS, ge=1, description="an integer >= 1")
+    top_k: int = Field(0, ge=-1, lt=2**31, description="an integer in [-1, 2**31) (-1 or 0 = off)")
+    max_tokens: int = Field(DEFAULT_MAX_TOKENS, ge=1, lt=2**31, description="an integer in [1, 2**31)")
     seed: int | None = Field(None, ge=0, lt=2**63, description="an integer in [0, 2**63)")
     n: int = Field(1, ge=1, le=1, description="1 (only one choice per request is supported)")
     stop: tuple[str, ...] = Field((), description="a string or a list of strings")
@@ -187,7 +201,13 @@ class GenerationRequest(OpenAIRequestModel):
     presence_penalty: Penalty = 0.0
     frequency_penalty: Penalty = 0.0
     ignore_eos: bool = Field(False, description="a boolean")
-    session_id: str | None = Field(None, min_length=1, max_length=256, description="a string of 1-256 characters")
+    session_id: str | None = Field(
+        None, min_length=1, max_length=SESSION_ID_MAX, description=f"a string of 1-{SESSION_ID_MAX} characters"
+    )
+    # Requests share a session's cached prompt only with the same salt (and API key).
+    cache_salt: str | None = Field(
+        None, min_length=1, max_length=SESSION_ID_MAX, description=f"a string of 1-{SESSION_ID_MAX} characters"
+    )
     # Absent or null: the service's choice; 0: target-only decoding; else the most draft tokens per block.
     num_speculative_tokens: int | None = Field(
         None, ge=0, le=MAX_SPEC_LEN, description=f"an integer in [0, {MAX_SPEC_LEN}] (0 = target-only)"
@@ -297,7 +317,7 @@ class _ChatInput(OpenAIRequestModel):
 class ChatCompletionRequest(GenerationRequest, _ChatInput):
     """POST /v1/chat/completions. `max_completion_tokens` is OpenAI's newer name for `max_tokens`."""
 
-    max_completion_tokens: int | None = Field(None, ge=1, description="an integer >= 1")
+    max_completion_tokens: int | None = Field(None, ge=1, lt=2**31, description="an integer in [1, 2**31)")
 
     @model_validator(mode="before")
     @classmethod

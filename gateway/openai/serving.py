@@ -1,13 +1,15 @@
 """What the completions and chat routes share (each is an `Api`: its route, request and answer types): a
-request's way in (API key, body size, JSON, the model asked for) and its way out (one generation answered
-as one JSON body or as server-sent events, traced, with a request id). A client that goes away, streaming
-or not, cancels the work downstream.
+request's way in (API key, body size, JSON, the model asked for, the caller's tenant and session) and its
+way out (one generation answered as one JSON body or as server-sent events, traced, with a request id). A
+client that goes away, streaming or not, cancels the work downstream.
+
+Whatever a client sends, the answer is in OpenAI's shape, never a 500: the body is read and parsed as
+`gateway.openai.body` says, and a value that is refused is quoted only in part (`gateway.core.shown`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 import uuid
 from collections.abc import AsyncGenerator
@@ -19,9 +21,11 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from opentelemetry import propagate, trace
 from pydantic import BaseModel
 
-from gateway.core import Chunk, Gateway, GenRequest, Outcome
+from gateway.core import Chunk, Gateway, GenRequest, Outcome, shown
 from gateway.openai import sse
+from gateway.openai.body import read_json_object
 from gateway.openai.protocol import (
+    SESSION_ID_MAX,
     APIError,
     GenerationRequest,
     ResponseBase,
@@ -31,12 +35,13 @@ from gateway.openai.protocol import (
     parse_request,
     stream_payload,
 )
+from gateway.tenancy import downstream_session_id, tenant_of
 from specmesh import telemetry
 from specmesh.errors import SpecmeshError, Unavailable
 
-# An oversized body is read (and dropped) up to this many times the limit before the 413: a client still
-# sending when the answer comes would see a broken pipe instead of the error.
-DRAIN_FACTOR = 64
+# Bodies are no longer drained to many times the limit (gateway.openai.body); kept at 1 for code that still
+# reads bodies itself until it uses Front.read_json.
+DRAIN_FACTOR = 1
 
 
 @dataclass(frozen=True)
@@ -46,6 +51,7 @@ class Front:
     gateway: Gateway
     api_keys: tuple[str, ...] = ()
     max_body_bytes: int = 1 << 20
+    keyed_tenants: bool = False  # API keys are checked, so each key is a tenant of its own (gateway.tenancy)
     created: int = field(default_factory=lambda: int(time.time()))
     tracer: trace.Tracer = field(default_factory=lambda: telemetry.tracer("gateway"))
 
@@ -60,42 +66,46 @@ class Front:
         if not auth.startswith("Bearer ") or auth[7:].strip() not in self.api_keys:
             raise APIError(401, "invalid or missing API key (Authorization: Bearer <key>)", None, "invalid_api_key")
 
+    def tenant(self, request: Request) -> str:
+        """The caller's tenant, from the API key the gateway's authentication accepted (one shared tenant
+        when the gateway checks no keys)."""
+        return tenant_of(request.headers.get("authorization"), self.keyed_tenants)
+
     async def read_body(self, request: Request) -> dict:
-        """The request's JSON object, once the API key, its size and the model it names are checked."""
-        self.authorize(request)
-        parts, size = [], 0
-        async for part in request.stream():
-            size += len(part)
-            if size <= self.max_body_bytes:
-                parts.append(part)
-            elif size > DRAIN_FACTOR * self.max_body_bytes:
-                break
-        if size > self.max_body_bytes:
-            raise APIError(413, f"request body larger than {self.max_body_bytes} bytes", None, "body_too_large")
-        try:
-            body = json.loads(b"".join(parts))
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise APIError(400, f"the body is not valid JSON: {e}", None, "invalid_json") from None
-        if not isinstance(body, dict):
-            raise APIError(400, "the body must be a JSON object", None, "invalid_json")
+        """The request's JSON object (`read_json`), once the model it names is checked."""
+        body = await self.read_json(request)
         self._check_model(body.get("model"))
         return body
+
+    async def read_json(self, request: Request) -> dict:
+        """The request's JSON object, once the API key and its size are checked (gateway.openai.body: the
+        size is enforced as the body arrives, and whatever the JSON holds, a bad one is a 400)."""
+        self.authorize(request)
+        return await read_json_object(request, self.max_body_bytes, self.gateway.off_loop)
 
     def _check_model(self, model) -> None:
         if model is None:
             raise APIError(400, "'model' is required", "model", "missing_required_parameter")
+        if not isinstance(model, str):
+            raise APIError(400, f"'model' must be a string, got {shown(model)}", "model", "invalid_type")
         if model != self.model_name:
             raise APIError(
                 404,
-                f"the model '{model}' does not exist; this gateway serves '{self.model_name}'",
+                f"the model {shown(model)} does not exist; this gateway serves {shown(self.model_name)}",
                 "model",
                 "model_not_found",
             )
 
     def gen_request(self, request: Request, body: GenerationRequest, prompt_ids: list[int]) -> GenRequest:
-        """The generation a validated request asks for; the session comes from the body or X-Session-Id."""
+        """The generation a validated request asks for. The session comes from the body or X-Session-Id;
+        the id sent downstream is scoped to the caller's tenant and cache_salt (gateway.tenancy)."""
         session_id = body.session_id or request.headers.get("x-session-id", "")
-        return GenRequest(prompt_ids, body.to_sampling_params(), session_id, body.num_speculative_tokens)
+        if len(session_id) > SESSION_ID_MAX:
+            raise APIError(
+                400, f"'session_id' must be at most {SESSION_ID_MAX} characters", "session_id", "invalid_value"
+            )
+        scoped = downstream_session_id(self.tenant(request), body.cache_salt or "", session_id)
+        return GenRequest(prompt_ids, body.to_sampling_params(), scoped, body.num_speculative_tokens)
 
 
 class Head(NamedTuple):
@@ -118,7 +128,9 @@ class Api(Protocol):
     id_prefix: str
     span_name: str
 
-    def prompt_ids(self, gateway: Gateway, body: Any) -> list[int]: ...
+    async def prompt_ids(self, gateway: Gateway, body: Any) -> list[int]:
+        """The prompt's token ids (tokenized off the event loop)."""
+        ...
 
     def choice(self, text: str, finish: str | None) -> BaseModel:
         """The one choice of a whole answer."""
@@ -139,7 +151,7 @@ def router(front: Front, api: Api) -> APIRouter:
     @routes.post(api.path, name=api.name)
     async def generate(request: Request) -> Response:
         body = parse_request(api.request_type, await front.read_body(request))
-        ids = api.prompt_ids(front.gateway, body)
+        ids = await api.prompt_ids(front.gateway, body)
         return await respond(front, request, front.gen_request(request, body, ids), body, api)
 
     return routes

@@ -8,12 +8,14 @@ error shape), then [DONE], never as a silent close.
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 
 from gateway.openai.protocol import APIError
 from specmesh.errors import Internal, SpecmeshError
 
 DONE = "data: [DONE]\n\n"
+log = logging.getLogger("specmesh.gateway")
 
 
 def event(payload: dict) -> str:
@@ -36,9 +38,11 @@ async def event_stream(
     except SpecmeshError as e:
         on_error(str(e))
         yield error_event(APIError.from_domain(e))  # the status and code an HTTP error body would carry
-    except Exception as e:  # noqa: BLE001 - whatever failed, the client gets an error event, not a silent close
-        on_error(repr(e))
-        yield error_event(APIError.from_domain(Internal(f"internal error: {type(e).__name__}: {e}")))
+    except Exception as e:  # whatever failed, the client gets an error event, not a silent close
+        # The exception's text stays in the log: it may quote internals (or the client's own input).
+        log.exception("a stream failed")
+        on_error(type(e).__name__)
+        yield error_event(APIError.from_domain(Internal("internal error")))
     finally:
         await payloads.aclose()
         await close()

@@ -1,0 +1,60 @@
+"""Whose a request is (its tenant), and the session id the gateway sends downstream for it.
+
+The verify and draft services cache KV per session id, a later turn reuses the longest cached prefix, and
+every response says how many prompt tokens were reused (`cached_tokens`). Were a client's session id sent
+downstream as it is, any caller could name another caller's session and learn from `cached_tokens` how
+much of a guessed prompt matches the cached one (a prefix oracle), or overwrite or block that
+conversation. So the id sent downstream is a keyed hash of the tenant, the request's `cache_salt` and the
+client's session id: callers with different API keys, or with different salts, never name the same
+session, and nobody can name a session without its tenant's key.
+
+The tenant is derived from the caller's identity as the gateway's own authentication established it,
+never from anything else a client sends. With no API keys configured every caller is one tenant (a
+`cache_salt` still separates those that want it).
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+SHARED_TENANT = ""  # every caller, when the gateway checks no API keys
+_TENANT_KEY = b"specmesh-tenant-v1"
+_SESSION_KEY = b"specmesh-session-v1"
+
+
+def tenant_of_key(api_key: str | None) -> str:
+    """The tenant of a caller authenticated by `api_key`: a hash of it, so the key itself is never kept,
+    logged or sent downstream."""
+    if not api_key:
+        return SHARED_TENANT
+    return hashlib.blake2b(api_key.encode("utf-8", "surrogatepass"), digest_size=16, key=_TENANT_KEY).hexdigest()
+
+
+def bearer_key(authorization: str | None) -> str | None:
+    """The key of an `Authorization: Bearer <key>` header (HTTP header or gRPC metadata), or None."""
+    if not authorization or not authorization.startswith("Bearer "):
+        return None
+    return authorization[7:].strip() or None
+
+
+def tenant_of(authorization: str | None, keys_checked: bool) -> str:
+    """The tenant of a request with this Authorization header, on a gateway that checks API keys or not.
+
+    The one place a request's tenant comes from. With keys checked (the request got here, so its key was
+    accepted), the caller's key names its tenant: a caller can only land in the tenant of a key it holds.
+    With none, everyone is the shared tenant, whatever key a client happens to send."""
+    return tenant_of_key(bearer_key(authorization)) if keys_checked else SHARED_TENANT
+
+
+def downstream_session_id(tenant: str, cache_salt: str, session_id: str) -> str:
+    """The session id sent to the draft and verify services: "" (a one-off session) when the client named
+    none, else a keyed hash of (tenant, cache_salt, session_id), each length-prefixed so that no two
+    different triples hash the same input."""
+    if not session_id:
+        return ""
+    h = hashlib.blake2b(digest_size=16, key=_SESSION_KEY)
+    for part in (tenant, cache_salt, session_id):
+        data = part.encode("utf-8", "surrogatepass")
+        h.update(len(data).to_bytes(8, "big"))
+        h.update(data)
+    return "s-" + h.hexdigest()

@@ -1,0 +1,130 @@
+"""The gateway's event loop never does heavy work: the largest prompts it takes, over REST and gRPC, are
+tokenized on worker threads, so every other stream keeps its pace and /health/live keeps answering.
+
+A prompt's size is capped before it is tokenized (characters, bytes of the request, gRPC's message size);
+within the caps, the worst case is a text at the character cap, whose tokenization costs about a second
+(it was done on the loop, and froze every stream and the liveness probe for as long).
+"""
+
+import http.client
+import json
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+from transformers import AutoTokenizer
+
+from specmesh.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+from tests.support.models import noisy_copy, tiny_model
+from tests.support.services import GatewayServer, start_draft, start_verify
+
+ROOT = Path(__file__).resolve().parents[2]
+LIMIT_S = 0.100
+STREAMS = 4
+
+
+@pytest.fixture(scope="module")
+def stack():
+    tokenizer = AutoTokenizer.from_pretrained(ROOT / "models" / "demo" / "target")
+    target = tiny_model("llama", vocab=len(tokenizer), seed=3)
+    verify = start_verify(target, tokenizer)
+    draft = start_draft(noisy_copy(target, 0.03), verify.address)
+    # The default prompt cap (4,096 tokens: 266,240 characters of the demo tokenizer's, whose longest token
+    # is 65 characters) and a body cap that fits it
+    gw = GatewayServer([verify.address], [draft.address], tokenizer, max_prompt_tokens=4096, max_body_bytes=2 << 20)
+    yield gw, tokenizer
+    gw.stop()
+    draft.stop()
+    verify.stop()
+
+
+def stream_gaps(port: int, prompt: str, gaps: list[float], go: threading.Event, done: threading.Event) -> None:
+    """Stream a long completion, recording the time between consecutive events after the first."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    body = {"model": "demo", "prompt": prompt, "max_tokens": 1000, "temperature": 0, "stream": True}
+    conn.request(
+        "POST", "/v1/completions", json.dumps({**body, "ignore_eos": True}), {"content-type": "application/json"}
+    )
+    r = conn.getresponse()
+    assert r.status == 200, r.read()
+    last = None
+    while not done.is_set():
+        line = r.fp.readline()
+        if not line or line.startswith(b"data: [DONE]"):
+            break
+        if not line.startswith(b"data:"):
+            continue
+        now = time.perf_counter()
+        if last is not None and go.is_set():
+            gaps.append(now - last)
+        last = now
+        go.set()
+    conn.close()
+
+
+def probe_live(port: int, latencies: list[float], done: threading.Event) -> None:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    while not done.is_set():
+        t0 = time.perf_counter()
+        conn.request("GET", "/health/live")
+        r = conn.getresponse()
+        r.read()
+        latencies.append(time.perf_counter() - t0)
+        assert r.status == 200
+        time.sleep(0.01)
+    conn.close()
+
+
+def test_a_maximum_size_prompt_stalls_no_stream_and_no_probe(stack):
+    gw, tokenizer = stack
+    # The largest text the character cap admits, of varied words (so tokenizing it is real work): it is
+    # tokenized, then refused for its token count.
+    words = " ".join(f"w{i % 9973}x{(i * 7) % 101}" for i in range(gw.gateway.max_prompt_chars // 8))
+    big = words[: gw.gateway.max_prompt_chars]
+    done, started = threading.Event(), [threading.Event() for _ in range(STREAMS)]
+    gaps: list[list[float]] = [[] for _ in range(STREAMS)]
+    latencies: list[float] = []
+    threads = [
+        threading.Thread(target=stream_gaps, args=(gw.port, f"def f{i}(x):\n", gaps[i], started[i], done))
+        for i in range(STREAMS)
+    ] + [threading.Thread(target=probe_live, args=(gw.port, latencies, done))]
+    for t in threads:
+        t.start()
+    try:
+        for e in started:
+            assert e.wait(60)
+        time.sleep(0.3)  # the streams' pace before
+        big_calls = []
+        t0 = time.perf_counter()
+        conn = http.client.HTTPConnection("127.0.0.1", gw.port, timeout=60)
+        body = json.dumps({"model": "demo", "prompt": big})
+        conn.request("POST", "/v1/completions", body, {"content-type": "application/json"})
+        r = conn.getresponse()
+        error = json.loads(r.read())["error"]
+        big_calls.append(time.perf_counter() - t0)
+        conn.close()
+        assert r.status == 400 and "tokens" in error["message"]  # tokenized, then too many tokens
+        t0 = time.perf_counter()
+        stub = gateway_pb2_grpc.GatewayServiceStub(grpc.insecure_channel(gw.grpc_address))
+        params = common_pb2.SamplingParams(temperature=0.0, max_tokens=4)
+        with pytest.raises(grpc.RpcError) as e:
+            stub.Generate(gateway_pb2.GatewayServiceGenerateRequest(prompt=big, params=params), timeout=60)
+        big_calls.append(time.perf_counter() - t0)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        time.sleep(0.3)  # and after
+    finally:
+        done.set()
+        for t in threads:
+            t.join(60)
+    worst_gap = max(max(g) for g in gaps)
+    print(
+        f"\n{len(big)}-character prompts took {[round(c, 2) for c in big_calls]} s each; "
+        f"worst gap between events of {STREAMS} streams {worst_gap * 1000:.0f} ms "
+        f"({sum(map(len, gaps))} gaps), worst /health/live {max(latencies) * 1000:.0f} ms ({len(latencies)} probes)"
+    )
+    assert min(big_calls) > 2 * LIMIT_S  # the prompts were real work: the test could have failed
+    assert all(len(g) > 10 for g in gaps) and len(latencies) > 10
+    assert worst_gap < LIMIT_S
+    assert max(latencies) < LIMIT_S

@@ -1,0 +1,105 @@
+"""Sessions and their cached prefixes are the caller's own: scoped to its API key and its cache_salt.
+
+The oracle this closes: a second caller naming someone's session_id learnt from `cached_tokens` how much
+of a guessed prompt matched the cached one (7 against 5 cached tokens for a right against a wrong
+password), and could overwrite or block that conversation.
+"""
+
+from pathlib import Path
+
+import grpc
+import openai
+import pytest
+from transformers import AutoTokenizer
+
+from specmesh.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+from tests.support.models import noisy_copy, tiny_model
+from tests.support.services import GatewayServer, start_draft, start_verify
+
+ROOT = Path(__file__).resolve().parents[2]
+SECRET = "the admin password is hunter2, and the backup code is 7734"
+WRONG = "the admin password is letmein, and the backup code is 0000"
+
+
+@pytest.fixture(scope="module")
+def stack():
+    tokenizer = AutoTokenizer.from_pretrained(ROOT / "models" / "demo" / "target")
+    target = tiny_model("llama", vocab=len(tokenizer), seed=31)
+    verify = start_verify(target, tokenizer)
+    draft = start_draft(noisy_copy(target, 0.03), verify.address)
+    gw = GatewayServer([verify.address], [draft.address], tokenizer, api_keys=("sk-a", "sk-b", "sk-c"))
+    yield gw, verify
+    gw.stop()
+    draft.stop()
+    verify.stop()
+
+
+def client(gw, key):
+    return openai.OpenAI(base_url=gw.base_url + "/v1", api_key=key, max_retries=0)
+
+
+def cached(c, prompt, session, **extra):
+    r = c.completions.create(
+        model="demo", prompt=prompt, max_tokens=2, temperature=0, extra_body={"session_id": session, **extra}
+    )
+    return r.usage.prompt_tokens_details.cached_tokens
+
+
+def test_another_tenant_neither_sees_nor_touches_a_session(stack):
+    gw, verify = stack
+    a, b, c = client(gw, "sk-a"), client(gw, "sk-b"), client(gw, "sk-c")
+    assert cached(a, SECRET, "conv") == 0
+    mine = cached(a, SECRET, "conv")
+    assert mine > 0  # the owner reuses its cached prompt: the cache is there to be probed
+    # Other tenants, naming the same session: nothing cached, whether the guess is right or wrong
+    assert cached(b, SECRET, "conv") == 0
+    assert cached(c, WRONG, "conv") == 0
+    assert cached(c, WRONG, "conv") > 0  # its own session under that name, which it does reuse
+    # ... and the owner's session was neither overwritten nor dropped
+    assert cached(a, SECRET, "conv") == mine
+    # The client's id never reaches the replicas as it is
+    assert verify.server.engine.sessions.peek("conv") is None
+
+
+def test_another_tenant_cannot_block_a_streaming_session(stack):
+    gw, _ = stack
+    a, b = client(gw, "sk-a"), client(gw, "sk-b")
+    stream = a.completions.create(
+        model="demo",
+        prompt="def f():",
+        max_tokens=300,
+        temperature=0,
+        stream=True,
+        extra_body={"session_id": "busy", "ignore_eos": True},
+    )
+    try:
+        next(iter(stream))  # the owner's stream holds its session
+        # Naming the same session is no conflict (it was a 409 once the owner's stream held it for 5 s)
+        r = b.completions.create(model="demo", prompt="x", max_tokens=2, extra_body={"session_id": "busy"})
+        assert r.choices[0].finish_reason == "length"
+    finally:
+        stream.close()
+
+
+def test_a_cache_salt_opts_out_of_sharing(stack):
+    gw, _ = stack
+    a = client(gw, "sk-a")
+    prompt = "import os\nimport sys\n\ndef main(argv):\n"
+    assert cached(a, prompt, "salted", cache_salt="s1") == 0
+    assert cached(a, prompt, "salted", cache_salt="s1") > 0  # same salt: shared
+    assert cached(a, prompt, "salted", cache_salt="s2") == 0  # another salt: not
+    assert cached(a, prompt, "salted") == 0  # none: not either
+    # The gRPC front salts sessions alike
+    stub = gateway_pb2_grpc.GatewayServiceStub(grpc.insecure_channel(gw.grpc_address))
+    params = common_pb2.SamplingParams(temperature=0.0, max_tokens=2)
+
+    def grpc_cached(salt):
+        request = gateway_pb2.GatewayServiceGenerateRequest(
+            prompt=prompt, params=params, session_id="grpc-salted", cache_salt=salt
+        )
+        return stub.Generate(request).usage.cached_prompt_tokens
+
+    assert grpc_cached("s1") == 0 and grpc_cached("s1") > 0 and grpc_cached("s2") == 0
+    with pytest.raises(openai.BadRequestError) as e:
+        a.completions.create(model="demo", prompt="x", max_tokens=2, extra_body={"cache_salt": ""})
+    assert e.value.body["param"] == "cache_salt"

@@ -1,0 +1,29 @@
+"""gateway.tenancy: the tenant of a request and the session id the gateway sends downstream."""
+
+from gateway.tenancy import SHARED_TENANT, bearer_key, downstream_session_id, tenant_of, tenant_of_key
+
+
+def test_the_tenant_comes_from_the_checked_key_only():
+    assert tenant_of("Bearer sk-a", keys_checked=False) == SHARED_TENANT  # no keys: one tenant for all
+    assert tenant_of(None, keys_checked=True) == SHARED_TENANT
+    a, b = tenant_of("Bearer sk-a", True), tenant_of("Bearer sk-b", True)
+    assert a != b and a == tenant_of("Bearer  sk-a ", True) == tenant_of_key("sk-a")
+    assert "sk-a" not in a  # a hash: the key itself goes nowhere
+    assert bearer_key("Basic sk-a") is None and bearer_key("Bearer ") is None
+
+
+def test_downstream_session_ids_are_scoped_by_tenant_and_salt():
+    a, b = tenant_of_key("sk-a"), tenant_of_key("sk-b")
+    assert downstream_session_id(a, "", "") == ""  # no session named: a one-off session downstream
+    ids = {
+        downstream_session_id(a, "", "conv"),
+        downstream_session_id(b, "", "conv"),
+        downstream_session_id(a, "salt", "conv"),
+        downstream_session_id(SHARED_TENANT, "", "conv"),
+        # the parts are length-prefixed: moving a boundary changes the id
+        downstream_session_id("", "ab", "c"),
+        downstream_session_id("", "a", "bc"),
+    }
+    assert len(ids) == 6 and "conv" not in "".join(ids)
+    assert downstream_session_id(a, "", "conv") == downstream_session_id(a, "", "conv")  # stable, across gateways
+    assert all(len(i) <= 64 for i in ids)
