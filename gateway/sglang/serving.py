@@ -119,7 +119,7 @@ class Run:
         if stop and tokenizer is not None:
             # The text ends where the first stop string began: find which one is there.
             text, full = "".join(self.text_parts), tokenizer.decode(self.ids, skip_special_tokens=True)
-            found = [(i, s) for s in stop if (i := full.find(s, max(0, len(text) - len(s) + 1))) >= 0]
+            found = [(i, s) for s in stop if (i := full.find(s, len(text))) >= 0]
             if found:
                 return {"type": "stop", "matched": min(found)[1]}
         return {"type": "stop", "matched": self.ids[-1] if self.ids else None}
@@ -210,17 +210,26 @@ async def _start(front: Front, request: Request, req: GenerateRequest, t0: float
     (bad input, overload, no replica) is an HTTP status rather than a stream event."""
     gateway = front.gateway
     session = downstream_session_id(front.tenant(request), "", req.session_id)
-    prompts: dict[int, tuple[list[int], list | None]] = {}  # the n samples of a prompt share its work
+
+    async def prepare(item: Item) -> tuple[list[int], list[TokenLogprob | None] | None]:
+        ids = await _prompt_ids(front, item)
+        if item.params.max_tokens == 0:  # nothing is generated, so the gateway's checks are made here
+            gateway.check(GenRequest(ids, replace(item.params, max_tokens=1)))
+        return ids, await _prompt_logprobs(front, item, ids)
+
+    # Each prompt once (its n samples share its ids and log-probabilities), all prompts at once.
+    first_of: dict[str, Item] = {}
+    for item in req.items:
+        first_of.setdefault(item.prompt_param, item)
+    prepared = await asyncio.gather(*(prepare(item) for item in first_of.values()), return_exceptions=True)
+    failed = next((p for p in prepared if isinstance(p, BaseException)), None)
+    if failed is not None:
+        raise failed
+    prompts = {key: p for key, p in zip(first_of, prepared, strict=True) if not isinstance(p, BaseException)}
     runs: list[Run] = []
     base = uuid.uuid4().hex
     for item in req.items:
-        key = id(item.prompt)
-        if key not in prompts:
-            ids = await _prompt_ids(front, item)
-            if item.params.max_tokens == 0:  # nothing is generated, so the gateway's checks are made here
-                gateway.check(GenRequest(ids, replace(item.params, max_tokens=1)))
-            prompts[key] = (ids, await _prompt_logprobs(front, item, ids))
-        ids, lps = prompts[key]
+        ids, lps = prompts[item.prompt_param]
         rid = item.rid or (f"{base}-{item.index}" if req.batch else base)
         runs.append(Run(front, item, ids, lps, rid, session, t0, req.return_prompt_token_ids))
     return runs

@@ -98,6 +98,13 @@ def test_generate_is_the_targets_greedy_output_with_sglang_meta_info(url, tokeni
     assert meta["spec_accept_rate"] == pytest.approx(stats["accepted"] / stats["drafted"], abs=1e-5)
     assert meta["spec_accept_length"] == pytest.approx(12 / stats["rounds"], abs=1e-5)
 
+    # A session's next turn reuses its cached prompt.
+    turn = {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}
+    first = generate(url, {"input_ids": ids, "session_id": "chat-1", "sampling_params": turn})
+    more = ids + first["output_ids"] + tokenizer("  return a\n", add_special_tokens=False)["input_ids"]
+    second = generate(url, {"input_ids": more, "session_id": "chat-1", "sampling_params": turn})
+    assert second["meta_info"]["cached_tokens"] >= len(ids)
+
     # The same prompt as input_ids, and the rid named by the caller.
     again = generate(
         url,
@@ -228,6 +235,11 @@ def test_logprobs_are_the_targets_in_sglang_shape(url, target, tokenizer):
     assert out["meta_info"]["input_token_logprobs"][0][0] == pytest.approx(prompt[2][0], abs=1e-5)
     assert all(e[2] is None for e in out["meta_info"]["input_token_logprobs"])
     assert "input_top_logprobs" not in out["meta_info"]
+    # Per prompt of a batch, even for two equal prompts.
+    both = generate(
+        url, {"text": ["a b", "a b"], "return_logprob": [True, False], "sampling_params": {"max_new_tokens": 1}}
+    )
+    assert "output_token_logprobs" in both[0]["meta_info"] and "output_token_logprobs" not in both[1]["meta_info"]
     # Default logprob_start_len (-1): the output's only.
     meta = generate(url, {**body, "sampling_params": {"max_new_tokens": 2, "temperature": 0}, "logprob_start_len": -1})[
         "meta_info"
