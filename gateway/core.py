@@ -18,18 +18,16 @@ of one.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from functools import partial
 
 import grpc
-import jinja2
 
 from gateway.routing import Pool, Replica
 from specmesh import wire
+from specmesh.domain import TokenLogprob
 from specmesh.errors import CALLER_ERRORS, InvalidArgument, ResourceExhausted, Unavailable, from_grpc_code
 from specmesh.loop import SpecStats
 from specmesh.rejection.limits import MAX_SPEC_LEN
@@ -57,41 +55,6 @@ class GatewayConfig:
     fail_threshold: int = 3
     success_threshold: int = 2
     load_factor: float = 1.25
-    tokenizer_threads: int = 2  # threads that tokenize prompts, and as many that detokenize outputs
-
-
-class BadInput(InvalidArgument):
-    """An InvalidArgument about one request parameter, which the REST front names as OpenAI's `param`."""
-
-    openai_code = "invalid_value"
-
-    def __init__(self, param: str, message: str):
-        super().__init__(message)
-        self.param = param
-
-
-def shown(value, limit: int = 64) -> str:
-    """A value as an error message quotes it: JSON (ASCII, so a lone surrogate cannot break the answer), cut
-    to `limit` characters: no large input is ever echoed back."""
-    try:
-        text = json.dumps(value)
-    except (ValueError, TypeError, RecursionError):
-        text = type(value).__name__
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-# Bounds a token's text: no vocabulary entry, byte-level or not, is longer than this many characters when
-# the tokenizer does not say otherwise.
-DEFAULT_CHARS_PER_TOKEN = 64
-
-
-def longest_token_chars(tokenizer) -> int:
-    """The most characters one token of `tokenizer` stands for: its longest vocabulary entry (byte-level
-    entries hold one character per byte, and a byte is at most one character of text)."""
-    try:
-        return max(8, max(map(len, tokenizer.get_vocab())))
-    except (AttributeError, TypeError, ValueError):
-        return DEFAULT_CHARS_PER_TOKEN
 
 
 @dataclass
@@ -110,6 +73,7 @@ class Chunk:
     token_ids: list[int]
     text: str  # the text delta
     finish_reason: str | None = None
+    logprobs: list[TokenLogprob] | None = None  # one per token id, when the request asks for them
 
 
 @dataclass
@@ -178,18 +142,6 @@ class Gateway:
         self.target_only_fallbacks = 0
         self.totals = SpecStats()  # speculation statistics of every finished generation
         self.stream_metrics = stream_metrics  # TTFT and inter-token latency of every generation
-        # Tokenizing and detokenizing run on these threads, never on the event loop: a long prompt takes
-        # a fast tokenizer a second or more (it releases the GIL meanwhile), and every stream and health
-        # check waits on the loop. Detokenizing has threads of its own, so that streams never queue
-        # behind long prompts being tokenized.
-        self._tokenizing = ThreadPoolExecutor(max(1, config.tokenizer_threads), thread_name_prefix="tokenize")
-        self._detokenizing = ThreadPoolExecutor(max(1, config.tokenizer_threads), thread_name_prefix="detokenize")
-        # Token ids a prompt may hold: the tokenizer's, else whatever fits the wire's int32.
-        self.vocab_size = len(tokenizer) if tokenizer is not None else 2**31
-        # A text longer than this cannot fit max_prompt_tokens tokens: refused before it is tokenized.
-        self.max_prompt_chars = config.max_prompt_tokens * (
-            longest_token_chars(tokenizer) if tokenizer is not None else DEFAULT_CHARS_PER_TOKEN
-        )
 
     async def start(self) -> None:
         for pool in (self.verify_pool, self.draft_pool):
@@ -203,8 +155,6 @@ class Gateway:
             t.cancel()
         await self.verify_pool.close()
         await self.draft_pool.close()
-        self._tokenizing.shutdown(wait=False, cancel_futures=True)
-        self._detokenizing.shutdown(wait=False, cancel_futures=True)
 
     # input -------------------------------------------------------------------------------------------
     def encode(self, text: str) -> list[int]:
@@ -216,44 +166,10 @@ class Gateway:
         """The tokenizer's chat template when it has one; otherwise the plain template of the README:
         each message as "<role>: <content>\\n", then "assistant:" to prompt the reply."""
         if self.tokenizer is not None and getattr(self.tokenizer, "chat_template", None):
-            try:
-                ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-            except jinja2.TemplateError as e:  # a template may refuse a conversation (roles that do not alternate)
-                raise BadInput(
-                    "messages", f"the model's chat template refused the messages: {shown(str(e), 200)}"
-                ) from None
+            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
             return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
         text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
         return self.encode(text)
-
-    def check_prompt_chars(self, chars: int, param: str) -> None:
-        """Refuse, before tokenizing it, a text too long to fit max_prompt_tokens tokens."""
-        if chars > self.max_prompt_chars:
-            raise BadInput(
-                param,
-                f"'{param}' has {chars} characters: more than {self.config.max_prompt_tokens} tokens "
-                f"(max_prompt_tokens) can hold, {self.max_prompt_chars}",
-            )
-
-    async def off_loop(self, fn, *args):
-        """fn(*args) on the tokenizer's threads: for work too long for the event loop."""
-        return await asyncio.get_running_loop().run_in_executor(self._tokenizing, partial(fn, *args))
-
-    async def tokenize(self, text: str, param: str = "prompt") -> list[int]:
-        """`encode` on the tokenizer's threads, once the text's length is checked."""
-        self.check_prompt_chars(len(text), param)
-        return await self.off_loop(self.encode, text)
-
-    async def tokenize_chat(self, messages: list[dict]) -> list[int]:
-        """`chat_prompt` on the tokenizer's threads, once the messages' length is checked."""
-        self.check_prompt_chars(sum(len(m["content"]) for m in messages), "messages")
-        return await self.off_loop(self.chat_prompt, messages)
-
-    async def detokenize(self, text: TextStream, ids: list[int], final: bool) -> str:
-        """`text.add` on the detokenizer's threads (nothing to do without a tokenizer)."""
-        if text.detokenizer is None:
-            return ""
-        return await asyncio.get_running_loop().run_in_executor(self._detokenizing, text.add, ids, final)
 
     def check(self, req: GenRequest) -> None:
         if not req.prompt_ids:
@@ -261,13 +177,6 @@ class Gateway:
         if len(req.prompt_ids) > self.config.max_prompt_tokens:
             raise InvalidArgument(
                 f"the prompt has {len(req.prompt_ids)} tokens; the limit is {self.config.max_prompt_tokens}"
-            )
-        bad = next((i for i, t in enumerate(req.prompt_ids) if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            raise BadInput(
-                "prompt",
-                f"token id {shown(req.prompt_ids[bad])} at position {bad} of the prompt is out of range "
-                f"[0, {self.vocab_size})",
             )
         if req.params.max_tokens > self.config.max_tokens_limit:
             raise InvalidArgument(f"max_tokens must be <= {self.config.max_tokens_limit}, got {req.params.max_tokens}")
@@ -322,11 +231,14 @@ class Gateway:
         deadline = time.monotonic() + self.config.request_timeout_s
         while True:
             verify, draft = self._choose(req, emitted, excluded, outcome)
-            params = replace(req.params, max_tokens=req.params.max_tokens - len(emitted))
+            # A replay continues the same output: the rules over output tokens must count what came before.
+            params = replace(
+                req.params, max_tokens=req.params.max_tokens - len(emitted), prior_output_tokens=len(emitted)
+            )
             prompt = req.prompt_ids + emitted
             failed: Replica | None = None
             try:
-                async for ids, finish in self._stream(
+                async for ids, finish, logprobs in self._stream(
                     verify,
                     draft,
                     prompt,
@@ -340,15 +252,19 @@ class Gateway:
                 ):
                     emitted += ids
                     outcome.completion_tokens = len(emitted)
-                    delta = await self.detokenize(text, ids, final=finish is not None)
+                    # As vLLM: a stop token id ends the output (the verifier stops after it, and min_tokens
+                    # bans it before then) but its text is not part of the output's text.
+                    stop_id = bool(ids) and ids[-1] in req.params.stop_token_ids
+                    final = finish is not None or stop_id
+                    delta = text.add(ids[:-1] if stop_id else ids, final=final)
                     if text.stopped:
-                        yield Chunk(ids, delta, "stop")
+                        yield Chunk(ids, delta, "stop", logprobs)
                         return
                     if finish is not None:
-                        yield Chunk(ids, delta, finish)
+                        yield Chunk(ids, delta, finish, logprobs)
                         return
                     if ids:
-                        yield Chunk(ids, delta)
+                        yield Chunk(ids, delta, logprobs=logprobs)
                 raise Unavailable("the generation stream ended without a finish reason")
             except grpc.aio.AioRpcError as e:
                 failed = await self._on_failure(e, verify, draft)
@@ -359,6 +275,27 @@ class Gateway:
             if failed is not None:
                 excluded.add(failed.address)
             await asyncio.sleep(0.05 * outcome.failovers)
+
+    async def prompt_logprobs(self, prompt_ids: list[int], top: int, metadata: tuple = ()) -> list[TokenLogprob]:
+        """The target's log-probability of each prompt token after the first (echo + logprobs), from the verify
+        replica the prompt would be routed to (its prefix is likely generated there next)."""
+        if len(prompt_ids) > self.config.max_prompt_tokens:
+            limit = self.config.max_prompt_tokens
+            raise InvalidArgument(f"the prompt has {len(prompt_ids)} tokens; the limit is {limit}")
+        verify = self.verify_pool.for_prompt(prompt_ids, set())
+        if verify is None:
+            raise Unavailable("no healthy verify replica")
+        stub = verify_pb2_grpc.VerifyServiceStub(self.verify_pool.channel(verify))
+        with verify.track():
+            try:
+                resp = await stub.PromptLogprobs(
+                    verify_pb2.PromptLogprobsRequest(prompt_ids=prompt_ids, top_logprobs=top),
+                    timeout=self.config.request_timeout_s,
+                    metadata=metadata or outgoing_metadata(),
+                )
+            except grpc.aio.AioRpcError as e:
+                raise from_grpc_code(e.code().name, e.details() or "prompt log-probabilities failed") from None
+        return wire.logprobs_from_pb(resp.logprobs, len(prompt_ids) - 1) or []
 
     def _choose(
         self, req: GenRequest, emitted: list[int], excluded: set[str], outcome: Outcome
@@ -466,14 +403,15 @@ class Gateway:
                 if kind == "opened" and first:
                     outcome.cached_prompt_tokens = resp.opened.cached_prompt_tokens
                 elif kind == "tokens" and resp.tokens.token_ids:
-                    yield list(resp.tokens.token_ids), None
+                    ids = list(resp.tokens.token_ids)
+                    yield ids, None, wire.logprobs_from_pb(resp.tokens.logprobs, len(ids))
                 elif kind == "finished":
                     if resp.finished.HasField("stats"):
                         outcome.stats.merge(wire.stats_from_pb(resp.finished.stats))
                     finish = wire.finish_from_pb(resp.finished.finish_reason)
                     finished = finish is not None
                     if finished:
-                        yield [], finish
+                        yield [], finish, None
         finally:
             if not finished:
                 call.cancel()  # a client that went away, or a stop string found here: stop the work downstream
