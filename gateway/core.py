@@ -18,12 +18,15 @@ of one.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from functools import partial
 
 import grpc
+import jinja2
 
 from gateway.routing import Pool, Replica
 from specmesh import wire
@@ -55,6 +58,41 @@ class GatewayConfig:
     fail_threshold: int = 3
     success_threshold: int = 2
     load_factor: float = 1.25
+    tokenizer_threads: int = 2  # threads that tokenize prompts, and as many that detokenize outputs
+
+
+class BadInput(InvalidArgument):
+    """An InvalidArgument about one request parameter, which the REST front names as OpenAI's `param`."""
+
+    openai_code = "invalid_value"
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+
+
+def shown(value, limit: int = 64) -> str:
+    """A value as an error message quotes it: JSON (ASCII, so a lone surrogate cannot break the answer), cut
+    to `limit` characters: no large input is ever echoed back."""
+    try:
+        text = json.dumps(value)
+    except (ValueError, TypeError, RecursionError):
+        text = type(value).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+# Bounds a token's text: no vocabulary entry, byte-level or not, is longer than this many characters when
+# the tokenizer does not say otherwise.
+DEFAULT_CHARS_PER_TOKEN = 64
+
+
+def longest_token_chars(tokenizer) -> int:
+    """The most characters one token of `tokenizer` stands for: its longest vocabulary entry (byte-level
+    entries hold one character per byte, and a byte is at most one character of text)."""
+    try:
+        return max(8, max(map(len, tokenizer.get_vocab())))
+    except (AttributeError, TypeError, ValueError):
+        return DEFAULT_CHARS_PER_TOKEN
 
 
 @dataclass
@@ -142,6 +180,18 @@ class Gateway:
         self.target_only_fallbacks = 0
         self.totals = SpecStats()  # speculation statistics of every finished generation
         self.stream_metrics = stream_metrics  # TTFT and inter-token latency of every generation
+        # Tokenizing and detokenizing run on these threads, never on the event loop: a long prompt takes
+        # a fast tokenizer a second or more (it releases the GIL meanwhile), and every stream and health
+        # check waits on the loop. Detokenizing has threads of its own, so that streams never queue
+        # behind long prompts being tokenized.
+        self._tokenizing = ThreadPoolExecutor(max(1, config.tokenizer_threads), thread_name_prefix="tokenize")
+        self._detokenizing = ThreadPoolExecutor(max(1, config.tokenizer_threads), thread_name_prefix="detokenize")
+        # Token ids a prompt may hold: the tokenizer's, else whatever fits the wire's int32.
+        self.vocab_size = len(tokenizer) if tokenizer is not None else 2**31
+        # A text longer than this cannot fit max_prompt_tokens tokens: refused before it is tokenized.
+        self.max_prompt_chars = config.max_prompt_tokens * (
+            longest_token_chars(tokenizer) if tokenizer is not None else DEFAULT_CHARS_PER_TOKEN
+        )
 
     async def start(self) -> None:
         for pool in (self.verify_pool, self.draft_pool):
@@ -155,6 +205,8 @@ class Gateway:
             t.cancel()
         await self.verify_pool.close()
         await self.draft_pool.close()
+        self._tokenizing.shutdown(wait=False, cancel_futures=True)
+        self._detokenizing.shutdown(wait=False, cancel_futures=True)
 
     # input -------------------------------------------------------------------------------------------
     def encode(self, text: str) -> list[int]:
@@ -166,10 +218,44 @@ class Gateway:
         """The tokenizer's chat template when it has one; otherwise the plain template of the README:
         each message as "<role>: <content>\\n", then "assistant:" to prompt the reply."""
         if self.tokenizer is not None and getattr(self.tokenizer, "chat_template", None):
-            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            try:
+                ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            except jinja2.TemplateError as e:  # a template may refuse a conversation (roles that do not alternate)
+                raise BadInput(
+                    "messages", f"the model's chat template refused the messages: {shown(str(e), 200)}"
+                ) from None
             return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
         text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
         return self.encode(text)
+
+    def check_prompt_chars(self, chars: int, param: str) -> None:
+        """Refuse, before tokenizing it, a text too long to fit max_prompt_tokens tokens."""
+        if chars > self.max_prompt_chars:
+            raise BadInput(
+                param,
+                f"'{param}' has {chars} characters: more than {self.config.max_prompt_tokens} tokens "
+                f"(max_prompt_tokens) can hold, {self.max_prompt_chars}",
+            )
+
+    async def off_loop(self, fn, *args):
+        """fn(*args) on the tokenizer's threads: for work too long for the event loop."""
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizing, partial(fn, *args))
+
+    async def tokenize(self, text: str, param: str = "prompt") -> list[int]:
+        """`encode` on the tokenizer's threads, once the text's length is checked."""
+        self.check_prompt_chars(len(text), param)
+        return await self.off_loop(self.encode, text)
+
+    async def tokenize_chat(self, messages: list[dict]) -> list[int]:
+        """`chat_prompt` on the tokenizer's threads, once the messages' length is checked."""
+        self.check_prompt_chars(sum(len(m["content"]) for m in messages), "messages")
+        return await self.off_loop(self.chat_prompt, messages)
+
+    async def detokenize(self, text: TextStream, ids: list[int], final: bool) -> str:
+        """`text.add` on the detokenizer's threads (nothing to do without a tokenizer)."""
+        if text.detokenizer is None:
+            return ""
+        return await asyncio.get_running_loop().run_in_executor(self._detokenizing, text.add, ids, final)
 
     def check(self, req: GenRequest) -> None:
         if not req.prompt_ids:
@@ -177,6 +263,13 @@ class Gateway:
         if len(req.prompt_ids) > self.config.max_prompt_tokens:
             raise InvalidArgument(
                 f"the prompt has {len(req.prompt_ids)} tokens; the limit is {self.config.max_prompt_tokens}"
+            )
+        bad = next((i for i, t in enumerate(req.prompt_ids) if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise BadInput(
+                "prompt",
+                f"token id {shown(req.prompt_ids[bad])} at position {bad} of the prompt is out of range "
+                f"[0, {self.vocab_size})",
             )
         if req.params.max_tokens > self.config.max_tokens_limit:
             raise InvalidArgument(f"max_tokens must be <= {self.config.max_tokens_limit}, got {req.params.max_tokens}")
@@ -256,7 +349,7 @@ class Gateway:
                     # bans it before then) but its text is not part of the output's text.
                     stop_id = bool(ids) and ids[-1] in req.params.stop_token_ids
                     final = finish is not None or stop_id
-                    delta = text.add(ids[:-1] if stop_id else ids, final=final)
+                    delta = await self.detokenize(text, ids[:-1] if stop_id else ids, final=final)
                     if text.stopped:
                         yield Chunk(ids, delta, "stop", logprobs)
                         return

@@ -1,33 +1,55 @@
-"""specmesh.v1.GatewayService over gRPC: protobuf <-> the gateway's domain object (core.py)."""
+"""specmesh.v1.GatewayService over gRPC: protobuf <-> the gateway's domain object (core.py).
+
+Bad input is INVALID_ARGUMENT, never INTERNAL: a request that does not parse (a string that is not UTF-8)
+reaches the servicer as None (see gateway.server), texts are measured before they are tokenized, and the
+session id sent downstream is scoped to the caller's API key and cache_salt (gateway.tenancy).
+"""
 
 from __future__ import annotations
 
-from gateway.core import Gateway, GenRequest, Outcome
+from gateway.core import Gateway, GenRequest, Outcome, shown
+from gateway.tenancy import downstream_session_id, tenant_of
 from specmesh import wire
 from specmesh.errors import InvalidArgument, NotFound
 from specmesh.v1 import gateway_pb2, gateway_pb2_grpc
 
 Chunk = gateway_pb2.GatewayServiceGenerateStreamResponse
+SESSION_ID_MAX = 256  # characters of a session_id or cache_salt, as on the REST front
 # The roles the REST chat route takes; "developer" is OpenAI's newer name for "system".
 CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 
 
-class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
-    def __init__(self, gateway: Gateway):
-        self.gateway = gateway
+def _authorization(context) -> str | None:
+    """The call's `authorization` metadata, if any."""
+    value = dict(context.invocation_metadata() or ()).get("authorization")
+    return value.decode("latin-1") if isinstance(value, bytes) else value
 
-    def _request(self, request) -> GenRequest:
+
+class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
+    def __init__(self, gateway: Gateway, keyed_tenants: bool = False):
+        self.gateway = gateway
+        self.keyed_tenants = keyed_tenants  # API keys are checked: each key is a tenant of its own
+
+    async def _request(self, request, context) -> GenRequest:
+        if request is None:
+            raise InvalidArgument("the request does not parse as its message (strings must be valid UTF-8)")
         if request.model and request.model != self.gateway.config.model_name:
             raise NotFound(
-                f"the model {request.model!r} does not exist; this gateway serves {self.gateway.config.model_name!r}"
+                f"the model {shown(request.model)} does not exist; this gateway serves "
+                f"{shown(self.gateway.config.model_name)}"
             )
+        for name in ("session_id", "cache_salt"):
+            if len(getattr(request, name)) > SESSION_ID_MAX:
+                raise InvalidArgument(f"{name} must be at most {SESSION_ID_MAX} characters")
         if sum(map(bool, (request.prompt, request.prompt_ids, request.messages))) != 1:
             raise InvalidArgument("give exactly one of prompt (text), prompt_ids and messages")
         if request.messages:
-            ids = self.gateway.chat_prompt([self._message(i, m) for i, m in enumerate(request.messages)])
+            ids = await self.gateway.tokenize_chat([self._message(i, m) for i, m in enumerate(request.messages)])
         else:
-            ids = list(request.prompt_ids) or self.gateway.encode(request.prompt)
-        return GenRequest(ids, wire.params_from_pb(request.params), request.session_id, wire.spec_len_from_pb(request))
+            ids = list(request.prompt_ids) or await self.gateway.tokenize(request.prompt)
+        tenant = tenant_of(_authorization(context), self.keyed_tenants)
+        session_id = downstream_session_id(tenant, request.cache_salt, request.session_id)
+        return GenRequest(ids, wire.params_from_pb(request.params), session_id, wire.spec_len_from_pb(request))
 
     @staticmethod
     def _message(i: int, message) -> dict:
@@ -52,7 +74,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         )
 
     async def Generate(self, request, context):
-        req = self._request(request)
+        req = await self._request(request, context)
         outcome = Outcome(prompt_tokens=len(req.prompt_ids))
         text, ids, finish, logprobs = [], [], None, []
         async for chunk in self.gateway.generate(req, outcome):
@@ -68,7 +90,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         )
 
     async def GenerateStream(self, request, context):
-        req = self._request(request)
+        req = await self._request(request, context)
         outcome = Outcome(prompt_tokens=len(req.prompt_ids))
         async for chunk in self.gateway.generate(req, outcome):
             if chunk.finish_reason is None:
