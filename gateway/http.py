@@ -13,6 +13,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from gateway import sglang
 from gateway.core import Gateway, shown
 from gateway.openai import chat, completions, models
 from gateway.openai.protocol import APIError
@@ -127,6 +128,6 @@ def create_app(
 
     _add_error_handlers(app)
     front = Front(gateway, (), max_body_bytes, keyed_tenants=bool(api_keys))  # the key was checked by RequireKey
-    for family in (models, completions, chat):
+    for family in (models, completions, chat, sglang):
         app.include_router(family.router(front))
     return app
