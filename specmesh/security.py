@@ -102,12 +102,23 @@ class KeyRing:
 
     def accepts_authorization(self, value: bytes | str | None) -> bool:
         """Whether an `authorization` header / metadata value is `Bearer <one of the keys>`."""
-        if value is None:
-            return False
-        if isinstance(value, str):
-            value = value.encode()
-        scheme, _, token = value.strip().partition(b" ")
-        return scheme.lower() == b"bearer" and self.accepts(token.strip())
+        return self.accepts(bearer_token(value))
+
+
+def bearer_token(value: bytes | str | None) -> str | None:
+    """The key of an `authorization` value `Bearer <key>`, else None. The one parse of it: whoever derives
+    something from the key a request was accepted with (its tenant) must read the same key from it."""
+    if isinstance(value, bytes):
+        value = value.decode("latin-1")
+    if not value or not value.startswith("Bearer "):
+        return None
+    return value[7:].strip() or None
+
+
+def _only(values: list) -> Any:
+    """The one value of a header / metadata key sent once; None when it is missing or sent several times
+    (which one would a later reader take?)."""
+    return values[0] if len(values) == 1 else None
 
 
 # TLS ---------------------------------------------------------------------------------------------------
@@ -281,10 +292,7 @@ def bind(server: grpc.aio.Server, address: str, security: Security | None = None
 
 
 def _metadata_value(metadata, key: str) -> str | bytes | None:
-    for k, v in metadata or ():
-        if k == key:
-            return v
-    return None
+    return _only([v for k, v in metadata or () if k == key])
 
 
 def _denied(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:
@@ -409,7 +417,7 @@ class RequireKey:
 
     async def __call__(self, scope, receive, send):
         if scope["type"] in ("http", "websocket") and self.keys and scope["path"] not in self.open_paths:
-            auth = next((v for k, v in scope.get("headers", ()) if k == AUTH_HEADER.encode()), None)
+            auth = _only([v for k, v in scope.get("headers", ()) if k == AUTH_HEADER.encode()])
             if not self.keys.accepts_authorization(auth):
                 return await self.reject(MISSING_KEY)(scope, receive, send)
         return await self.app(scope, receive, send)

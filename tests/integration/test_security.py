@@ -185,8 +185,9 @@ def test_keys_come_from_a_file_or_the_environment_and_are_compared_whole(tmp_pat
     assert keys == ("sk-new", "sk-old", "sk-env")
     ring = KeyRing(keys)
     assert ring.accepts("sk-old") and ring.accepts_authorization("Bearer sk-env")
-    assert ring.accepts_authorization("bearer sk-new")
-    for wrong in ("sk-ol", "sk-old2", "", "Bearer", "Basic sk-old", "sk-old sk-new"):
+    assert ring.accepts_authorization(b"Bearer  sk-new ")
+    # exactly "Bearer <key>": the gateway's tenancy reads the key the same way (bearer_token)
+    for wrong in ("sk-ol", "sk-old2", "", "Bearer", "Basic sk-old", "sk-old sk-new", "bearer sk-new", "Bearer sk-ol"):
         assert not ring.accepts_authorization(wrong), wrong
     assert not ring.accepts(None) and not KeyRing().accepts("")
     assert "sk-" not in repr(ring)
@@ -239,8 +240,8 @@ def test_tls_flags_are_checked_with_clear_errors(pki, tmp_path):
 # REST policy: which routes need the key (the app alone, called in-process)
 
 
-def _asgi_get(app, path: str, key: str | None = None) -> tuple[int, bytes]:
-    headers = [(b"authorization", f"Bearer {key}".encode())] if key else []
+def _asgi_get(app, path: str, key: str | None = None, *more_keys: str) -> tuple[int, bytes]:
+    headers = [(b"authorization", f"Bearer {k}".encode()) for k in (key, *more_keys) if k]
     scope = {
         "type": "http",
         "asgi": {"version": "3.0"},
@@ -282,6 +283,7 @@ def test_rest_routes_need_the_key_but_those_left_open():
         assert error["code"] == "invalid_api_key" and error["type"] == "authentication_error", body
         assert _asgi_get(default, path, "sk-wrong")[0] == 401
     assert _asgi_get(default, "/metrics", API_KEY)[0] == 200
+    assert _asgi_get(default, "/metrics", API_KEY, "sk-someone-else")[0] == 401  # two keys: refused
     assert _asgi_get(default, "/v1/models", API_KEY)[0] == 200
     assert _asgi_get(default, "/health")[0] == 200 and _asgi_get(default, "/health/live")[0] == 200
 
@@ -558,7 +560,8 @@ def test_gateway_grpc_needs_a_client_certificate_and_the_key(gateway_cli, pki):
         ch.close()
     ch = _channel(address, pki)
     stub = gateway_pb2_grpc.GatewayServiceStub(ch)
-    for md in ((), _auth("sk-wrong"), (("authorization", API_KEY),)):
+    twice = (*_auth(API_KEY), *_auth("sk-someone-else"))  # which would a later reader of the metadata take?
+    for md in ((), _auth("sk-wrong"), (("authorization", API_KEY),), twice):
         assert _code(lambda md=md: stub.Generate(request, metadata=md, timeout=30)) == C.UNAUTHENTICATED
         assert _code(lambda md=md: stub.GenerateStream(stream_request, metadata=md, timeout=30)) == C.UNAUTHENTICATED
     assert _health(ch) == "SERVING"
