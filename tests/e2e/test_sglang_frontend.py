@@ -70,9 +70,9 @@ def test_sglang_frontend_runs_unchanged_against_the_gateway(side_python):
     assert meta["completion_tokens"] == len(want.token_ids) and meta["prompt_tokens"] == len(ids)
     assert meta["spec_verify_ct"] >= 1 and meta["finish_reason"]["type"] in ("length", "stop")
 
-    # Streaming through text_iter: the same answer, in more than one piece.
+    # Streaming through text_iter: the same answer (how many pieces it comes in depends on how fast the
+    # frontend's reader thread keeps up; that the events are incremental is checked in test_sglang_api).
     assert "".join(out["stream_pieces"]) == out["stream_answer"] == answer
-    assert len([p for p in out["stream_pieces"] if p]) >= 2
 
     # sgl.select: each choice's log-probabilities are the target's, and the choice is their best mean.
     sel, scores = out["select"], out["select_meta"]
