@@ -22,10 +22,11 @@ ROOT = Path(__file__).resolve().parents[2]
 PROMPT = "def add(a, b):\n"
 
 
-def call(method: str, url: str, body=None, raw: bytes | None = None) -> tuple[int, str, str]:
+def call(method: str, url: str, body=None, raw: bytes | None = None, key: str | None = None) -> tuple[int, str, str]:
     """(status, content type, body text) of one plain HTTP call."""
     data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
-    req = urllib.request.Request(url, data=data, method=method, headers={"content-type": "application/json"})
+    headers = {"content-type": "application/json"} | ({"authorization": f"Bearer {key}"} if key else {})
+    req = urllib.request.Request(url, data=data, method=method, headers=headers)
     try:
         with urllib.request.urlopen(req, timeout=120) as r:
             return r.status, r.headers.get("content-type", ""), r.read().decode()
@@ -51,14 +52,19 @@ def target(tokenizer):
 
 
 @pytest.fixture(scope="module")
-def url(target, tokenizer):
+def services(target, tokenizer):
     verify = start_verify(target, tokenizer)
     draft = start_draft(noisy_copy(target, 0.03), verify.address)
-    gw = GatewayServer([verify.address], [draft.address], tokenizer, max_prompt_tokens=512, max_tokens_limit=256)
-    yield gw.base_url
-    gw.stop()
+    yield [verify.address], [draft.address]
     draft.stop()
     verify.stop()
+
+
+@pytest.fixture(scope="module")
+def url(services, tokenizer):
+    gw = GatewayServer(*services, tokenizer, max_prompt_tokens=512, max_tokens_limit=256)
+    yield gw.base_url
+    gw.stop()
 
 
 @pytest.fixture(scope="module")
@@ -290,6 +296,19 @@ def test_service_routes(url):
             assert status == 400 and json.loads(text)["error"]["param"] == "timeout", text
     assert call("GET", url + "/health_generate")[0] == 200
     assert call("GET", url + "/generate")[0] == 405
+
+
+def test_with_api_keys_every_route_needs_one(services, tokenizer):
+    gw = GatewayServer(*services, tokenizer, api_keys=("k1",))
+    try:
+        body = {"text": PROMPT, "sampling_params": {"max_new_tokens": 2}}
+        for method, path, payload in [("POST", "/generate", body), ("GET", "/get_model_info", None)]:
+            status, _, text = call(method, gw.base_url + path, payload)
+            assert status == 401 and json.loads(text)["error"]["message"], text
+            assert call(method, gw.base_url + path, payload, key="k2")[0] == 401
+            assert call(method, gw.base_url + path, payload, key="k1")[0] == 200
+    finally:
+        gw.stop()
 
 
 # (body, the parameter the 400 must name; None: a message without a parameter)
