@@ -18,7 +18,6 @@ text never stalls the event loop that streams every generation.
 
 from __future__ import annotations
 
-import json
 from functools import partial
 from typing import Any
 
@@ -26,7 +25,7 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, Field, field_validator
 from pydantic_core import PydanticCustomError
 
-from gateway.core import Gateway
+from gateway.core import Gateway, shown
 from gateway.openai.models import model_limits
 from gateway.openai.protocol import APIError, ChatMessage, OpenAIRequestModel, Unsupported, parse_request
 from gateway.openai.serving import Front
@@ -89,15 +88,6 @@ class TokenizeResponse(BaseModel):
 
 class DetokenizeResponse(BaseModel):
     prompt: str
-
-
-def _shown(value) -> str:
-    """A value as an error quotes it, cut short: no large input is echoed back."""
-    try:
-        text = json.dumps(value)
-    except ValueError:  # an integer past int -> str's digit limit
-        text = type(value).__name__
-    return text if len(text) <= 32 else text[:29] + "..."
 
 
 def _tokenizer(front: Front):
@@ -175,10 +165,10 @@ def router(front: Front) -> APIRouter:
         for i, t in enumerate(req.tokens):
             param = f"tokens[{i}]"
             if not isinstance(t, int) or isinstance(t, bool):
-                raise APIError(400, f"'{param}' must be an integer token id, got {_shown(t)}", param, "invalid_type")
+                raise APIError(400, f"'{param}' must be an integer token id, got {shown(t)}", param, "invalid_type")
             if not 0 <= t < vocab:
                 raise APIError(
-                    400, f"'{param}' must be a token id in [0, {vocab}), got {_shown(t)}", param, "invalid_value"
+                    400, f"'{param}' must be a token id in [0, {vocab}), got {shown(t)}", param, "invalid_value"
                 )
         return DetokenizeResponse(prompt=await gateway.off_loop(tok.decode, req.tokens)).model_dump()
 
