@@ -1,5 +1,6 @@
-"""POST /v1/chat/completions: messages in (through the tokenizer's chat template), the reply out, whole or
-streamed; a streamed reply starts with a chunk that carries the role."""
+"""POST /v1/chat/completions: messages in (through the tokenizer's chat template), n replies out, whole or
+streamed; a streamed reply starts with a chunk that carries the role; with `logprobs` the tokens'
+log-probabilities in OpenAI's chat shape."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ from gateway.openai.protocol import (
     ChatResponseMessage,
     ChatStreamChoice,
     DeltaMessage,
+    LogprobEntry,
+    chat_logprobs,
 )
 
 
@@ -27,17 +30,21 @@ class Chat:
     id_prefix = "chatcmpl-"
     span_name = "gateway.chat"
 
-    async def prompt_ids(self, gateway: Gateway, body: ChatCompletionRequest) -> list[int]:
-        return await gateway.tokenize_chat([m.to_prompt() for m in body.messages])
+    async def prompts(self, gateway: Gateway, body: ChatCompletionRequest) -> list[tuple[list[int], str | None]]:
+        return [(await gateway.tokenize_chat([m.to_prompt() for m in body.messages]), None)]
 
-    def choice(self, text: str, finish: str | None) -> ChatChoice:
-        return ChatChoice(message=ChatResponseMessage(content=text), finish_reason=finish)
+    def choice(self, index: int, text: str, finish: str | None, logprobs: list[LogprobEntry] | None) -> ChatChoice:
+        lp = chat_logprobs(logprobs) if logprobs is not None else None
+        return ChatChoice(index=index, message=ChatResponseMessage(content=text), logprobs=lp, finish_reason=finish)
 
-    def opening(self) -> list[ChatStreamChoice]:
-        return [ChatStreamChoice(delta=DeltaMessage(role="assistant", content=""), finish_reason=None)]
+    def opening(self, index: int) -> list[ChatStreamChoice]:
+        return [ChatStreamChoice(index=index, delta=DeltaMessage(role="assistant", content=""), finish_reason=None)]
 
-    def delta(self, text: str | None, finish: str | None) -> ChatStreamChoice:
-        return ChatStreamChoice(delta=DeltaMessage(content=text), finish_reason=finish)
+    def delta(
+        self, index: int, text: str | None, finish: str | None, logprobs: list[LogprobEntry] | None
+    ) -> ChatStreamChoice:
+        lp = chat_logprobs(logprobs) if logprobs is not None else None
+        return ChatStreamChoice(index=index, delta=DeltaMessage(content=text), logprobs=lp, finish_reason=finish)
 
 
 def router(front: serving.Front) -> APIRouter:

@@ -1,4 +1,5 @@
-"""POST /v1/completions: one prompt (text or token ids) in, its completion out, whole or streamed."""
+"""POST /v1/completions: one prompt or a list of them (text or token ids) in, n completions of each out,
+whole or streamed; with `echo` the prompt first, with `logprobs` the tokens' log-probabilities."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from gateway.openai.protocol import (
     CompletionRequest,
     CompletionResponse,
     CompletionStreamResponse,
+    LogprobEntry,
+    completion_logprobs,
 )
 
 
@@ -23,17 +26,28 @@ class Completions:
     id_prefix = "cmpl-"
     span_name = "gateway.completions"
 
-    async def prompt_ids(self, gateway: Gateway, body: CompletionRequest) -> list[int]:
-        return await gateway.tokenize(body.prompt) if isinstance(body.prompt, str) else list(body.prompt)
+    async def prompts(self, gateway: Gateway, body: CompletionRequest) -> list[tuple[list[int], str | None]]:
+        out = []
+        for i, prompt in enumerate(body.prompt):
+            param = "prompt" if len(body.prompt) == 1 else f"prompt[{i}]"
+            ids = await gateway.tokenize(prompt, param) if isinstance(prompt, str) else list(prompt)
+            out.append((ids, prompt if isinstance(prompt, str) else None))
+        return out
 
-    def choice(self, text: str, finish: str | None) -> CompletionChoice:
-        return CompletionChoice(text=text, finish_reason=finish)
+    def choice(
+        self, index: int, text: str, finish: str | None, logprobs: list[LogprobEntry] | None
+    ) -> CompletionChoice:
+        lp = completion_logprobs(logprobs) if logprobs is not None else None
+        return CompletionChoice(index=index, text=text, logprobs=lp, finish_reason=finish)
 
-    def opening(self) -> list[CompletionChoice]:
+    def opening(self, index: int) -> list[CompletionChoice]:
         return []
 
-    def delta(self, text: str | None, finish: str | None) -> CompletionChoice:
-        return CompletionChoice(text=text or "", finish_reason=finish)
+    def delta(
+        self, index: int, text: str | None, finish: str | None, logprobs: list[LogprobEntry] | None
+    ) -> CompletionChoice:
+        lp = completion_logprobs(logprobs) if logprobs is not None else None
+        return CompletionChoice(index=index, text=text or "", logprobs=lp, finish_reason=finish)
 
 
 def router(front: serving.Front) -> APIRouter:

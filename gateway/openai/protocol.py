@@ -11,12 +11,14 @@ response.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Annotated, Any, Generic, Literal, TypeVar, get_args
 
 from fastapi.responses import JSONResponse
 from pydantic import (
     AfterValidator,
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     ValidationError,
@@ -29,7 +31,14 @@ from pydantic_core import PydanticCustomError
 from gateway.core import Outcome, shown
 from specmesh.errors import SpecmeshError
 from specmesh.rejection.limits import MAX_SPEC_LEN
-from specmesh.sampling import DEFAULT_MAX_TOKENS, MAX_STOP_STRINGS, SamplingParams
+from specmesh.sampling import (
+    DEFAULT_MAX_TOKENS,
+    MAX_BAD_WORDS,
+    MAX_LOGIT_BIAS,
+    MAX_LOGPROBS,
+    MAX_STOP_STRINGS,
+    SamplingParams,
+)
 
 # errors -------------------------------------------------------------------------------------------------
 ERROR_TYPES = {
@@ -166,14 +175,27 @@ def _refuse_unsupported(value: Any) -> Any:
     return value
 
 
-def _refuse_penalty(value: float) -> float:
-    if value:
-        raise PydanticCustomError("unsupported", "is not supported (it would change the target's distribution)")
-    return value
-
-
 Unsupported = Annotated[Any, AfterValidator(_refuse_unsupported)]
-Penalty = Annotated[float, Field(ge=-2, le=2, description="a number in [-2, 2]"), AfterValidator(_refuse_penalty)]
+Penalty = Annotated[float, Field(ge=-2, le=2, description="a number in [-2, 2]")]
+MAX_N = 16  # most choices per prompt
+MAX_PROMPTS = 64  # most prompts in one completions request
+TokenId = Annotated[int, Field(ge=0, lt=2**31, description="a token id")]
+
+
+def _logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
+    """OpenAI's logit_bias: an object of token id (as a string) -> bias in [-100, 100]."""
+    if not isinstance(value, dict):
+        raise PydanticCustomError("invalid_type", "must be an object of token id -> bias")
+    out = []
+    for key, bias in value.items():
+        if not (isinstance(key, str) and key.isdigit() and len(key) < 10):
+            raise PydanticCustomError("invalid_value", "keys must be token ids (as strings)")
+        number = isinstance(bias, (int, float)) and not isinstance(bias, bool)
+        if not (number and -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS):
+            bound = f"{MAX_LOGIT_BIAS:g}"
+            raise PydanticCustomError("invalid_value", f"values must be numbers in [-{bound}, {bound}]")
+        out.append((int(key), float(bias)))
+    return tuple(sorted(out))
 
 
 class StreamOptions(OpenAIRequestModel):
@@ -189,12 +211,17 @@ class GenerationRequest(OpenAIRequestModel):
     top_k: int = Field(0, ge=-1, lt=2**31, description="an integer in [-1, 2**31) (-1 or 0 = off)")
     max_tokens: int = Field(DEFAULT_MAX_TOKENS, ge=1, lt=2**31, description="an integer in [1, 2**31)")
     seed: int | None = Field(None, ge=0, lt=2**63, description="an integer in [0, 2**63)")
-    n: int = Field(1, ge=1, le=1, description="1 (only one choice per request is supported)")
+    n: int = Field(1, ge=1, le=MAX_N, description=f"an integer in [1, {MAX_N}]")
     stop: tuple[str, ...] = Field((), description="a string or a list of strings")
-    logprobs: Unsupported = None
-    top_logprobs: Unsupported = None
-    logit_bias: Unsupported = None
-    echo: Unsupported = None
+    logit_bias: Annotated[tuple[tuple[int, float], ...], BeforeValidator(_logit_bias)] = ()
+    # vLLM's extra sampling parameters (every one applied by the target exactly; see specmesh.sampling).
+    repetition_penalty: float = Field(1.0, gt=0, le=100, description="a number in (0, 100]")
+    min_p: float = Field(0.0, ge=0, le=1, description="a number in [0, 1]")
+    min_tokens: int = Field(0, ge=0, lt=2**31, description="an integer >= 0")
+    stop_token_ids: list[TokenId] = Field([], max_length=64, description="a list of at most 64 token ids")
+    bad_words: list[str] = Field(
+        [], max_length=MAX_BAD_WORDS // 2, description=f"a list of at most {MAX_BAD_WORDS // 2} strings"
+    )
     suffix: Unsupported = None
     tools: Unsupported = None
     functions: Unsupported = None
@@ -243,7 +270,16 @@ class GenerationRequest(OpenAIRequestModel):
     def include_usage(self) -> bool:
         return self.stream and self.stream_options is not None and self.stream_options.include_usage
 
-    def to_sampling_params(self) -> SamplingParams:
+    @property
+    def num_logprobs(self) -> int | None:
+        """Top log-probabilities per output token; None = no log-probabilities."""
+        return None
+
+    def check(self) -> None:
+        """Raise an APIError (400) naming the parameter for what no field's own validation can see."""
+
+    def to_sampling_params(self, bad_words: tuple[tuple[int, ...], ...] = ()) -> SamplingParams:
+        """`bad_words`: the request's bad_words as token sequences (the gateway tokenizes them)."""
         return SamplingParams(
             temperature=float(self.temperature),
             top_k=max(0, self.top_k),
@@ -252,23 +288,38 @@ class GenerationRequest(OpenAIRequestModel):
             max_tokens=self.max_output_tokens,
             stop=self.stop,
             ignore_eos=self.ignore_eos,
+            repetition_penalty=float(self.repetition_penalty),
+            presence_penalty=float(self.presence_penalty),
+            frequency_penalty=float(self.frequency_penalty),
+            min_p=float(self.min_p),
+            logit_bias=self.logit_bias,
+            min_tokens=self.min_tokens,
+            stop_token_ids=tuple(self.stop_token_ids),
+            bad_words=bad_words,
+            logprobs=self.num_logprobs,
         )
 
 
+def _is_ids(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+
+
 class _PromptInput(OpenAIRequestModel):
-    prompt: str | list[int] = Field(None, validate_default=True)
+    # One prompt (text or token ids) or a list of them (texts, or lists of token ids), as OpenAI takes them.
+    prompt: list[str | list[int]] = Field(None, validate_default=True)
 
     @field_validator("prompt", mode="before")
     @classmethod
-    def _one_prompt(cls, value: Any) -> str | list[int]:
-        if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
-            value = value[0]
-        token_ids = isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
-        if not (isinstance(value, str) or token_ids):
+    def _prompts(cls, value: Any) -> list[str | list[int]]:
+        if isinstance(value, str) or (_is_ids(value) and value):
+            value = [value]
+        if not (isinstance(value, list) and value and all(isinstance(p, str) or _is_ids(p) for p in value)):
             raise PydanticCustomError(
-                "invalid_type", "must be a string or a list of token ids (one prompt per request)"
+                "invalid_type", "must be a string, a list of token ids, or a list of strings or of token id lists"
             )
-        if not value:
+        if len(value) > MAX_PROMPTS:
+            raise PydanticCustomError("invalid_value", f"must hold at most {MAX_PROMPTS} prompts")
+        if not all(value):
             raise PydanticCustomError("invalid_value", "must not be empty")
         return value
 
@@ -276,7 +327,23 @@ class _PromptInput(OpenAIRequestModel):
 # Bases are listed input last: pydantic orders fields base by base from the last, and the first field in
 # that order that fails is the one reported, so an error in the prompt or messages comes first.
 class CompletionRequest(GenerationRequest, _PromptInput):
-    """POST /v1/completions: one prompt, as text or token ids."""
+    """POST /v1/completions: one prompt or a list of them, as text or token ids; choices are indexed
+    prompt-major (prompt i's n samples are choices i*n .. i*n + n - 1), as OpenAI and vLLM index them.
+    `logprobs` is an integer here (top log-probabilities per token); `echo` puts the prompt (and, with
+    logprobs, its log-probabilities) before the completion, and allows max_tokens 0."""
+
+    max_tokens: int = Field(DEFAULT_MAX_TOKENS, ge=0, lt=2**31, description="an integer in [0, 2**31)")
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description=f"an integer in [0, {MAX_LOGPROBS}]")
+    echo: bool = Field(False, description="a boolean")
+    top_logprobs: Unsupported = None
+
+    def check(self) -> None:
+        if self.max_tokens == 0 and not self.echo:
+            raise APIError(400, "'max_tokens' may be 0 only with echo", "max_tokens", "invalid_value")
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
 
 
 class ChatMessage(OpenAIRequestModel):
@@ -315,7 +382,20 @@ class _ChatInput(OpenAIRequestModel):
 
 
 class ChatCompletionRequest(GenerationRequest, _ChatInput):
-    """POST /v1/chat/completions. `max_completion_tokens` is OpenAI's newer name for `max_tokens`."""
+    """POST /v1/chat/completions. `max_completion_tokens` is OpenAI's newer name for `max_tokens`.
+    `logprobs` is a boolean here, `top_logprobs` the number of top log-probabilities per token."""
+
+    logprobs: bool = Field(False, description="a boolean")
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description=f"an integer in [0, {MAX_LOGPROBS}]")
+    echo: Unsupported = None
+
+    def check(self) -> None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError(400, "'top_logprobs' needs 'logprobs': true", "top_logprobs", "invalid_value")
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     max_completion_tokens: int | None = Field(None, ge=1, lt=2**31, description="an integer in [1, 2**31)")
 
@@ -386,10 +466,57 @@ class SpecmeshStats(BaseModel):
         )
 
 
+@dataclass(frozen=True)
+class LogprobEntry:
+    """One token of a choice as its log-probabilities are shown: its text, its raw log-probability (None for
+    an echoed prompt's first token), the top tokens' texts and log-probabilities, and where its text starts
+    in the choice's text."""
+
+    token: str
+    logprob: float | None
+    top: list[tuple[str, float]]
+    offset: int
+
+
+# OpenAI's clients parse -inf badly: a log-probability is floored here, as vLLM does.
+LOGPROB_FLOOR = -9999.0
+
+
+def completion_logprobs(entries: list[LogprobEntry]) -> CompletionLogprobs:
+    return CompletionLogprobs(
+        tokens=[e.token for e in entries],
+        token_logprobs=[None if e.logprob is None else max(e.logprob, LOGPROB_FLOOR) for e in entries],
+        top_logprobs=[None if e.logprob is None else {t: max(v, LOGPROB_FLOOR) for t, v in e.top} for e in entries],
+        text_offset=[e.offset for e in entries],
+    )
+
+
+def chat_logprobs(entries: list[LogprobEntry]) -> ChatLogprobs:
+    def top(token: str, logprob: float) -> ChatTopLogprob:
+        return ChatTopLogprob(token=token, logprob=max(logprob, LOGPROB_FLOOR), bytes=list(token.encode()))
+
+    return ChatLogprobs(
+        content=[
+            ChatTokenLogprob(**top(e.token, e.logprob or 0.0).model_dump(), top_logprobs=[top(t, v) for t, v in e.top])
+            for e in entries
+        ]
+    )
+
+
+class CompletionLogprobs(BaseModel):
+    """OpenAI's legacy completions log-probabilities: one entry per token (echoed prompt tokens first, the
+    first of them with no log-probability)."""
+
+    tokens: list[str] = []
+    token_logprobs: list[float | None] = []
+    top_logprobs: list[dict[str, float] | None] = []
+    text_offset: list[int] = []
+
+
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None
 
 
@@ -398,10 +525,24 @@ class ChatResponseMessage(BaseModel):
     content: str
 
 
+class ChatTopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class ChatTokenLogprob(ChatTopLogprob):
+    top_logprobs: list[ChatTopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None
+
+
 class ChatChoice(BaseModel):
     index: int = 0
     message: ChatResponseMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None
 
 
@@ -419,7 +560,7 @@ class DeltaMessage(BaseModel):
 class ChatStreamChoice(BaseModel):
     index: int = 0
     delta: DeltaMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None
 
 

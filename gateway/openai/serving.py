@@ -10,6 +10,7 @@ Whatever a client sends, the answer is in OpenAI's shape, never a 500: the body 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 import uuid
 from collections.abc import AsyncGenerator
@@ -28,6 +29,7 @@ from gateway.openai.protocol import (
     SESSION_ID_MAX,
     APIError,
     GenerationRequest,
+    LogprobEntry,
     ResponseBase,
     SpecmeshStats,
     StreamResponseBase,
@@ -37,6 +39,7 @@ from gateway.openai.protocol import (
 )
 from gateway.tenancy import downstream_session_id, tenant_of
 from specmesh import telemetry
+from specmesh.domain import TokenLogprob
 from specmesh.errors import SpecmeshError, Unavailable
 
 # Bodies are no longer drained to many times the limit (gateway.openai.body); kept at 1 for code that still
@@ -117,7 +120,7 @@ class Head(NamedTuple):
 
 
 class Api(Protocol):
-    """What one route family (completions, chat) has of its own: its route, its request, the prompt it
+    """What one route family (completions, chat) has of its own: its route, its request, the prompts it
     makes of it, and the types and choices of its answer."""
 
     path: str
@@ -128,20 +131,20 @@ class Api(Protocol):
     id_prefix: str
     span_name: str
 
-    async def prompt_ids(self, gateway: Gateway, body: Any) -> list[int]:
-        """The prompt's token ids (tokenized off the event loop)."""
+    async def prompts(self, gateway: Gateway, body: Any) -> list[tuple[list[int], str | None]]:
+        """Each prompt's token ids (tokenized off the event loop) and its text when it came as text."""
         ...
 
-    def choice(self, text: str, finish: str | None) -> BaseModel:
-        """The one choice of a whole answer."""
+    def choice(self, index: int, text: str, finish: str | None, logprobs: list[LogprobEntry] | None) -> BaseModel:
+        """One choice of a whole answer."""
         ...
 
-    def opening(self) -> list[BaseModel]:
-        """The choices of a stream's first chunks, before any text."""
+    def opening(self, index: int) -> list[BaseModel]:
+        """The choices of a stream's first chunks for choice `index`, before any text."""
         ...
 
-    def delta(self, text: str | None, finish: str | None) -> BaseModel:
-        """A stream chunk's choice: new text, or the finish reason."""
+    def delta(self, index: int, text: str | None, finish: str | None, logprobs: list[LogprobEntry] | None) -> BaseModel:
+        """A stream chunk's choice: new text (and its tokens' log-probabilities), or the finish reason."""
         ...
 
 
@@ -151,10 +154,24 @@ def router(front: Front, api: Api) -> APIRouter:
     @routes.post(api.path, name=api.name)
     async def generate(request: Request) -> Response:
         body = parse_request(api.request_type, await front.read_body(request))
-        ids = await api.prompt_ids(front.gateway, body)
-        return await respond(front, request, front.gen_request(request, body, ids), body, api)
+        body.check()
+        prompts = await api.prompts(front.gateway, body)
+        bad_words = await bad_word_ids(front.gateway, body.bad_words)
+        return await respond(front, request, body, api, prompts, bad_words)
 
     return routes
+
+
+async def bad_word_ids(gateway: Gateway, words: list[str]) -> tuple[tuple[int, ...], ...]:
+    """vLLM's bad_words as token sequences: each word as it is and after a space (a word inside text is
+    usually tokenized with its leading space), without duplicates."""
+    out: list[tuple[int, ...]] = []
+    for i, word in enumerate(words):
+        for text in (word.lstrip(), " " + word.lstrip()):
+            ids = tuple(await gateway.tokenize(text, f"bad_words[{i}]")) if text.strip() else ()
+            if ids and ids not in out:
+                out.append(ids)
+    return tuple(out)
 
 
 def _with_totals(model: type[ResponseBase], head: Head, choices: list, outcome: Outcome) -> ResponseBase:
@@ -202,10 +219,79 @@ def _failed(span: RequestSpan, e: SpecmeshError) -> Response:
     return APIError.from_domain(e).response(retried=isinstance(e, Unavailable))
 
 
-async def respond(front: Front, request: Request, req: GenRequest, body: GenerationRequest, api: Api) -> Response:
-    """Run the generation and answer with it: one JSON body, or server-sent events when `body.stream`."""
+@dataclass
+class Run:
+    """One choice: a sample of one prompt, its generation and its totals."""
+
+    index: int  # prompt-major: prompt p's sample j is choice p * n + j
+    prompt_ids: list[int]
+    req: GenRequest | None  # None: echo with max_tokens 0, nothing to generate
+    outcome: Outcome
+    echo: str = ""  # the prompt's text, when it is echoed
+    echo_logprobs: list[tuple[int, TokenLogprob | None]] | None = None
+    chunks: AsyncGenerator[Chunk, None] | None = None
+    first: Chunk | None = None
+    offset: int = 0  # characters of the choice's token texts so far (completions' text_offset)
+
+
+class LogprobText:
+    """Turns token ids and their log-probabilities into what the answer shows (each token's own text, as
+    vLLM decodes it: one id at a time, special tokens kept)."""
+
+    def __init__(self, gateway: Gateway):
+        tokenizer = gateway.tokenizer
+        self.decode = (lambda t: tokenizer.decode([t], skip_special_tokens=False)) if tokenizer is not None else None
+
+    def text(self, token_id: int) -> str:
+        return self.decode(token_id) if self.decode is not None else f"token_id:{token_id}"
+
+    def entries(self, run: Run, tokens: list[tuple[int, TokenLogprob | None]]) -> list[LogprobEntry]:
+        out = []
+        for token_id, lp in tokens:
+            token = self.text(token_id)
+            top = [(self.text(t), v) for t, v in lp.top] if lp is not None else []
+            out.append(LogprobEntry(token, lp.logprob if lp is not None else None, top, run.offset))
+            run.offset += len(token)
+        return out
+
+
+def _choice_tokens(chunk: Chunk) -> list[tuple[int, TokenLogprob | None]]:
+    lps = chunk.logprobs or [None] * len(chunk.token_ids)
+    return list(zip(chunk.token_ids, lps, strict=True))
+
+
+def _total(runs: list[Run], n: int) -> Outcome:
+    """The request's totals: every prompt's tokens once, every choice's output, all the speculation."""
+    total = Outcome(prompt_tokens=sum(len(r.prompt_ids) for r in runs if r.index % n == 0))
+    for r in runs:
+        o = r.outcome
+        total.completion_tokens += o.completion_tokens
+        total.cached_prompt_tokens += o.cached_prompt_tokens if r.index % n == 0 else 0
+        total.stats.merge(o.stats)
+        total.failovers += o.failovers
+        total.target_only = total.target_only or o.target_only
+        total.verify_replica = total.verify_replica or o.verify_replica
+    return total
+
+
+async def _close(runs: list[Run]) -> None:
+    for r in runs:
+        if r.chunks is not None:
+            await r.chunks.aclose()
+
+
+async def respond(
+    front: Front,
+    request: Request,
+    body: GenerationRequest,
+    api: Api,
+    prompts: list[tuple[list[int], str | None]],
+    bad_words: tuple[tuple[int, ...], ...] = (),
+) -> Response:
+    """Run the n generations of every prompt (independent samples, each its own session) and answer with
+    them: one JSON body, or server-sent events when `body.stream`."""
     rid = api.id_prefix + uuid.uuid4().hex
-    outcome = Outcome(prompt_tokens=len(req.prompt_ids))
+    outcome = Outcome(prompt_tokens=sum(len(ids) for ids, _ in prompts))
     telemetry.REQUEST_ID.set(rid)
     span = RequestSpan(
         front.tracer,
@@ -215,38 +301,84 @@ async def respond(front: Front, request: Request, req: GenRequest, body: Generat
         {
             "specmesh.request_id": rid,
             "specmesh.stream": body.stream,
-            "specmesh.prompt_tokens": len(req.prompt_ids),
-            "specmesh.session_id": req.session_id,
+            "specmesh.prompt_tokens": outcome.prompt_tokens,
+            "specmesh.choices": len(prompts) * body.n,
+            "specmesh.session_id": body.session_id or request.headers.get("x-session-id", ""),
         },
     )
-    req.metadata = span.outgoing_metadata()
-    gen = front.gateway.generate(req, outcome)
-    # Run up to the first chunk before answering, so errors found before any output (bad input,
-    # overload, no replica) are real HTTP statuses rather than stream events.
+    metadata = span.outgoing_metadata()
+    params = body.to_sampling_params(bad_words)
+    echo = bool(getattr(body, "echo", False))
+    runs: list[Run] = []
     try:
-        first = await anext(gen, None)
+        for p, (ids, text) in enumerate(prompts):
+            for j in range(body.n):
+                index = p * body.n + j
+                req = None
+                if params.max_tokens > 0:
+                    req = front.gen_request(request, body, ids)
+                    # Independent samples: a session (and a seed) of their own, as vLLM's n does.
+                    seed = None if params.seed is None else (params.seed + j) % 2**63
+                    session = f"{req.session_id}#{index}" if req.session_id and index else req.session_id
+                    req = dataclasses.replace(req, params=dataclasses.replace(params, seed=seed), session_id=session)
+                    req.metadata = metadata
+                run = Run(index, ids, req, Outcome(prompt_tokens=len(ids)))
+                if echo:
+                    run.echo = text if text is not None else await front.gateway.off_loop(_decode, front.gateway, ids)
+                    if params.logprobs is not None:
+                        scored = await front.gateway.prompt_logprobs(ids, params.logprobs, metadata)
+                        run.echo_logprobs = [(ids[0], None), *zip(ids[1:], scored, strict=True)]
+                runs.append(run)
+        for r in runs:
+            if r.req is not None:
+                r.chunks = front.gateway.generate(r.req, r.outcome)
+        # Run up to each first chunk before answering, so errors found before any output (bad input,
+        # overload, no replica) are real HTTP statuses rather than stream events.
+        firsts = await asyncio.gather(
+            *(anext(r.chunks, None) for r in runs if r.chunks is not None), return_exceptions=True
+        )
+        for r, first in zip([r for r in runs if r.chunks is not None], firsts, strict=True):
+            if isinstance(first, BaseException):
+                raise first
+            r.first = first
     except SpecmeshError as e:
-        await gen.aclose()
+        await _close(runs)
         return _failed(span, e)
-    generation = Generation(api, outcome, span, gen, first)
+    except BaseException:
+        await _close(runs)
+        span.end("failed")
+        raise
+    generation = Generation(api, outcome, span, runs, body.n, LogprobText(front.gateway), params.logprobs is not None)
     if body.stream:
         return generation.stream(Head(rid, int(time.time()), front.model_name), body.include_usage)
     return await generation.complete(request, front.model_name, rid)
 
 
+def _decode(gateway: Gateway, ids: list[int]) -> str:
+    return gateway.tokenizer.decode(ids, skip_special_tokens=True) if gateway.tokenizer is not None else ""
+
+
 @dataclass
 class Generation:
-    """One generation being answered: the gateway's chunks (the first already there), its totals, its span."""
+    """The generations of one request being answered (their first chunks already there), totals, span."""
 
     api: Api
-    outcome: Outcome
+    outcome: Outcome  # the request's totals, filled in once every choice has finished
     span: RequestSpan
-    chunks: AsyncGenerator[Chunk, None]
-    first: Chunk | None
+    runs: list[Run]
+    n: int
+    texts: LogprobText
+    logprobs: bool  # the request asked for log-probabilities
+
+    def _finish_totals(self) -> None:
+        total = _total(self.runs, self.n)
+        for name in ("completion_tokens", "cached_prompt_tokens", "failovers", "target_only", "verify_replica"):
+            setattr(self.outcome, name, getattr(total, name))
+        self.outcome.stats = total.stats
 
     async def complete(self, request: Request, model: str, rid: str) -> Response:
         """The whole answer as one JSON body; 499 (and the work stopped) if the client goes away first."""
-        collector = asyncio.ensure_future(self._collect())
+        collector = asyncio.ensure_future(asyncio.gather(*(self._collect(r) for r in self.runs)))
         try:
             while not collector.done():
                 await asyncio.wait({collector}, timeout=0.25)
@@ -254,29 +386,36 @@ class Generation:
                     collector.cancel()
                     self.span.end("client disconnected")
                     return Response(status_code=499)
-            text, finish = collector.result()
+            choices = collector.result()
         except SpecmeshError as e:
             return _failed(self.span, e)
         finally:
             if not collector.done():
                 collector.cancel()
-            await self.chunks.aclose()
+            await _close(self.runs)
+            self._finish_totals()
             self.span.end()
         head = Head(rid, int(time.time()), model)
-        answer = _with_totals(self.api.response_type, head, [self.api.choice(text, finish)], self.outcome)
+        answer = _with_totals(self.api.response_type, head, list(choices), self.outcome)
         return JSONResponse(answer.model_dump(), headers={"x-request-id": rid})
 
-    async def _collect(self) -> tuple[str, str | None]:
-        pieces, finish, chunk = [], None, self.first
+    async def _collect(self, run: Run) -> BaseModel:
+        pieces, finish, chunk = [run.echo], None, run.first
+        tokens = list(run.echo_logprobs or [])
         while chunk is not None:
             pieces.append(chunk.text)
+            tokens += _choice_tokens(chunk)
             finish = chunk.finish_reason or finish
-            chunk = await self.chunks.__anext__() if chunk.finish_reason is None else None
-        return "".join(pieces), finish
+            assert run.chunks is not None
+            chunk = await run.chunks.__anext__() if chunk.finish_reason is None else None
+        if run.req is None:
+            finish = "length"  # echo with max_tokens 0: the (empty) completion ended at its length
+        entries = self.texts.entries(run, tokens) if self.logprobs else None
+        return self.api.choice(run.index, "".join(pieces), finish, entries)
 
     def stream(self, head: Head, include_usage: bool) -> StreamingResponse:
         async def close() -> None:
-            await self.chunks.aclose()  # also when the client went away: cancels the work downstream
+            await _close(self.runs)  # also when the client went away: cancels the work downstream
             self.span.end()
 
         events = sse.event_stream(self._payloads(head, include_usage), self.span.end, close)
@@ -286,17 +425,68 @@ class Generation:
             headers={"cache-control": "no-cache", "x-accel-buffering": "no", "x-request-id": head.id},
         )
 
-    async def _payloads(self, head: Head, include_usage: bool) -> AsyncGenerator[dict, None]:
-        chunk, choices = self.first, self.api.opening()
+    async def _choices(self, run: Run) -> AsyncGenerator[BaseModel, None]:
+        """The stream choices of one run, in order."""
+        for choice in self.api.opening(run.index):
+            yield choice
+        if run.echo or run.echo_logprobs:
+            entries = self.texts.entries(run, run.echo_logprobs) if self.logprobs and run.echo_logprobs else None
+            yield self.api.delta(run.index, run.echo, None, entries)
+        if run.req is None:
+            yield self.api.delta(run.index, None, "length", None)
+            return
+        chunk = run.first
         while chunk is not None:
-            if chunk.text:
-                choices.append(self.api.delta(chunk.text, None))
+            tokens = _choice_tokens(chunk)
+            if chunk.text or (self.logprobs and tokens):
+                entries = self.texts.entries(run, tokens) if self.logprobs else None
+                yield self.api.delta(run.index, chunk.text, None, entries)
             if chunk.finish_reason is not None:
-                choices.append(self.api.delta(None, chunk.finish_reason))
-            for choice in choices:  # one choice per event
+                yield self.api.delta(run.index, None, chunk.finish_reason, None)
+                return
+            assert run.chunks is not None
+            chunk = await run.chunks.__anext__()
+
+    async def _payloads(self, head: Head, include_usage: bool) -> AsyncGenerator[dict, None]:
+        """One choice per event; several choices' events interleave as their generations produce them."""
+        if len(self.runs) == 1:
+            async for choice in self._choices(self.runs[0]):
                 yield stream_payload(self.api.chunk_type(**head._asdict(), choices=[choice]), include_usage)
-            if chunk.finish_reason is not None:
-                break
-            chunk, choices = await self.chunks.__anext__(), []
+        else:
+            async for choice in _merged([self._choices(r) for r in self.runs]):
+                yield stream_payload(self.api.chunk_type(**head._asdict(), choices=[choice]), include_usage)
+        self._finish_totals()
         if include_usage:
             yield stream_payload(_with_totals(self.api.chunk_type, head, [], self.outcome), include_usage)
+
+
+async def _merged(sources: list[AsyncGenerator[BaseModel, None]]) -> AsyncGenerator[BaseModel, None]:
+    """The items of every source as they come; the first error ends it all (and stops the other sources)."""
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(source: AsyncGenerator[BaseModel, None]) -> None:
+        try:
+            async for item in source:
+                await queue.put(item)
+            await queue.put(done)
+        except BaseException as e:  # noqa: BLE001 - handed to the consumer, which raises it
+            await queue.put(e)
+
+    tasks = [asyncio.ensure_future(pump(s)) for s in sources]
+    try:
+        left = len(tasks)
+        while left:
+            item = await queue.get()
+            if item is done:
+                left -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for s in sources:
+            await s.aclose()
