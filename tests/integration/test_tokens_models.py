@@ -216,3 +216,13 @@ def test_model_card_without_a_verify_replica_answering(tok):
         assert status == 200 and counted["max_model_len"] == 120
     finally:
         gw.stop()
+
+
+def test_no_tokenizer_is_a_400_not_a_500():
+    gw = GatewayServer(["127.0.0.1:1"], [], None)
+    try:
+        for path, body in (("/tokenize", {"prompt": "abc"}), ("/detokenize", {"tokens": [1]})):
+            status, answer = call("POST", gw.base_url + path, body)
+            assert status == 400 and "no tokenizer" in answer["error"]["message"], answer
+    finally:
+        gw.stop()
