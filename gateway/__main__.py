@@ -64,6 +64,19 @@ def parse_args(argv=None):
     ap.flag("--fail-threshold", type=int, default=d.fail_threshold, help="failed checks that take a replica out")
     ap.flag("--success-threshold", type=int, default=d.success_threshold, help="good checks that bring it back")
     ap.flag("--load-factor", type=float, default=d.load_factor, help="bounded-load hashing: max load / mean load")
+    ap.flag(
+        "--stall-timeout-s",
+        type=float,
+        default=d.stall_timeout_s,
+        help="longest a stream may go without a token before it continues without its draft or moves to "
+        "another verify replica (0 = streams are not watched)",
+    )
+    ap.flag(
+        "--stall-gap-multiple",
+        type=float,
+        default=d.stall_gap_multiple,
+        help="a stream has stalled after this many times its mean gap between tokens (at most --stall-timeout-s)",
+    )
     ap.flag("--log-level", default="INFO", help="logging level")
     ap.flag("--log-format", default="text", choices=["text", "json"], help="json: one object per line with trace ids")
     a = ap.parse_args(argv)
@@ -83,6 +96,8 @@ def parse_args(argv=None):
         fail_threshold=a.fail_threshold,
         success_threshold=a.success_threshold,
         load_factor=a.load_factor,
+        stall_timeout_s=a.stall_timeout_s,
+        stall_gap_multiple=a.stall_gap_multiple,
     )
     if not config.verify:
         ap.error("--verify needs at least one host:port")

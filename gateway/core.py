@@ -10,6 +10,14 @@ may ask for that itself (`num_speculative_tokens` 0): it then goes to the verify
 Errors that are the caller's (INVALID_ARGUMENT, ...) are never retried, nor is overload (429): the
 status of a downstream error comes from the one table in `specmesh.errors`.
 
+Stalls: a replica that hangs (a stopped process, a black-holed connection) fails no call, so every stream
+is watched. A stream stalls when no token arrives within `stall_gap_multiple` times its mean gap between
+tokens so far, never more than `stall_timeout_s` nor less than a quarter of it (three times that cap for
+the first token, which includes queueing and the prefill). A stalled speculative stream is cancelled and
+replayed target-only on the same verify replica, and its draft replica leaves the pool until its health
+checks answer again. A stalled target-only stream waits on while its verify replica answers a health
+check, and fails over once it does not.
+
 Text: `TextStream` detokenizes incrementally (`specmesh.text`), applies stop strings to the whole output
 text (so a stop string spanning a failover is still found) and holds back text that could be the start
 of one.
@@ -58,6 +66,8 @@ class GatewayConfig:
     fail_threshold: int = 3
     success_threshold: int = 2
     load_factor: float = 1.25
+    stall_timeout_s: float = 2.0  # the longest a stream may go without a token; 0: streams are not watched
+    stall_gap_multiple: float = 8.0  # a stall is this many times the stream's mean gap between tokens
     tokenizer_threads: int = 2  # threads that tokenize prompts, and as many that detokenize outputs
 
 
@@ -123,8 +133,40 @@ class Outcome:
     cached_prompt_tokens: int = 0
     stats: SpecStats = field(default_factory=SpecStats)
     failovers: int = 0
+    stalls: int = 0  # replays after a stream made no progress (counted in failovers too)
     target_only: bool = False
     verify_replica: str = ""
+
+
+class Stalled(Exception):
+    """A watched stream made no progress within its bound."""
+
+
+class _Pace:
+    """A stream's expected gap between tokens, and from it how long it may go without one before it counts
+    as stalled (see the module docstring)."""
+
+    FIRST_TOKEN = 3.0  # a generation's first token waits this many caps: it includes queueing and the prefill
+
+    def __init__(self, cap: float, multiple: float, first: bool):
+        self.cap, self.multiple = cap, multiple
+        self.first = first  # the generation's first stream (not a replay, which has tokens to go on from)
+        self.mean: float | None = None  # mean gap between token chunks so far (exponentially weighted)
+        self.last: float | None = None
+
+    def bound(self) -> float:
+        if self.last is None and self.first:
+            return self.FIRST_TOKEN * self.cap
+        if self.mean is None:
+            return self.cap
+        return min(self.cap, max(self.cap / 4, self.multiple * self.mean))
+
+    def tick(self) -> None:
+        now = time.monotonic()
+        if self.last is not None:
+            gap = now - self.last
+            self.mean = gap if self.mean is None else 0.8 * self.mean + 0.2 * gap
+        self.last = now
 
 
 class TextStream:
@@ -177,6 +219,7 @@ class Gateway:
         self.inflight = 0
         self._tasks: list[asyncio.Task] = []
         self.failovers = 0
+        self.stalls = 0  # streams replayed because they made no progress
         self.target_only_fallbacks = 0
         self.totals = SpecStats()  # speculation statistics of every finished generation
         self.stream_metrics = stream_metrics  # TTFT and inter-token latency of every generation
@@ -322,27 +365,37 @@ class Gateway:
         emitted: list[int] = []
         excluded: set[str] = set()
         deadline = time.monotonic() + self.config.request_timeout_s
+        drafting = True  # False once a speculative stream stalled: the rest is target-only
         while True:
-            verify, draft = self._choose(req, emitted, excluded, outcome)
+            verify, draft = self._choose(req, emitted, excluded, outcome, drafting)
             # A replay continues the same output: the rules over output tokens must count what came before.
             params = replace(
                 req.params, max_tokens=req.params.max_tokens - len(emitted), prior_output_tokens=len(emitted)
             )
             prompt = req.prompt_ids + emitted
             failed: Replica | None = None
-            try:
-                async for ids, finish, logprobs in self._stream(
+            # A stalled stream's verify session stays held until that stream ends there, so the target-only
+            # continuation of a stall runs without the session id (same tokens; only the KV reuse is lost).
+            session_id = req.session_id if not outcome.stalls else ""
+            stream = self._watched(
+                self._stream(
                     verify,
                     draft,
                     prompt,
                     params,
-                    req.session_id,
+                    session_id,
                     req.num_speculative_tokens,
                     deadline,
                     outcome,
                     first=not emitted,
                     metadata=req.metadata,
-                ):
+                ),
+                verify,
+                draft,
+                first=not emitted,
+            )
+            try:
+                async for ids, finish, logprobs in stream:
                     emitted += ids
                     outcome.completion_tokens = len(emitted)
                     # As vLLM: a stop token id ends the output (the verifier stops after it, and min_tokens
@@ -359,8 +412,15 @@ class Gateway:
                     if ids:
                         yield Chunk(ids, delta, logprobs=logprobs)
                 raise Unavailable("the generation stream ended without a finish reason")
+            except Stalled:
+                outcome.stalls += 1
+                self.stalls += 1
+                failed = verify if draft is None else None
+                drafting = False
             except grpc.aio.AioRpcError as e:
                 failed = await self._on_failure(e, verify, draft)
+            finally:
+                await stream.aclose()  # now, not when collected: it holds the replicas' load and the call
             if outcome.failovers >= self.config.max_failovers or time.monotonic() > deadline:
                 raise Unavailable(f"generation failed after {outcome.failovers} failovers")
             outcome.failovers += 1
@@ -391,10 +451,11 @@ class Gateway:
         return wire.logprobs_from_pb(resp.logprobs, len(prompt_ids) - 1) or []
 
     def _choose(
-        self, req: GenRequest, emitted: list[int], excluded: set[str], outcome: Outcome
+        self, req: GenRequest, emitted: list[int], excluded: set[str], outcome: Outcome, drafting: bool = True
     ) -> tuple[Replica, Replica | None]:
         """The verify replica (the session's, or prefix-aware) and the least loaded draft replica (None:
-        decode target-only, as asked or for want of a healthy draft replica)."""
+        decode target-only, as asked, after a stall (`drafting` False) or for want of a healthy draft
+        replica)."""
         verify = (
             self.verify_pool.for_session(req.session_id, excluded)
             if req.session_id
@@ -407,7 +468,7 @@ class Gateway:
             self.draft_pool.count("target_only_requested")  # the caller's choice, not a fallback
             outcome.target_only = True
             return verify, None
-        draft = self.draft_pool.least_loaded() if self.draft_pool.replicas else None
+        draft = self.draft_pool.least_loaded() if self.draft_pool.replicas and drafting else None
         outcome.target_only = draft is None
         if draft is None and self.draft_pool.replicas:
             self.target_only_fallbacks += 1
@@ -432,6 +493,46 @@ class Gateway:
         if draft is not None:
             await self._probe(self.draft_pool, draft)
         return verify if not ok_v else None
+
+    async def _stalled(self, verify: Replica, draft: Replica | None) -> bool:
+        """A stream went past its bound without a token: whether to give it up. A speculative stream is given
+        up at once (the caller goes on target-only on the same verify replica, and the draft replica leaves
+        the pool until its health checks answer again): that costs only speed, while a probe of a hung draft
+        would add its timeout to the gap. A target-only stream is given up only if its verify replica fails
+        a probe too: a replica that answers is slow (loaded, prefilling), not hung."""
+        if draft is not None:
+            log.warning("stream stalled on draft %s: continuing target-only on %s", draft.address, verify.address)
+            self.draft_pool.stalled(draft)
+            return True
+        if await self._probe(self.verify_pool, verify):
+            return False
+        log.warning("stream stalled on verify %s, which fails its health check: failing over", verify.address)
+        return True
+
+    async def _watched(self, stream, verify: Replica, draft: Replica | None, first: bool):
+        """`stream`'s items; past the stream's pace without one, `_stalled` decides: wait on, or raise Stalled
+        (the stream is closed on the way out, which cancels its call)."""
+        cap = self.config.stall_timeout_s
+        pace = _Pace(cap, self.config.stall_gap_multiple, first)
+        pending: asyncio.Future | None = None
+        try:
+            while True:
+                pending = asyncio.ensure_future(anext(stream))
+                while cap > 0 and not (await asyncio.wait({pending}, timeout=pace.bound()))[0]:
+                    if await self._stalled(verify, draft):
+                        raise Stalled(f"no token for {pace.bound():.2f} s")
+                try:
+                    item = await pending
+                except StopAsyncIteration:
+                    return
+                if item[0]:
+                    pace.tick()
+                yield item
+        finally:
+            if pending is not None and not pending.done():
+                pending.cancel()
+                await asyncio.gather(pending, return_exceptions=True)
+            await stream.aclose()
 
     @staticmethod
     async def _probe(pool: Pool, replica: Replica) -> bool:

@@ -257,6 +257,14 @@ class Pool:
             replica.healthy = False
             replica.successes = 0
 
+    def stalled(self, replica: Replica) -> None:
+        """A stream through the replica made no progress: out of the pool now. A hung process may still
+        accept connections, so only `success_threshold` health checks in a row bring it back."""
+        if replica.healthy:
+            log.warning("%s replica %s stalled a stream: out of the pool until it answers", self.name, replica.address)
+        replica.healthy = False
+        replica.successes = 0
+
     async def check_all(self) -> None:
         await self.refresh_membership()
         await asyncio.gather(*(self.probe(r) for r in list(self.replicas.values())))
