@@ -19,10 +19,10 @@ SESSION_ID_MAX = 256  # characters of a session_id or cache_salt, as on the REST
 CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 
 
-def _authorization(context) -> str | None:
-    """The call's `authorization` metadata, if any."""
-    value = dict(context.invocation_metadata() or ()).get("authorization")
-    return value.decode("latin-1") if isinstance(value, bytes) else value
+def _authorization(context) -> str | bytes | None:
+    """The call's `authorization` metadata when sent once (the key check refuses it sent several times)."""
+    values = [v for k, v in context.invocation_metadata() or () if k == "authorization"]
+    return values[0] if len(values) == 1 else None
 
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):

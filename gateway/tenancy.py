@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import hashlib
 
+from specmesh.security import bearer_token
+
 SHARED_TENANT = ""  # every caller, when the gateway checks no API keys
 _TENANT_KEY = b"specmesh-tenant-v1"
 _SESSION_KEY = b"specmesh-session-v1"
@@ -30,20 +32,14 @@ def tenant_of_key(api_key: str | None) -> str:
     return hashlib.blake2b(api_key.encode("utf-8", "surrogatepass"), digest_size=16, key=_TENANT_KEY).hexdigest()
 
 
-def bearer_key(authorization: str | None) -> str | None:
-    """The key of an `Authorization: Bearer <key>` header (HTTP header or gRPC metadata), or None."""
-    if not authorization or not authorization.startswith("Bearer "):
-        return None
-    return authorization[7:].strip() or None
-
-
-def tenant_of(authorization: str | None, keys_checked: bool) -> str:
+def tenant_of(authorization: str | bytes | None, keys_checked: bool) -> str:
     """The tenant of a request with this Authorization header, on a gateway that checks API keys or not.
 
     The one place a request's tenant comes from. With keys checked (the request got here, so its key was
     accepted), the caller's key names its tenant: a caller can only land in the tenant of a key it holds.
     With none, everyone is the shared tenant, whatever key a client happens to send."""
-    return tenant_of_key(bearer_key(authorization)) if keys_checked else SHARED_TENANT
+    # bearer_token is the parse the key check itself uses: the tenant is that of the key that was accepted.
+    return tenant_of_key(bearer_token(authorization)) if keys_checked else SHARED_TENANT
 
 
 def downstream_session_id(tenant: str, cache_salt: str, session_id: str) -> str:

@@ -12,6 +12,8 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
+from gateway.server import build_grpc_server
+from specmesh.security import KeyRing, Security
 from specmesh.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from tests.support.models import noisy_copy, tiny_model
 from tests.support.services import GatewayServer, start_draft, start_verify
@@ -103,3 +105,26 @@ def test_a_cache_salt_opts_out_of_sharing(stack):
     with pytest.raises(openai.BadRequestError) as e:
         a.completions.create(model="demo", prompt="x", max_tokens=2, extra_body={"cache_salt": ""})
     assert e.value.body["param"] == "cache_salt"
+
+
+def test_the_grpc_front_scopes_sessions_by_key_too(stack):
+    gw, _ = stack
+
+    async def start():
+        server = build_grpc_server(gw.gateway, "127.0.0.1", 0, security=Security(keys=KeyRing(["sk-a", "sk-b"])))
+        return server, await server.start()
+
+    server, port = gw.call(start())
+    try:
+        stub = gateway_pb2_grpc.GatewayServiceStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
+        params = common_pb2.SamplingParams(temperature=0.0, max_tokens=2)
+
+        def grpc_cached(key):
+            request = gateway_pb2.GatewayServiceGenerateRequest(prompt=SECRET, params=params, session_id="grpc-conv")
+            r = stub.Generate(request, metadata=(("authorization", f"Bearer {key}"),))
+            return r.usage.cached_prompt_tokens
+
+        assert grpc_cached("sk-a") == 0 and grpc_cached("sk-a") > 0
+        assert grpc_cached("sk-b") == 0  # the same session id, another key: another session
+    finally:
+        gw.call(server.stop(0))

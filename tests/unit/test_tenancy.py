@@ -1,6 +1,6 @@
 """gateway.tenancy: the tenant of a request and the session id the gateway sends downstream."""
 
-from gateway.tenancy import SHARED_TENANT, bearer_key, downstream_session_id, tenant_of, tenant_of_key
+from gateway.tenancy import SHARED_TENANT, downstream_session_id, tenant_of, tenant_of_key
 
 
 def test_the_tenant_comes_from_the_checked_key_only():
@@ -9,7 +9,8 @@ def test_the_tenant_comes_from_the_checked_key_only():
     a, b = tenant_of("Bearer sk-a", True), tenant_of("Bearer sk-b", True)
     assert a != b and a == tenant_of("Bearer  sk-a ", True) == tenant_of_key("sk-a")
     assert "sk-a" not in a  # a hash: the key itself goes nowhere
-    assert bearer_key("Basic sk-a") is None and bearer_key("Bearer ") is None
+    assert tenant_of("Basic sk-a", True) == tenant_of("Bearer ", True) == SHARED_TENANT  # no key: refused anyway
+    assert tenant_of(b"Bearer sk-a", True) == a  # gRPC metadata may be bytes
 
 
 def test_downstream_session_ids_are_scoped_by_tenant_and_salt():
