@@ -16,6 +16,7 @@ from specmesh.security import add_service_flags
 from specmesh.serving import run_service
 
 DEBUG_DELAY_ENV = "SPECMESH_DRAFT_DEBUG_DRAFT_DELAY_MS"
+DEBUG_SLOWDOWN_ENV = "SPECMESH_DRAFT_DEBUG_DRAFT_SLOWDOWN"
 
 # The flags of DraftConfig's fields past the model, server and verifier: each takes its field's default and type.
 FLAG_HELP = {
@@ -64,19 +65,24 @@ def parse_args(argv=None) -> tuple[DraftConfig, dict]:
 
 
 def debug_draft_delay(argv=None) -> tuple[list[str], float]:
-    """TEST KNOB, not for serving: `--debug-draft-delay-ms MS` (or SPECMESH_DRAFT_DEBUG_DRAFT_DELAY_MS) makes
-    every batched draft forward MS slower, as a slower draft model would be, so that tests and `specmesh
-    profile`'s checks can stage a draft-bound stack. Hidden from --help; returns the other flags and MS."""
+    """TEST KNOBS, not for serving: `--debug-draft-delay-ms MS` makes every batched draft forward MS slower,
+    `--debug-draft-slowdown X` X times as slow (it waits X - 1 times what the forward took, so the draft stays
+    X times slower however loaded the machine is), as a slower draft model would be, so that tests and
+    `specmesh profile`'s checks can stage a draft-bound stack. Also SPECMESH_DRAFT_DEBUG_DRAFT_DELAY_MS /
+    _SLOWDOWN. Hidden from --help; returns the other flags and the delay in ms."""
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--debug-draft-delay-ms", type=float, default=float(os.environ.get(DEBUG_DELAY_ENV, 0)))
+    pre.add_argument("--debug-draft-slowdown", type=float, default=float(os.environ.get(DEBUG_SLOWDOWN_ENV, 1)))
     known, rest = pre.parse_known_args(argv)
-    delay_s = known.debug_draft_delay_ms / 1000
-    if delay_s > 0:
+    delay_s, extra = known.debug_draft_delay_ms / 1000, max(0.0, known.debug_draft_slowdown - 1)
+    if delay_s > 0 or extra > 0:
         forward = DraftBatcher._forward
 
         def slowed(self, *args, **kw):
-            time.sleep(delay_s)
-            return forward(self, *args, **kw)
+            t0 = time.perf_counter()
+            out = forward(self, *args, **kw)
+            time.sleep(delay_s + extra * (time.perf_counter() - t0))
+            return out
 
         DraftBatcher._forward = slowed  # type: ignore[method-assign]
     return rest, known.debug_draft_delay_ms
