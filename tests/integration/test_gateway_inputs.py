@@ -89,9 +89,14 @@ BAD_BODIES = [
     ("a long seed", json.dumps({"model": "demo", "prompt": "x", "seed": -(10**300)}).encode(), "seed"),
     ("not UTF-8", b'{"model": "demo", "prompt": "\xff\xfe"}', None),
     (
-        "long session header is fine, long session body is not",
-        b'{"model": "demo", "prompt": "x", "session_id": "' + b"s" * 300 + b'"}',
+        "a session_id of 300 characters",
+        json.dumps({"model": "demo", "prompt": "x", "session_id": "s" * 300}).encode(),
         "session_id",
+    ),
+    (
+        "a cache_salt that is a number",
+        json.dumps({"model": "demo", "prompt": "x", "cache_salt": 7}).encode(),
+        "cache_salt",
     ),
 ]
 
@@ -124,6 +129,9 @@ def test_large_inputs_are_not_echoed(gw):
     conn.request("GET", "/v1/" + "p" * 20_000)
     r = conn.getresponse()
     assert_openai_error(r, r.read(), 404)
+    conn.request("POST", "/v1/completions", GOOD, {"content-type": "application/json", "x-session-id": "s" * 300})
+    r = conn.getresponse()
+    assert_openai_error(r, r.read(), 400, "session_id")
 
 
 def test_an_oversized_body_is_refused_as_it_arrives(gw):
