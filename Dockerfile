@@ -35,11 +35,12 @@ ENV PATH=/opt/venv/bin:$PATH
 # torch first, pinned, from the chosen index: resolving it from PyPI would pull the multi-GB CUDA build.
 RUN pip install --upgrade pip && pip install --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"
 WORKDIR /src
-# The dependencies first, in a layer of their own (the project's metadata without its code installs them),
-# so that a code change rebuilds only the small layer below. The installed torch (2.13.0+cpu / +cuXXX)
-# satisfies the project's torch==2.13.0 pin.
-COPY pyproject.toml README.md ./
-RUN pip install . && pip uninstall -y specmesh
+# The dependencies first, in a layer of their own (the project's metadata without its code installs them;
+# an empty README stands in for the real one, so that only a pyproject.toml change rebuilds this layer), then
+# the code in a small layer. The installed torch (2.13.0+cpu / +cuXXX) satisfies the project's pin.
+COPY pyproject.toml ./
+RUN touch README.md && pip install . && pip uninstall -y specmesh
+COPY README.md ./
 COPY specmesh/ specmesh/
 COPY draft_service/ draft_service/
 COPY verify_service/ verify_service/
