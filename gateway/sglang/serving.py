@@ -36,11 +36,11 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from gateway.core import Chunk, GenRequest, Outcome, shown
 from gateway.openai import sse
 from gateway.openai.protocol import APIError, SpecmeshStats
-from gateway.openai.serving import Front
+from gateway.openai.serving import Front, RequestSpan
 from gateway.sglang.protocol import GenerateRequest, Item, parse_generate
 from gateway.tenancy import downstream_session_id
 from specmesh.domain import TokenLogprob
-from specmesh.errors import SpecmeshError
+from specmesh.errors import SpecmeshError, Unavailable
 from specmesh.sampling import SamplingParams
 
 log = logging.getLogger("specmesh.gateway")
@@ -65,6 +65,7 @@ class Run:
         rid: str,
         session_id: str,
         t0: float,
+        request: Request,
         return_prompt_ids: bool = False,
     ):
         self.front, self.item, self.prompt_ids, self.rid = front, item, prompt_ids, rid
@@ -77,13 +78,22 @@ class Run:
         self.output_lps: list[TokenLogprob] = []
         self.finish: dict | None = None
         self.latency: float | None = None
+        # Each generation is traced as the OpenAI routes' are: a server span, parent of the downstream ones.
+        attributes = {"specmesh.request_id": rid, "specmesh.prompt_tokens": len(prompt_ids)}
+        self.span = RequestSpan(front.tracer, "gateway.sglang.generate", request, self.outcome, attributes)
         self.gen: AsyncGenerator[Chunk, None] | None = None
         if item.params.max_tokens > 0:
             params = item.params
             if item.logprobs is not None:
                 params = replace(params, logprobs=item.logprobs.top)
-            req = GenRequest(prompt_ids, params, session_id)
+            req = GenRequest(prompt_ids, params, session_id, metadata=self.span.outgoing_metadata())
             self.gen = front.gateway.generate(req, self.outcome)
+        self.stream = self.events()
+
+    async def close(self) -> None:
+        """Stop the work (if any is left) and end the span; safe to call more than once."""
+        await self.stream.aclose()
+        self.span.end("closed before it finished" if self.finish is None else None)
 
     async def events(self) -> AsyncGenerator[dict, None]:
         """The answer after each step of the generation (the last one is the whole answer)."""
@@ -101,6 +111,9 @@ class Run:
                     yield self.payload()
                     return
                 yield self.payload()
+        except SpecmeshError as e:
+            self.span.end(str(e))
+            raise
         finally:
             await self.gen.aclose()  # a client gone, or an error elsewhere in the batch: the work stops
 
@@ -231,23 +244,27 @@ async def _start(front: Front, request: Request, req: GenerateRequest, t0: float
     for item in req.items:
         ids, lps = prompts[item.prompt_param]
         rid = item.rid or (f"{base}-{item.index}" if req.batch else base)
-        runs.append(Run(front, item, ids, lps, rid, session, t0, req.return_prompt_token_ids))
+        runs.append(Run(front, item, ids, lps, rid, session, t0, request, req.return_prompt_token_ids))
     return runs
 
 
-async def _first_answers(runs: list[Run]) -> tuple[list[AsyncGenerator[dict, None]], list[dict]]:
-    streams = [r.events() for r in runs]
-    firsts = await asyncio.gather(*(anext(s) for s in streams), return_exceptions=True)
+async def _first_answers(runs: list[Run]) -> list[dict]:
+    firsts = await asyncio.gather(*(anext(r.stream) for r in runs), return_exceptions=True)
     failed = next((f for f in firsts if isinstance(f, BaseException)), None)
     if failed is not None:
-        await _close(streams)
+        await _close(runs)
         raise failed
-    return streams, [f for f in firsts if isinstance(f, dict)]
+    return [f for f in firsts if isinstance(f, dict)]
 
 
-async def _close(streams) -> None:
-    for s in streams:
-        await s.aclose()
+async def _close(runs: list[Run]) -> None:
+    for r in runs:
+        await r.close()
+
+
+def _failed(e: SpecmeshError) -> Response:
+    # Unavailable means the gateway has tried the other replicas already: a client retry would not help.
+    return APIError.from_domain(e).response(retried=isinstance(e, Unavailable))
 
 
 async def _rest(stream: AsyncGenerator[dict, None], first: dict) -> dict:
@@ -257,9 +274,9 @@ async def _rest(stream: AsyncGenerator[dict, None], first: dict) -> dict:
     return last
 
 
-async def _complete(request: Request, streams, firsts, batch: bool) -> Response:
+async def _complete(request: Request, runs: list[Run], firsts: list[dict], batch: bool) -> Response:
     """The whole answer; 499 (and the work stopped) if the client goes away first."""
-    collector = asyncio.ensure_future(asyncio.gather(*(_rest(s, f) for s, f in zip(streams, firsts, strict=True))))
+    collector = asyncio.ensure_future(asyncio.gather(*(_rest(r.stream, f) for r, f in zip(runs, firsts, strict=True))))
     try:
         while not collector.done():
             await asyncio.wait({collector}, timeout=0.25)
@@ -267,15 +284,15 @@ async def _complete(request: Request, streams, firsts, batch: bool) -> Response:
                 return Response(status_code=499)
         answers = collector.result()
     except SpecmeshError as e:
-        return APIError.from_domain(e).response()
+        return _failed(e)
     finally:
         if not collector.done():
             collector.cancel()
-        await _close(streams)
+        await _close(runs)
     return JSONResponse(answers if batch else answers[0])
 
 
-async def _merged(streams, firsts, batch: bool) -> AsyncGenerator[dict, None]:
+async def _merged(runs: list[Run], firsts: list[dict], batch: bool) -> AsyncGenerator[dict, None]:
     """Every step's answer of every generation as it comes; a batch's carry their generation's index."""
 
     def tagged(i: int, payload: dict) -> dict:
@@ -283,7 +300,7 @@ async def _merged(streams, firsts, batch: bool) -> AsyncGenerator[dict, None]:
 
     for i, first in enumerate(firsts):
         yield tagged(i, first)
-    pending = {asyncio.ensure_future(anext(s)): i for i, s in enumerate(streams)}
+    pending = {asyncio.ensure_future(anext(r.stream)): i for i, r in enumerate(runs)}
     try:
         while pending:
             done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
@@ -294,21 +311,21 @@ async def _merged(streams, firsts, batch: bool) -> AsyncGenerator[dict, None]:
                 except StopAsyncIteration:
                     continue
                 yield tagged(i, payload)
-                pending[asyncio.ensure_future(anext(streams[i]))] = i
+                pending[asyncio.ensure_future(anext(runs[i].stream))] = i
     finally:
         for task in pending:
             task.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
 
 
-def _stream(streams, firsts, batch: bool) -> StreamingResponse:
+def _stream(runs: list[Run], firsts: list[dict], batch: bool) -> StreamingResponse:
     async def close() -> None:
-        await _close(streams)
+        await _close(runs)
 
     def on_error(description: str) -> None:
         log.warning("/generate stream failed: %s", description)
 
-    events = sse.event_stream(_merged(streams, firsts, batch), on_error, close)
+    events = sse.event_stream(_merged(runs, firsts, batch), on_error, close)
     return StreamingResponse(
         events, media_type="text/event-stream", headers={"cache-control": "no-cache", "x-accel-buffering": "no"}
     )
@@ -324,12 +341,12 @@ def router(front: Front) -> APIRouter:
         req = parse_generate(await front.read_json(request), gateway.vocab_size)
         try:
             runs = await _start(front, request, req, t0)
-            streams, firsts = await _first_answers(runs)
+            firsts = await _first_answers(runs)
         except SpecmeshError as e:
-            return APIError.from_domain(e).response()
+            return _failed(e)
         if req.stream:
-            return _stream(streams, firsts, req.batch)
-        return await _complete(request, streams, firsts, req.batch)
+            return _stream(runs, firsts, req.batch)
+        return await _complete(request, runs, firsts, req.batch)
 
     @routes.get("/get_model_info")
     @routes.get("/model_info")

@@ -16,7 +16,7 @@ from transformers import AutoTokenizer
 from specmesh.engine import SpeculativeEngine
 from specmesh.sampling import SamplingParams
 from tests.support.models import noisy_copy, tiny_model
-from tests.support.services import GatewayServer, start_draft, start_verify
+from tests.support.services import GatewayServer, free_port, start_draft, start_verify
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMPT = "def add(a, b):\n"
@@ -307,6 +307,17 @@ def test_with_api_keys_every_route_needs_one(services, tokenizer):
             assert status == 401 and json.loads(text)["error"]["message"], text
             assert call(method, gw.base_url + path, payload, key="k2")[0] == 401
             assert call(method, gw.base_url + path, payload, key="k1")[0] == 200
+    finally:
+        gw.stop()
+
+
+def test_without_a_healthy_verify_replica_generate_is_a_503_and_health_generate_fails(tokenizer):
+    gw = GatewayServer([f"127.0.0.1:{free_port()}"], [], tokenizer)  # nothing listens there
+    try:
+        for stream in (False, True):
+            status, _, text = call("POST", gw.base_url + "/generate", {"text": PROMPT, "stream": stream})
+            assert status == 503 and json.loads(text)["error"]["message"], text
+        assert call("GET", gw.base_url + "/health_generate")[0] == 503
     finally:
         gw.stop()
 
