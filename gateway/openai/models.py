@@ -111,6 +111,9 @@ class ModelLimits:
         except grpc.aio.AioRpcError as e:
             log.warning("verify replica %s did not answer Info: %s", replica.address, e.code().name)
             return None
+        except Exception:  # best effort: the card is answered from the gateway's limits whatever went wrong
+            log.warning("asking verify replica %s for Info failed", replica.address, exc_info=True)
+            return None
 
 
 # One per gateway, shared by the routers of one app (models and tokenize both report max_model_len).
