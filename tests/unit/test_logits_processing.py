@@ -123,10 +123,10 @@ PROCESSED = SamplingParams(
 )
 
 
-def test_speculation_samples_the_processed_target_law():
+def test_speculation_samples_the_processed_target_law(n: int = 30_000):
     """One round, K = 2, against a committed context: the joint law of the first two emitted tokens is the
     processed target's, each position processed under the context of the tokens before it (chi-square)."""
-    vocab, n = 8, 30_000
+    vocab = 8
     g = torch.Generator().manual_seed(3)
     logits = torch.randn(3, vocab, generator=g) * 1.5
     tokens, start = [1, 2, 4, 4, 2], 3  # prompt [1, 2, 4], output [4, 2]: [2, 3] bans 3 at row 0
@@ -171,7 +171,7 @@ def test_a_broken_context_fails_the_same_check(monkeypatch):
 
     monkeypatch.setattr(RejectionInput, "block_context", property(lambda self: self.context))
     with pytest.raises(AssertionError):
-        test_speculation_samples_the_processed_target_law()
+        test_speculation_samples_the_processed_target_law(10_000)
     assert sampler  # the module under test stays imported
 
 
@@ -231,3 +231,24 @@ def test_logprobs_are_the_raw_target_log_softmax():
         assert [t for t, _ in lp.top] == top.indices.tolist()
         assert all(abs(v - r) < 1e-4 for (_, v), r in zip(lp.top, top.values.tolist(), strict=True))
     assert engine.generate(prompt, SamplingParams(**GREEDY), num_speculative_tokens=4).logprobs is None
+
+
+def test_the_draft_processes_as_the_target_does():
+    """A draft identical to the target, sending its whole processed distribution: q = p at every position
+    only if the draft applies the same context-dependent processing (its drafted tokens counted as output),
+    so every draft is accepted; greedy likewise."""
+    target = tiny_model("llama", vocab=64, seed=5)
+    engine = SpeculativeEngine.from_models(target, target, draft_topk=64)
+    prompt = [3, 9, 3, 12, 40, 9]
+    common = dict(
+        repetition_penalty=0.5,  # rewards repeats: the drafted tokens before a position matter
+        frequency_penalty=-0.5,
+        logit_bias=((7, 2.0),),
+        bad_words=((9, 3),),
+        min_tokens=6,
+        max_tokens=16,
+    )
+    for temperature in (0.0, 0.9):
+        params = SamplingParams(temperature=temperature, seed=1, **common)
+        result = engine.generate(prompt, params, num_speculative_tokens=4)
+        assert result.stats.drafted > 0 and result.stats.acceptance_rate > 0.99, (temperature, result.stats)
