@@ -76,7 +76,7 @@ class DraftConfig:
     online_distill_cpu_share: float = 0.3
     online_distill_buffer: int = 1024
     online_distill_lr: float = 5e-4
-    online_distill_steps_per_version: int = 100
+    online_distill_steps_per_version: int = 50
     online_distill_rollback_window: int = 1500
     metrics_port: int = -1  # Prometheus /metrics over HTTP; -1 = not served (the CLI defaults to 9465)
 

@@ -47,7 +47,7 @@ class OnlineConfig:
     batch_size: int = 8
     lr: float = 5e-4
     kl_weight: float = 1.0  # 1 = pure KD on the target's top-k; below, mixes in CE on the committed token
-    steps_per_version: int = 100
+    steps_per_version: int = 50
     cpu_share: float = 0.3  # the trainer's share of one core's wall time (it sleeps the rest)
     # Drafted tokens a version is judged on: enough that prompt-to-prompt noise (about 0.5 / sqrt(window))
     # stays under the margin.
