@@ -57,8 +57,8 @@ class GatewayMetrics(ServiceMetrics):
         prompt.add_metric(model, s.prompt_tokens)
         generated = c("vllm:generation_tokens", "Tokens generated", labels=["model_name"])
         generated.add_metric(model, s.generated_tokens)
-        success_doc = "Generations finished, by finish reason (abort: an error or a client that went away)"
+        success_doc = "Generations finished, by finish reason (abort: the client went away; error: it failed)"
         success = c("vllm:request_success", success_doc, labels=["model_name", "finished_reason"])
-        for reason in sorted({"stop", "length", "abort"} | s.finished.keys()):
+        for reason in sorted({"stop", "length", "abort", "error"} | s.finished.keys()):
             success.add_metric([*model, reason], s.finished.get(reason, 0))
         return [running, waiting, prompt, generated, success]

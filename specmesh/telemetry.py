@@ -19,11 +19,13 @@ passed downstream in metadata).
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
 import functools
 import json
 import logging
 import os
+import sys
 import time
 from collections.abc import Iterable
 from typing import Self
@@ -270,7 +272,7 @@ class StreamMetrics:
         ).labels(service)
         self.prompt_tokens = 0
         self.generated_tokens = 0
-        self.finished: dict[str, int] = {}  # generations by finish reason ("abort": ended without one)
+        self.finished: dict[str, int] = {}  # generations by finish reason (vLLM's: stop, length, abort, error)
 
     def timer(self, prompt_tokens: int = 0) -> StreamTimer:
         self.prompt_tokens += prompt_tokens
@@ -309,11 +311,21 @@ class StreamTimer:
         self.m.generated_tokens += n
 
     def end(self) -> None:
-        """The generation is over: one that never got a finish reason (an error, a client that went away)
-        counts as aborted, as vLLM counts it."""
-        if self.finish is None:
+        """The generation is over. One that never got a finish reason counts as vLLM counts it: `abort` when
+        the client went away (the stream closed or cancelled), `error` when it failed; one refused as the
+        caller's mistake (a 4xx from downstream) is no finished request, as vLLM rejects such before its
+        engine. Called from the generation's `finally`, where the exception in flight says which."""
+        if self.finish is not None:
+            return
+        exc = sys.exc_info()[1]
+        if exc is None or isinstance(exc, (GeneratorExit, asyncio.CancelledError)):
             self.finish = "abort"
-            self.m.finish("abort")
+        elif getattr(exc, "http_status", 500) < 500:
+            self.finish = "refused"
+            return
+        else:
+            self.finish = "error"
+        self.m.finish(self.finish)
 
 
 class ServiceMetrics:

@@ -1,11 +1,14 @@
 """The shared metrics: what counts as an error, requests by finish reason, and vLLM's spec-decode names in
 the Prometheus text format."""
 
+import asyncio
+
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from specmesh.domain import SpecStats
+from specmesh.errors import InvalidArgument, Unavailable
 from specmesh.telemetry import FnCollector, RpcMetrics, StreamMetrics, is_error, vllm_spec_decode_families
 
 
@@ -62,10 +65,32 @@ def test_stream_timer_counts_tokens_and_each_generation_once_by_finish_reason():
     t.end()
     t = m.timer(prompt_tokens=4)
     t.tokens(1)
-    t.end()  # no finish reason: an error, or a client that went away
+    t.end()  # no finish reason and no exception: the stream just stopped
     m.timer(1).tokens(1, "cancelled")  # the wire's word; vLLM says abort
     assert m.prompt_tokens == 17 and m.generated_tokens == 7
     assert m.finished == {"length": 1, "stop": 1, "abort": 2}
+
+
+@pytest.mark.parametrize(
+    "exc, reason",
+    [
+        (GeneratorExit(), "abort"),  # the stream was closed: the client went away
+        (asyncio.CancelledError(), "abort"),
+        (Unavailable("no healthy verify replica"), "error"),
+        (RuntimeError("bug"), "error"),
+        (InvalidArgument("the prompt is too long for the context"), None),  # refused, not finished
+    ],
+)
+def test_a_generation_ended_by_an_exception_counts_by_what_ended_it(exc, reason):
+    m = StreamMetrics(CollectorRegistry(), "gateway")
+    t = m.timer(3)
+    t.tokens(2)
+    with pytest.raises(type(exc)):
+        try:
+            raise exc
+        finally:  # where the gateway ends the timer
+            t.end()
+    assert m.finished == ({reason: 1} if reason else {})
 
 
 def test_vllm_spec_decode_families_in_the_text_format():
