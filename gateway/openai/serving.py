@@ -42,10 +42,6 @@ from specmesh import telemetry
 from specmesh.domain import TokenLogprob
 from specmesh.errors import SpecmeshError, Unavailable
 
-# Bodies are no longer drained to many times the limit (gateway.openai.body); kept at 1 for code that still
-# reads bodies itself until it uses Front.read_json.
-DRAIN_FACTOR = 1
-
 
 @dataclass(frozen=True)
 class Front:
