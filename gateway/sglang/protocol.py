@@ -149,6 +149,7 @@ class Sampling:
 
     params: SamplingParams  # max_tokens 0 stands for max_new_tokens 0 (no generation: the prompt only)
     n: int = 1
+    skip_special_tokens: bool = True
 
 
 def sampling(raw: Any, param: str, vocab_size: int) -> Sampling:
@@ -184,9 +185,8 @@ def sampling(raw: Any, param: str, vocab_size: int) -> Sampling:
     kw["logit_bias"] = _logit_bias(f"{param}.logit_bias", get("logit_bias", {}), vocab_size)
     seed = get("sampling_seed")
     kw["seed"] = None if seed is None else integer(f"{param}.sampling_seed", seed, 0, 2**63 - 1)
-    # The gateway's text is always decoded without special tokens (and so without spaces between them).
-    if not boolean(f"{param}.skip_special_tokens", get("skip_special_tokens", True)):
-        raise unsupported(f"{param}.skip_special_tokens", False, "true")
+    skip_special = boolean(f"{param}.skip_special_tokens", get("skip_special_tokens", True))
+    # Checked but without effect: HF's fast tokenizers never put spaces between special tokens.
     boolean(f"{param}.spaces_between_special_tokens", get("spaces_between_special_tokens", True))
     n = integer(f"{param}.n", get("n", 1), 1, MAX_N)
     params = SamplingParams(**kw)
@@ -194,7 +194,7 @@ def sampling(raw: Any, param: str, vocab_size: int) -> Sampling:
         SamplingParams(**{**kw, "max_tokens": max(1, max_new)}).validate(vocab_size)
     except InvalidArgument as e:
         raise bad(param, str(e)) from None
-    return Sampling(params, n)
+    return Sampling(params, n, skip_special)
 
 
 # The request -------------------------------------------------------------------------------------------------
@@ -286,6 +286,7 @@ class Item:
     params: SamplingParams
     logprobs: Logprobs | None  # None: return_logprob false
     rid: str | None
+    skip_special_tokens: bool = True
 
 
 @dataclass(frozen=True)
@@ -381,5 +382,6 @@ def parse_generate(body: dict, vocab_size: int) -> GenerateRequest:
             logprobs = Logprobs(start, tops[i], with_text)
         for j in range(n):
             rid = rids[i] if n == 1 or rids[i] is None else f"{rids[i]}-{j}"
-            items.append(Item(len(items), prompts[i], params_of[i], samplings[i].params, logprobs, rid))
+            sp = samplings[i]
+            items.append(Item(len(items), prompts[i], params_of[i], sp.params, logprobs, rid, sp.skip_special_tokens))
     return GenerateRequest(items, batch or n > 1, stream, session_id, prompt_ids)

@@ -28,12 +28,13 @@ import time
 import uuid
 from collections.abc import AsyncGenerator
 from dataclasses import replace
+from functools import partial
 from importlib.metadata import PackageNotFoundError, version
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
-from gateway.core import Chunk, GenRequest, Outcome, shown
+from gateway.core import Chunk, GenRequest, Outcome, TextStream, shown
 from gateway.openai import sse
 from gateway.openai.protocol import APIError, SpecmeshStats
 from gateway.openai.serving import Front, RequestSpan
@@ -42,6 +43,7 @@ from gateway.tenancy import downstream_session_id
 from specmesh.domain import TokenLogprob
 from specmesh.errors import SpecmeshError, Unavailable
 from specmesh.sampling import SamplingParams
+from specmesh.text import IncrementalDetokenizer
 
 log = logging.getLogger("specmesh.gateway")
 
@@ -88,6 +90,17 @@ class Run:
                 params = replace(params, logprobs=item.logprobs.top)
             req = GenRequest(prompt_ids, params, session_id, metadata=self.span.outgoing_metadata())
             self.gen = front.gateway.generate(req, self.outcome)
+        # skip_special_tokens false: the output's text is decoded again with its special tokens (the
+        # gateway's own text leaves them out), stop strings applied to that text.
+        self.special: TextStream | None = None
+        self.stop_ids: set[int] = set()
+        self.held: list[int] = []
+        tokenizer = front.gateway.tokenizer
+        if not item.skip_special_tokens and tokenizer is not None:
+            self.special = TextStream(tokenizer, item.params.stop)
+            self.special.detokenizer = IncrementalDetokenizer(partial(tokenizer.decode, skip_special_tokens=False))
+            eos = getattr(tokenizer, "eos_token_id", None)
+            self.stop_ids = set(item.params.stop_token_ids) | ({eos} if isinstance(eos, int) else set())
         self.stream = self.events()
 
     async def close(self) -> None:
@@ -103,7 +116,7 @@ class Run:
             return
         try:
             async for chunk in self.gen:
-                self.text_parts.append(chunk.text)
+                self.text_parts.append(await self._text_of(chunk))
                 self.ids += chunk.token_ids
                 self.output_lps += chunk.logprobs or []
                 if chunk.finish_reason is not None:
@@ -116,6 +129,20 @@ class Run:
             raise
         finally:
             await self.gen.aclose()  # a client gone, or an error elsewhere in the batch: the work stops
+
+    async def _text_of(self, chunk: Chunk) -> str:
+        if self.special is None:
+            return chunk.text
+        # As SGLang: the EOS or stop token that ended the output is not part of its text. The finish reason
+        # may come in a chunk after the token's, so a trailing stop token waits for the next chunk.
+        ids, self.held = self.held + chunk.token_ids, []
+        final = chunk.finish_reason is not None
+        if ids and ids[-1] in self.stop_ids:
+            if not final:
+                ids, self.held = ids[:-1], ids[-1:]
+            elif chunk.finish_reason == "stop":
+                ids = ids[:-1]
+        return "" if self.special.stopped else await self.front.gateway.detokenize(self.special, ids, final)
 
     def _finished(self, reason: dict) -> None:
         self.finish, self.latency = reason, time.perf_counter() - self.t0
@@ -131,7 +158,11 @@ class Run:
         tokenizer = self.front.gateway.tokenizer
         if stop and tokenizer is not None:
             # The text ends where the first stop string began: find which one is there.
-            text, full = "".join(self.text_parts), tokenizer.decode(self.ids, skip_special_tokens=True)
+            text = "".join(self.text_parts)
+            if self.special is not None and self.special.detokenizer is not None:
+                full = self.special.detokenizer.text
+            else:
+                full = tokenizer.decode(self.ids, skip_special_tokens=True)
             found = [(i, s) for s in stop if (i := full.find(s, len(text))) >= 0]
             if found:
                 return {"type": "stop", "matched": min(found)[1]}

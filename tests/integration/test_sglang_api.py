@@ -186,6 +186,7 @@ def test_stop_strings_and_stop_token_ids_report_what_matched(url, tokenizer, gre
     )
     assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop_id}
     assert out["output_ids"][-1] == stop_id and len(out["output_ids"]) == full.token_ids.index(stop_id) + 1
+    assert out["text"] == tokenizer.decode(out["output_ids"][:-1], skip_special_tokens=True)  # not the stop token's
 
     text = tokenizer.decode(full.token_ids, skip_special_tokens=True)
     stop = text[len(text) // 2 : len(text) // 2 + 2]
@@ -278,6 +279,31 @@ def test_sampling_parameters_are_honoured(url, tokenizer, greedy):
     assert out["meta_info"]["completion_tokens"] >= 2 and out["output_ids"][0] != first
 
 
+def test_skip_special_tokens_false_keeps_them_in_the_text(url, tokenizer):
+    eos = tokenizer.eos_token_id
+    special = tokenizer.decode([eos])
+    assert special and tokenizer.decode([eos], skip_special_tokens=True) == ""
+    # The bias makes every token the EOS token; ignore_eos lets them through as output.
+    sp = {"max_new_tokens": 3, "temperature": 0, "ignore_eos": True, "logit_bias": {str(eos): 100}}
+    kept = generate(url, {"text": PROMPT, "sampling_params": {**sp, "skip_special_tokens": False}})
+    assert kept["output_ids"] == [eos] * 3 and kept["text"] == special * 3
+    assert generate(url, {"text": PROMPT, "sampling_params": sp})["text"] == ""
+    evs = events(
+        call(
+            "POST",
+            url + "/generate",
+            {"text": PROMPT, "stream": True, "sampling_params": {**sp, "skip_special_tokens": False}},
+        )[2]
+    )
+    assert evs[-1]["text"] == special * 3 and all(b["text"].startswith(a["text"]) for a, b in itertools.pairwise(evs))
+    # The token that ends an output (a stop token, or the EOS) is not part of its text, as in SGLang.
+    sp = {"max_new_tokens": 3, "temperature": 0, "logit_bias": {str(eos): 100}, "stop_token_ids": [eos]}
+    sp["skip_special_tokens"] = False
+    ended = generate(url, {"text": PROMPT, "sampling_params": sp})
+    assert ended["output_ids"] == [eos] and ended["text"] == ""
+    assert ended["meta_info"]["finish_reason"] == {"type": "stop", "matched": eos}
+
+
 def test_service_routes(url):
     for path in ("/get_model_info", "/model_info"):
         status, _, text = call("GET", url + path)
@@ -357,7 +383,11 @@ BAD = [
     ({"text": "a", "sampling_params": {"stop_token_ids": [-1]}}, "sampling_params.stop_token_ids[0]"),
     ({"text": "a", "sampling_params": {"stop_token_ids": "a"}}, "sampling_params.stop_token_ids"),
     ({"text": "a", "sampling_params": {"ignore_eos": "yes"}}, "sampling_params.ignore_eos"),
-    ({"text": "a", "sampling_params": {"skip_special_tokens": False}}, "sampling_params.skip_special_tokens"),
+    ({"text": "a", "sampling_params": {"skip_special_tokens": "no"}}, "sampling_params.skip_special_tokens"),
+    (
+        {"text": "a", "sampling_params": {"spaces_between_special_tokens": 0}},
+        "sampling_params.spaces_between_special_tokens",
+    ),
     ({"text": "a", "sampling_params": {"n": 0}}, "sampling_params.n"),
     ({"text": "a", "sampling_params": {"n": 17}}, "sampling_params.n"),
     ({"text": "a", "sampling_params": {"frequency_penalty": 3}}, "sampling_params.frequency_penalty"),
