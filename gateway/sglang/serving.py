@@ -366,7 +366,6 @@ def router(front: Front) -> APIRouter:
     routes = APIRouter()
     gateway = front.gateway
 
-    @routes.api_route("/generate", methods=["POST", "PUT"], name="sglang_generate")
     async def generate(request: Request) -> Response:
         t0 = time.perf_counter()
         req = parse_generate(await front.read_json(request), gateway.vocab_size)
@@ -378,6 +377,10 @@ def router(front: Front) -> APIRouter:
         if req.stream:
             return _stream(runs, firsts, req.batch)
         return await _complete(request, runs, firsts, req.batch)
+
+    # One route per method: a route with several would give OpenAPI one operation id for all of them.
+    for method in ("POST", "PUT"):
+        routes.add_api_route("/generate", generate, methods=[method], name=f"sglang_generate_{method.lower()}")
 
     @routes.get("/get_model_info")
     @routes.get("/model_info")
@@ -420,7 +423,6 @@ def router(front: Front) -> APIRouter:
             ],
         }
 
-    @routes.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache(request: Request) -> Response:
         timeout = request.query_params.get("timeout")  # SGLang's wait for running requests, in seconds
         if timeout is not None:
@@ -440,6 +442,9 @@ def router(front: Front) -> APIRouter:
             "sessions are released when their request ends, named sessions expire after the verify service's "
             "--session-ttl-s.\n"
         )
+
+    for method in ("GET", "POST"):
+        routes.add_api_route("/flush_cache", flush_cache, methods=[method], name=f"flush_cache_{method.lower()}")
 
     @routes.get("/health_generate")
     async def health_generate() -> Response:
