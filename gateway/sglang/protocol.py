@@ -309,6 +309,12 @@ def _per_prompt(body: dict, name: str, count: int, default: Any) -> list[tuple[s
     return [(f"{name}[{i}]", default if v is None else v) for i, v in enumerate(value)]
 
 
+def _get(body: dict, name: str, default: Any) -> Any:
+    """A field's value; null is the default, as in SGLang's request dataclass."""
+    value = body.get(name)
+    return default if value is None else value
+
+
 def _neutral(value: Any, accepted: tuple) -> bool:
     return any(value is None if a is None else type(value) is type(a) and value == a for a in accepted)
 
@@ -357,20 +363,20 @@ def parse_generate(body: dict, vocab_size: int) -> GenerateRequest:
     wants = [boolean(w, v) for w, v in _per_prompt(body, "return_logprob", count, False)]
     starts = [integer(w, v, -1, 2**31 - 1) for w, v in _per_prompt(body, "logprob_start_len", count, -1)]
     tops = [integer(w, v, 0, MAX_LOGPROBS) for w, v in _per_prompt(body, "top_logprobs_num", count, 0)]
-    with_text = boolean("return_text_in_logprobs", body.get("return_text_in_logprobs") or False)
+    with_text = boolean("return_text_in_logprobs", _get(body, "return_text_in_logprobs", False))
     rids = []
     for where, rid in _per_prompt(body, "rid", count, None):
         if rid is not None and not (isinstance(rid, str) and 0 < len(rid) <= 256):
             raise bad(where, f"must be a string of 1-256 characters, got {shown(rid)}", "invalid_type")
         rids.append(rid)
-    session_id = body.get("session_id") or ""
+    session_id = _get(body, "session_id", "")
     if not isinstance(session_id, str) or len(session_id) > 256:
         raise bad("session_id", f"must be a string of at most 256 characters, got {shown(session_id)}", "invalid_type")
     if session_id and (batch or n > 1):
         raise bad("session_id", "names one conversation: it cannot be used with a batch or n > 1")
-    stream = boolean("stream", body.get("stream") or False)
-    boolean("log_metrics", True if body.get("log_metrics") is None else body["log_metrics"])
-    prompt_ids = boolean("return_prompt_token_ids", body.get("return_prompt_token_ids") or False)
+    stream = boolean("stream", _get(body, "stream", False))
+    boolean("log_metrics", _get(body, "log_metrics", True))
+    prompt_ids = boolean("return_prompt_token_ids", _get(body, "return_prompt_token_ids", False))
     items: list[Item] = []
     for i in range(count):
         logprobs = None

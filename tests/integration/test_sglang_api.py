@@ -427,6 +427,10 @@ BAD = [
     ({"text": "a", "return_text_in_logprobs": 1}, "return_text_in_logprobs"),
     ({"text": "a", "rid": 5}, "rid"),
     ({"text": "a", "stream": "true"}, "stream"),
+    ({"text": "a", "stream": 0}, "stream"),
+    ({"text": "a", "return_text_in_logprobs": 0}, "return_text_in_logprobs"),
+    ({"text": "a", "log_metrics": "no"}, "log_metrics"),
+    ({"text": "a", "session_id": 0}, "session_id"),
     ({"text": ["a", "b"], "session_id": "s"}, "session_id"),
     ({"text": "a", "session_id": 5}, "session_id"),
 ]
