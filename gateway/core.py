@@ -26,12 +26,8 @@ of one.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
-import os
-import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
@@ -95,20 +91,9 @@ def shown(value, limit: int = 64) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-# Niceness added to the threads that tokenize prompts (see _lower_priority).
-TOKENIZER_NICENESS = 5
 # Bounds a token's text: no vocabulary entry, byte-level or not, is longer than this many characters when
 # the tokenizer does not say otherwise.
 DEFAULT_CHARS_PER_TOKEN = 64
-
-
-def _lower_priority() -> None:
-    """Run the calling thread at a lower CPU priority (Linux, where a thread has a nice value of its own):
-    a long prompt being tokenized then takes the cores only when the event loop and the streams leave them."""
-    if sys.platform == "linux":
-        with contextlib.suppress(OSError):
-            tid = threading.get_native_id()
-            os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + TOKENIZER_NICENESS)
 
 
 def longest_token_chars(tokenizer) -> int:
@@ -242,9 +227,7 @@ class Gateway:
         # a fast tokenizer a second or more (it releases the GIL meanwhile), and every stream and health
         # check waits on the loop. Detokenizing has threads of its own, so that streams never queue
         # behind long prompts being tokenized.
-        self._tokenizing = ThreadPoolExecutor(
-            max(1, config.tokenizer_threads), thread_name_prefix="tokenize", initializer=_lower_priority
-        )
+        self._tokenizing = ThreadPoolExecutor(max(1, config.tokenizer_threads), thread_name_prefix="tokenize")
         self._detokenizing = ThreadPoolExecutor(max(1, config.tokenizer_threads), thread_name_prefix="detokenize")
         # Token ids a prompt may hold: the tokenizer's, else whatever fits the wire's int32.
         self.vocab_size = len(tokenizer) if tokenizer is not None else 2**31
