@@ -160,7 +160,7 @@ while :; do
         [ "$("$ENGINE" inspect "$c" --format '{{.State.Running}}')" = true ] || die "container $c is not running"
     done
     [ "$(containers | wc -l)" = 3 ] || die "expected 3 containers, got: $(containers | tr '\n' ' ')"
-    if [ $all = healthy ] && curl -fsS -o /dev/null "http://127.0.0.1:$REST_PORT/health"; then break; fi
+    if [ $all = healthy ] && curl -fs -o /dev/null "http://127.0.0.1:$REST_PORT/health"; then break; fi
     [ "$(date +%s)" -lt "$deadline" ] || die "the stack was not healthy within ${TIMEOUT_S}s"
     sleep 3
 done
@@ -184,8 +184,13 @@ body = json.load(open(sys.argv[1]))
 choice = body["choices"][0]
 assert body["model"] == "demo", body["model"]
 assert choice["text"].strip() and choice["finish_reason"] in ("length", "stop"), choice
-assert body["usage"]["completion_tokens"] > 0 and body["specmesh"]["rounds"] > 0, body
+assert body["usage"]["completion_tokens"] > 0, body
+# Whether it speculated is reported, not required: on a loaded machine the gateway may find the draft
+# stalled (a cold first request) and finish target-only, which is the same text by design.
+spec = body["specmesh"]
 print("completion:", repr(choice["text"][:60]), "...", body["usage"], file=sys.stderr)
+print(f"  rounds {spec['rounds']}, accepted {spec['accepted']} of {spec['drafted']}, target_only {spec['target_only']}",
+      file=sys.stderr)
 EOF
 
 curl -fsSN "http://127.0.0.1:$REST_PORT/v1/chat/completions" -H 'content-type: application/json' \
