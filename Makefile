@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.specmesh-installed
 
-.PHONY: venv run test lint bench proto demo-models clean container-test
+.PHONY: venv run test lint bench soak proto demo-models clean container-test
 
 venv: $(STAMP)
 
@@ -40,6 +40,13 @@ bench: venv
 	$(PY) -m bench.inprocess
 	$(PY) -m bench.services
 	$(PY) -m bench.load
+
+# The chaos and soak suite, kept out of `make test`: real processes on loopback, services killed, hung and
+# restarted, the draft <-> verify link delayed, black-holed and reset, malformed input, then a soak of 32
+# clients; every figure goes to soak/results/report.json. SOAK_DURATION_S is the soak's length.
+SOAK_DURATION_S ?= 600
+soak: venv
+	$(PY) -m soak --duration-s $(SOAK_DURATION_S)
 
 # The container test, kept out of `make test`: builds the Dockerfile as it is, brings up docker-compose.yml's
 # verify, draft and gateway containers, answers the README's curl, a streamed chat request and a gRPC call
