@@ -367,7 +367,7 @@ def _thread_flags(plan: StackPlan) -> tuple[list[str], list[str]]:
     """Torch threads per process (specmesh.placement), shared out among replicas on the CPU."""
     n_verify = plan.verify_threads or max(1, service_threads("verify") // plan.verify_replicas)
     n_draft = plan.draft_threads or max(1, service_threads("draft") // plan.draft_replicas)
-    on_cpu = (plan.device or "cpu").startswith("cpu") or not _cuda_available(plan.device)
+    on_cpu = not _cuda_available(plan.device)
     busy = n_verify * plan.verify_replicas if on_cpu else 0
     pipeline = pipeline_pays(busy, n_draft * plan.draft_replicas)
     return ["--threads", str(n_verify)], ["--threads", str(n_draft), "--pipeline" if pipeline else "--no-pipeline"]

@@ -428,12 +428,13 @@ def analyze(phases: list[Phase], endpoints: list[Endpoint], record: dict) -> Fin
         )
         # Blocks so late that the verifier gave up on them measure a draft too slow directly, whatever the model
         # makes of the rounds that did carry drafts.
-        if single.steps and single.deadline_steps / single.steps >= 0.2:
+        steps, late = sum(s.steps for s in spec), sum(s.deadline_steps for s in spec)
+        if steps and late / steps >= 0.2:
             bottleneck = "draft"
             bottleneck_text = (
-                f"the draft service: {single.deadline_steps / single.steps * 100:.0f} % of verify steps at "
-                f"{single.concurrency} stream(s) went target-only because the draft block came after the verify "
-                f"service's deadline (a draft token costs {model.cost_ratio:.2f} of a target forward)"
+                f"the draft service: {late / steps * 100:.0f} % of verify steps went target-only because the draft "
+                f"block came after the verify service's deadline (a draft token costs {model.cost_ratio:.2f} of a "
+                "target forward)"
             )
         # Under load the saturated service decides throughput, whatever a single stream's round looks like.
         top = max(spec, key=lambda s: s.concurrency)
@@ -472,6 +473,11 @@ def analyze(phases: list[Phase], endpoints: list[Endpoint], record: dict) -> Fin
     for s in summaries:
         if s.errors:
             notes.append(f"{s.name}: {s.errors} request(s) failed; their numbers are missing")
+    if not any(e.role == "verify" for e in endpoints) or not any(e.role == "draft" for e in endpoints):
+        notes.append(
+            "the verify and draft services' /metrics were not found (no `specmesh serve` record for this port): "
+            "the time budget, utilisation and most advice need --metrics-url verify=URL --metrics-url draft=URL"
+        )
     if baseline is None:
         notes.append("no target-only baseline was measured: speedups use a modelled baseline")
     recs.sort(key=lambda r: -(r.gain if r.gain is not None else -1.0))

@@ -132,7 +132,8 @@ def plot_busy(f: Findings, out: Path) -> str | None:
     axes[0].set_xlabel("streams")
     axes[0].set_ylabel("% of wall time")
     axes[0].set_title("Model thread busy", fontsize=10)
-    axes[0].legend(fontsize=7)
+    if names:
+        axes[0].legend(fontsize=7)
     width = 0.8 / max(1, len(procs))
     for j, n in enumerate(procs):
         axes[1].bar([i + j * width - 0.4 + width / 2 for i in x], [s.cpu.get(n, 0) for s in rows], width, label=n)

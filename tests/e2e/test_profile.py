@@ -1,0 +1,107 @@
+"""`specmesh profile` against real `specmesh serve` stacks of the demo pair: its advice follows the set-up.
+
+Two stacks that differ in one thing each: K = 12 (far past what the demo draft's acceptance pays for) must
+get "lower K" advice; a draft slowed by the draft service's test knob (--debug-draft-slowdown: 20 times
+slower, however loaded the machine is) must be named the bottleneck. The HTML report is opened in a real
+headless Chromium, which must load every plot.
+"""
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from tests.e2e.test_serve import DEMO, Serve
+from tests.support.services import ROOT
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+DEMO_STACK = ["--model-path", str(DEMO / "target"), "--speculative-draft-model-path", str(DEMO / "draft")]
+
+
+def profile(port: int, out, duration: float = 10) -> dict:
+    """`specmesh profile` on the stack at `port` (its metrics found through the stack's record)."""
+    run = subprocess.run(
+        [sys.executable, "-m", "specmesh", "profile", "--url", f"http://127.0.0.1:{port}", "--duration", str(duration)]
+        + ["--concurrency", "1,4", "--max-tokens", "48", "--out", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    report = json.loads((out / "report.json").read_text())
+    report["stdout"], report["out"] = run.stdout, out
+    report["md"] = (out / "report.md").read_text()
+    return report
+
+
+@pytest.fixture(scope="module")
+def k12_report(tmp_path_factory):
+    serve = Serve(*DEMO_STACK, "--served-model-name", "demo", "--speculative-num-steps", "12")
+    try:
+        serve.up()
+        yield profile(serve.port, tmp_path_factory.mktemp("k12"))
+    finally:
+        serve.kill()
+
+
+@pytest.fixture(scope="module")
+def slow_draft_report(tmp_path_factory):
+    serve = Serve(*DEMO_STACK, "--served-model-name", "demo", "--draft-arg=--debug-draft-slowdown=20")
+    try:
+        serve.up()
+        yield profile(serve.port, tmp_path_factory.mktemp("slow"))
+    finally:
+        serve.kill()
+
+
+def test_k12_gets_lower_k_advice(k12_report):
+    report = k12_report
+    assert report["configured_k"] == 12
+    k_advice = [r for r in report["recommendations"] if r["kind"] == "k"]
+    assert k_advice, report["recommendations"]
+    best = report["best_k"]
+    assert best < 12 and f"--speculative-num-steps {best}" in k_advice[0]["command"]
+    assert k_advice[0]["gain"] > 0.02
+    # The report's sections are all there, each measured.
+    for section in ("Bottleneck", "Recommendations", "A round's time budget", "Acceptance per position"):
+        assert f"## {section}" in report["md"]
+    spec = [p for p in report["phases"] if p["speculative"]]
+    assert [p["concurrency"] for p in spec] == [1, 4]
+    assert all(p["budget_seconds"]["verify forward"] > 0 and p["budget_seconds"]["drafting"] > 0 for p in spec)
+    assert 0 < report["alpha"] < 1 and 0 < report["cost_ratio"] < 1
+
+
+def test_slow_draft_is_named_the_bottleneck(slow_draft_report, k12_report):
+    report = slow_draft_report
+    assert report["bottleneck"] == "draft", report["stdout"]
+    assert "Bottleneck: draft" in report["md"]
+    assert "draft" in [r["kind"] for r in report["recommendations"]], report["stdout"]
+    # The same demo pair, only the set-up differs: the measured draft cost and the advice follow it.
+    k12 = k12_report
+    assert report["cost_ratio"] > 3 * k12["cost_ratio"]
+    assert k12["bottleneck"] != "draft"
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (Debian: apt-get install chromium)")
+def test_html_report_renders_with_its_plots_in_chromium(k12_report, tmp_path):
+    report = k12_report
+    out = report["out"]
+    flags = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--allow-file-access-from-files"]
+    url = (out / "report.html").as_uri()
+    dom = subprocess.run(
+        [*flags, "--virtual-time-budget=5000", "--dump-dom", url], capture_output=True, text=True, timeout=120
+    ).stdout
+    n = len(report["plots"])
+    assert n >= 5
+    assert f'data-plots="{n}/{n}"' in dom, dom[:500]  # every <img> loaded with a non-zero natural width
+    shot = tmp_path / "screenshot.png"
+    subprocess.run([*flags, f"--screenshot={shot}", "--window-size=1000,2400", url], capture_output=True, timeout=120)
+    from PIL import Image
+
+    image = Image.open(shot).convert("L")
+    assert image.size == (1000, 2400)
+    colors = image.getcolors(maxcolors=1 << 16) or []
+    assert len(colors) > 50  # text and plots, not a blank page
