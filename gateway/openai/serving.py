@@ -374,20 +374,23 @@ class Generation:
 
     async def complete(self, request: Request, model: str, rid: str) -> Response:
         """The whole answer as one JSON body; 499 (and the work stopped) if the client goes away first."""
-        collector = asyncio.ensure_future(asyncio.gather(*(self._collect(r) for r in self.runs)))
+        tasks = [asyncio.ensure_future(self._collect(r)) for r in self.runs]
         try:
-            while not collector.done():
-                await asyncio.wait({collector}, timeout=0.25)
-                if not collector.done() and await request.is_disconnected():
-                    collector.cancel()
+            while True:
+                done, pending = await asyncio.wait(tasks, timeout=0.25, return_when=asyncio.FIRST_EXCEPTION)
+                if not pending or any(t.exception() is not None for t in done):
+                    break
+                if await request.is_disconnected():
                     self.span.end("client disconnected")
                     return Response(status_code=499)
-            choices = collector.result()
+            choices = [t.result() for t in tasks]  # the first failure, if one failed
         except SpecmeshError as e:
             return _failed(self.span, e)
         finally:
-            if not collector.done():
-                collector.cancel()
+            # Every collector stops before its generation is closed (a generator being iterated cannot be).
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
             await _close(self.runs)
             self._finish_totals()
             self.span.end()
