@@ -77,7 +77,11 @@ class Run:
         self.t0 = t0  # when the request arrived: e2e_latency counts from there
         self.text_parts: list[str] = []
         self.ids: list[int] = []
-        self.output_lps: list[TokenLogprob] = []
+        # SGLang's log-probability entries, built as the tokens come (their texts decoded off the event loop).
+        self.input_entries: list[list] = []
+        self.input_top: list[list | None] = []
+        self.output_entries: list[list] = []
+        self.output_top: list[list | None] = []
         self.finish: dict | None = None
         self.latency: float | None = None
         # Each generation is traced as the OpenAI routes' are: a server span, parent of the downstream ones.
@@ -110,6 +114,9 @@ class Run:
 
     async def events(self) -> AsyncGenerator[dict, None]:
         """The answer after each step of the generation (the last one is the whole answer)."""
+        if self.item.logprobs is not None and self.prompt_lps:
+            tail = self.prompt_ids[len(self.prompt_ids) - len(self.prompt_lps) :]
+            self.input_entries, self.input_top = await self._off_loop(self._entries, self.prompt_lps, tail)
         if self.gen is None:
             self._finished({"type": "length", "length": 0})
             yield self.payload()
@@ -118,9 +125,13 @@ class Run:
             async for chunk in self.gen:
                 self.text_parts.append(await self._text_of(chunk))
                 self.ids += chunk.token_ids
-                self.output_lps += chunk.logprobs or []
+                if self.item.logprobs is not None and chunk.logprobs:
+                    ids = [e.token_id for e in chunk.logprobs]
+                    entries, top = await self._off_loop(self._entries, chunk.logprobs, ids)
+                    self.output_entries += entries
+                    self.output_top += top
                 if chunk.finish_reason is not None:
-                    self._finished(self._finish_reason(chunk.finish_reason))
+                    self._finished(await self._finish_reason(chunk.finish_reason))
                     yield self.payload()
                     return
                 yield self.payload()
@@ -147,7 +158,10 @@ class Run:
     def _finished(self, reason: dict) -> None:
         self.finish, self.latency = reason, time.perf_counter() - self.t0
 
-    def _finish_reason(self, finish: str) -> dict:
+    async def _off_loop(self, fn, *args):
+        return await self.front.gateway.off_loop(fn, *args)
+
+    async def _finish_reason(self, finish: str) -> dict:
         """SGLang's finish_reason: {"type": "length", "length": n} or {"type": "stop", "matched": the stop
         string, or the token id (EOS or one of stop_token_ids) that ended the output}."""
         if finish == "length":
@@ -162,7 +176,7 @@ class Run:
             if self.special is not None and self.special.detokenizer is not None:
                 full = self.special.detokenizer.text
             else:
-                full = tokenizer.decode(self.ids, skip_special_tokens=True)
+                full = await self._off_loop(partial(tokenizer.decode, skip_special_tokens=True), self.ids)
             found = [(i, s) for s in stop if (i := full.find(s, len(text))) >= 0]
             if found:
                 return {"type": "stop", "matched": min(found)[1]}
@@ -196,31 +210,24 @@ class Run:
         }
         lp = self.item.logprobs
         if lp is not None:
-            prompt = self.prompt_lps or []
-            meta["input_token_logprobs"] = [self._entry(e, t) for e, t in zip(prompt, self._prompt_tail(), strict=True)]
-            meta["output_token_logprobs"] = [self._entry(e, e.token_id) for e in self.output_lps]
+            meta["input_token_logprobs"] = list(self.input_entries)
+            meta["output_token_logprobs"] = list(self.output_entries)
             if lp.top > 0:
-                meta["input_top_logprobs"] = [self._top(e) for e in prompt]
-                meta["output_top_logprobs"] = [self._top(e) for e in self.output_lps]
+                meta["input_top_logprobs"] = list(self.input_top)
+                meta["output_top_logprobs"] = list(self.output_top)
         return meta
 
-    def _prompt_tail(self) -> list[int]:
-        start = self.item.logprobs.start if self.item.logprobs is not None else None
-        return self.prompt_ids[start:] if start is not None else []
-
-    def _text(self, token_id: int) -> str | None:
+    def _entries(self, lps: list, token_ids: list[int]) -> tuple[list[list], list[list | None]]:
+        """SGLang's entries of tokens: [logprob, token id, text or None] each (None for a position without a
+        log-probability: the prompt's first token), and the [logprob, id, text] lists of the top ones."""
+        lp = self.item.logprobs
         tokenizer = self.front.gateway.tokenizer
-        if self.item.logprobs is None or not self.item.logprobs.text or tokenizer is None:
-            return None
-        return tokenizer.decode([token_id])
-
-    def _entry(self, e: TokenLogprob | None, token_id: int) -> list:
-        return [e.logprob if e is not None else None, token_id, self._text(token_id)]
-
-    def _top(self, e: TokenLogprob | None) -> list | None:
-        if e is None:
-            return None
-        return [[v, t, self._text(t)] for t, v in e.top[: self.item.logprobs.top if self.item.logprobs else 0]]
+        with_text = lp is not None and lp.text and tokenizer is not None
+        text = (lambda t: tokenizer.decode([t])) if with_text else (lambda t: None)
+        top = lp.top if lp is not None else 0
+        entries = [[e.logprob if e is not None else None, t, text(t)] for e, t in zip(lps, token_ids, strict=True)]
+        tops = [None if e is None else [[v, t, text(t)] for t, v in e.top[:top]] for e in lps]
+        return entries, tops
 
 
 async def _prompt_ids(front: Front, item: Item) -> list[int]:
