@@ -463,7 +463,7 @@ def analyze(phases: list[Phase], endpoints: list[Endpoint], record: dict) -> Fin
                     f"the best K ({best}) is predicted at {model.speedup(best):.2f}x of target-only decoding "
                     f"(measured now {speedup_now:.2f}x)",
                     serve_command(record, speculative_num_steps=0) + "   (or per request: num_speculative_tokens 0)",
-                    1.0 / max(model.speedup(best), 1e-6) - 1,
+                    1.0 / max(speedup_now, 1e-6) - 1,
                     "speculation",
                 )
             )
