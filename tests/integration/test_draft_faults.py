@@ -12,9 +12,9 @@ from draft_service.remote import RemoteVerifier
 from specmesh.domain import DraftBlock
 from specmesh.errors import Unavailable
 from specmesh.sampling import SamplingParams
-from specmesh.v1 import verify_pb2_grpc
-from tests.support.models import tiny_model
-from tests.support.services import start_verify
+from specmesh.v1 import common_pb2, draft_pb2, verify_pb2_grpc
+from tests.support.models import noisy_copy, tiny_model
+from tests.support.services import draft_stub, start_draft, start_verify
 
 VOCAB = 96
 
@@ -90,3 +90,45 @@ def test_a_dead_replica_is_unavailable_not_internal(target):
     finally:
         loop.call_soon_threadsafe(loop.stop)
         thread.join(5)
+
+
+def test_cancelled_and_failed_streams_leave_no_active_session(target):
+    """Clients that go away at every point of a stream, then a verify replica that dies under the rest: the
+    draft service's active count returns to 0 (it is what its SIGTERM drain waits for)."""
+    verify = start_verify(target)
+    draft = start_draft(noisy_copy(target, 0.03), verify.address)
+    stub = draft_stub(draft)
+    params = common_pb2.SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+
+    def one(i: int, cancel_after: int | None) -> None:
+        call = stub.Generate(
+            draft_pb2.DraftServiceGenerateRequest(
+                prompt_ids=[1, 2, 3 + i], session_id=f"s{i}" if i % 2 else "", params=params
+            ),
+            timeout=60,
+        )
+        try:
+            for n, _ in enumerate(call):
+                if cancel_after is not None and n >= cancel_after:
+                    call.cancel()
+                    return
+        except grpc.RpcError:
+            pass
+
+    try:
+        threads = [threading.Thread(target=one, args=(i, i % 5)) for i in range(20)]
+        threads += [threading.Thread(target=one, args=(20 + i, None)) for i in range(6)]
+        for t in threads:
+            t.start()
+        time.sleep(0.5)
+        verify.stop()  # the six uncancelled streams lose their replica mid-stream
+        for t in threads:
+            t.join(60)
+        engine = draft.server.engine
+        end = time.monotonic() + 10
+        while engine.active and time.monotonic() < end:
+            time.sleep(0.05)
+        assert engine.active == 0
+    finally:
+        draft.stop()
+        verify.stop()
