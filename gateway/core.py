@@ -12,8 +12,8 @@ status of a downstream error comes from the one table in `specmesh.errors`.
 
 Stalls: a replica that hangs (a stopped process, a black-holed connection) fails no call, so every stream
 is watched. A stream stalls when no token arrives within `stall_gap_multiple` times its mean gap between
-tokens so far, never more than `stall_timeout_s` nor less than a quarter of it (three times that cap for
-the first token, which includes queueing and the prefill). A stalled speculative stream is cancelled and
+tokens so far, never more than `stall_timeout_s` nor less than half of it (three times that cap for the
+first token, which includes queueing and the prefill). A stalled speculative stream is cancelled and
 replayed target-only on the same verify replica, and its draft replica leaves the pool until its health
 checks answer again. A stalled target-only stream waits on while its verify replica answers a health
 check, and fails over once it does not.
@@ -147,25 +147,29 @@ class _Pace:
     as stalled (see the module docstring)."""
 
     FIRST_TOKEN = 3.0  # a generation's first token waits this many caps: it includes queueing and the prefill
+    MIN_SAMPLES = 4  # gaps seen before the mean says anything (the first ones follow the prefill's burst)
 
     def __init__(self, cap: float, multiple: float, first: bool):
         self.cap, self.multiple = cap, multiple
         self.first = first  # the generation's first stream (not a replay, which has tokens to go on from)
         self.mean: float | None = None  # mean gap between token chunks so far (exponentially weighted)
+        self.samples = 0
         self.last: float | None = None
 
     def bound(self) -> float:
         if self.last is None and self.first:
             return self.FIRST_TOKEN * self.cap
-        if self.mean is None:
+        if self.mean is None or self.samples < self.MIN_SAMPLES:
             return self.cap
-        return min(self.cap, max(self.cap / 4, self.multiple * self.mean))
+        # Never under half the cap: a loaded replica's gaps vary, and a false stall costs the speculation.
+        return min(self.cap, max(self.cap / 2, self.multiple * self.mean))
 
     def tick(self) -> None:
         now = time.monotonic()
         if self.last is not None:
             gap = now - self.last
             self.mean = gap if self.mean is None else 0.8 * self.mean + 0.2 * gap
+            self.samples += 1
         self.last = now
 
 
