@@ -391,8 +391,9 @@ def _has(args: list[str], flag: str) -> bool:
 
 def launch(plan: StackPlan, group: ProcessGroup) -> dict:
     """Start every process and wait until the stack answers; returns the stack's record (stack_file)."""
-    common = ["--host", "127.0.0.1" if plan.host in ("127.0.0.1", "localhost") else plan.host]
-    common += ["--port", "0", "--metrics-port", "0"]  # any free ports (printed): stacks can share a machine
+    # The model services are the gateway's backends: loopback only, whatever --host opens the gateway to, on
+    # any free ports (printed), so that stacks can share a machine.
+    common = ["--host", "127.0.0.1", "--port", "0", "--metrics-port", "0"]
     verify_threads, draft_threads = _thread_flags(plan)
     device = ["--device", plan.device] if plan.device else []
     draft_device = plan.draft_device or plan.device
