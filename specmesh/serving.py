@@ -21,13 +21,15 @@ import signal
 import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from wsgiref.simple_server import WSGIServer
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health_pb2
 from opentelemetry import trace
 
-from specmesh.errors import grpc_code_name
+from specmesh.errors import InvalidArgument, grpc_code_name
 from specmesh.grpc_std import add_standard_services
 from specmesh.security import Security, bind
 from specmesh.telemetry import incoming_context, serve_metrics, setup_logging, setup_tracing, tracer
@@ -110,7 +112,8 @@ class ServiceInterceptor(grpc.aio.ServerInterceptor):
         if handler is None or not details.method.startswith(self.prefix):
             return handler
         method = details.method.rsplit("/", 1)[-1]
-        ser = dict(request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer)
+        parse = _tolerant(handler.request_deserializer)
+        ser = dict(request_deserializer=parse, response_serializer=handler.response_serializer)
         if handler.unary_unary:
             return grpc.unary_unary_rpc_method_handler(self._unary(handler.unary_unary, method), **ser)
         if handler.unary_stream:
@@ -139,17 +142,50 @@ class ServiceInterceptor(grpc.aio.ServerInterceptor):
     def _unary(self, behavior, method: str):
         async def unary(request, context):
             async with self._call(method, context):
-                return await behavior(request, context)
+                return await behavior(_parsed(request), context)
 
         return unary
 
     def _streaming(self, behavior, method: str):
         async def streaming(request, context):
             async with self._call(method, context):
+                request = _parsed_all(request) if hasattr(request, "__aiter__") else _parsed(request)
                 async for item in behavior(request, context):
                     yield item
 
         return streaming
+
+
+@dataclass(frozen=True)
+class _Undecodable:
+    """A request message that did not parse: the interceptor answers it INVALID_ARGUMENT (grpc itself would
+    answer UNKNOWN, or INTERNAL, as if the server had failed)."""
+
+    error: str
+
+
+def _tolerant(deserializer):
+    if deserializer is None:
+        return None
+
+    def parse(data: bytes):
+        try:
+            return deserializer(data)
+        except DecodeError as e:
+            return _Undecodable(str(e))
+
+    return parse
+
+
+def _parsed(request):
+    if isinstance(request, _Undecodable):
+        raise InvalidArgument(f"the request message does not parse: {request.error}")
+    return request
+
+
+async def _parsed_all(requests):
+    async for request in requests:
+        yield _parsed(request)
 
 
 class GrpcServer:
