@@ -124,6 +124,7 @@ class DraftEngine:
         stream_metrics: StreamMetrics | None = None,
         on_batch: Callable[[int, float], None] | None = None,
         model_thread: ThreadPoolExecutor | None = None,
+        tokenizer=None,
     ):
         """`on_batch(sessions, seconds)` is told of every batched draft forward (metrics). Every torch op runs
         on `model_thread`, building the runner (its probe forwards) included: a second OpenMP team, busy or
@@ -133,7 +134,9 @@ class DraftEngine:
         self.runner = self.model_thread.submit(make_runner, model, config).result() if model is not None else None
         self.vocab_size = self.runner.vocab_size if self.runner else 0
         self.batcher = (
-            DraftBatcher(self.runner, config.draft_topk, self._on_model, on_batch) if self.runner is not None else None
+            DraftBatcher(self.runner, config.draft_topk, self._on_model, on_batch, tokenizer)
+            if self.runner is not None
+            else None
         )
         self.totals = SpecStats()  # every finished generation's speculation statistics
         self.tracer = tracer("draft")
@@ -159,10 +162,10 @@ class DraftEngine:
         on_batch: Callable[[int, float], None] | None = None,
     ) -> DraftEngine:
         model_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="draft-model")
-        model = None
+        model = tokenizer = None
         if config.algorithm.needs_model:
-            model = model_thread.submit(load_model, config.model_path, config.device).result()[0]
-        return cls(config, model, stream_metrics, on_batch, model_thread)
+            model, tokenizer = model_thread.submit(load_model, config.model_path, config.device).result()
+        return cls(config, model, stream_metrics, on_batch, model_thread, tokenizer)
 
     async def _on_model(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.model_thread, fn, *args)

@@ -13,12 +13,13 @@ from specmesh.v1 import draft_pb2, draft_pb2_grpc
 SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name
 
 
-async def build_server(config: DraftConfig, model=None, security: Security | None = None) -> GrpcServer:
+async def build_server(config: DraftConfig, model=None, security: Security | None = None, tokenizer=None) -> GrpcServer:
     """The service around `model` (an nn.Module; None = load what the config names), unstarted. `security`:
-    its port's TLS and keys, and the TLS and key it dials verify replicas with."""
+    its port's TLS and keys, and the TLS and key it dials verify replicas with. `tokenizer` (with `model`)
+    lets drafts follow a request's grammar."""
     metrics = DraftMetrics()
     if model is not None:
-        engine = DraftEngine(config, model, metrics.stream, metrics.on_batch)
+        engine = DraftEngine(config, model, metrics.stream, metrics.on_batch, tokenizer=tokenizer)
     else:
         engine = DraftEngine.from_config(config, metrics.stream, metrics.on_batch)
     metrics.watch(engine)

@@ -63,7 +63,8 @@ class SpeculativeEngine:
         self.tokenizer = tokenizer
         self.draft_topk = draft_topk
         # In process the forwards run inline: one session, nothing to overlap with.
-        self.batcher = DraftBatcher(draft_runner, draft_topk) if draft_runner is not None else None
+        self.batcher = DraftBatcher(draft_runner, draft_topk, tokenizer=tokenizer) if draft_runner is not None else None
+        self._grammars: Any = None  # specmesh.structured.GrammarCompiler, built on first use
 
     @classmethod
     def from_models(
@@ -113,11 +114,26 @@ class SpeculativeEngine:
         stop = StopChecker(params, eos, decode)
         with torch.inference_mode():
             result = await speculative_generate(
-                LocalVerifier(self.target, self.sampler, eos), drafter, prompt_ids, params, num_speculative_tokens, stop
+                LocalVerifier(self.target, self.sampler, eos, self._grammar_compiler(params, eos)),
+                drafter,
+                prompt_ids,
+                params,
+                num_speculative_tokens,
+                stop,
             )
         if decode is not None:
             result.text = stop.text()
         return result
+
+    def _grammar_compiler(self, params: SamplingParams, eos: frozenset[int]) -> Any:
+        """The target's grammar compiler when a request has a grammar and there is a tokenizer (built once)."""
+        if params.structured is None or self.tokenizer is None:
+            return None
+        if self._grammars is None:
+            from specmesh.structured import GrammarCompiler
+
+            self._grammars = GrammarCompiler(self.tokenizer, self.target.vocab_size, sorted(eos))
+        return self._grammars
 
     # The same, from synchronous code.
     generate = _blocking(agenerate)

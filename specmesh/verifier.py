@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from specmesh.domain import DraftBlock, Verdict
+from specmesh.errors import InvalidArgument
 from specmesh.rejection import RejectionInput, RejectionSampler
 from specmesh.runtime import Runner, RunnerSequence, SeqT
 from specmesh.sampling import LogitsContext, SamplingParams, make_generator, output_start
@@ -49,16 +50,29 @@ def sample_and_commit(
 class LocalVerifier:
     """The `Verifier` of in-process generation: one sequence, verified in this process."""
 
-    def __init__(self, runner: Runner[Any], sampler: RejectionSampler, eos_token_ids: frozenset[int] = frozenset()):
+    def __init__(
+        self,
+        runner: Runner[Any],
+        sampler: RejectionSampler,
+        eos_token_ids: frozenset[int] = frozenset(),
+        grammars: Any = None,
+    ):
         self.runner = runner
         self.sampler = sampler
         self.eos_token_ids = eos_token_ids  # held back by min_tokens
+        self.grammars = grammars  # specmesh.structured.GrammarCompiler, for structured output
+        self.grammar: Any = None
         self.seq: RunnerSequence | None = None
 
     async def start(self, prompt_ids: list[int], params: SamplingParams) -> None:
         self.params = params
         self.output_start = output_start(len(prompt_ids), params)
         self.generator = make_generator(params.seed, self.runner.device)
+        self.grammar = None
+        if params.structured is not None:
+            if self.grammars is None:
+                raise InvalidArgument(f"{params.structured.field_name}: structured output needs a tokenizer")
+            self.grammar = self.grammars.grammar(params.structured)
         if self.seq is None:
             self.seq = self.runner.new_sequence(prompt_ids)
         else:
@@ -67,6 +81,6 @@ class LocalVerifier:
 
     async def submit(self, proposal: DraftBlock) -> Verdict:
         assert self.seq is not None  # start() comes first
-        context = LogitsContext(self.seq.token_ids, self.output_start, (), self.eos_token_ids)
+        context = LogitsContext(self.seq.token_ids, self.output_start, (), self.eos_token_ids, self.grammar)
         block = RejectionInput(proposal, self.params, self.generator, context)
         return verify_batch(self.runner, self.sampler, [self.seq], [block])[0]

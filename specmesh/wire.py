@@ -11,6 +11,7 @@ every front answers with INVALID_ARGUMENT (HTTP 400); a plain ValueError would b
 
 from __future__ import annotations
 
+import json
 from typing import Any, TypeAlias
 
 import torch
@@ -27,7 +28,7 @@ from specmesh.domain import (
     Verdict,
 )
 from specmesh.errors import InvalidArgument
-from specmesh.sampling import DEFAULT_MAX_TOKENS, SamplingParams
+from specmesh.sampling import DEFAULT_MAX_TOKENS, SamplingParams, StructuredSpec
 from specmesh.v1 import common_pb2, verify_pb2
 
 FinishReasonPb: TypeAlias = common_pb2.FinishReason
@@ -78,6 +79,7 @@ def params_from_pb(pb: common_pb2.SamplingParams, vocab_size: int | None = None)
         bad_words=tuple(tuple(w.token_ids) for w in pb.bad_words),
         logprobs=pb.logprobs if pb.HasField("logprobs") else None,
         prior_output_tokens=pb.prior_output_tokens,
+        structured=structured_from_pb(pb.structured) if pb.HasField("structured") else None,
     )
     try:
         return params.validate(vocab_size)
@@ -110,7 +112,30 @@ def params_to_pb(params: SamplingParams) -> common_pb2.SamplingParams:
         pb.repetition_penalty = params.repetition_penalty
     if params.logprobs is not None:
         pb.logprobs = params.logprobs
+    if params.structured is not None:
+        pb.structured.CopyFrom(structured_to_pb(params.structured))
     return pb
+
+
+def structured_from_pb(pb: common_pb2.StructuredOutput) -> StructuredSpec | None:
+    kind = pb.WhichOneof("format")
+    if kind is None:
+        return None
+    if kind == "choice":
+        return StructuredSpec("choice", json.dumps(list(pb.choice.choices)), "structured.choice")
+    if kind == "json_object":
+        return StructuredSpec("json_object", "", "structured.json_object")
+    return StructuredSpec(kind, getattr(pb, kind), f"structured.{kind}")
+
+
+def structured_to_pb(spec: StructuredSpec) -> common_pb2.StructuredOutput:
+    if spec.kind == "choice":
+        return common_pb2.StructuredOutput(choice=common_pb2.StructuredChoice(choices=json.loads(spec.value)))
+    if spec.kind == "json_object":
+        return common_pb2.StructuredOutput(json_object=True)
+    if spec.kind == "regex":
+        return common_pb2.StructuredOutput(regex=spec.value)
+    return common_pb2.StructuredOutput(json_schema=spec.value)
 
 
 # Log-probabilities -----------------------------------------------------------------------------------

@@ -29,6 +29,7 @@ from specmesh.sampling import (
     make_generator,
     output_start,
 )
+from specmesh.structured import GrammarCompiler
 from specmesh.telemetry import tracer, wall_ns
 from verify_service.runner import RUNNERS, build_runner, context_limit
 from verify_service.scheduler import Scheduler
@@ -117,6 +118,7 @@ class VerifyEngine:
         self.tokenizer = tokenizer
         self.vocab_size = self.runner.vocab_size
         self.eos_token_ids = eos_token_ids(model)
+        self._grammars: GrammarCompiler | None = None
         self.max_context = context_limit(self.runner, config.max_model_len)
         self.sampler = RejectionSampler(config.sampler_backend, seed=config.seed, device=self.runner.device)
         # The slot pool already caps the batched runner's sessions; hf caches need a count of their own.
@@ -182,6 +184,10 @@ class VerifyEngine:
             )
         if params.stop and self.tokenizer is None:
             raise InvalidArgument("stop strings need a tokenizer, and this model directory has none")
+        if params.structured is not None and self.tokenizer is None:
+            raise InvalidArgument(
+                f"{params.structured.field_name}: structured output needs a tokenizer, and this model has none"
+            )
 
     async def open(self, session_id: str, prompt_ids: list[int], params: SamplingParams) -> Opened:
         """Start a turn: create or continue the session and prefill what its cache lacks."""
@@ -222,6 +228,7 @@ class VerifyEngine:
         session.params = params
         session.stop = StopChecker(params, self.eos_token_ids, decode)
         session.generator = make_generator(params.seed, self.runner.device)
+        session.grammar = self.grammars().grammar(params.structured) if params.structured is not None else None
         session.prompt_len = len(prompt_ids)
         session.epoch = 0
 
@@ -265,12 +272,18 @@ class VerifyEngine:
         assert session.params is not None  # attached sessions have an open turn
         return RejectionInput(DraftBlock([]), session.params, session.generator, self._context(session))
 
+    def grammars(self) -> GrammarCompiler:
+        """The model's grammar compiler, built on first use (about a second for a real vocabulary)."""
+        if self._grammars is None:
+            self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size, sorted(self.eos_token_ids))
+        return self._grammars
+
     def _context(self, session: Session) -> LogitsContext:
         """What context-dependent processing reads: the session's committed tokens (read when the batch is
         sampled, before this step commits), where this turn's output starts in them, and the EOS ids."""
         assert session.params is not None
         start = output_start(session.prompt_len, session.params)
-        return LogitsContext(session.seq.token_ids, start, (), self.eos_token_ids)
+        return LogitsContext(session.seq.token_ids, start, (), self.eos_token_ids, session.grammar)
 
     async def session_stream(self, inbox: asyncio.Queue) -> AsyncIterator[Verdict]:
         """Serve one session's Verify stream: `inbox` yields BlockIn, END_OF_STREAM, or an exception to raise."""

@@ -57,6 +57,7 @@ class Session:
     params: SamplingParams | None = None
     stop: StopChecker | None = None
     generator: torch.Generator | None = None  # seeded requests' own stream
+    grammar: Any = None  # structured output's matcher state (specmesh.structured.Grammar), if any
     prompt_len: int = 0
     epoch: int = 0  # verdicts produced this turn
     # Bookkeeping:

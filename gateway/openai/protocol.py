@@ -11,6 +11,7 @@ response.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Annotated, Any, Generic, Literal, TypeVar, get_args
 
@@ -29,7 +30,8 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from gateway.core import Outcome, shown
-from specmesh.errors import SpecmeshError
+from specmesh import structured
+from specmesh.errors import InvalidArgument, SpecmeshError
 from specmesh.rejection.limits import MAX_SPEC_LEN
 from specmesh.sampling import (
     DEFAULT_MAX_TOKENS,
@@ -38,6 +40,7 @@ from specmesh.sampling import (
     MAX_LOGPROBS,
     MAX_STOP_STRINGS,
     SamplingParams,
+    StructuredSpec,
 )
 
 # errors -------------------------------------------------------------------------------------------------
@@ -222,6 +225,12 @@ class GenerationRequest(OpenAIRequestModel):
     bad_words: list[str] = Field(
         [], max_length=MAX_BAD_WORDS // 2, description=f"a list of at most {MAX_BAD_WORDS // 2} strings"
     )
+    # Structured output: OpenAI's response_format, vLLM's guided_* (at most one; specmesh.structured).
+    response_format: dict | None = Field(None, description="an object with a type")
+    guided_json: dict | str | None = Field(None, description="a JSON schema (an object or its JSON text)")
+    guided_regex: str | None = Field(None, description="a regular expression")
+    guided_choice: list[str] | None = Field(None, description="a list of strings")
+    guided_grammar: Unsupported = None
     suffix: Unsupported = None
     tools: Unsupported = None
     functions: Unsupported = None
@@ -277,6 +286,53 @@ class GenerationRequest(OpenAIRequestModel):
 
     def check(self) -> None:
         """Raise an APIError (400) naming the parameter for what no field's own validation can see."""
+        spec = self.structured_spec()
+        if spec is not None:
+            try:
+                structured.validate(spec)
+            except InvalidArgument as e:
+                raise APIError(400, str(e), spec.field_name.split(".")[0], "invalid_value") from None
+
+    def structured_spec(self) -> StructuredSpec | None:
+        """The grammar the output must match, from response_format or guided_* (APIError 400 naming the
+        field when malformed or when two of them are set)."""
+        given = [
+            name
+            for name in ("response_format", "guided_json", "guided_regex", "guided_choice")
+            if getattr(self, name) is not None
+        ]
+        if self.response_format is not None and self.response_format.get("type") == "text":
+            given.remove("response_format")
+        if len(given) > 1:
+            raise APIError(400, f"'{given[0]}' and '{given[1]}' cannot both be set", given[1], "invalid_value")
+        if not given:
+            return None
+        name = given[0]
+        if name == "guided_regex":
+            return StructuredSpec("regex", str(self.guided_regex), name)
+        if name == "guided_choice":
+            return StructuredSpec("choice", json.dumps(self.guided_choice), name)
+        if name == "guided_json":
+            schema = self.guided_json
+            return StructuredSpec("json_schema", schema if isinstance(schema, str) else json.dumps(schema), name)
+        fmt = self.response_format or {}
+        kind = fmt.get("type")
+        if kind == "json_object":
+            return StructuredSpec("json_object", "", name)
+        if kind == "json_schema":
+            body = fmt.get("json_schema")
+            schema = body.get("schema") if isinstance(body, dict) else None
+            if not isinstance(schema, dict):
+                raise APIError(
+                    400, "'response_format.json_schema.schema' must be an object", "response_format", "invalid_value"
+                )
+            return StructuredSpec("json_schema", json.dumps(schema), name)
+        raise APIError(
+            400,
+            f"'response_format.type' must be text, json_object or json_schema, got {shown(kind)}",
+            "response_format",
+            "invalid_value",
+        )
 
     def to_sampling_params(self, bad_words: tuple[tuple[int, ...], ...] = ()) -> SamplingParams:
         """`bad_words`: the request's bad_words as token sequences (the gateway tokenizes them)."""
@@ -297,6 +353,7 @@ class GenerationRequest(OpenAIRequestModel):
             stop_token_ids=tuple(self.stop_token_ids),
             bad_words=bad_words,
             logprobs=self.num_logprobs,
+            structured=self.structured_spec(),
         )
 
 
@@ -338,6 +395,7 @@ class CompletionRequest(GenerationRequest, _PromptInput):
     top_logprobs: Unsupported = None
 
     def check(self) -> None:
+        super().check()
         if self.max_tokens == 0 and not self.echo:
             raise APIError(400, "'max_tokens' may be 0 only with echo", "max_tokens", "invalid_value")
 
@@ -390,6 +448,7 @@ class ChatCompletionRequest(GenerationRequest, _ChatInput):
     echo: Unsupported = None
 
     def check(self) -> None:
+        super().check()
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(400, "'top_logprobs' needs 'logprobs': true", "top_logprobs", "invalid_value")
 

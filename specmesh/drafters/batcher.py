@@ -57,6 +57,7 @@ class DraftState:
     params: SamplingParams
     generator: torch.Generator
     output_start: int = 0  # where the output begins in seq.token_ids (context-dependent processing)
+    grammar: Any = None  # structured output's matcher state (specmesh.structured.Grammar); None = unmasked
     tokens_drafted: int = 0  # including tokens drafted ahead and thrown away
     draft_seconds: float = 0.0  # this session's share of the forwards it took part in
 
@@ -106,7 +107,11 @@ class DraftBatcher:
         draft_topk: int = 16,
         execute: Executor = run_inline,
         on_batch: Callable[[int, float], None] | None = None,
+        tokenizer: Any = None,
     ):
+        """`tokenizer` lets drafts follow a request's grammar (structured output); without one they are
+        drafted unmasked, still lossless (the verifier masks the target and rejects what the grammar
+        refuses), only accepted less often."""
         if draft_topk < 1:
             raise ValueError("draft_topk must be >= 1")
         self.runner = runner
@@ -115,6 +120,8 @@ class DraftBatcher:
         self.on_batch = on_batch  # (sessions advanced, seconds) per forward, for metrics
         model = getattr(runner, "model", None)
         self.eos_token_ids = eos_token_ids(model) if model is not None else frozenset()  # for min_tokens
+        self.tokenizer = tokenizer
+        self._grammars: Any = None  # specmesh.structured.GrammarCompiler, built on first use
         self.stats = BatcherStats()
         self._waiting: list[_Request] = []
         self._wake: asyncio.Event | None = None
@@ -129,6 +136,12 @@ class DraftBatcher:
             seq = reuse.seq
             seq.reset_tokens(prompt_ids)
         state = DraftState.new(seq, params, self.runner.device)
+        if params.structured is not None and self.tokenizer is not None:
+            if self._grammars is None:
+                from specmesh.structured import GrammarCompiler
+
+                self._grammars = GrammarCompiler(self.tokenizer, self.runner.vocab_size, sorted(self.eos_token_ids))
+            state.grammar = self._grammars.grammar(params.structured)
         if reuse is not None:
             state.tokens_drafted, state.draft_seconds = reuse.tokens_drafted, reuse.draft_seconds
         return state
@@ -238,7 +251,7 @@ class DraftBatcher:
         out: list[DraftToken | None] = [None] * len(states)
         # seq.token_ids holds the committed tokens, those assumed and those drafted so far: the context the
         # verifier will process this position under.
-        contexts = [LogitsContext(s.seq.token_ids, s.output_start, (), self.eos_token_ids) for s in states]
+        contexts = [LogitsContext(s.seq.token_ids, s.output_start, (), self.eos_token_ids, s.grammar) for s in states]
         logits = apply_context_processing(logits, [s.params for s in states], contexts)
         argmax = logits.argmax(dim=-1).tolist()
         for i, g in enumerate(greedy):

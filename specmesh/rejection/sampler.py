@@ -74,7 +74,7 @@ class RejectionInput:
         if self.context is None:
             return None
         c = self.context
-        return LogitsContext(c.tokens, c.output_start, self.block.token_ids, c.eos_token_ids)
+        return LogitsContext(c.tokens, c.output_start, self.block.token_ids, c.eos_token_ids, c.grammar)
 
     @property
     def k(self) -> int:

@@ -36,12 +36,13 @@ def start_verify(model, tokenizer=None, **kw) -> BackgroundServer:
 LOOPBACK_VERIFY = "127.0.0.1:*"
 
 
-def start_draft(model, verify_address: str, **kw) -> BackgroundServer:
+def start_draft(model, verify_address: str, tokenizer=None, **kw) -> BackgroundServer:
+    """`tokenizer`: the draft follows requests' grammars (structured output); without one it drafts unmasked."""
     kw.setdefault("verify_allow", LOOPBACK_VERIFY)
     config = DraftConfig(
         model_path="(in-memory)" if model is not None else "", port=0, verify_address=verify_address, **kw
     )
-    return BackgroundServer(lambda: build_draft(config, model))
+    return BackgroundServer(lambda: build_draft(config, model, tokenizer=tokenizer))
 
 
 def verify_stub(server: BackgroundServer):
