@@ -9,7 +9,7 @@ by prompt, its n samples together).
 Each parameter specmesh honours is mapped to `SamplingParams`; a parameter specmesh does not implement is
 accepted only at its neutral value (the value that asks for nothing: null, 0, false, an empty list), so a
 request is never answered as if a constraint it asked for had been applied. Anything else, unknown names
-included, is refused with a 400 that names the parameter, as `sampling_params.regex` or `text[2]`.
+included, is refused with a 400 that names the parameter, as `sampling_params.ebnf` or `text[2]`.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Any
 from gateway.core import shown
 from gateway.openai.protocol import APIError
 from specmesh.errors import InvalidArgument
-from specmesh.sampling import MAX_LOGPROBS, MAX_STOP_STRINGS, SamplingParams
+from specmesh.sampling import MAX_LOGPROBS, MAX_STOP_STRINGS, SamplingParams, StructuredSpec
 
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default
 MAX_N = 16  # most samples per prompt
@@ -106,8 +106,6 @@ def _logit_bias(param: str, value: Any, vocab_size: int) -> tuple[tuple[int, flo
 # Parameters specmesh does not implement, and the values that ask for nothing (checked with `in`, so 0 also
 # matches 0.0 and False).
 NEUTRAL: dict[str, tuple[tuple, str]] = {
-    "regex": ((None,), "null"),
-    "json_schema": ((None,), "null"),
     "ebnf": ((None,), "null"),
     "structural_tag": ((None,), "null"),
     "stop_regex": ((None, "", []), "null or an empty list"),
@@ -139,8 +137,23 @@ KNOWN = frozenset(
         "repetition_penalty",
         "logit_bias",
         "sampling_seed",
+        "regex",
+        "json_schema",
     }
 )
+
+
+def _grammar(param: str, get) -> StructuredSpec | None:
+    """The grammar the output must match: SGLang's `regex` or `json_schema` (JSON text), at most one."""
+    given = [name for name in ("regex", "json_schema") if get(name) is not None]
+    if len(given) > 1:
+        raise bad(f"{param}.{given[1]}", f"cannot be combined with '{given[0]}': one grammar per generation")
+    if not given:
+        return None
+    where, value = f"{param}.{given[0]}", get(given[0])
+    if not isinstance(value, str) or not value:
+        raise bad(where, f"must be a non-empty string, got {shown(value)}", "invalid_type")
+    return StructuredSpec(given[0], value, field_name=where)
 
 
 @dataclass(frozen=True)
@@ -183,6 +196,7 @@ def sampling(raw: Any, param: str, vocab_size: int) -> Sampling:
     kw["presence_penalty"] = number(f"{param}.presence_penalty", get("presence_penalty", 0.0), -2, 2)
     kw["repetition_penalty"] = number(f"{param}.repetition_penalty", get("repetition_penalty", 1.0), 0, 2, lo_open=True)
     kw["logit_bias"] = _logit_bias(f"{param}.logit_bias", get("logit_bias", {}), vocab_size)
+    kw["structured"] = _grammar(param, get)
     seed = get("sampling_seed")
     kw["seed"] = None if seed is None else integer(f"{param}.sampling_seed", seed, 0, 2**63 - 1)
     skip_special = boolean(f"{param}.skip_special_tokens", get("skip_special_tokens", True))

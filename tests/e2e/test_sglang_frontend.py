@@ -4,6 +4,7 @@ with `sgl.user` / `sgl.assistant` / `sgl.gen`, streaming through `text_iter`, an
 must be the one the target's own log-probabilities make."""
 
 import json
+import re
 import subprocess
 from pathlib import Path
 
@@ -44,6 +45,8 @@ def test_sglang_frontend_runs_unchanged_against_the_gateway(side_python):
     )
     tokenizer = AutoTokenizer.from_pretrained(ROOT / "models" / "demo" / "target")
     target = tiny_model("llama", vocab=len(tokenizer), seed=31)
+    # The tokenizer's EOS is the model's, as in a real checkpoint: a grammar's end is that (special) token.
+    target.config.eos_token_id = target.generation_config.eos_token_id = tokenizer.eos_token_id
     verify = start_verify(target, tokenizer)
     draft = start_draft(noisy_copy(target, 0.03), verify.address)
     gw = GatewayServer([verify.address], [draft.address], tokenizer)
@@ -73,6 +76,10 @@ def test_sglang_frontend_runs_unchanged_against_the_gateway(side_python):
     # Streaming through text_iter: the same answer (how many pieces it comes in depends on how fast the
     # frontend's reader thread keeps up; that the events are incremental is checked in test_sglang_api).
     assert "".join(out["stream_pieces"]) == out["stream_answer"] == answer
+
+    # sgl.gen with dtype=int and with a regex: the output is in the grammar.
+    assert re.fullmatch(r"[-+]?[0-9]+[ \n]*", out["number"]), out["number"]
+    assert out["flag"] in ("yes", "no")
 
     # sgl.select: each choice's log-probabilities are the target's, and the choice is their best mean.
     sel, scores = out["select"], out["select_meta"]

@@ -5,6 +5,7 @@ SGLang's streaming format, and a table of bad inputs that must each be a 400 nam
 import itertools
 import json
 import math
+import re
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -279,6 +280,25 @@ def test_sampling_parameters_are_honoured(url, tokenizer, greedy):
     assert out["meta_info"]["completion_tokens"] >= 2 and out["output_ids"][0] != first
 
 
+def test_regex_and_json_schema_constrain_the_output(url, tokenizer):
+    # The output matches the grammar, then ends (the last token is the model's EOS, which the grammar
+    # allows once it is satisfied; this tiny model's EOS is an ordinary token of the demo tokenizer).
+    out = generate(
+        url, {"text": "x = ", "sampling_params": {"max_new_tokens": 8, "temperature": 0, "regex": "[0-9]{3}"}}
+    )
+    assert out["meta_info"]["finish_reason"]["type"] == "stop"
+    assert re.fullmatch("[0-9]{3}", tokenizer.decode(out["output_ids"][:-1]))
+    schema = {"type": "object", "properties": {"a": {"enum": [1, 2]}}, "required": ["a"], "additionalProperties": False}
+    sp = {"max_new_tokens": 30, "temperature": 0.9, "sampling_seed": 3, "json_schema": json.dumps(schema)}
+    out = generate(url, {"text": "x = ", "sampling_params": sp})
+    assert json.loads(tokenizer.decode(out["output_ids"][:-1]))["a"] in (1, 2)
+    # A grammar the engine cannot build is a 400, before any output.
+    for stream in (False, True):
+        body = {"text": "x = ", "stream": stream, "sampling_params": {"regex": "[0-9"}}
+        status, _, text = call("POST", url + "/generate", body)
+        assert status == 400 and "regex" in json.loads(text)["error"]["message"], text
+
+
 def test_skip_special_tokens_false_keeps_them_in_the_text(url, tokenizer):
     eos = tokenizer.eos_token_id
     special = tokenizer.decode([eos])
@@ -394,8 +414,10 @@ BAD = [
     ({"text": "a", "sampling_params": {"presence_penalty": -2.5}}, "sampling_params.presence_penalty"),
     ({"text": "a", "sampling_params": {"repetition_penalty": 0}}, "sampling_params.repetition_penalty"),
     ({"text": "a", "sampling_params": {"max_new_tokens": 2, "min_new_tokens": 5}}, "sampling_params.min_new_tokens"),
-    ({"text": "a", "sampling_params": {"regex": "a+"}}, "sampling_params.regex"),
-    ({"text": "a", "sampling_params": {"json_schema": "{}"}}, "sampling_params.json_schema"),
+    ({"text": "a", "sampling_params": {"regex": 5}}, "sampling_params.regex"),
+    ({"text": "a", "sampling_params": {"json_schema": ""}}, "sampling_params.json_schema"),
+    ({"text": "a", "sampling_params": {"regex": "a", "json_schema": "{}"}}, "sampling_params.json_schema"),
+    ({"text": "a", "sampling_params": {"json_schema": "{not json"}}, None),
     ({"text": "a", "sampling_params": {"ebnf": "root ::= 'a'"}}, "sampling_params.ebnf"),
     ({"text": "a", "sampling_params": {"stop_regex": ["a"]}}, "sampling_params.stop_regex"),
     ({"text": "a", "sampling_params": {"no_stop_trim": True}}, "sampling_params.no_stop_trim"),

@@ -3,7 +3,7 @@
 `import sglang` can overlap the start of the services) prints one JSON object with what each part produced.
 
 Only SGLang's public frontend API is used: RuntimeEndpoint, @sgl.function with sgl.user / sgl.assistant /
-sgl.gen, streaming through text_iter, sgl.select, flush_cache and get_server_info.
+sgl.gen (free, dtype=int and regex), streaming through text_iter, sgl.select, flush_cache and get_server_info.
 """
 
 import json
@@ -16,6 +16,12 @@ import sglang as sgl
 def chat(s, question):
     s += sgl.user(question)
     s += sgl.assistant(sgl.gen("answer", max_tokens=12, temperature=0))
+
+
+@sgl.function
+def constrained(s):
+    s += "x = " + sgl.gen("number", dtype=int, max_tokens=6, temperature=0)
+    s += "\nok = " + sgl.gen("flag", regex="(yes|no)", max_tokens=4, temperature=0)
 
 
 @sgl.function
@@ -36,6 +42,9 @@ def main(url: str) -> None:
     streamed = chat.run(question="Write a function that adds two numbers.", stream=True)
     out["stream_pieces"] = list(streamed.text_iter("answer"))
     out["stream_answer"] = streamed["answer"]
+
+    state = constrained.run()
+    out["number"], out["flag"] = state["number"], state["flag"]
 
     choices = ["def", "import", "class"]
     prefix = "x = 1\n"
