@@ -30,6 +30,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from gateway.core import Outcome, shown
+from gateway.openai import tools
 from specmesh import structured
 from specmesh.errors import InvalidArgument, SpecmeshError
 from specmesh.rejection.limits import MAX_SPEC_LEN
@@ -405,14 +406,20 @@ class CompletionRequest(GenerationRequest, _PromptInput):
 
 
 class ChatMessage(OpenAIRequestModel):
-    role: Literal["system", "developer", "user", "assistant"] = Field(
-        None, validate_default=True, description="one of system, developer, user, assistant"
+    role: Literal["system", "developer", "user", "assistant", "tool"] = Field(
+        None, validate_default=True, description="one of system, developer, user, assistant, tool"
     )
     content: str = Field(None, validate_default=True)
+    # An assistant turn's tool calls ({id, type, function: {name, arguments}}) and a tool turn's answer to one.
+    tool_calls: list[dict] | None = Field(None, max_length=128, description="a list of tool calls")
+    tool_call_id: str | None = Field(None, max_length=256, description="a string")
+    name: str | None = Field(None, max_length=256, description="a string")
 
     @field_validator("content", mode="before")
     @classmethod
     def _text(cls, value: Any) -> str:
+        if value is None:  # an assistant turn that only calls tools
+            return ""
         if isinstance(value, list):
             if not all(
                 isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in value
@@ -425,7 +432,10 @@ class ChatMessage(OpenAIRequestModel):
 
     def to_prompt(self) -> dict:
         """The message as the chat template takes it ("developer" is OpenAI's newer name for "system")."""
-        return {"role": "system" if self.role == "developer" else self.role, "content": self.content}
+        out: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": self.content}
+        if self.tool_calls:
+            out["tool_calls"] = self.tool_calls
+        return out
 
 
 class _ChatInput(OpenAIRequestModel):
@@ -446,11 +456,34 @@ class ChatCompletionRequest(GenerationRequest, _ChatInput):
     logprobs: bool = Field(False, description="a boolean")
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description=f"an integer in [0, {MAX_LOGPROBS}]")
     echo: Unsupported = None
+    tools: list | None = Field(None, description="a list of tools")  # type: ignore[assignment]
+    tool_choice: str | dict | None = Field(None, description="none, auto, required or a named function")
+    parallel_tool_calls: bool = Field(True, description="a boolean")
 
     def check(self) -> None:
         super().check()
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(400, "'top_logprobs' needs 'logprobs': true", "top_logprobs", "invalid_value")
+
+    def tool_plan(self) -> tools.ToolPlan | None:
+        """What the tools ask for (None without tools); an APIError naming the parameter when malformed."""
+        try:
+            return tools.plan(self.tools, self.tool_choice, self.parallel_tool_calls)
+        except tools.ToolInputError as e:
+            raise APIError(400, str(e), e.param, "invalid_value") from None
+
+    def structured_spec(self) -> StructuredSpec | None:
+        spec = super().structured_spec()
+        plan = self.tool_plan()
+        forced = plan.structured() if plan is not None else None
+        if forced is not None and spec is not None:
+            raise APIError(
+                400,
+                f"'tool_choice' {plan.choice if plan else ''} cannot be combined with '{spec.field_name}'",
+                "tool_choice",
+                "invalid_value",
+            )
+        return forced or spec
 
     @property
     def num_logprobs(self) -> int | None:
@@ -581,7 +614,8 @@ class CompletionChoice(BaseModel):
 
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[tools.ToolCall] | None = None
 
 
 class ChatTopLogprob(BaseModel):
@@ -610,6 +644,7 @@ class DeltaMessage(BaseModel):
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[tools.DeltaToolCall] | None = None
 
     @model_serializer(mode="wrap")
     def _only_what_is_sent(self, handler) -> dict:

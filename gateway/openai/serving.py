@@ -151,9 +151,11 @@ def router(front: Front, api: Api) -> APIRouter:
     async def generate(request: Request) -> Response:
         body = parse_request(api.request_type, await front.read_body(request))
         body.check()
-        prompts = await api.prompts(front.gateway, body)
+        # A route may answer one request its own way (chat with tools parses tool calls out of the reply).
+        this = api.for_request(body) if hasattr(api, "for_request") else api
+        prompts = await this.prompts(front.gateway, body)
         bad_words = await bad_word_ids(front.gateway, body.bad_words)
-        return await respond(front, request, body, api, prompts, bad_words)
+        return await respond(front, request, body, this, prompts, bad_words)
 
     return routes
 
