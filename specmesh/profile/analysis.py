@@ -20,6 +20,7 @@ from specmesh.profile.collect import Endpoint, Phase, by_label, total
 
 BUDGET_PARTS = ("drafting", "network", "verify queue", "verify forward", "sampling", "other")
 BUSY = 0.85  # a service this busy (fraction of wall time) is saturated: more load only queues
+DRAFT_CEILING = 1.5  # a draft whose cost alone caps speculation below 1.5x target-only is the bottleneck
 K_RANGE = range(1, 17)
 
 
@@ -262,6 +263,11 @@ class CostModel:
     def best_k(self, **change: float) -> int:
         return max(K_RANGE, key=lambda k: (round(self.rate(k, **change), 9), -k))
 
+    def ceiling(self) -> float:
+        """The most speculation could gain over target-only with this draft: max over K of E(K) / (1 + K·c)."""
+        c = self.cost_ratio
+        return max(self.acc.expected_tokens(k) / (1 + k * c) for k in K_RANGE)
+
     @property
     def cost_ratio(self) -> float:
         """Draft token time / one-position target forward (Leviathan et al.'s c)."""
@@ -426,6 +432,17 @@ def analyze(phases: list[Phase], endpoints: list[Endpoint], record: dict) -> Fin
             f"{label[bottleneck]}: {share_of[bottleneck] * 100:.0f} % of a round at {single.concurrency} stream(s); "
             f"making it twice as fast would give {sensitivity[bottleneck] * 100:+.0f} % tokens/s per stream"
         )
+        # The draft's cost alone bounds the gain (Leviathan et al.): a round of K drafts commits E(K) tokens for
+        # at least K draft tokens and one target forward, so speculation is at most E(K) / (1 + K·c) times as
+        # fast as target-only, whatever the verify side costs. A draft that caps it low is the bottleneck.
+        ceiling = model.ceiling()
+        if ceiling < DRAFT_CEILING:
+            bottleneck = "draft"
+            bottleneck_text = (
+                f"the draft service: a draft token costs {model.cost_ratio:.2f} of a one-position target forward, "
+                f"so with the measured acceptance speculation can be at most {ceiling:.2f}x as fast as target-only "
+                "decoding, whatever K and however fast the verify side"
+            )
         # Blocks so late that the verifier gave up on them measure a draft too slow directly, whatever the model
         # makes of the rounds that did carry drafts.
         steps, late = sum(s.steps for s in spec), sum(s.deadline_steps for s in spec)
@@ -436,6 +453,7 @@ def analyze(phases: list[Phase], endpoints: list[Endpoint], record: dict) -> Fin
                 f"block came after the verify service's deadline (a draft token costs {model.cost_ratio:.2f} of a "
                 "target forward)"
             )
+        draft_bound = bottleneck == "draft"
         # Under load the saturated service decides throughput, whatever a single stream's round looks like.
         top = max(spec, key=lambda s: s.concurrency)
         if top.concurrency > single.concurrency:
@@ -448,7 +466,9 @@ def analyze(phases: list[Phase], endpoints: list[Endpoint], record: dict) -> Fin
                         f"; under load, the {role} service is the limit ({name} {busy * 100:.0f} % busy at "
                         f"{top.concurrency} streams)"
                     )
-                    if sensitivity.get(role, 0) * 2 >= sensitivity[bottleneck]:
+                    # A draft that bounds speculation by its own cost stays named: more verify capacity
+                    # would not lift that bound.
+                    if not draft_bound and sensitivity.get(role, 0) * 2 >= sensitivity[bottleneck]:
                         bottleneck = role
                 else:
                     bottleneck_text += f"; under load {name} is {busy * 100:.0f} % busy at {top.concurrency} streams"
