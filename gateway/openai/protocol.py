@@ -140,6 +140,8 @@ def request_error(exc: ValidationError, model: type[BaseModel]) -> APIError:
         return APIError(400, f"'{param}' {err['msg']}", param, kind)
     if kind == "missing":
         return APIError(400, f"'{param}' is required", param, "missing_required_parameter")
+    if kind == "extra_forbidden":
+        return APIError(400, f"'{param}' is not supported by specmesh", param, "unsupported")
     code = "invalid_type" if kind.endswith("_type") else "invalid_value"
     what = "an object" if kind == "model_type" else _description(model, err["loc"])
     if what is None:
@@ -206,8 +208,14 @@ class StreamOptions(OpenAIRequestModel):
     include_usage: bool = Field(False, description="a boolean")
 
 
+REFUSE_UNKNOWN = ConfigDict(strict=True, extra="forbid", frozen=True)
+
+
 class GenerationRequest(OpenAIRequestModel):
-    """The fields completions and chat share: sampling, limits, session and streaming."""
+    """The fields completions and chat share: sampling, limits, session and streaming. A parameter that is not
+    a field here is refused (a 400 naming it), never ignored: a request gets what it asks for or an error."""
+
+    model_config = REFUSE_UNKNOWN
 
     model: str
     temperature: float = Field(1.0, ge=0, le=2, description="a number in [0, 2]")
@@ -232,6 +240,8 @@ class GenerationRequest(OpenAIRequestModel):
     guided_regex: str | None = Field(None, description="a regular expression")
     guided_choice: list[str] | None = Field(None, description="a list of strings")
     guided_grammar: Unsupported = None
+    # OpenAI's end-user id: for the caller's own records, it changes nothing in the output (vLLM takes it too).
+    user: str | None = Field(None, max_length=256, description="a string of at most 256 characters")
     suffix: Unsupported = None
     tools: Unsupported = None
     functions: Unsupported = None
@@ -390,6 +400,7 @@ class CompletionRequest(GenerationRequest, _PromptInput):
     `logprobs` is an integer here (top log-probabilities per token); `echo` puts the prompt (and, with
     logprobs, its log-probabilities) before the completion, and allows max_tokens 0."""
 
+    model_config = REFUSE_UNKNOWN  # the input base's config would otherwise win
     max_tokens: int = Field(DEFAULT_MAX_TOKENS, ge=0, lt=2**31, description="an integer in [0, 2**31)")
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description=f"an integer in [0, {MAX_LOGPROBS}]")
     echo: bool = Field(False, description="a boolean")
@@ -453,6 +464,7 @@ class ChatCompletionRequest(GenerationRequest, _ChatInput):
     """POST /v1/chat/completions. `max_completion_tokens` is OpenAI's newer name for `max_tokens`.
     `logprobs` is a boolean here, `top_logprobs` the number of top log-probabilities per token."""
 
+    model_config = REFUSE_UNKNOWN
     logprobs: bool = Field(False, description="a boolean")
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description=f"an integer in [0, {MAX_LOGPROBS}]")
     echo: Unsupported = None
@@ -467,6 +479,8 @@ class ChatCompletionRequest(GenerationRequest, _ChatInput):
 
     def tool_plan(self) -> tools.ToolPlan | None:
         """What the tools ask for (None without tools); an APIError naming the parameter when malformed."""
+        if not self.tools and not self.parallel_tool_calls:
+            raise APIError(400, "'parallel_tool_calls' needs 'tools'", "parallel_tool_calls", "invalid_value")
         try:
             return tools.plan(self.tools, self.tool_choice, self.parallel_tool_calls)
         except tools.ToolInputError as e:
