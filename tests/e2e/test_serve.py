@@ -134,9 +134,7 @@ def test_sigkilled_launcher_leaves_no_orphans():
 
 
 def run_serve(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [str(SPECMESH), "serve", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout
-    )
+    return subprocess.run([str(SPECMESH), "serve", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
 
 
 def one_line_error(out: subprocess.CompletedProcess) -> str:
