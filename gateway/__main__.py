@@ -16,6 +16,7 @@ import uvicorn
 
 from gateway.core import Gateway, GatewayConfig
 from gateway.http import create_app
+from gateway.openai.tools import TOOL_CALL_PARSERS
 from gateway.server import build_grpc_server
 from gateway.telemetry import GatewayMetrics
 from specmesh.config import EnvArgumentParser
@@ -77,6 +78,12 @@ def parse_args(argv=None):
         default=d.stall_gap_multiple,
         help="a stream has stalled after this many times its mean gap between tokens (at most --stall-timeout-s)",
     )
+    ap.flag(
+        "--tool-call-parser",
+        default=d.tool_call_parser,
+        choices=list(TOOL_CALL_PARSERS),
+        help="how chat finds tool calls in a reply with tool_choice auto (hermes: <tool_call>{json}</tool_call>)",
+    )
     ap.flag("--log-level", default="INFO", help="logging level")
     ap.flag("--log-format", default="text", choices=["text", "json"], help="json: one object per line with trace ids")
     a = ap.parse_args(argv)
@@ -98,6 +105,7 @@ def parse_args(argv=None):
         load_factor=a.load_factor,
         stall_timeout_s=a.stall_timeout_s,
         stall_gap_multiple=a.stall_gap_multiple,
+        tool_call_parser=a.tool_call_parser,
     )
     if not config.verify:
         ap.error("--verify needs at least one host:port")

@@ -69,6 +69,7 @@ class GatewayConfig:
     stall_timeout_s: float = 2.0  # the longest a stream may go without a token; 0: streams are not watched
     stall_gap_multiple: float = 8.0  # a stall is this many times the stream's mean gap between tokens
     tokenizer_threads: int = 2  # threads that tokenize prompts, and as many that detokenize outputs
+    tool_call_parser: str = "hermes"  # how chat finds tool calls in a reply with tool_choice auto
 
 
 class BadInput(InvalidArgument):

@@ -4,6 +4,8 @@ log-probabilities in OpenAI's chat shape."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from fastapi import APIRouter
 
 from gateway.core import Gateway
@@ -37,9 +39,11 @@ class Chat:
             messages = tools.render_messages(messages, plan)
         return [(await gateway.tokenize_chat(messages), None)]
 
-    def for_request(self, body: ChatCompletionRequest) -> Chat:
+    def for_request(self, body: ChatCompletionRequest, gateway: Gateway) -> Chat:
         plan = body.tool_plan()
-        return ChatWithTools(plan) if plan is not None and plan.parses else self
+        if plan is None or not plan.parses:
+            return self
+        return ChatWithTools(dataclasses.replace(plan, parser=gateway.config.tool_call_parser))
 
     def choice(self, index: int, text: str, finish: str | None, logprobs: list[LogprobEntry] | None) -> ChatChoice:
         lp = chat_logprobs(logprobs) if logprobs is not None else None

@@ -152,7 +152,7 @@ def router(front: Front, api: Api) -> APIRouter:
         body = parse_request(api.request_type, await front.read_body(request))
         body.check()
         # A route may answer one request its own way (chat with tools parses tool calls out of the reply).
-        this = api.for_request(body) if hasattr(api, "for_request") else api
+        this = api.for_request(body, front.gateway) if hasattr(api, "for_request") else api
         prompts = await this.prompts(front.gateway, body)
         bad_words = await bad_word_ids(front.gateway, body.bad_words)
         return await respond(front, request, body, this, prompts, bad_words)

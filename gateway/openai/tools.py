@@ -24,7 +24,6 @@ from pydantic import BaseModel
 
 from specmesh.sampling import StructuredSpec
 
-TOOL_CALL_PARSERS = ("hermes",)
 MAX_TOOLS = 128
 _TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
@@ -195,6 +194,11 @@ def parse_reply(text: str, tool_plan: ToolPlan) -> tuple[str | None, list[ToolCa
         except (ValueError, TypeError):  # cut short by max_tokens: the text stays content
             return text, []
         return None, calls
+    return TOOL_CALL_PARSERS[tool_plan.parser](text)
+
+
+def parse_hermes(text: str) -> tuple[str | None, list[ToolCall]]:
+    """Hermes-style calls: each a <tool_call>{"name", "arguments"}</tool_call> block; the rest is content."""
     calls: list[ToolCall] = []
     for block in _TOOL_CALL.findall(text):
         try:
@@ -207,6 +211,10 @@ def parse_reply(text: str, tool_plan: ToolPlan) -> tuple[str | None, list[ToolCa
         return text, []
     content = _TOOL_CALL.sub("", text).strip()
     return content or None, calls
+
+
+# --tool-call-parser: how a reply with tool_choice auto is read.
+TOOL_CALL_PARSERS = {"hermes": parse_hermes}
 
 
 def delta_calls(calls: list[ToolCall]) -> list[DeltaToolCall]:

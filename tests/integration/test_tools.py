@@ -155,3 +155,12 @@ def test_langchain_bind_tools_and_structured_output(stack):  # noqa: F811
     assert isinstance(Weather(**msg.tool_calls[0]["args"]), Weather)
     out = llm.with_structured_output(Weather, method="function_calling", strict=True).invoke("Weather in Paris?")
     assert isinstance(out, Weather)
+
+
+def test_tool_call_parser_flag():
+    from gateway.__main__ import parse_args
+
+    config, _ = parse_args(["--verify", "127.0.0.1:1", "--tool-call-parser", "hermes"])
+    assert config.tool_call_parser == "hermes"
+    with pytest.raises(SystemExit):
+        parse_args(["--verify", "127.0.0.1:1", "--tool-call-parser", "nope"])
