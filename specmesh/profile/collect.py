@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import threading
 import time
 import urllib.error
@@ -122,11 +123,24 @@ def discover(url: str, flags: list[str]) -> tuple[list[Endpoint], dict]:
     record_path = stack_file(port)
     if record_path.is_file():
         record = json.loads(record_path.read_text())
-        if urllib.parse.urlsplit(record["url"]).port == port:
+        if urllib.parse.urlsplit(record["url"]).port == port and _alive(record.get("launcher_pid", 0)):
             return [
                 Endpoint(s["name"], s["role"], s["metrics_url"]) for s in record["services"] if s["metrics_url"]
             ], record
     return [Endpoint("gateway", "gateway", url.rstrip("/") + "/metrics")], {}
+
+
+def _alive(pid: int) -> bool:
+    """Whether the launcher that wrote a stack record still runs (a SIGKILLed one leaves its record behind)."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process: it exists
+        return True
+    return True
 
 
 def scrape_all(endpoints: list[Endpoint]) -> dict[str, Sample]:

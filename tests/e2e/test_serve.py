@@ -65,8 +65,14 @@ class Serve:
         return json.loads(stack_file(self.port).read_text())
 
     def kill(self):
+        """Stop it as a user would (SIGTERM, so that it removes its record), killing it only if it hangs."""
         if self.proc.poll() is None:
-            self.proc.kill()
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(90)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        stack_file(self.port).unlink(missing_ok=True)
 
 
 def completion(port: int, prompt: str = "import os\n", max_tokens: int = 8) -> dict:
