@@ -217,3 +217,26 @@ def test_bad_grammars_are_400s_naming_the_field(stack, extra, param):
         assert r.status_code == 400, (path, extra, r.json())
         err = r.json()["error"]
         assert err["param"] == param and param in err["message"], err
+
+
+def test_grpc_front_carries_the_grammar(stack):
+    import grpc
+
+    from specmesh.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+
+    stub = gateway_pb2_grpc.GatewayServiceStub(grpc.insecure_channel(stack.grpc_address))
+    params = common_pb2.SamplingParams(
+        temperature=1.0, seed=2, max_tokens=20, structured=common_pb2.StructuredOutput(regex="[0-9]{2}-[a-z]{2}")
+    )
+    r = stub.Generate(gateway_pb2.GatewayServiceGenerateRequest(prompt="Code:", params=params))
+    assert re.fullmatch("[0-9]{2}-[a-z]{2}", r.text), r.text
+    choice = common_pb2.StructuredOutput(choice=common_pb2.StructuredChoice(choices=["left", "right"]))
+    params = common_pb2.SamplingParams(temperature=0.0, max_tokens=20, structured=choice)
+    assert stub.Generate(gateway_pb2.GatewayServiceGenerateRequest(prompt="Go:", params=params)).text in (
+        "left",
+        "right",
+    )
+    bad = common_pb2.SamplingParams(max_tokens=4, structured=common_pb2.StructuredOutput(regex="(unclosed"))
+    with pytest.raises(grpc.RpcError) as e:
+        stub.Generate(gateway_pb2.GatewayServiceGenerateRequest(prompt="x", params=bad))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "structured.regex" in e.value.details()
