@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
@@ -29,7 +30,7 @@ from specmesh.sampling import (
     make_generator,
     output_start,
 )
-from specmesh.structured import GrammarCompiler
+from specmesh.structured import Grammar, GrammarCompiler
 from specmesh.telemetry import tracer, wall_ns
 from verify_service.runner import RUNNERS, build_runner, context_limit
 from verify_service.scheduler import Scheduler
@@ -119,6 +120,7 @@ class VerifyEngine:
         self.vocab_size = self.runner.vocab_size
         self.eos_token_ids = eos_token_ids(model)
         self._grammars: GrammarCompiler | None = None
+        self._grammars_lock = threading.Lock()
         self.max_context = context_limit(self.runner, config.max_model_len)
         self.sampler = RejectionSampler(config.sampler_backend, seed=config.seed, device=self.runner.device)
         # The slot pool already caps the batched runner's sessions; hf caches need a count of their own.
@@ -195,6 +197,11 @@ class VerifyEngine:
             raise Unavailable("the verify service is shutting down")
         params.validate(self.vocab_size)
         self.check_prompt(prompt_ids, params)
+        # Building a grammar (and, the first time, the tokenizer's grammar tables: about a second) runs off the
+        # event loop, before the session is taken.
+        grammar = None
+        if params.structured is not None:
+            grammar = await asyncio.get_running_loop().run_in_executor(None, self._grammar, params)
         await self._wait_detached(session_id)
         # Checked after the wait, with no await before the session is marked busy: concurrent opens cannot
         # all pass the check, so admitted sessions never outnumber the slots (num_slots >= max_sessions).
@@ -207,6 +214,7 @@ class VerifyEngine:
         t0 = time.perf_counter()
         try:
             self._begin_turn(session, prompt_ids, params)
+            session.grammar = grammar
             # Chunked: with BatchedRunner the chunks ride in the ticks' forwards, else they run between ticks.
             reused, chunks = await self.scheduler.prefill(session)
         except BaseException:
@@ -228,7 +236,6 @@ class VerifyEngine:
         session.params = params
         session.stop = StopChecker(params, self.eos_token_ids, decode)
         session.generator = make_generator(params.seed, self.runner.device)
-        session.grammar = self.grammars().grammar(params.structured) if params.structured is not None else None
         session.prompt_len = len(prompt_ids)
         session.epoch = 0
 
@@ -272,11 +279,13 @@ class VerifyEngine:
         assert session.params is not None  # attached sessions have an open turn
         return RejectionInput(DraftBlock([]), session.params, session.generator, self._context(session))
 
-    def grammars(self) -> GrammarCompiler:
-        """The model's grammar compiler, built on first use (about a second for a real vocabulary)."""
-        if self._grammars is None:
-            self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size, sorted(self.eos_token_ids))
-        return self._grammars
+    def _grammar(self, params: SamplingParams) -> Grammar:
+        """A new generation's grammar state, with the model's grammar compiler built on first use."""
+        assert params.structured is not None
+        with self._grammars_lock:
+            if self._grammars is None:
+                self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size, sorted(self.eos_token_ids))
+        return self._grammars.grammar(params.structured)
 
     def _context(self, session: Session) -> LogitsContext:
         """What context-dependent processing reads: the session's committed tokens (read when the batch is
