@@ -209,7 +209,8 @@ def apply_grammar_masks(
     for first, grammar, output, drafts, n in rows:
         masks.append(grammar.bitmask(output, drafts, n))
         where.extend(range(first, first + n))
-    allowed = allowed_from_bitmask(torch.cat(masks), vocab).to(logits.device)
+    # The bitmask travels to the logits' device (32 times smaller than the bool mask) and is expanded there.
+    allowed = allowed_from_bitmask(torch.cat(masks).to(logits.device), vocab)
     if allowed.size(1) < vocab:  # ids past the grammar's vocabulary (padding rows of the embedding)
         allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.size(1)), value=False)
     idx = torch.tensor(where, dtype=torch.long, device=logits.device)
