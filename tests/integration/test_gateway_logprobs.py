@@ -14,7 +14,7 @@ from specmesh.engine import SpeculativeEngine
 from specmesh.sampling import SamplingParams
 from specmesh.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from tests.support.models import noisy_copy, tiny_model
-from tests.support.services import GatewayServer, start_draft, start_verify
+from tests.support.services import speculative_gateway, start_draft, start_verify
 
 ROOT = Path(__file__).resolve().parents[2]
 TOL = 2e-3  # the services' batched forward against a plain HF forward, fp32
@@ -32,13 +32,8 @@ def target(tokenizer):
 
 @pytest.fixture(scope="module")
 def stack(target, tokenizer):
-    verify = start_verify(target, tokenizer)
-    draft = start_draft(noisy_copy(target, 0.03), verify.address)
-    gw = GatewayServer([verify.address], [draft.address], tokenizer)
-    yield gw
-    gw.stop()
-    draft.stop()
-    verify.stop()
+    with speculative_gateway(target, tokenizer) as gw:
+        yield gw
 
 
 @pytest.fixture(scope="module")

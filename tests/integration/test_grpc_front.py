@@ -14,8 +14,8 @@ from transformers import AutoTokenizer
 
 from specmesh.engine import SpeculativeEngine
 from specmesh.sampling import SamplingParams
-from tests.support.models import noisy_copy, tiny_model
-from tests.support.services import GatewayServer, start_draft, start_verify
+from tests.support.models import tiny_model
+from tests.support.services import speculative_gateway
 
 ROOT = Path(__file__).resolve().parents[2]
 MESSAGES = [{"role": "developer", "content": "You write Python."}, {"role": "user", "content": "A loop, please."}]
@@ -33,13 +33,8 @@ def target(tokenizer):
 
 @pytest.fixture(scope="module")
 def stack(target, tokenizer):
-    verify = start_verify(target, tokenizer)
-    draft = start_draft(noisy_copy(target, 0.03), verify.address)
-    gw = GatewayServer([verify.address], [draft.address], tokenizer)
-    yield gw
-    gw.stop()
-    draft.stop()
-    verify.stop()
+    with speculative_gateway(target, tokenizer) as gw:
+        yield gw
 
 
 @pytest.fixture(scope="module")

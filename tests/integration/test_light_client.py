@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from tests.support.models import noisy_copy, tiny_model
-from tests.support.services import GatewayServer, start_draft, start_verify
+from tests.support.models import tiny_model
+from tests.support.services import speculative_gateway
 
 ROOT = Path(__file__).resolve().parents[2]
 CLIENT = ROOT / "clients" / "python"
@@ -79,13 +79,8 @@ def venv() -> Path:
 def gateway():
     tokenizer = AutoTokenizer.from_pretrained(ROOT / "models" / "demo" / "target")
     target = tiny_model("llama", vocab=len(tokenizer), seed=31)
-    verify = start_verify(target, tokenizer)
-    draft = start_draft(noisy_copy(target, 0.03), verify.address)
-    gw = GatewayServer([verify.address], [draft.address], tokenizer)
-    yield gw
-    gw.stop()
-    draft.stop()
-    verify.stop()
+    with speculative_gateway(target, tokenizer) as gw:
+        yield gw
 
 
 def test_light_client_in_a_clean_venv_calls_the_real_gateway(venv, gateway):

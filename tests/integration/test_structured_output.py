@@ -15,8 +15,8 @@ from transformers import AutoTokenizer
 from specmesh.engine import SpeculativeEngine
 from specmesh.sampling import SamplingParams, StructuredSpec
 from tests.integration.test_gateway import http
-from tests.support.models import noisy_copy, tiny_model
-from tests.support.services import GatewayServer, start_draft, start_verify
+from tests.support.models import tiny_model
+from tests.support.services import speculative_gateway
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -36,13 +36,8 @@ def target(tokenizer):
 
 @pytest.fixture(scope="module")
 def stack(target, tokenizer):
-    verify = start_verify(target, tokenizer)
-    draft = start_draft(noisy_copy(target, 0.03), verify.address, tokenizer=tokenizer)
-    gw = GatewayServer([verify.address], [draft.address], tokenizer)
-    yield gw
-    gw.stop()
-    draft.stop()
-    verify.stop()
+    with speculative_gateway(target, tokenizer, draft_tokenizer=tokenizer) as gw:
+        yield gw
 
 
 @pytest.fixture

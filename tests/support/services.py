@@ -12,6 +12,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import grpc
@@ -168,3 +170,20 @@ def spawn(module: str, args: list[str], env: dict) -> tuple[subprocess.Popen, st
             return proc, m.group(1)
     proc.kill()
     raise RuntimeError(f"{module} did not start:\n{''.join(lines)}")
+
+
+@contextmanager
+def speculative_gateway(target, tokenizer, draft_tokenizer=None) -> Iterator[GatewayServer]:
+    """A verify service on `target`, a draft service on a close copy of it and a gateway in front, stopped
+    in reverse order on exit. `draft_tokenizer`: the draft's own (structured output masks drafts with it)."""
+    from tests.support.models import noisy_copy
+
+    verify = start_verify(target, tokenizer)
+    draft = start_draft(noisy_copy(target, 0.03), verify.address, tokenizer=draft_tokenizer)
+    gw = GatewayServer([verify.address], [draft.address], tokenizer)
+    try:
+        yield gw
+    finally:
+        gw.stop()
+        draft.stop()
+        verify.stop()
