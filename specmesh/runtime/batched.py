@@ -89,8 +89,8 @@ class _Work(NamedTuple):
 class _RaggedDecoder(_FastDecoder):
     """`_FastDecoder`'s weights and ops over a flattened ragged batch and a slot pool."""
 
-    def __init__(self, model: PreTrainedModel):
-        super().__init__(model)
+    def __init__(self, model: PreTrainedModel, packed: bool | None = None):
+        super().__init__(model, packed)
         self.group = self.n_heads // self.n_kv  # query heads per KV head (1 without GQA)
 
     def ragged(
@@ -110,6 +110,7 @@ class _RaggedDecoder(_FastDecoder):
         start..start+n. rows: [R] batch rows whose logits are returned ([R, V]), None for none.
         """
         hd, half, nh, nkv, g, rms = self.head_dim, self.half, self.n_heads, self.n_kv, self.group, self._rms
+        lin = self.linear
         nqk = nh + nkv
         t = ids.shape[0]
         dev = ids.device
@@ -147,7 +148,7 @@ class _RaggedDecoder(_FastDecoder):
             act,
         ) in zip(k_pool, v_pool, self.layers, strict=True):
             h = rms(x, ln1, eps1)
-            qkv = F.linear(h, wqkv, bqkv).view(t, nqk + nkv, hd)  # [T, nh + 2 n_kv, D]
+            qkv = lin(h, wqkv, bqkv).view(t, nqk + nkv, hd)  # [T, nh + 2 n_kv, D]
             qk = qkv[:, :nqk]
             if qn is not None and kn is not None:
                 qk = torch.cat(
@@ -175,14 +176,14 @@ class _RaggedDecoder(_FastDecoder):
                         qs.transpose(0, 1)[None], keys, values, attn_mask=mask, scale=scale
                     )  # [1, nh, n, D]
                     attn[off : off + n] = a[0].transpose(0, 1)
-            x = x + F.linear(attn.view(t, nh * hd), wo, bo)
+            x = x + lin(attn.view(t, nh * hd), wo, bo)
             h = rms(x, ln2, eps2)
-            gu = F.linear(h, wgu, bgu)
-            x = x + F.linear(act(gu[:, :inter]) * gu[:, inter:], wd, bd)
+            gu = lin(h, wgu, bgu)
+            x = x + lin(act(gu[:, :inter]) * gu[:, inter:], wd, bd)
         if rows is None:
             return None
         x = rms(x[rows], self.norm_w, self.norm_eps)  # [R, hidden]
-        return F.linear(x, self.lm_w, self.lm_b)  # [R, V]
+        return lin(x, self.lm_w, self.lm_b)  # [R, V]
 
 
 class BatchedRunner:
@@ -190,10 +191,18 @@ class BatchedRunner:
 
     `num_slots` sequences can be open at once, each up to `slot_len` tokens: `max_seq_len`, or the model's
     `max_position_embeddings` capped by it. `check`: compare the decoder with the stock HF forward on a
-    probe when built (raises ValueError if they disagree).
+    probe when built (raises ValueError if they disagree). `packed`: oneDNN-packed weights (None: wherever
+    the device and dtype allow, see `_FastDecoder`).
     """
 
-    def __init__(self, model: PreTrainedModel, num_slots: int, max_seq_len: int | None = None, check: bool = True):
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        num_slots: int,
+        max_seq_len: int | None = None,
+        check: bool = True,
+        packed: bool | None = None,
+    ):
         if not self.supports(model):
             raise ValueError(
                 f"BatchedRunner has no decoder for {type(model).__name__} with this config; use ModelRunner"
@@ -211,7 +220,7 @@ class BatchedRunner:
         if limit < 2:
             raise ValueError("BatchedRunner needs max_seq_len >= 2 (or a model max_position_embeddings)")
         self.slot_len = limit
-        self._dec = _RaggedDecoder(model)
+        self._dec = _RaggedDecoder(model, packed)
         self._dec.reserve(self.slot_len)
         d = self._dec
         self.num_layers = len(d.layers)

@@ -10,6 +10,7 @@ from specmesh.errors import InvalidArgument, ResourceExhausted
 from specmesh.runtime import Runner, RunnerSequence
 from specmesh.runtime.batched import BatchedRunner, PrefillChunk
 from specmesh.runtime.hf import ModelRunner
+from specmesh.runtime.static import _can_pack
 from tests.support.models import tiny_llama_mha, tiny_model, tiny_qwen3
 
 MODELS = {
@@ -48,12 +49,14 @@ def prompts(n: int, seed: int = 0) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("arch", list(MODELS))
-@pytest.mark.parametrize("batch", [1, 6])
-def test_ragged_batches_match_model_runner(arch, batch):
+@pytest.mark.parametrize(("batch", "packed"), [(1, None), (6, None), (6, False)])
+def test_ragged_batches_match_model_runner(arch, batch, packed):
     """Different cached lengths, different numbers of draft tokens, random rollbacks: same logits as
-    ModelRunner (which batches them through the HF forward), and the same cached ids."""
+    ModelRunner (which batches them through the HF forward), and the same cached ids; with the weights
+    packed for oneDNN (the default on this CPU) and plain."""
     m = MODELS[arch]()
-    ref, run = ModelRunner(m), BatchedRunner(m, num_slots=8)
+    ref, run = ModelRunner(m), BatchedRunner(m, num_slots=8, packed=packed)
+    assert run._dec.packed == (_can_pack(m.lm_head.weight) if packed is None else packed)
     a = [ref.new_sequence(p) for p in prompts(batch)]
     b = [run.new_sequence(p) for p in prompts(batch)]
     for x, y in zip(a, b, strict=True):
