@@ -55,7 +55,7 @@ import numpy as np
 from tqdm import tqdm
 
 from bench.plots import concurrency_axis, pyplot, save
-from specmesh.placement import add_thread_flags, cores, pipeline_pays, service_threads
+from specmesh.placement import add_thread_flags, cores, pipeline_pays, service_threads, speculation_batch_limit
 from specmesh.stack import free_port, start, wait_healthy
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -80,8 +80,11 @@ class Stack:
     """The processes of this run. `close()` (idempotent; also registered at exit) stops gateways first, then
     the draft service, then the verify service: SIGTERM, a grace period, then SIGKILL."""
 
-    def __init__(self, target: Path, draft: Path, verify_threads: int, draft_threads: int):
+    def __init__(
+        self, target: Path, draft: Path, verify_threads: int, draft_threads: int, gateway_args: list[str] | None = None
+    ):
         self.target, self.draft = target, draft
+        self.gateway_args = list(gateway_args or [])
         self.verify_threads, self.draft_threads = verify_threads, draft_threads
         self.procs: list[tuple[str, subprocess.Popen]] = []
         self.metrics_ports: dict[str, str] = {}
@@ -145,7 +148,7 @@ class Stack:
             "WARNING",
         ]
         if with_draft:
-            args += ["--draft", self.draft_address]
+            args += ["--draft", self.draft_address, *self.gateway_args]
         proc, _ = start(name, "gateway", args, pattern=r"REST listening on (\S+)")
         self.procs.append((name, proc))
         base = f"http://127.0.0.1:{port}"
@@ -564,6 +567,13 @@ def parse_args(argv=None):
     ap.add_argument("--min-requests", type=int, default=4, help="... but at least this many")
     k_help = "K sent with speculative requests (default: left out, the draft service's default)"
     ap.add_argument("--num-speculative-tokens", type=int, default=None, help=k_help)
+    ap.add_argument(
+        "--speculative-disable-by-batch-size",
+        type=int,
+        default=None,
+        help="the gateway's flag of that name (default: as the local stack sets it for this device; 0 = always "
+        "speculate)",
+    )
     add_thread_flags(ap)
     ap.add_argument("--hf-prompts", type=int, default=12, help="prompts for the HF assisted-generation peer")
     ap.add_argument("--hf-threads", type=int, default=0, help="torch threads of the HF peer (0 = this machine's cores)")
@@ -710,7 +720,12 @@ def main(argv=None) -> dict:
 
     args.verify_threads = service_threads("verify", args.verify_threads)
     args.draft_threads = service_threads("draft", args.draft_threads)
-    stack = Stack(args.target, args.draft, args.verify_threads, args.draft_threads)
+    if args.speculative_disable_by_batch_size is None:  # as the local stack sets it (specmesh.placement)
+        import torch
+
+        args.speculative_disable_by_batch_size = speculation_batch_limit(torch.cuda.is_available())
+    gateway_args = ["--speculative-disable-by-batch-size", str(args.speculative_disable_by_batch_size)]
+    stack = Stack(args.target, args.draft, args.verify_threads, args.draft_threads, gateway_args)
     atexit.register(stack.close)
     try:
         stack.start_services()
@@ -780,6 +795,7 @@ def main(argv=None) -> dict:
             "speculative_k": measured["speculative_k_sent"] or "service default",
             "verify_torch_threads": args.verify_threads,
             "draft_torch_threads": args.draft_threads,
+            "speculative_disable_by_batch_size": args.speculative_disable_by_batch_size,
             "draft_pipelining": pipeline_pays(args.verify_threads, args.draft_threads),
             "hf_torch_threads": args.hf_threads,
             "hf_prompts": min(args.hf_prompts, len(prompts)) if hf else 0,

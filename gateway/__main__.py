@@ -54,6 +54,13 @@ def parse_args(argv=None):
         default=0,
         help="draft tokens per block of requests that leave num_speculative_tokens unset (0 = the draft's default)",
     )
+    ap.flag(
+        "--speculative-disable-by-batch-size",
+        type=int,
+        default=d.speculative_disable_by_batch_size,
+        help="requests that leave num_speculative_tokens unset decode target-only while more than this many "
+        "generations per healthy verify replica are in flight (0 = always speculate)",
+    )
     ap.flag("--max-prompt-tokens", type=int, default=d.max_prompt_tokens, help="longest prompt accepted")
     ap.flag("--max-tokens-limit", type=int, default=d.max_tokens_limit, help="largest max_tokens accepted")
     ap.flag("--max-body-bytes", type=int, default=1 << 20, help="largest request body accepted")
@@ -93,6 +100,7 @@ def parse_args(argv=None):
         draft=_list(a.draft),
         model_name=name,
         speculative_num_steps=a.speculative_num_steps,
+        speculative_disable_by_batch_size=a.speculative_disable_by_batch_size,
         max_prompt_tokens=a.max_prompt_tokens,
         max_tokens_limit=a.max_tokens_limit,
         request_timeout_s=a.request_timeout_s,
@@ -111,6 +119,8 @@ def parse_args(argv=None):
         ap.error("--verify needs at least one host:port")
     if not 0 <= config.speculative_num_steps <= MAX_SPEC_LEN:
         ap.error(f"--speculative-num-steps must be in [0, {MAX_SPEC_LEN}]")
+    if config.speculative_disable_by_batch_size < 0:
+        ap.error("--speculative-disable-by-batch-size must be >= 0")
     try:
         flags = vars(a)
         a.api_keys = keys_from(a.api_key_file, a.api_key, "--api-key-file")

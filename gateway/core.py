@@ -56,6 +56,9 @@ class GatewayConfig:
     draft: tuple[str, ...] = ()
     model_name: str = "specmesh"
     speculative_num_steps: int = 0  # K of requests that leave it unset; 0 = the draft service's default
+    # Requests that leave K unset decode target-only while more than this many generations per healthy
+    # verify replica are in flight (vLLM's speculative_disable_by_batch_size); 0 = never.
+    speculative_disable_by_batch_size: int = 0
     max_prompt_tokens: int = 4096
     max_tokens_limit: int = 4096
     request_timeout_s: float = 300.0
@@ -473,6 +476,10 @@ class Gateway:
             self.draft_pool.count("target_only_requested")  # the caller's choice, not a fallback
             outcome.target_only = True
             return verify, None
+        if req.num_speculative_tokens is None and self._speculation_off_under_load():
+            self.draft_pool.count("target_only_under_load")
+            outcome.target_only = True
+            return verify, None
         draft = self.draft_pool.least_loaded() if self.draft_pool.replicas and drafting else None
         outcome.target_only = draft is None
         if draft is None and self.draft_pool.replicas:
@@ -585,6 +592,17 @@ class Gateway:
                 )
                 async for item in self._read(call, outcome, first):
                     yield item
+
+    def _speculation_off_under_load(self) -> bool:
+        """Whether the verify batch is past the size where speculation pays (--speculative-disable-by-batch-
+        size): a batched target forward over N sessions' K + 1 positions costs ever more against N single
+        positions as N grows, until drafting only adds work. Counted when the request is admitted (this one
+        included), per healthy verify replica, so that requests arriving together see each other."""
+        limit = self.config.speculative_disable_by_batch_size
+        if limit <= 0:
+            return False
+        replicas = max(1, len(self.verify_pool.healthy))
+        return self.inflight > limit * replicas
 
     def _draft_k(self, k: int | None) -> int | None:
         """The K the draft service is sent: the request's, else --speculative-num-steps when set, else

@@ -81,6 +81,13 @@ def _serve_parser(sub) -> argparse.ArgumentParser:
         default=None,
         help="SGLang's chain spelling of K + 1 (draft tokens including the verified root)",
     )
+    m.add_argument(
+        "--speculative-disable-by-batch-size",
+        type=int,
+        default=None,
+        help="vLLM: new requests decode target-only while more than this many run per verify replica (0 = never; "
+        "default: by device, see specmesh.placement)",
+    )
     m.add_argument("--speculative-eagle-topk", type=int, default=None, help="SGLang's tree width: only 1 (a chain)")
     m.add_argument(
         "--served-model-name", "--model-name", dest="model_name", default="", help="the model id clients send"
@@ -293,6 +300,10 @@ def plan_from_args(a: argparse.Namespace):
         verify_args[:0] = ["--seed", str(a.random_seed)]
     if a.max_running_requests is not None:
         gateway_args[:0] = ["--max-concurrency", str(a.max_running_requests)]
+    if a.speculative_disable_by_batch_size is not None:
+        if a.speculative_disable_by_batch_size < 0:
+            raise UsageError(f"--speculative-disable-by-batch-size {a.speculative_disable_by_batch_size}: must be >= 0")
+        gateway_args[:0] = ["--speculative-disable-by-batch-size", str(a.speculative_disable_by_batch_size)]
     plan = StackPlan(
         target=a.model_path,
         draft=a.draft_model_path if algorithm == "standalone" else None,

@@ -6,6 +6,12 @@ cores, at least one. Drafting ahead while a block is verified (pipelining) only 
 share cores: on the 2-core dev machine it made every verify forward wait for a core and cut single-stream
 speed from 58 to 36 tokens/s, so the launchers turn it off when the services' threads exceed the cores.
 With a CUDA device the verify service owns it and the draft stays on the CPU threads it is given.
+
+Speculation itself only pays while the target forward is cheap against its batch: on a CPU the batched
+forward is compute-bound almost at once (one sequence's K + 1 = 5 positions cost 1.5x one position, but
+eight sequences' 40 cost 2.5x their 8), so the launchers turn speculation off past a small batch there
+(`speculation_batch_limit`, the gateway's --speculative-disable-by-batch-size); on a GPU the forward stays
+memory-bound far longer and speculation stays on.
 """
 
 from __future__ import annotations
@@ -43,3 +49,13 @@ def add_thread_flags(ap: argparse.ArgumentParser) -> None:
 def pipeline_pays(verify_threads: int, draft_threads: int) -> bool:
     """Whether drafting ahead during verification has cores of its own (see the module docstring)."""
     return verify_threads + draft_threads <= cores()
+
+
+# Measured with bench.load on the 2-core dev machine (demo pair, greedy, bench/results/load.json): one
+# stream speculating gains 1.4-1.5x, but at 4 and 8 streams all speculating gave 0.85x and 0.76x target-only.
+CPU_SPECULATION_BATCH_LIMIT = 1
+
+
+def speculation_batch_limit(on_cuda: bool) -> int:
+    """The gateway's --speculative-disable-by-batch-size for a stack on this device (0: never off)."""
+    return 0 if on_cuda else CPU_SPECULATION_BATCH_LIMIT

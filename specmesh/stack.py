@@ -40,7 +40,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from specmesh.placement import cores, pipeline_pays, service_threads
+from specmesh.placement import cores, pipeline_pays, service_threads, speculation_batch_limit
 
 ROOT = Path(__file__).resolve().parent.parent
 DEMO = ROOT / "models" / "demo"
@@ -373,6 +373,13 @@ def _thread_flags(plan: StackPlan) -> tuple[list[str], list[str]]:
     return ["--threads", str(n_verify)], ["--threads", str(n_draft), "--pipeline" if pipeline else "--no-pipeline"]
 
 
+def _speculation_limit(plan: StackPlan) -> list[str]:
+    """The gateway's --speculative-disable-by-batch-size for the verify service's device, unless given."""
+    if _has(plan.gateway_args, "--speculative-disable-by-batch-size"):
+        return []
+    return ["--speculative-disable-by-batch-size", str(speculation_batch_limit(_cuda_available(plan.device)))]
+
+
 def _cuda_available(device: str | None) -> bool:
     if device is not None:
         return device.startswith("cuda")
@@ -455,6 +462,7 @@ def launch(plan: StackPlan, group: ProcessGroup) -> dict:
             plan.target,
             "--model-name",
             name,
+            *_speculation_limit(plan),
             *plan.gateway_args,
         ],
         env=gateway_env,

@@ -3,6 +3,7 @@
 import json
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
@@ -311,6 +312,34 @@ def test_num_speculative_tokens_zero_is_target_only_unset_speculates(stack, clie
         spec = r.model_extra["specmesh"]
         assert r.choices[0].text == want_text and spec["drafted"] > 0 and not spec["target_only"], extra
     assert len(spec["acceptance_per_pos"]) == 1  # K max 1
+
+
+def test_speculation_turns_off_past_the_batch_size(stack, tokenizer, reference):
+    """--speculative-disable-by-batch-size 1 over two verify replicas: a request admitted while more than
+    two generations are in flight decodes target-only (same tokens), one that sets K still speculates, and
+    the first of a burst always speculates."""
+    _, verifies, draft = stack
+    gw = GatewayServer([v.address for v in verifies], [draft.address], tokenizer, speculative_disable_by_batch_size=1)
+    try:
+        prompt = "for item in items:\n"
+        ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        _, want_text, _ = reference(ids, 32)
+        client = openai.OpenAI(base_url=gw.base_url + "/v1", api_key="unused", max_retries=0)
+
+        def one(extra):
+            r = client.completions.create(model="demo", prompt=prompt, max_tokens=32, temperature=0, extra_body=extra)
+            return r.choices[0].text, r.model_extra["specmesh"]["target_only"]
+
+        with ThreadPoolExecutor(8) as pool:
+            burst = list(pool.map(one, [{}] * 7 + [{"num_speculative_tokens": 2}]))
+        assert all(text == want_text for text, _ in burst)
+        modes = [target_only for _, target_only in burst]
+        assert any(modes[:7]) and not all(modes[:7]) and not modes[7], modes
+        decisions = gw.gateway.draft_pool.decisions
+        assert decisions.get("target_only_under_load") == sum(modes)
+        assert one({}) == (want_text, False)  # alone again: speculating
+    finally:
+        gw.stop()
 
 
 def test_grpc_front_num_speculative_tokens(stack, tokenizer, reference):
