@@ -81,16 +81,25 @@ class Stack:
     the draft service, then the verify service: SIGTERM, a grace period, then SIGKILL."""
 
     def __init__(
-        self, target: Path, draft: Path, verify_threads: int, draft_threads: int, gateway_args: list[str] | None = None
+        self,
+        target: Path,
+        draft: Path,
+        verify_threads: int,
+        draft_threads: int,
+        gateway_args: list[str] | None = None,
+        verify_args: list[str] | None = None,
+        draft_args: list[str] | None = None,
     ):
         self.target, self.draft = target, draft
         self.gateway_args = list(gateway_args or [])
+        self.verify_args = list(verify_args or [])
+        self.draft_args = list(draft_args or [])
         self.verify_threads, self.draft_threads = verify_threads, draft_threads
         self.procs: list[tuple[str, subprocess.Popen]] = []
         self.metrics_ports: dict[str, str] = {}
         self.verify_address = self.draft_address = ""
 
-    def start_services(self) -> None:
+    def start_services(self, with_draft: bool = True) -> None:
         common = [
             "--host",
             "127.0.0.1",
@@ -106,10 +115,12 @@ class Stack:
         proc, self.verify_address = start(
             "verify",
             "verify_service",
-            ["--model-path", str(self.target), *common, "--threads", str(self.verify_threads)],
+            ["--model-path", str(self.target), *common, "--threads", str(self.verify_threads), *self.verify_args],
             ports=self.metrics_ports,
         )
         self.procs.append(("verify", proc))
+        if not with_draft:
+            return
         proc, self.draft_address = start(
             "draft",
             "draft_service",
@@ -122,6 +133,7 @@ class Stack:
                 "--threads",
                 str(self.draft_threads),
                 "--pipeline" if pipeline_pays(self.verify_threads, self.draft_threads) else "--no-pipeline",
+                *self.draft_args,
             ],
             ports=self.metrics_ports,
         )
@@ -468,6 +480,13 @@ def markdown(r: dict) -> str:
         f"{peer}. Target-only: {r['target_only_method']['method']}. {r['settings']['max_tokens']} tokens "
         f"per request, {r['settings']['prompt_len']}-token held-out prompts."
     )
+    if r.get("old_runtime"):
+        old = ", ".join(
+            f"{o['concurrency']} streams {o['tokens_per_s']:.1f} tok/s "
+            f"(current runtime {fmt(o['target_only_vs_old_runtime'])}x)"
+            for o in r["old_runtime"]
+        )
+        lines.append(f"Previous runtime (verify --runner hf), target-only greedy: {old}.")
     return "\n".join(lines)
 
 
@@ -575,6 +594,13 @@ def parse_args(argv=None):
         "speculate)",
     )
     add_thread_flags(ap)
+    ap.add_argument(
+        "--old-runtime",
+        type=parse_list(int),
+        default=[16],
+        help="concurrency levels at which target-only greedy is also measured on the previous runtime (verify "
+        "--runner hf), after the main stack is stopped (empty = not measured)",
+    )
     ap.add_argument("--hf-prompts", type=int, default=12, help="prompts for the HF assisted-generation peer")
     ap.add_argument("--hf-threads", type=int, default=0, help="torch threads of the HF peer (0 = this machine's cores)")
     ap.add_argument("--skip-hf", action="store_true", help="no HF assisted-generation peer (its ratios are null)")
@@ -586,7 +612,7 @@ def parse_args(argv=None):
     args = ap.parse_args(argv)
     if args.quick:
         args.concurrency, args.requests_factor, args.min_requests = [1, 4], 1, 4
-        args.max_tokens, args.hf_prompts = 16, 2
+        args.max_tokens, args.hf_prompts, args.old_runtime = 16, 2, []
     if not args.concurrency or min(args.concurrency) < 1:
         ap.error("--concurrency needs levels >= 1")
     if any(not 0 <= t <= 2 for t in args.temperatures):
@@ -670,9 +696,16 @@ async def measure(args, stack: Stack, prompts: list[list[int]]) -> dict:
         plan = [(t, c, mode) for t in args.temperatures for c in args.concurrency for mode in MODES]
         n_req = {c: max(args.min_requests, args.requests_factor * c) for c in args.concurrency}
         levels: dict[tuple, dict] = {}
+        warmed: set[tuple[float, int]] = set()
         with tqdm(total=sum(n_req[c] for _, c, _ in plan), desc="load", unit="req") as bar:
             for t, c, mode in plan:
                 bar.set_postfix_str(f"{mode}, {sampling_name(t)}, concurrency {c}")
+                if (t, c) not in warmed:
+                    # One untimed wave at the new concurrency first: the first pass over batch shapes the
+                    # services have not met yet (oneDNN primitives, KV pages touched first) would otherwise
+                    # be charged to whichever mode runs first (measured: 8-12 % at 8-32 streams).
+                    warmed.add((t, c))
+                    await run_level(targets[SPEC][0], prompts, c, c, 16, t, targets[SPEC][1], timeout)
                 client, k = targets[mode]
                 vb, db = scrape(stack.metrics_ports.get("verify")), scrape(stack.metrics_ports.get("draft"))
                 records, wall = await run_level(client, prompts, n_req[c], c, args.max_tokens, t, k, timeout, bar)
@@ -704,6 +737,52 @@ async def measure(args, stack: Stack, prompts: list[list[int]]) -> dict:
             await c.close()
 
 
+def measure_old_runtime(args, prompts: list[list[int]], levels: list[dict]) -> list[dict]:
+    """Target-only greedy through a stack whose verify service runs the previous runtime (`--runner hf`: the
+    stock HF forward, each session's cache padded and copied into every batch), at each concurrency of the
+    level asked, against the same level's target-only figure from the current runtime."""
+    stack = Stack(args.target, args.draft, args.verify_threads, args.draft_threads, verify_args=["--runner", "hf"])
+    atexit.register(stack.close)
+    out = []
+    try:
+        stack.start_services(with_draft=False)
+
+        async def run() -> None:
+            from openai import AsyncOpenAI
+
+            base = stack.start_gateway("gateway-old-runtime", with_draft=False)
+            client = AsyncOpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=args.request_timeout_s)
+            try:
+                await run_level(client, prompts, 4, 4, 16, 0.0, None, args.request_timeout_s)  # warm-up
+                with tqdm(total=sum(max(args.min_requests, args.requests_factor * c) for c in args.old_runtime)) as bar:
+                    bar.set_description("old runtime, target-only, greedy")
+                    for c in args.old_runtime:
+                        await run_level(client, prompts, c, c, 16, 0.0, None, args.request_timeout_s)  # as above
+                        n = max(args.min_requests, args.requests_factor * c)
+                        records, wall = await run_level(
+                            client, prompts, n, c, args.max_tokens, 0.0, None, args.request_timeout_s, bar
+                        )
+                        m = summarize(records, wall, args.max_tokens)
+                        same = [lv for lv in levels if lv["temperature"] == 0 and lv["concurrency"] == c]
+                        now = same[0][TARGET_ONLY]["tokens_per_s"] if same else None
+                        old = m["tokens_per_s"]
+                        out.append(
+                            {
+                                "concurrency": c,
+                                "tokens_per_s": old,
+                                "errors": m["errors"],
+                                "target_only_vs_old_runtime": round(now / old, 3) if now and old else None,
+                            }
+                        )
+            finally:
+                await client.close()
+
+        asyncio.run(run())
+    finally:
+        stack.close()
+    return out
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
     t_start = time.perf_counter()
@@ -724,14 +803,18 @@ def main(argv=None) -> dict:
         import torch
 
         args.speculative_disable_by_batch_size = speculation_batch_limit(torch.cuda.is_available())
-    gateway_args = ["--speculative-disable-by-batch-size", str(args.speculative_disable_by_batch_size)]
-    stack = Stack(args.target, args.draft, args.verify_threads, args.draft_threads, gateway_args)
+    # The gateway decides it for new requests, the draft service per round (as the local stack sets both).
+    limit = ["--speculative-disable-by-batch-size", str(args.speculative_disable_by_batch_size)]
+    stack = Stack(args.target, args.draft, args.verify_threads, args.draft_threads, limit, draft_args=limit)
     atexit.register(stack.close)
     try:
         stack.start_services()
         measured = asyncio.run(measure(args, stack, prompts))
     finally:
         stack.close()
+
+    if args.old_runtime:
+        measured["old_runtime"] = measure_old_runtime(args, prompts, measured["levels"])
 
     hf = None
     if not args.skip_hf:
@@ -806,6 +889,7 @@ def main(argv=None) -> dict:
         "draft_batch_metric": measured["draft_batch_metric"],
         "hf_assisted": hf,
         "levels": measured["levels"],
+        "old_runtime": measured.get("old_runtime"),
         "notes": notes,
         "total_seconds": round(time.perf_counter() - t_start, 1),
     }

@@ -24,6 +24,8 @@ FLAG_HELP = {
     "speculative_num_steps": "most draft tokens per block (K); adaptive K stays within it",
     "adaptive": "choose K per session for the verifier's goodput, from live acceptance, timings and the "
     "verifier's load (down to 0)",
+    "speculative_disable_by_batch_size": "adaptive K drafts nothing while the verifier's last batch held more "
+    "sessions than this (0 = no limit; the gateway's flag of that name decides it for new requests)",
     "pipeline": "keep drafting the next block while one is being verified",
     "draft_topk": "sampled drafts: the support of the sparse draft distribution sent with each token",
     "draft_runner": "batched: one forward advances every drafting session (Llama family); static: one session per "

@@ -58,6 +58,9 @@ class DraftConfig:
     speculative_algorithm: str = "standalone"
     speculative_num_steps: int = 4  # most draft tokens per block (K max)
     adaptive: bool = True
+    # Adaptive K is 0 while the verifier's last batch held more sessions than this (0 = no such limit): the
+    # per-round side of the gateway's rule of the same name, for sessions that began speculating alone.
+    speculative_disable_by_batch_size: int = 0
     pipeline: bool = True
     draft_topk: int = 16  # support of the sparse q sent with sampled drafts
     # "auto": "batched" where the architecture allows it, else "hf". "batched": one forward advances every
@@ -89,6 +92,8 @@ class DraftConfig:
             raise ValueError(f"draft_runner must be one of {RUNNERS}, got {self.draft_runner!r}")
         if not 0 <= self.speculative_num_steps <= MAX_SPEC_LEN:
             raise ValueError(f"speculative_num_steps must be in [0, {MAX_SPEC_LEN}]")
+        if self.speculative_disable_by_batch_size < 0:
+            raise ValueError("speculative_disable_by_batch_size must be >= 0")
         AllowList.parse(self.verify_allow)  # ValueError naming --verify-allow
 
     @property
@@ -357,7 +362,8 @@ class _Generation:
         # A seeded request must replay exactly: its random draws may not depend on timing, so it gets a
         # fixed K and no drafting ahead (both adapt to how fast verdicts come back).
         seeded = params.seed is not None
-        self.policy = GoodputK(k_max) if engine.config.adaptive and not seeded else FixedK(k_max)
+        limit = engine.config.speculative_disable_by_batch_size
+        self.policy = GoodputK(k_max, batch_limit=limit) if engine.config.adaptive and not seeded else FixedK(k_max)
         self.pipeline = engine.config.pipeline and not seeded
         self.parent = otel_context.get_current()  # the Generate server span: rounds are its children
 

@@ -169,10 +169,15 @@ class GoodputK(AdaptiveK):
     than it saves and K falls to 0: speculation never loses to target-only. With no load reports (an
     in-process verifier) it is AdaptiveK. While every batch has the same size the slope cannot be seen, so
     every `explore_every` rounds one round drafts a different K until the batch sizes spread out.
+    `batch_limit` > 0: K is 0 while the verifier's last batch held more sessions than that (vLLM's
+    speculative_disable_by_batch_size, per round: the verifier's batch is reported on every verdict, K = 0
+    rounds included, so speculation comes back as soon as the batch shrinks).
     """
 
-    def __init__(self, k_max: int, decay: float = 0.95, explore_every: int = 8, **kw):
+    def __init__(self, k_max: int, decay: float = 0.95, explore_every: int = 8, batch_limit: int = 0, **kw):
         super().__init__(k_max, **kw)
+        self.batch_limit = batch_limit
+        self.last_batch_size = 0
         self.fit_decay = decay
         self.explore_every = explore_every
         self._rounds = 0
@@ -186,6 +191,7 @@ class GoodputK(AdaptiveK):
         super().observe(k, num_accepted, draft_seconds, verify_seconds, load)
         if load is None or load.batch_size <= 0 or load.batch_tokens <= 0:
             return
+        self.last_batch_size = load.batch_size
         d, t, y = self.fit_decay, float(load.batch_tokens), load.batch_seconds
         for j, v in enumerate((1.0, t, t * t, y, t * y)):
             self._sums[j] = d * self._sums[j] + v
@@ -208,6 +214,8 @@ class GoodputK(AdaptiveK):
         return max(0.0, mean_y - b * mean_t), b
 
     def next_k(self) -> int:
+        if self.batch_limit and self.last_batch_size > self.batch_limit:
+            return 0
         fit = self.forward_model()
         if fit is None or self.t_draft is None or self.batch_size is None or self.overhead is None:
             return super().next_k()

@@ -380,6 +380,24 @@ def _speculation_limit(plan: StackPlan) -> list[str]:
     return ["--speculative-disable-by-batch-size", str(speculation_batch_limit(_cuda_available(plan.device)))]
 
 
+def _draft_speculation_limit(plan: StackPlan) -> list[str]:
+    """The draft's per-round side of the same limit: the gateway's value, as given or by device."""
+    if _has(plan.draft_args, "--speculative-disable-by-batch-size"):
+        return []
+    given = _flag_value(plan.gateway_args, "--speculative-disable-by-batch-size")
+    value = given if given is not None else str(speculation_batch_limit(_cuda_available(plan.device)))
+    return ["--speculative-disable-by-batch-size", value]
+
+
+def _flag_value(args: list[str], flag: str) -> str | None:
+    for i, a in enumerate(args):
+        if a.startswith(flag + "="):
+            return a.split("=", 1)[1]
+        if a == flag and i + 1 < len(args):
+            return args[i + 1]
+    return None
+
+
 def _cuda_available(device: str | None) -> bool:
     if device is not None:
         return device.startswith("cuda")
@@ -435,6 +453,7 @@ def launch(plan: StackPlan, group: ProcessGroup) -> dict:
                 *common,
                 *(["--device", draft_device] if draft_device and plan.draft else []),
                 *threads,
+                *_draft_speculation_limit(plan),
                 *plan.draft_args,
             ],
         )

@@ -40,14 +40,15 @@ def test_service_settings_map_to_service_flags():
 def test_speculation_limit_under_load_by_device_or_flag():
     """vLLM's --speculative-disable-by-batch-size reaches the gateway; left out, the stack sets it by device
     (speculation off past one stream per verify replica on a CPU, never off on a GPU)."""
-    from specmesh.stack import _speculation_limit
+    from specmesh.stack import _draft_speculation_limit, _speculation_limit
 
     p = plan("--model-path", "T", "--draft-model", "D", "--speculative-disable-by-batch-size", "3")
     assert p.gateway_args == ["--speculative-disable-by-batch-size", "3"] and _speculation_limit(p) == []
+    assert _draft_speculation_limit(p) == ["--speculative-disable-by-batch-size", "3"]  # the draft's per-round side
     cpu = plan("--model-path", "T", "--draft-model", "D", "--device", "cpu")
-    assert _speculation_limit(cpu) == ["--speculative-disable-by-batch-size", "1"]
+    assert _speculation_limit(cpu) == _draft_speculation_limit(cpu) == ["--speculative-disable-by-batch-size", "1"]
     gpu = plan("--model-path", "T", "--draft-model", "D", "--device", "cuda:0")
-    assert _speculation_limit(gpu) == ["--speculative-disable-by-batch-size", "0"]
+    assert _speculation_limit(gpu) == _draft_speculation_limit(gpu) == ["--speculative-disable-by-batch-size", "0"]
     with pytest.raises(UsageError, match="speculative-disable-by-batch-size"):
         plan("--model-path", "T", "--draft-model", "D", "--speculative-disable-by-batch-size", "-1")
 

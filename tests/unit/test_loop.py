@@ -159,3 +159,19 @@ def test_the_loop_moves_k_toward_zero_against_a_compute_bound_verifier():
     assert r.token_ids == list(range(2, 122))  # the output never depends on K
     late = [len(b) for b in verifier.blocks[-20:]]
     assert verifier.blocks[0] and late.count(0) >= 15
+
+
+def test_goodput_k_is_zero_while_the_verify_batch_is_past_the_limit():
+    """batch_limit (vLLM's speculative_disable_by_batch_size, per round): a batch of more sessions than the
+    limit gives K = 0 on the next round, without probes, and K comes back once a verdict shows it shrank."""
+    policy = GoodputK(4, batch_limit=1)
+    alone = BatchLoad(0.0, 0.02, 1, 5)
+    crowded = BatchLoad(0.0, 0.04, 6, 6)
+    for _ in range(5):
+        policy.observe(4, 3, 0.004, 0.025, alone)
+    assert policy.next_k() > 0
+    policy.observe(4, 3, 0.004, 0.045, crowded)
+    assert [policy.next_k() for _ in range(40)] == [0] * 40  # no K = 1 probes: the batch size is the signal
+    policy.observe(0, 0, 0.0, 0.045, BatchLoad(0.0, 0.02, 1, 1))
+    assert policy.next_k() > 0
+    assert GoodputK(4).batch_limit == 0  # no limit unless asked
