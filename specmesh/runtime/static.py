@@ -46,6 +46,11 @@ _FAST_ARCHS = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qw
 # Rotary types whose inverse frequencies do not depend on the sequence length (no dynamic update).
 _STATIC_ROPE = {"default", "linear", "llama3", "yarn"}
 
+# Smaller matrices stay with MKL: a tiny model's forwards got slower packed (oneDNN's fixed cost per call).
+# 512 x 512: the demo target's smallest matrix is packed, the demo draft's lm_head is and its 256-wide
+# projections are not.
+_PACK_MIN_ELEMENTS = 512 * 512
+
 # oneDNN packs a weight for an expected number of rows; the layout serves any count. 16 was fastest for
 # every count from 1 to 300 on the demo target's matrices (2 threads, AVX2), against 1 and 5.
 _PACK_ROWS = 16
@@ -296,10 +301,11 @@ class _FastDecoder:
     one-row GEMM over HF's [out, in] layout reads weights far below memory bandwidth on CPU (measured
     ~3.5x slower over the demo draft's 15 matrices). On a CPU with oneDNN, fp32 weights are also packed
     once into oneDNN's blocked layout (`packed`) for forwards of 2 or more rows: MKL's GEMM for 2-16 rows
-    costs 2-3x its one-row GEMV, which made a K = 4 verify block cost ~2.6 one-token forwards; packed,
-    5 rows cost ~1.5x one row. One row keeps MKL's GEMV, so packing costs a second copy of the projection
-    weights (CPU only). The copies track their sources' version counters and are rebuilt if the model's
-    weights are modified in place. Logits differ from the HF forward by float
+    costs 2-3x its one-row GEMV, which made a K = 4 verify block cost ~2.6 one-token forwards; packed, 5 rows
+    cost ~1.5x one row. Only matrices of 512 x 512 or more are packed unless `packed=True` packs all. One row
+    keeps MKL's GEMV, so packing costs a second copy of those weights (CPU only). The copies track their
+    sources' version counters and are rebuilt if the model's weights are modified in place. Logits differ
+    from the HF forward by float
     rounding only (~1e-5 relative).
     """
 
@@ -316,9 +322,9 @@ class _FastDecoder:
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.half = self.head_dim // 2
         self.gqa = self.n_heads != self.n_kv
-        if packed is None:
-            packed = _can_pack(self.embed)
-        self.packed = bool(packed)
+        # None: matrices of at least _PACK_MIN_ELEMENTS, where the device allows it; True: every matrix.
+        self.pack_all = bool(packed)
+        self.packed = _can_pack(self.embed) if packed is None else bool(packed)
         self.linear = self._packed_linear if self.packed else F.linear
         self.cos: torch.Tensor  # [pos, 1, D] rotary tables for positions [0, table_len), built by reserve()
         self.sin: torch.Tensor
@@ -346,7 +352,9 @@ class _FastDecoder:
         """Weights of `linears` concatenated on the output dim, stored [in, out], as F.linear's [out, in]
         view; with `packed`, the pair (that, the same weights in oneDNN's packed layout)."""
         w = torch.cat([lin.weight.detach().t() for lin in linears], dim=1).contiguous().t()
-        return (w, torch.ops.mkldnn._reorder_linear_weight(w, _PACK_ROWS)) if self.packed else w
+        if self.packed and (self.pack_all or w.numel() >= _PACK_MIN_ELEMENTS):
+            return (w, torch.ops.mkldnn._reorder_linear_weight(w, _PACK_ROWS))
+        return w
 
     @staticmethod
     def _b(*linears) -> torch.Tensor | None:
@@ -357,9 +365,13 @@ class _FastDecoder:
         )
 
     @staticmethod
-    def _packed_linear(x: torch.Tensor, w: tuple[torch.Tensor, torch.Tensor], b: torch.Tensor | None) -> torch.Tensor:
-        # One row: MKL's GEMV over the [in, out] copy; oneDNN's fixed cost per call (~25 us) outweighs
-        # its gain there on small matrices such as a draft's.
+    def _packed_linear(
+        x: torch.Tensor, w: torch.Tensor | tuple[torch.Tensor, torch.Tensor], b: torch.Tensor | None
+    ) -> torch.Tensor:
+        # One row, or a matrix too small to pack: MKL over the [in, out] copy; oneDNN's fixed cost per call
+        # (~25 us) outweighs its gain there.
+        if not isinstance(w, tuple):
+            return F.linear(x, w, b)
         m = x.shape[0]
         if m == 1:
             return F.linear(x, w[0], b)

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+import torch
 from transformers import AutoTokenizer
 
 from specmesh.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
@@ -30,6 +31,11 @@ STREAMS = 4
 
 @pytest.fixture(scope="module")
 def stack():
+    # The services run in this process, next to the gateway's tokenizer threads: with torch on both cores a
+    # tokenizing thread stalls every OpenMP barrier of the forwards, and the streams' gaps measure that CPU
+    # contention (a deployment runs the gateway apart), not the event loop this test is about.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     tokenizer = AutoTokenizer.from_pretrained(ROOT / "models" / "demo" / "target")
     target = tiny_model("llama", vocab=len(tokenizer), seed=3)
     verify = start_verify(target, tokenizer)
@@ -41,6 +47,7 @@ def stack():
     gw.stop()
     draft.stop()
     verify.stop()
+    torch.set_num_threads(threads)
 
 
 async def loop_lag(lags: list[float], done: threading.Event) -> None:
