@@ -305,8 +305,7 @@ class _FastDecoder:
     cost ~1.5x one row. Only matrices of 512 x 512 or more are packed unless `packed=True` packs all. One row
     keeps MKL's GEMV, so packing costs a second copy of those weights (CPU only). The copies track their
     sources' version counters and are rebuilt if the model's weights are modified in place. Logits differ
-    from the HF forward by float
-    rounding only (~1e-5 relative).
+    from the HF forward by float rounding only (~1e-5 relative).
     """
 
     def __init__(self, model: PreTrainedModel, packed: bool | None = None):
@@ -377,7 +376,8 @@ class _FastDecoder:
             return F.linear(x, w[0], b)
         # oneDNN builds (~1.5 ms) and caches (1024 entries) a primitive per row count: padded to a few
         # buckets, a serving process meets ~60 row counts in all rather than every count up to its batch.
-        padded = m if m <= 16 else -(-m // (16 if m <= 256 else 128)) * (16 if m <= 256 else 128)
+        step = 1 if m <= 16 else 16 if m <= 256 else 128
+        padded = -(-m // step) * step
         if padded != m:
             x = F.pad(x, (0, 0, 0, padded - m))
         out = torch.ops.mkldnn._linear_pointwise(x, w[1], b, "none", [], "")
