@@ -33,6 +33,8 @@ FLAG_HELP = {
     "max_model_len": "longest sequence a session's draft KV slot holds (0 = the model's max_position_embeddings)",
     "max_sessions": "concurrent generations; more get RESOURCE_EXHAUSTED",
     "max_cached_sessions": "per-session draft KV caches kept for later turns (LRU)",
+    "kv_cache_prefault": "write the batched runner's whole KV pool at start, so the process's memory is resident "
+    "from the start and stays flat under load (--no-kv-cache-prefault: pages are taken as slots first fill them)",
     "verify_allow": "verify replicas a request's verify_address may name besides --verify-address: comma-separated "
     "host:port, the host an IP, a CIDR block (10.0.0.0/8), a DNS name (its addresses too) or a pattern "
     "(*.verify.svc.cluster.local), the port a number or *; any other address is refused (PERMISSION_DENIED)",

@@ -69,6 +69,7 @@ class DraftConfig:
     max_sessions: int = 64  # concurrent generations; more get RESOURCE_EXHAUSTED
     max_cached_sessions: int = 64  # per-session draft KV caches kept for later turns (LRU)
     max_model_len: int = 0  # longest sequence the draft's KV slots hold; 0 = the model's
+    kv_cache_prefault: bool = True  # the batched runner's pool resident from the start (see BatchedRunner)
     verify_timeout_s: float = 60.0  # per verify call / round
     grace_period_s: float = 10.0
     # The predict-verify-optimize loop (draft_service.online): the draft distils from the verifier's top-k
@@ -116,7 +117,10 @@ def make_runner(model, config: DraftConfig):
         kind = "batched" if BatchedRunner.supports(model) else "hf"
     if kind == "batched":
         return BatchedRunner(
-            model, num_slots=config.max_sessions + config.max_cached_sessions, max_seq_len=config.max_model_len or None
+            model,
+            num_slots=config.max_sessions + config.max_cached_sessions,
+            max_seq_len=config.max_model_len or None,
+            prefault=config.kv_cache_prefault,
         )
     return StaticCacheRunner(model) if kind == "static" else ModelRunner(model)
 

@@ -14,8 +14,9 @@ Stalls: a replica that hangs (a stopped process, a black-holed connection) fails
 is watched. A stream stalls when no token arrives within `stall_gap_multiple` times its mean gap between
 tokens so far, never more than `stall_timeout_s` nor less than half of it (three times that cap for the
 first token, which includes queueing and the prefill). A stalled speculative stream is cancelled and
-replayed target-only on the same verify replica, and its draft replica leaves the pool until its health
-checks answer again. A stalled target-only stream waits on while its verify replica answers a health
+replayed target-only on the same verify replica, in the session the stalled stream held there (the replica
+hands a session whose stream went silent to its newer turn, so nothing is prefilled again), and its draft
+replica leaves the pool until its health checks answer again. A stalled target-only stream waits on while its verify replica answers a health
 check, and fails over once it does not.
 
 Text: `TextStream` detokenizes incrementally (`specmesh.text`), applies stop strings to the whole output
@@ -138,6 +139,8 @@ class Outcome:
     stats: SpecStats = field(default_factory=SpecStats)
     failovers: int = 0
     stalls: int = 0  # replays after a stream made no progress (counted in failovers too)
+    verify_session: str = ""  # the verify replica's name for the generation's session (its Opened chunk)
+    verify_session_replica: str = ""  # ... and that replica's address
     target_only: bool = False
     verify_replica: str = ""
 
@@ -382,9 +385,12 @@ class Gateway:
             )
             prompt = req.prompt_ids + emitted
             failed: Replica | None = None
-            # A stalled stream's verify session stays held until that stream ends there, so the target-only
-            # continuation of a stall runs without the session id (same tokens; only the KV reuse is lost).
-            session_id = req.session_id if not outcome.stalls else ""
+            # The target-only continuation of a stalled stream names the verify session the stalled stream
+            # held there (the replica's own name for it when the request named none): the replica hands a
+            # session whose stream went silent to its newer turn, cache included, so nothing is prefilled
+            # again. A failover to another replica uses the request's own session id.
+            resume = outcome.stalls and verify.address == outcome.verify_session_replica
+            session_id = outcome.verify_session if resume else req.session_id
             stream = self._watched(
                 self._stream(
                     verify,
@@ -464,7 +470,7 @@ class Gateway:
         """The verify replica (the session's, or prefix-aware) and the least loaded draft replica (None:
         decode target-only, as asked, after a stall (`drafting` False) or for want of a healthy draft
         replica)."""
-        verify = (
+        verify = self._stalled_on(outcome, excluded) or (
             self.verify_pool.for_session(req.session_id, excluded)
             if req.session_id
             else self.verify_pool.for_prompt(req.prompt_ids + emitted, excluded)
@@ -485,6 +491,13 @@ class Gateway:
         if draft is None and self.draft_pool.replicas:
             self.target_only_fallbacks += 1
         return verify, draft
+
+    def _stalled_on(self, outcome: Outcome, excluded: set[str]) -> Replica | None:
+        """After a stall, the verify replica that holds the stalled stream's session, while it is healthy."""
+        if not outcome.stalls or not outcome.verify_session or outcome.verify_session_replica in excluded:
+            return None
+        replica = self.verify_pool.replicas.get(outcome.verify_session_replica)
+        return replica if replica is not None and replica.healthy else None
 
     async def _on_failure(self, e: grpc.aio.AioRpcError, verify: Replica, draft: Replica | None) -> Replica | None:
         """Raise an error that another replica would give too; otherwise probe both replicas and return the
@@ -581,7 +594,7 @@ class Gateway:
                         timeout=timeout,
                         metadata=metadata,
                     )
-                    async for item in self._read(call, outcome, first):
+                    async for item in self._read(call, outcome, first, verify.address):
                         yield item
             else:
                 stub = verify_pb2_grpc.VerifyServiceStub(self.verify_pool.channel(verify))
@@ -590,7 +603,7 @@ class Gateway:
                     timeout=timeout,
                     metadata=metadata,
                 )
-                async for item in self._read(call, outcome, first):
+                async for item in self._read(call, outcome, first, verify.address):
                     yield item
 
     def _speculation_off_under_load(self) -> bool:
@@ -612,13 +625,15 @@ class Gateway:
         return self.config.speculative_num_steps or None
 
     @staticmethod
-    async def _read(call, outcome: Outcome, first: bool):
+    async def _read(call, outcome: Outcome, first: bool, replica: str):
         finished = False
         try:
             async for resp in call:
                 kind = resp.WhichOneof("chunk")
-                if kind == "opened" and first:
-                    outcome.cached_prompt_tokens = resp.opened.cached_prompt_tokens
+                if kind == "opened":
+                    outcome.verify_session, outcome.verify_session_replica = resp.opened.session_id, replica
+                    if first:
+                        outcome.cached_prompt_tokens = resp.opened.cached_prompt_tokens
                 elif kind == "tokens" and resp.tokens.token_ids:
                     ids = list(resp.tokens.token_ids)
                     yield ids, None, wire.logprobs_from_pb(resp.tokens.logprobs, len(ids))

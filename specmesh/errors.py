@@ -42,6 +42,12 @@ class FailedPrecondition(SpecmeshError):
     code, http_status, openai_code = "FAILED_PRECONDITION", 409, None
 
 
+class Aborted(SpecmeshError):
+    """The work was taken over by a newer request (a session's stream superseded by its next turn)."""
+
+    code, http_status, openai_code, retryable = "ABORTED", 409, None, True
+
+
 class ResourceExhausted(SpecmeshError):
     code, http_status, openai_code, retryable = "RESOURCE_EXHAUSTED", 429, "rate_limit_exceeded", True
 
@@ -68,6 +74,7 @@ BY_GRPC_CODE: dict[str, type[SpecmeshError]] = {
         PermissionDenied,
         NotFound,
         FailedPrecondition,
+        Aborted,
         ResourceExhausted,
         DeadlineExceeded,
         Unavailable,

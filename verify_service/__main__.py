@@ -20,6 +20,8 @@ FLAG_HELP = {
     "max_sessions": "concurrent session streams and generate calls; more get RESOURCE_EXHAUSTED",
     "kv_cache_budget_mb": "KV cache memory for all sessions (the batched runner allocates it as slots at start); "
     "idle sessions are evicted LRU when a new one does not fit",
+    "kv_cache_prefault": "write the batched runner's whole KV pool at start, so the process's memory is resident "
+    "from the start and stays flat under load (--no-kv-cache-prefault: pages are taken as slots first fill them)",
     "runner": "target runtime: batched = one ragged forward over a KV slot pool (Llama family), hf = the stock HF "
     "forward (any causal LM), auto = batched when the model and budget allow it",
     "max_model_len": "most tokens per session (prompt + max_tokens) = a KV slot's length; 0 = the model's context, "

@@ -17,7 +17,14 @@ from dataclasses import dataclass, field
 import torch
 
 from specmesh.domain import DraftBlock, Finished, GenerationEvent, Opened, TokenLogprob, Tokens, Verdict
-from specmesh.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, ResourceExhausted, Unavailable
+from specmesh.errors import (
+    Aborted,
+    DeadlineExceeded,
+    FailedPrecondition,
+    InvalidArgument,
+    ResourceExhausted,
+    Unavailable,
+)
 from specmesh.models import eos_token_ids, load_model
 from specmesh.rejection import MAX_SPEC_LEN, RejectionInput, RejectionSampler, token_logprobs, validate_block
 from specmesh.runtime.batched import BatchedRunner
@@ -41,6 +48,10 @@ log = logging.getLogger("specmesh.verify")
 END_OF_STREAM = object()  # put in a stream's inbox when the client half-closes
 
 
+class Superseded(Aborted):
+    """Put in a silent stream's inbox when a newer turn of its session takes the session over."""
+
+
 @dataclass(frozen=True)
 class VerifyConfig:
     model_path: str = ""
@@ -50,6 +61,7 @@ class VerifyConfig:
     max_batch_size: int = 32  # blocks per scheduler tick
     max_sessions: int = 64  # concurrent streams + generate calls; more get RESOURCE_EXHAUSTED
     kv_cache_budget_mb: float = 2048.0
+    kv_cache_prefault: bool = True  # the batched runner's pool resident from the start (see BatchedRunner)
     runner: str = "auto"  # auto | batched | hf (see verify_service.runner)
     max_model_len: int = 0  # most tokens per session; 0 = the model's, capped to fit max_sessions slots
     max_batch_tokens: int = 512  # positions one tick's forward may compute (vLLM's max_num_batched_tokens)
@@ -98,6 +110,7 @@ class BlockIn:
 class Counters:
     deadline_steps: int = 0
     stale_blocks: int = 0
+    superseded_streams: int = 0  # silent streams whose session a newer turn took over
     prefill_chunks: int = 0
     requests: dict[str, int] = field(default_factory=dict)
 
@@ -114,7 +127,7 @@ class VerifyEngine:
         # each thread that runs torch ops gets its own OpenMP team, and a second busy team on the same cores
         # made every batched forward ~40% slower on the 2-core dev machine.
         model_thread = model_thread or ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
-        args = (model, config.runner, budget, config.max_sessions, config.max_model_len)
+        args = (model, config.runner, budget, config.max_sessions, config.max_model_len, config.kv_cache_prefault)
         self.runner = model_thread.submit(build_runner, *args).result()
         self.tokenizer = tokenizer
         self.vocab_size = self.runner.vocab_size
@@ -241,11 +254,19 @@ class VerifyEngine:
 
     async def _wait_detached(self, session_id: str) -> None:
         """A failover retry can arrive before the stream its caller abandoned has been torn down here
-        (a draft service that died mid-stream): give that stream a moment to end before refusing."""
+        (a draft service that died mid-stream): give that stream a moment to end before refusing. A stream
+        whose client has gone silent (`_quiet`: a hung draft service) is superseded at once: it ends with
+        ABORTED and this turn continues the session's cache, so the gateway's target-only continuation of a
+        stalled stream re-prefills nothing."""
         session = self.sessions.peek(session_id) if session_id else None
         loop = asyncio.get_running_loop()
         end = loop.time() + self.config.attached_wait_s
         while session is not None and session.busy and loop.time() < end:
+            if session.inbox is not None and self._quiet(session.heard):
+                log.info("session %s: its silent stream is superseded by a new turn", session_id)
+                self.counters.superseded_streams += 1
+                session.inbox.put_nowait(Superseded(f"session {session_id!r} was taken over by a newer request"))
+                session.inbox = None
             await asyncio.sleep(0.02)
 
     def _attach(self, session: Session) -> None:
@@ -255,12 +276,15 @@ class VerifyEngine:
             raise FailedPrecondition(f"session {session.session_id!r} has no open turn: call OpenSession first")
         session.attached = True
         session.attach_by = None
+        session.inbox = None
 
-    def _detach(self, session: Session, failed: bool = False) -> None:
+    def _detach(self, session: Session, failed: bool = False, keep: bool = False) -> None:
         """A stream that failed or was abandoned is no conversation worth keeping, named or not: its KV goes
-        back at once (once no forward in flight writes it) instead of waiting out the TTL."""
+        back at once (once no forward in flight writes it) instead of waiting out the TTL. `keep`: a
+        superseded stream, whose session the newer turn now holds."""
         session.attached = False
-        if (session.ephemeral or failed) and self.sessions.remove(session):
+        session.inbox = None
+        if not keep and (session.ephemeral or failed) and self.sessions.remove(session):
             self.scheduler.after_pass(session, lambda: self.sessions.account.free(session.seq))
 
     def _to_verify(self, session: Session, block: DraftBlock) -> RejectionInput:
@@ -305,17 +329,21 @@ class VerifyEngine:
             raise InvalidArgument("the first block of a Verify stream must name its session_id")
         session = self.sessions.get(first.session_id)
         self._attach(session)
-        failed = True
+        session.inbox, session.heard = inbox, time.monotonic()
+        failed, superseded = True, False
         try:
-            msg, heard = first, time.monotonic()
+            msg = first
             while not session.finished:
                 if msg is None:
-                    msg = await self._next_block(session, inbox, heard)
+                    msg = await self._next_block(session, inbox, session.heard)
                     if not isinstance(msg, Verdict):
-                        heard = time.monotonic()
+                        session.heard = time.monotonic()
                 if msg is END_OF_STREAM:  # the client half-closed: a normal end
                     failed = False
                     return
+                if isinstance(msg, Superseded):  # the session's newer turn holds it now, and its cache
+                    superseded = True
+                    raise msg
                 if isinstance(msg, BaseException):
                     raise msg
                 if isinstance(msg, Verdict):  # the draft was late: a target-only step was taken
@@ -327,7 +355,7 @@ class VerifyEngine:
         finally:
             # Past a return or the loop's end the stream ended normally; an exception, a cancelled handler or
             # a closed generator (the client went away) leaves failed set.
-            self._detach(session, failed)
+            self._detach(session, failed, keep=superseded)
 
     def _idle_s(self) -> float | None:
         return self.config.stream_idle_timeout_s or None
@@ -340,14 +368,27 @@ class VerifyEngine:
                 f"the Verify stream sent nothing for {self.config.stream_idle_timeout_s:g} s: closed"
             ) from None
 
+    # A client silent for this many draft deadlines is hung or gone, not late: its session takes no more
+    # target-only steps (their verdicts would go unread while they take batch rows from live sessions,
+    # such as the gateway's target-only replays of the same streams) and waits for the idle timeout.
+    QUIET_DEADLINES = 4
+
+    def _quiet(self, heard: float) -> bool:
+        """Whether a stream's client, last heard at `heard`, has been silent for QUIET_DEADLINES deadlines."""
+        draft_s = self.config.draft_deadline_ms / 1000
+        return draft_s > 0 and time.monotonic() - heard >= self.QUIET_DEADLINES * draft_s
+
     async def _next_block(self, session: Session, inbox: asyncio.Queue, heard: float):
         """The stream's next message; past the draft deadline, a target-only step's Verdict instead, so a
-        late draft never stalls its session. Past the idle timeout since the client last sent (`heard`,
-        target-only steps do not count), DEADLINE_EXCEEDED."""
+        late draft never stalls its session (unless the client has been silent for QUIET_DEADLINES
+        deadlines). Past the idle timeout since the client last sent (`heard`, target-only steps do not
+        count), DEADLINE_EXCEEDED."""
         draft_s = self.config.draft_deadline_ms / 1000 or None
         idle_s = self._idle_s()
         left = None if idle_s is None else max(0.0, heard + idle_s - time.monotonic())
-        if left is not None and (draft_s is None or left <= draft_s):
+        if self._quiet(heard):
+            draft_s = None
+        if draft_s is None or (left is not None and left <= draft_s):
             return await self._receive(inbox, left)
         try:
             return await asyncio.wait_for(inbox.get(), draft_s)

@@ -36,6 +36,8 @@ from specmesh.runtime import Runner, RunnerSequence
 from specmesh.runtime.batched import BatchedRunner, SlotSequence
 from specmesh.sampling import SamplingParams, StopChecker
 
+EPHEMERAL_PREFIX = "eph-"  # the names of sessions created without one
+
 
 def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
     """Keys + values of one token over all layers."""
@@ -52,7 +54,7 @@ class Session:
     # The runner's own kind of sequence (hf.Sequence or batched.SlotSequence): the session is agnostic of
     # which, and the runner checks that it is given its own.
     seq: Any
-    ephemeral: bool  # created without an id: released when its stream ends
+    ephemeral: bool  # created without an id (or with one of EPHEMERAL_PREFIX): released when its stream ends
     # Per turn:
     params: SamplingParams | None = None
     stop: StopChecker | None = None
@@ -64,6 +66,10 @@ class Session:
     attached: bool = False  # a Verify stream or a Generate call is using it
     opening: bool = False  # its turn is being prefilled: its cache is being written
     attach_by: float | None = None  # an opened turn not yet attached is released past this (store's clock)
+    # The attached Verify stream's inbox and when its client last sent (time.monotonic), so that a newer turn
+    # can take over a session whose stream has gone silent (VerifyEngine._wait_detached).
+    inbox: Any = None
+    heard: float = 0.0
     last_used: float = field(default_factory=time.monotonic)
 
     @property
@@ -204,8 +210,12 @@ class SessionStore:
             self._make_count_room()
         self.make_room(self.account.needed(session.seq if session is not None else None, len(prompt_ids)), keep=session)
         if session is None:
+            # A name in the ephemeral namespace (one this store gave out, named again by a caller continuing
+            # that generation) stays ephemeral when its session is gone: nobody would release it otherwise.
             session = Session(
-                session_id or f"eph-{uuid.uuid4().hex}", self.runner.new_sequence(prompt_ids), ephemeral=not session_id
+                session_id or f"{EPHEMERAL_PREFIX}{uuid.uuid4().hex}",
+                self.runner.new_sequence(prompt_ids),
+                ephemeral=not session_id or session_id.startswith(EPHEMERAL_PREFIX),
             )
             self._sessions[session.session_id] = session
         else:

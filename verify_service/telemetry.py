@@ -82,6 +82,11 @@ class VerifyMetrics:
                 e.counters.deadline_steps,
             ),
             ("specmesh_verify_stale_blocks", "Blocks that arrived for a past epoch", e.counters.stale_blocks),
+            (
+                "specmesh_verify_superseded_streams",
+                "Silent Verify streams whose session a newer turn took over",
+                e.counters.superseded_streams,
+            ),
             ("specmesh_verify_evicted_sessions", "Sessions evicted (LRU under the budget, or TTL)", e.sessions.evicted),
             (
                 "specmesh_verify_prefix_tokens_reused",

@@ -192,7 +192,9 @@ class BatchedRunner:
     `num_slots` sequences can be open at once, each up to `slot_len` tokens: `max_seq_len`, or the model's
     `max_position_embeddings` capped by it. `check`: compare the decoder with the stock HF forward on a
     probe when built (raises ValueError if they disagree). `packed`: oneDNN-packed weights (None: wherever
-    the device and dtype allow, see `_FastDecoder`).
+    the device and dtype allow, see `_FastDecoder`). `prefault`: write the whole pool once when built, so
+    its memory is resident from the start (a service's memory then stays flat as slots fill, and a memory
+    limit too small for the pool is met at start rather than under load).
     """
 
     def __init__(
@@ -202,6 +204,7 @@ class BatchedRunner:
         max_seq_len: int | None = None,
         check: bool = True,
         packed: bool | None = None,
+        prefault: bool = False,
     ):
         if not self.supports(model):
             raise ValueError(
@@ -225,10 +228,11 @@ class BatchedRunner:
         d = self._dec
         self.num_layers = len(d.layers)
         shape = (num_slots, d.n_kv, self.slot_len, d.head_dim)
-        # torch.empty: positions at or past a slot's valid length are never read, so they need no
-        # zeroing (and on CPU untouched pages of a large pool cost no memory).
-        self._k = [torch.empty(shape, dtype=d.dtype, device=self.device) for _ in range(self.num_layers)]
-        self._v = [torch.empty(shape, dtype=d.dtype, device=self.device) for _ in range(self.num_layers)]
+        # Positions at or past a slot's valid length are never read, so the pool needs no zeroing; on CPU
+        # torch.empty's pages cost no memory until first written, which prefault does up front.
+        alloc = torch.zeros if prefault else torch.empty
+        self._k = [alloc(shape, dtype=d.dtype, device=self.device) for _ in range(self.num_layers)]
+        self._v = [alloc(shape, dtype=d.dtype, device=self.device) for _ in range(self.num_layers)]
         self.slot_bytes = 2 * self.num_layers * d.n_kv * self.slot_len * d.head_dim * self._k[0].element_size()
         self._num_slots = num_slots
         self._lock = threading.Lock()  # slots are taken/freed on the event loop, used on the model thread

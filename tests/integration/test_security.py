@@ -115,7 +115,7 @@ def _service_security(pki: PKI) -> Security:
 
 
 def _start_verify(model, tokenizer, security: Security | None) -> BackgroundServer:
-    config = VerifyConfig(model_path="(in-memory)", port=0, draft_deadline_ms=5000)
+    config = VerifyConfig(model_path="(in-memory)", port=0, draft_deadline_ms=5000, kv_cache_prefault=False)
     return BackgroundServer(lambda: build_verify(config, model, tokenizer, security=security))
 
 
@@ -124,7 +124,12 @@ def _start_draft(model, verify_address: str, server: Security | None, client: Se
     same, as the CLI does)."""
     algorithm = {} if model is not None else {"speculative_algorithm": "ngram"}
     config = DraftConfig(
-        model_path="(in-memory)" if model is not None else "", port=0, verify_address=verify_address, **algorithm, **kw
+        model_path="(in-memory)" if model is not None else "",
+        port=0,
+        verify_address=verify_address,
+        kv_cache_prefault=False,
+        **algorithm,
+        **kw,
     )
 
     async def build():

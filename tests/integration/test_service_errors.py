@@ -2,6 +2,7 @@
 
 import queue
 import threading
+import time
 
 import grpc
 import pytest
@@ -11,6 +12,7 @@ from specmesh.sampling import SamplingParams
 from specmesh.v1 import common_pb2, verify_pb2
 from tests.support.models import noisy_copy, tiny_model
 from tests.support.services import draft_stub, generate, start_draft, start_verify, verify_stub
+from verify_service.engine import VerifyEngine
 
 VOCAB = 96
 GREEDY = common_pb2.SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
@@ -167,6 +169,72 @@ def test_a_late_draft_gets_a_deadline_step(target):
         )
         assert list(first.token_ids) + list(late.token_ids) == reference
         s.close()
+    finally:
+        verify.stop()
+
+
+def test_a_silent_client_gets_no_more_deadline_steps(target):
+    # A hung draft (SIGSTOPped, black-holed) must not keep its sessions stepping: their verdicts go unread
+    # while they take batch rows from live sessions. Past QUIET_DEADLINES deadlines the session waits.
+    verify = start_verify(target, draft_deadline_ms=50)
+    try:
+        vs = verify_stub(verify)
+        params = common_pb2.SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+        opened = open_session(vs, [9, 8, 7], params=params)
+        s = Stream(vs)
+        s.send(session_id=opened.session_id, epoch=0, base_position=3, draft_ids=[])
+        got = [s.read()]
+        time.sleep(1.5)  # silent: a few deadline steps, then none
+        steps = vs.Info(verify_pb2.VerifyServiceInfoRequest()).deadline_steps
+        assert 1 <= steps <= VerifyEngine.QUIET_DEADLINES + 1
+        time.sleep(0.5)
+        assert vs.Info(verify_pb2.VerifyServiceInfoRequest()).deadline_steps == steps
+        got += [s.read() for _ in range(steps)]
+        assert all(v.deadline for v in got[1:])
+        position = 3 + sum(len(v.token_ids) for v in got)
+        s.send(epoch=got[-1].epoch + 1, base_position=position, draft_ids=[])  # heard again: served as before
+        after = s.read()
+        assert not after.stale and len(after.token_ids) == 1
+        s.close()
+    finally:
+        verify.stop()
+
+
+def test_a_new_turn_takes_over_a_session_whose_stream_went_silent(target):
+    # The gateway's target-only continuation of a stream stalled on a hung draft names the stalled stream's
+    # (ephemeral) session: it continues that cache instead of waiting for the stream or prefilling again.
+    verify = start_verify(target, draft_deadline_ms=50)
+    try:
+        vs = verify_stub(verify)
+        params = common_pb2.SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+        prompt = [9, 8, 7, 6, 5, 4]
+        opened = open_session(vs, prompt, params=params)
+        assert opened.session_id.startswith("eph-")
+        s = Stream(vs)
+        s.send(session_id=opened.session_id, epoch=0, base_position=len(prompt), draft_ids=[])
+        committed = list(s.read().token_ids)
+        time.sleep(0.6)  # silent past the quiet bound; its deadline steps are never read
+        rest = params.max_tokens - len(committed)
+        tokens, chunks = generate(
+            vs,
+            prompt + committed,
+            common_pb2.SamplingParams(temperature=0.0, max_tokens=rest, ignore_eos=True),
+            session_id=opened.session_id,
+        )
+        assert chunks[0].opened.session_id == opened.session_id
+        assert chunks[0].opened.cached_prompt_tokens == len(prompt + committed) - 1  # all but the token to feed
+        with pytest.raises(grpc.RpcError) as e:
+            while True:
+                s.read()
+        assert e.value.code() == C.ABORTED and "taken over" in e.value.details()
+        reference = (
+            SpeculativeEngine.from_models(target)
+            .generate(prompt, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), 0)
+            .token_ids
+        )
+        assert committed + tokens == reference
+        info = vs.Info(verify_pb2.VerifyServiceInfoRequest())
+        assert info.sessions == 0  # still ephemeral: released when the turn that took it over ended
     finally:
         verify.stop()
 

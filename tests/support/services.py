@@ -29,6 +29,7 @@ from verify_service.server import build_server as build_verify
 
 def start_verify(model, tokenizer=None, **kw) -> BackgroundServer:
     kw.setdefault("draft_deadline_ms", 5000)  # tests of the deadline set their own
+    kw.setdefault("kv_cache_prefault", False)  # a resident 2 GiB pool per in-process service: tests of it set it
     config = VerifyConfig(model_path="(in-memory)", port=0, **kw)
     return BackgroundServer(lambda: build_verify(config, model, tokenizer))
 
@@ -41,6 +42,7 @@ LOOPBACK_VERIFY = "127.0.0.1:*"
 def start_draft(model, verify_address: str, tokenizer=None, **kw) -> BackgroundServer:
     """`tokenizer`: the draft follows requests' grammars (structured output); without one it drafts unmasked."""
     kw.setdefault("verify_allow", LOOPBACK_VERIFY)
+    kw.setdefault("kv_cache_prefault", False)
     config = DraftConfig(
         model_path="(in-memory)" if model is not None else "", port=0, verify_address=verify_address, **kw
     )

@@ -195,6 +195,27 @@ def test_a_thousand_sequences_leak_no_slot(model):
     assert run.free_slots == run.num_slots == 4 and run.kv_bytes() == 0
 
 
+def _rss() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+
+@pytest.mark.parametrize("prefault", [False, True])
+def test_prefault_makes_the_pool_resident_at_start(model, prefault):
+    slots = 128 * 2**20 // BatchedRunner(model, num_slots=1, max_seq_len=256).slot_bytes
+    gc.collect()
+    before = _rss()
+    run = BatchedRunner(model, num_slots=slots, max_seq_len=256, prefault=prefault)
+    grown = _rss() - before
+    assert run.pool_bytes >= 120 * 2**20
+    if prefault:
+        assert grown >= 0.9 * run.pool_bytes
+    else:  # pages are taken only as slots are written
+        assert grown < 0.25 * run.pool_bytes
+    del run
+    gc.collect()
+
+
 def test_slot_exhaustion_and_reuse(model):
     run = BatchedRunner(model, num_slots=2)
     a, b = run.new_sequence([1, 2]), run.new_sequence([3, 4])

@@ -40,6 +40,7 @@ def reference(model, prompt: list[int], n: int) -> list[int]:
 
 def make_engine(model, **kw) -> VerifyEngine:
     kw.setdefault("batch_wait_ms", 0)
+    kw.setdefault("kv_cache_prefault", False)
     return VerifyEngine(VerifyConfig(model_path="(in-memory)", **kw), model)
 
 
