@@ -16,8 +16,8 @@ tokens so far, never more than `stall_timeout_s` nor less than half of it (three
 first token, which includes queueing and the prefill). A stalled speculative stream is cancelled and
 replayed target-only on the same verify replica, in the session the stalled stream held there (the replica
 hands a session whose stream went silent to its newer turn, so nothing is prefilled again), and its draft
-replica leaves the pool until its health checks answer again. A stalled target-only stream waits on while its verify replica answers a health
-check, and fails over once it does not.
+replica leaves the pool until its health checks answer again. A stalled target-only stream waits on while
+its verify replica answers a health check, and fails over once it does not.
 
 Text: `TextStream` detokenizes incrementally (`specmesh.text`), applies stop strings to the whole output
 text (so a stop string spanning a failover is still found) and holds back text that could be the start
