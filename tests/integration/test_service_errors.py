@@ -145,98 +145,94 @@ def test_stale_and_repeated_blocks_are_harmless(servers, target):
     assert opened.session_id == "stale-test"
 
 
-def test_a_late_draft_gets_a_deadline_step(target):
+@pytest.fixture
+def deadline_verify(target):
+    """A fresh verify service (its counters start at 0) whose draft deadline is 50 ms, and its stub."""
     verify = start_verify(target, draft_deadline_ms=50)
-    try:
-        vs = verify_stub(verify)
-        opened = open_session(vs, [9, 8, 7])
-        s = Stream(vs)
-        s.send(session_id=opened.session_id, epoch=0, base_position=3, draft_ids=[])
-        first = s.read()
-        late = s.read()  # nothing sent: the verifier steps on its own
-        assert late.deadline and late.epoch == 1 and late.num_drafted == 0 and len(late.token_ids) == 1
-        s.send(epoch=1, base_position=4, draft_ids=[1, 2])  # crossed the deadline verdict on the wire
+    yield verify_stub(verify)
+    verify.stop()
+
+
+def test_a_late_draft_gets_a_deadline_step(deadline_verify, target):
+    vs = deadline_verify
+    opened = open_session(vs, [9, 8, 7])
+    s = Stream(vs)
+    s.send(session_id=opened.session_id, epoch=0, base_position=3, draft_ids=[])
+    first = s.read()
+    late = s.read()  # nothing sent: the verifier steps on its own
+    assert late.deadline and late.epoch == 1 and late.num_drafted == 0 and len(late.token_ids) == 1
+    s.send(epoch=1, base_position=4, draft_ids=[1, 2])  # crossed the deadline verdict on the wire
+    stale = s.read()
+    while stale.deadline:  # the machine may be slow enough for more deadline steps
         stale = s.read()
-        while stale.deadline:  # the machine may be slow enough for more deadline steps
-            stale = s.read()
-        assert stale.stale
-        info = vs.Info(verify_pb2.VerifyServiceInfoRequest())
-        assert info.deadline_steps >= 1 and info.stale_blocks >= 1
-        reference = (
-            SpeculativeEngine.from_models(target)
-            .generate([9, 8, 7], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True), 0)
-            .token_ids
-        )
-        assert list(first.token_ids) + list(late.token_ids) == reference
-        s.close()
-    finally:
-        verify.stop()
+    assert stale.stale
+    info = vs.Info(verify_pb2.VerifyServiceInfoRequest())
+    assert info.deadline_steps >= 1 and info.stale_blocks >= 1
+    reference = (
+        SpeculativeEngine.from_models(target)
+        .generate([9, 8, 7], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True), 0)
+        .token_ids
+    )
+    assert list(first.token_ids) + list(late.token_ids) == reference
+    s.close()
 
 
-def test_a_silent_client_gets_no_more_deadline_steps(target):
+def test_a_silent_client_gets_no_more_deadline_steps(deadline_verify):
     # A hung draft (SIGSTOPped, black-holed) must not keep its sessions stepping: their verdicts go unread
     # while they take batch rows from live sessions. Past QUIET_DEADLINES deadlines the session waits.
-    verify = start_verify(target, draft_deadline_ms=50)
-    try:
-        vs = verify_stub(verify)
-        params = common_pb2.SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
-        opened = open_session(vs, [9, 8, 7], params=params)
-        s = Stream(vs)
-        s.send(session_id=opened.session_id, epoch=0, base_position=3, draft_ids=[])
-        got = [s.read()]
-        time.sleep(1.5)  # silent: a few deadline steps, then none
-        steps = vs.Info(verify_pb2.VerifyServiceInfoRequest()).deadline_steps
-        assert 1 <= steps <= VerifyEngine.QUIET_DEADLINES + 1
-        time.sleep(0.5)
-        assert vs.Info(verify_pb2.VerifyServiceInfoRequest()).deadline_steps == steps
-        got += [s.read() for _ in range(steps)]
-        assert all(v.deadline for v in got[1:])
-        position = 3 + sum(len(v.token_ids) for v in got)
-        s.send(epoch=got[-1].epoch + 1, base_position=position, draft_ids=[])  # heard again: served as before
-        after = s.read()
-        assert not after.stale and len(after.token_ids) == 1
-        s.close()
-    finally:
-        verify.stop()
+    vs = deadline_verify
+    params = common_pb2.SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+    opened = open_session(vs, [9, 8, 7], params=params)
+    s = Stream(vs)
+    s.send(session_id=opened.session_id, epoch=0, base_position=3, draft_ids=[])
+    got = [s.read()]
+    time.sleep(1.5)  # silent: a few deadline steps, then none
+    steps = vs.Info(verify_pb2.VerifyServiceInfoRequest()).deadline_steps
+    assert 1 <= steps <= VerifyEngine.QUIET_DEADLINES + 1
+    time.sleep(0.5)
+    assert vs.Info(verify_pb2.VerifyServiceInfoRequest()).deadline_steps == steps
+    got += [s.read() for _ in range(steps)]
+    assert all(v.deadline for v in got[1:])
+    position = 3 + sum(len(v.token_ids) for v in got)
+    s.send(epoch=got[-1].epoch + 1, base_position=position, draft_ids=[])  # heard again: served as before
+    after = s.read()
+    assert not after.stale and len(after.token_ids) == 1
+    s.close()
 
 
-def test_a_new_turn_takes_over_a_session_whose_stream_went_silent(target):
+def test_a_new_turn_takes_over_a_session_whose_stream_went_silent(deadline_verify, target):
     # The gateway's target-only continuation of a stream stalled on a hung draft names the stalled stream's
     # (ephemeral) session: it continues that cache instead of waiting for the stream or prefilling again.
-    verify = start_verify(target, draft_deadline_ms=50)
-    try:
-        vs = verify_stub(verify)
-        params = common_pb2.SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-        prompt = [9, 8, 7, 6, 5, 4]
-        opened = open_session(vs, prompt, params=params)
-        assert opened.session_id.startswith("eph-")
-        s = Stream(vs)
-        s.send(session_id=opened.session_id, epoch=0, base_position=len(prompt), draft_ids=[])
-        committed = list(s.read().token_ids)
-        time.sleep(0.6)  # silent past the quiet bound; its deadline steps are never read
-        rest = params.max_tokens - len(committed)
-        tokens, chunks = generate(
-            vs,
-            prompt + committed,
-            common_pb2.SamplingParams(temperature=0.0, max_tokens=rest, ignore_eos=True),
-            session_id=opened.session_id,
-        )
-        assert chunks[0].opened.session_id == opened.session_id
-        assert chunks[0].opened.cached_prompt_tokens == len(prompt + committed) - 1  # all but the token to feed
-        with pytest.raises(grpc.RpcError) as e:
-            while True:
-                s.read()
-        assert e.value.code() == C.ABORTED and "taken over" in e.value.details()
-        reference = (
-            SpeculativeEngine.from_models(target)
-            .generate(prompt, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), 0)
-            .token_ids
-        )
-        assert committed + tokens == reference
-        info = vs.Info(verify_pb2.VerifyServiceInfoRequest())
-        assert info.sessions == 0  # still ephemeral: released when the turn that took it over ended
-    finally:
-        verify.stop()
+    vs = deadline_verify
+    params = common_pb2.SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    prompt = [9, 8, 7, 6, 5, 4]
+    opened = open_session(vs, prompt, params=params)
+    assert opened.session_id.startswith("eph-")
+    s = Stream(vs)
+    s.send(session_id=opened.session_id, epoch=0, base_position=len(prompt), draft_ids=[])
+    committed = list(s.read().token_ids)
+    time.sleep(0.6)  # silent past the quiet bound; its deadline steps are never read
+    rest = params.max_tokens - len(committed)
+    tokens, chunks = generate(
+        vs,
+        prompt + committed,
+        common_pb2.SamplingParams(temperature=0.0, max_tokens=rest, ignore_eos=True),
+        session_id=opened.session_id,
+    )
+    assert chunks[0].opened.session_id == opened.session_id
+    assert chunks[0].opened.cached_prompt_tokens == len(prompt + committed) - 1  # all but the token to feed
+    with pytest.raises(grpc.RpcError) as e:
+        while True:
+            s.read()
+    assert e.value.code() == C.ABORTED and "taken over" in e.value.details()
+    reference = (
+        SpeculativeEngine.from_models(target)
+        .generate(prompt, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), 0)
+        .token_ids
+    )
+    assert committed + tokens == reference
+    info = vs.Info(verify_pb2.VerifyServiceInfoRequest())
+    assert info.sessions == 0  # still ephemeral: released when the turn that took it over ended
 
 
 def test_bad_draft_requests(servers):
