@@ -109,16 +109,15 @@ async def run(args, address: str, prompts: list[list[int]]) -> list[dict]:
             batcher = DraftBatcher(runner, 16, on_model, rec.on_batch)
             drafter = ModelDrafter(batcher)
             params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
-            with torch.inference_mode():
-                await speculative_generate(
-                    rec,
-                    drafter,
-                    prompt,
-                    params,
-                    FixedK(args.k),
-                    StopChecker(params, frozenset()),
-                    on_round=rec.rounds.append,
-                )
+            await speculative_generate(  # the model work enters inference mode on the model thread
+                rec,
+                drafter,
+                prompt,
+                params,
+                FixedK(args.k),
+                StopChecker(params, frozenset()),
+                on_round=rec.rounds.append,
+            )
             await remote.aclose(True)
             drafter.release()
             await batcher.close()

@@ -21,7 +21,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
 import grpc
-import torch
 from opentelemetry import context as otel_context
 
 from draft_service.online import OnlineLoop, online_config
@@ -378,18 +377,19 @@ class _Generation:
         # EOS and stop strings are the verifier's to apply (its verdicts carry the finish reason).
         stop = StopChecker(replace(self.params, stop=()), frozenset())
         try:
-            with torch.inference_mode():
-                result = await speculative_generate(
-                    self.engine.online.wrap(self.remote) if self.engine.online is not None else self.remote,
-                    self.drafter,
-                    self.prompt_ids,
-                    self.params,
-                    self.policy,
-                    stop,
-                    on_tokens=lambda toks, logprobs: self.queue.put_nowait(Tokens(toks, logprobs)),
-                    pipeline=self.pipeline,
-                    on_round=self._trace_round,
-                )
+            # No torch.inference_mode() around the await (see SpeculativeEngine.agenerate): the model work
+            # runs on the model thread, inside the batcher's own inference mode.
+            result = await speculative_generate(
+                self.engine.online.wrap(self.remote) if self.engine.online is not None else self.remote,
+                self.drafter,
+                self.prompt_ids,
+                self.params,
+                self.policy,
+                stop,
+                on_tokens=lambda toks, logprobs: self.queue.put_nowait(Tokens(toks, logprobs)),
+                pipeline=self.pipeline,
+                on_round=self._trace_round,
+            )
             # Before the final event goes out: a caller's next turn must find the session free on the
             # verify service (the stream's status is awaited).
             await self.remote.aclose(result.finish_reason != "cancelled")

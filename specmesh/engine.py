@@ -112,15 +112,18 @@ class SpeculativeEngine:
         decode = (lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)) if self.tokenizer else None
         eos = eos_token_ids(self.target.model)
         stop = StopChecker(params, eos, decode)
-        with torch.inference_mode():
-            result = await speculative_generate(
-                LocalVerifier(self.target, self.sampler, eos, self._grammar_compiler(params, eos)),
-                drafter,
-                prompt_ids,
-                params,
-                num_speculative_tokens,
-                stop,
-            )
+        # No torch.inference_mode() around the await: the mode is per thread, so held across an await it
+        # leaks into whatever else the event loop runs meanwhile, and two generations whose with-blocks
+        # interleave restore each other's state, leaving the thread in inference mode for good. The
+        # verifier and the drafters enter it around their own (synchronous) model work.
+        result = await speculative_generate(
+            LocalVerifier(self.target, self.sampler, eos, self._grammar_compiler(params, eos)),
+            drafter,
+            prompt_ids,
+            params,
+            num_speculative_tokens,
+            stop,
+        )
         if decode is not None:
             result.text = stop.text()
         return result

@@ -73,14 +73,16 @@ class LocalVerifier:
             if self.grammars is None:
                 raise InvalidArgument(f"{params.structured.field_name}: structured output needs a tokenizer")
             self.grammar = self.grammars.grammar(params.structured)
-        if self.seq is None:
-            self.seq = self.runner.new_sequence(prompt_ids)
-        else:
-            self.seq.reset_tokens(prompt_ids)  # a new turn: the cached common prefix is reused
-        self.runner.prefill(self.seq)
+        with torch.inference_mode():  # never across an await: the mode is the thread's, not this task's
+            if self.seq is None:
+                self.seq = self.runner.new_sequence(prompt_ids)
+            else:
+                self.seq.reset_tokens(prompt_ids)  # a new turn: the cached common prefix is reused
+            self.runner.prefill(self.seq)
 
     async def submit(self, proposal: DraftBlock) -> Verdict:
         assert self.seq is not None  # start() comes first
         context = LogitsContext(self.seq.token_ids, self.output_start, (), self.eos_token_ids, self.grammar)
         block = RejectionInput(proposal, self.params, self.generator, context)
-        return verify_batch(self.runner, self.sampler, [self.seq], [block])[0]
+        with torch.inference_mode():
+            return verify_batch(self.runner, self.sampler, [self.seq], [block])[0]

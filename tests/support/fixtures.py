@@ -5,6 +5,7 @@ defined; that is how the kernel is tested on CPU.
 """
 
 import os
+import warnings
 
 import torch
 
@@ -20,6 +21,19 @@ from tests.support.models import noisy_copy, tiny_model
 # time of the suite's stack-starting tests on 2 cores. The soak and the container test keep the default.
 for _service in ("VERIFY", "DRAFT"):
     os.environ.setdefault(f"SPECMESH_{_service}_KV_CACHE_PREFAULT", "false")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Each test, its fixtures' set-up and teardown, out of torch's inference mode, which is per thread: a
+    test that leaves the main thread in it (a with-block held across an await whose exit interleaved with
+    another's) would give every model built afterwards inference tensors for weights. Such a test is named
+    in a warning, and the state is put back when it ends."""
+    with torch.inference_mode(False):
+        yield
+        if torch.is_inference_mode_enabled():
+            warnings.warn(f"{item.nodeid} left the main thread in torch's inference mode", stacklevel=1)
+
 
 # Tiny models gain nothing from intra-op threads; one thread keeps runs deterministic and leaves a core free.
 torch.set_num_threads(1)
