@@ -276,7 +276,6 @@ class VerifyEngine:
             raise FailedPrecondition(f"session {session.session_id!r} has no open turn: call OpenSession first")
         session.attached = True
         session.attach_by = None
-        session.inbox = None
 
     def _detach(self, session: Session, failed: bool = False, keep: bool = False) -> None:
         """A stream that failed or was abandoned is no conversation worth keeping, named or not: its KV goes
@@ -335,7 +334,7 @@ class VerifyEngine:
             msg = first
             while not session.finished:
                 if msg is None:
-                    msg = await self._next_block(session, inbox, session.heard)
+                    msg = await self._next_block(session, inbox)
                     if not isinstance(msg, Verdict):
                         session.heard = time.monotonic()
                 if msg is END_OF_STREAM:  # the client half-closed: a normal end
@@ -378,11 +377,12 @@ class VerifyEngine:
         draft_s = self.config.draft_deadline_ms / 1000
         return draft_s > 0 and time.monotonic() - heard >= self.QUIET_DEADLINES * draft_s
 
-    async def _next_block(self, session: Session, inbox: asyncio.Queue, heard: float):
+    async def _next_block(self, session: Session, inbox: asyncio.Queue):
         """The stream's next message; past the draft deadline, a target-only step's Verdict instead, so a
         late draft never stalls its session (unless the client has been silent for QUIET_DEADLINES
-        deadlines). Past the idle timeout since the client last sent (`heard`, target-only steps do not
-        count), DEADLINE_EXCEEDED."""
+        deadlines). Past the idle timeout since the client last sent (`session.heard`, target-only steps
+        do not count), DEADLINE_EXCEEDED."""
+        heard = session.heard
         draft_s = self.config.draft_deadline_ms / 1000 or None
         idle_s = self._idle_s()
         left = None if idle_s is None else max(0.0, heard + idle_s - time.monotonic())
