@@ -16,6 +16,11 @@ prompts of the same stream one request at a time. The draft that is not serving 
 included), so each side runs on the machine alone and pays for its own trainer: the loop's cost is in its
 tokens/s. `--minutes` is the loop's own traffic time (the run takes twice as long).
 
+Then the original domain: the draft weights live at the end of the run and the demo draft as shipped each
+speculate in this process (K as above, greedy) on `--heldout-prompts` held-out standard-library prompts, the
+same as the other benchmarks'; `heldout` in the JSON gives both acceptances and their difference (the loop
+must not lose more than 0.02 there).
+
 Writes bench/results/online.json and bench/results/online.png: acceptance (accepted / drafted) and tokens/s
 per slice, against the loop's traffic time, for both sides, and the weight versions as they go live.
 """
@@ -38,11 +43,17 @@ import urllib.request
 from pathlib import Path
 
 import grpc
+import torch
 from transformers import AutoTokenizer
 
+from bench.inprocess import heldout_prompts
 from bench.load import git_info
 from bench.plots import pyplot, save
 from bench.services import RESULTS, ROOT, Services
+from specmesh.domain import SpecStats
+from specmesh.engine import SpeculativeEngine
+from specmesh.models import load_model
+from specmesh.sampling import SamplingParams
 from specmesh.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 
 ENGLISH = [
@@ -125,6 +136,34 @@ def serve_slice(stub, prompts, cursor: int, seconds: float, max_tokens: int) -> 
     }, cursor
 
 
+def heldout_acceptance(args, weights: Path | None) -> dict:
+    """Acceptance of the draft (with `weights`, a saved version's state dict, loaded over the demo draft) on
+    held-out prompts of the domain it was distilled on, speculating in this process."""
+    target, tokenizer = load_model(args.target, "cpu")
+    draft, _ = load_model(args.draft, "cpu")
+    if weights is not None:
+        draft.load_state_dict(torch.load(weights, map_location="cpu"))
+    engine = SpeculativeEngine.from_models(target, draft, tokenizer=tokenizer)
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+    stats = SpecStats()
+    for prompt in heldout_prompts(tokenizer, args.heldout_prompts, 64):
+        stats.merge(engine.generate(prompt, params, args.k).stats)
+    d = stats.as_dict()
+    return {"drafted": d["drafted"], "accepted": d["accepted"], "acceptance": round(d["accepted"] / d["drafted"], 4)}
+
+
+def heldout(args, versions: Path, live: int) -> dict:
+    """The original domain before and after the loop: the demo draft against the version live at the end."""
+    weights = versions / f"v{live}" / "weights.pt"
+    if not weights.is_file():
+        raise RuntimeError(f"the loop's live version v{live} was not saved under {versions}")
+    before, after = heldout_acceptance(args, None), heldout_acceptance(args, weights)
+    out = {"prompts": args.heldout_prompts, "live_version": live, "demo_draft": before, "loop_draft": after}
+    out["change"] = round(after["acceptance"] - before["acceptance"], 4)
+    print("held-out original domain:", json.dumps(out), flush=True)
+    return out
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", default=str(ROOT / "models" / "demo" / "target"))
@@ -140,6 +179,9 @@ def main(argv=None) -> dict:
         default="shuffled",
         help="prompt order, the same for both sides: shuffled (seed 0), so the traffic's mix of the files is the "
         "same all along, or the files' own order (each side then walks from one file's genre to the next)",
+    )
+    ap.add_argument(
+        "--heldout-prompts", type=int, default=16, help="held-out standard-library prompts (the original domain)"
     )
     ap.add_argument("--out", default=str(RESULTS / "online.json"))
     args = ap.parse_args(argv)
@@ -190,8 +232,11 @@ def main(argv=None) -> dict:
             for _, p, _ in services.procs:
                 if p.poll() is None:
                     os.kill(p.pid, signal.SIGCONT)
-            services.close()
+            services.close()  # stops the trainer: the versions on disk are final
+        live = next((r["version"] for r in reversed(rows) if r["side"] == "on"), 0)  # rolled back = its parent
+        original = heldout(args, online_dir, live)
     result = summarize(args, rows, len(prompts))
+    result["heldout"] = original
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     plot(result, Path(args.out).with_suffix(".png"))
     print(json.dumps(result["summary"], indent=2))

@@ -38,6 +38,7 @@ from specmesh.runtime.static import StaticCacheRunner
 from specmesh.sampling import SamplingParams, StopChecker, check_token_ids
 from specmesh.security import AllowList, Security, dial
 from specmesh.telemetry import StreamMetrics, outgoing_metadata, tracer, wall_ns
+from specmesh.training.online import OnlineConfig
 from specmesh.v1 import verify_pb2, verify_pb2_grpc
 
 log = logging.getLogger("specmesh.draft")
@@ -75,12 +76,12 @@ class DraftConfig:
     # while it serves. Off by default: it costs a share of a core and the verifier's top-k on every token.
     online_distill: bool = False
     online_distill_dir: str = ""  # every weight version and its live acceptance ("" = kept in memory only)
-    online_distill_topk: int = 8
-    online_distill_cpu_share: float = 0.3
-    online_distill_buffer: int = 1024
-    online_distill_lr: float = 5e-4
-    online_distill_steps_per_version: int = 50
-    online_distill_rollback_window: int = 1500
+    online_distill_topk: int = OnlineConfig.topk
+    online_distill_cpu_share: float = OnlineConfig.cpu_share
+    online_distill_buffer: int = OnlineConfig.buffer_windows
+    online_distill_lr: float = OnlineConfig.lr
+    online_distill_steps_per_version: int = OnlineConfig.steps_per_version
+    online_distill_rollback_window: int = OnlineConfig.rollback_window
     metrics_port: int = -1  # Prometheus /metrics over HTTP; -1 = not served (the CLI defaults to 9465)
 
     def __post_init__(self):
