@@ -236,8 +236,8 @@ class Gateway:
         self.stream_metrics = stream_metrics  # TTFT and inter-token latency of every generation
         # Tokenizing and detokenizing run on these threads, never on the event loop: a long prompt takes
         # a fast tokenizer a second or more (it releases the GIL meanwhile), and every stream and health
-        # check waits on the loop. Detokenizing has threads of its own, so that streams never queue
-        # behind long prompts being tokenized.
+        # check waits on the loop. Detokenizing large chunks has threads of its own, so that streams never
+        # queue behind long prompts being tokenized (small chunks stay on the loop: see `detokenize`).
         self._tokenizing = ThreadPoolExecutor(max(1, config.tokenizer_threads), thread_name_prefix="tokenize")
         self._detokenizing = ThreadPoolExecutor(max(1, config.tokenizer_threads), thread_name_prefix="detokenize")
         # Token ids a prompt may hold: the tokenizer's, else whatever fits the wire's int32.
@@ -305,10 +305,19 @@ class Gateway:
         self.check_prompt_chars(sum(len(m["content"]) for m in messages), "messages")
         return await self.off_loop(self.chat_prompt, messages)
 
+    # A chunk of up to this many tokens, with stop strings no longer than INLINE_STOP_CHARS, is detokenized
+    # on the event loop: that costs ~10-15 us, while a hop to a thread and back costs the loop hundreds
+    # (the woken thread takes the GIL), and a stream pays it on every chunk. Larger work goes to the threads.
+    INLINE_IDS = 32
+    INLINE_STOP_CHARS = 256
+
     async def detokenize(self, text: TextStream, ids: list[int], final: bool) -> str:
-        """`text.add` on the detokenizer's threads (nothing to do without a tokenizer)."""
+        """`text.add`, on the event loop when it is small, else on the detokenizer's threads (nothing to do
+        without a tokenizer)."""
         if text.detokenizer is None:
             return ""
+        if len(ids) <= self.INLINE_IDS and text.hold < self.INLINE_STOP_CHARS:
+            return text.add(ids, final)
         return await asyncio.get_running_loop().run_in_executor(self._detokenizing, text.add, ids, final)
 
     def check(self, req: GenRequest) -> None:

@@ -215,3 +215,42 @@ def test_stop_checker_text_includes_a_stop_token(tokenizer, decode):
     checker = StopChecker(SamplingParams(max_tokens=50, stop=("zzz",), stop_token_ids=(ids[3],)), decode=decode)
     assert checker.extend(ids) == 4 and checker.finish_reason == "stop"
     assert checker.text() == decode(ids[:4])
+
+
+def test_gateway_detokenizes_small_chunks_on_the_loop_and_large_ones_on_its_threads(tokenizer, decode):
+    """Small chunks (every verdict's) are decoded on the event loop, large ones (or long stop strings) on the
+    detokenizer's threads; the text is the full decode's either way."""
+    import asyncio
+    import threading
+
+    from gateway.core import Gateway, GatewayConfig
+
+    ids = tokenizer.encode("Speculative decoding drafts a few tokens and the target verifies them in one pass. " * 8)
+    gw = Gateway(GatewayConfig(), tokenizer)
+    threads: set[str] = set()
+
+    class Spy(TextStream):
+        def add(self, chunk, final=False):
+            threads.add(threading.current_thread().name)
+            return super().add(chunk, final)
+
+    async def run(stop: tuple[str, ...], sizes: list[int]) -> str:
+        text, out, i = Spy(tokenizer, stop), [], 0
+        for n in sizes:
+            out.append(await gw.detokenize(text, ids[i : i + n], final=i + n >= len(ids)))
+            i += n
+        return "".join(out)
+
+    try:
+        small = [1, 3, 5] * (len(ids) // 9) + [len(ids)]
+        assert asyncio.run(run((), small)) == decode(ids)
+        assert threads == {threading.current_thread().name}
+        threads.clear()
+        assert asyncio.run(run((), [Gateway.INLINE_IDS + 1, len(ids)])) == decode(ids)
+        assert threads and all(t.startswith("detokenize") for t in threads)
+        threads.clear()
+        asyncio.run(run(("x" * (Gateway.INLINE_STOP_CHARS + 1),), [1, len(ids)]))
+        assert threads and all(t.startswith("detokenize") for t in threads)
+    finally:
+        gw._detokenizing.shutdown()
+        gw._tokenizing.shutdown()
