@@ -305,9 +305,10 @@ class Gateway:
         self.check_prompt_chars(sum(len(m["content"]) for m in messages), "messages")
         return await self.off_loop(self.chat_prompt, messages)
 
-    # A chunk of up to this many tokens, with stop strings no longer than INLINE_STOP_CHARS, is detokenized
-    # on the event loop: that costs ~10-15 us, while a hop to a thread and back costs the loop hundreds
-    # (the woken thread takes the GIL), and a stream pays it on every chunk. Larger work goes to the threads.
+    # A chunk whose decode covers up to this many tokens (its own and the detokenizer's window), with stop
+    # strings no longer than INLINE_STOP_CHARS, is detokenized on the event loop: that costs ~10-15 us,
+    # while a hop to a thread and back costs the loop hundreds (the woken thread takes the GIL), and a
+    # stream pays it on every chunk. Larger work goes to the threads.
     INLINE_IDS = 32
     INLINE_STOP_CHARS = 256
 
@@ -316,7 +317,7 @@ class Gateway:
         without a tokenizer)."""
         if text.detokenizer is None:
             return ""
-        if len(ids) <= self.INLINE_IDS and text.hold < self.INLINE_STOP_CHARS:
+        if len(ids) + text.detokenizer.window_tokens <= self.INLINE_IDS and text.hold < self.INLINE_STOP_CHARS:
             return text.add(ids, final)
         return await asyncio.get_running_loop().run_in_executor(self._detokenizing, text.add, ids, final)
 

@@ -59,6 +59,12 @@ class IncrementalDetokenizer:
         self._advance()
         return delta
 
+    @property
+    def window_tokens(self) -> int:
+        """Tokens the next `add` decodes again besides its new ones: the last delta's, as context, and any
+        held back (a run of tokens that never completes a character keeps growing it)."""
+        return len(self.token_ids) - self._prefix_offset
+
     def _window(self) -> tuple[str, str]:
         ids = self.token_ids
         return (self._decode(ids[self._prefix_offset : self._read_offset]), self._decode(ids[self._prefix_offset :]))

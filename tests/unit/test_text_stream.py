@@ -28,11 +28,16 @@ def decode(tokenizer):
 
 def byte_tokens(tokenizer, text: str) -> list[int]:
     """One token per UTF-8 byte (byte-level BPE has one for each), so multi-byte characters split across tokens."""
+    return byte_tokens_of(tokenizer, text.encode())
+
+
+def byte_tokens_of(tokenizer, data: bytes) -> list[int]:
+    """One byte-level token per byte of `data`, which need not be valid UTF-8."""
     # GPT-2's byte-to-character map: printable bytes stand for themselves, the others for chr(256 + n).
     printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     others = iter(range(256, 512))
     char = {b: chr(b) if b in printable else chr(next(others)) for b in range(256)}
-    return [tokenizer.convert_tokens_to_ids(char[b]) for b in text.encode()]
+    return [tokenizer.convert_tokens_to_ids(char[b]) for b in data]
 
 
 def random_ids(rng: random.Random, vocab: int, n: int) -> list[int]:
@@ -251,6 +256,20 @@ def test_gateway_detokenizes_small_chunks_on_the_loop_and_large_ones_on_its_thre
         threads.clear()
         asyncio.run(run(("x" * (Gateway.INLINE_STOP_CHARS + 1),), [1, len(ids)]))
         assert threads and all(t.startswith("detokenize") for t in threads)
+        # Tokens that never complete a character keep the detokenizer's window growing: once it is past
+        # INLINE_IDS, even one-token chunks are decoded on the threads.
+        threads.clear()
+        loose = byte_tokens_of(tokenizer, b"\x80" * (2 * Gateway.INLINE_IDS))
+
+        async def stray() -> list[str]:
+            text, where = Spy(tokenizer, ()), []
+            for t in loose:
+                await gw.detokenize(text, [t], final=False)
+                where.append(threads.pop())
+            return where
+
+        where = asyncio.run(stray())
+        assert where[0] == threading.current_thread().name and where[-1].startswith("detokenize")
     finally:
         gw._detokenizing.shutdown()
         gw._tokenizing.shutdown()
