@@ -6,10 +6,11 @@ Methods, all greedy, on the same held-out prompt, in this one process:
 
 * ``hf_dynamic``: the plain HF forward, one token at a time, ``model(input_ids, cache=DynamicCache)``,
   feeding back the argmax (no runner, no rollback) — the reference the ratios are against;
-* ``model_runner``: ``ModelDrafter(ModelRunner(draft)).propose(K)`` rounds;
+* ``model_runner``: ``ModelDrafter(DraftBatcher(ModelRunner(draft))).propose(K)`` rounds;
 * ``static_hf``: ``StaticCacheRunner(draft, fast_path=False)`` — the preallocated cache and incremental
   sync, but the stock HF forward (isolates what the cache alone is worth);
-* ``static_cache``: ``StaticCacheRunner(draft)`` — the hand-written decoder over fused [in, out] weights.
+* ``static_cache``: ``StaticCacheRunner(draft)`` — the hand-written decoder over fused [in, out] weights;
+* ``batched_pool``: ``BatchedRunner(draft)`` — the slot pool the draft service drafts on (one session here).
 
 Drafter rounds replay one fixed verdict schedule (accept a seeded random prefix of each block, then one
 correction token), so every runner drafts and rolls back exactly the same way; draft time per token is
@@ -24,6 +25,7 @@ Left out, measured on the 2-core dev machine (see the JSON's "notes"): torch.com
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import platform
@@ -36,7 +38,9 @@ import torch
 from transformers import DynamicCache
 
 from specmesh.drafters import ModelDrafter
+from specmesh.drafters.batcher import DraftBatcher
 from specmesh.models import load_model
+from specmesh.runtime.batched import BatchedRunner
 from specmesh.runtime.hf import ModelRunner
 from specmesh.runtime.static import StaticCacheRunner
 from specmesh.sampling import SamplingParams
@@ -90,23 +94,35 @@ def verdict_schedule(rounds: int, k: int, seed: int = 0) -> list[int]:
 
 
 def run_drafter(runner, prompt: list[int], tokens: int, k: int, warmup_rounds: int, vocab: int) -> dict:
-    drafter = ModelDrafter(runner)
-    drafter.start(prompt, SamplingParams(temperature=0.0, max_tokens=10**6))
-    rounds = -(-tokens // k)
-    schedule = verdict_schedule(warmup_rounds + rounds, k)
-    seconds, n, drafted = 0.0, 0, []
-    for r, accept in enumerate(schedule):
-        t0 = time.perf_counter()
-        block = drafter.propose(k).token_ids
-        dt = time.perf_counter() - t0
-        if r >= warmup_rounds:
-            seconds += dt
-            n += len(block)
-            drafted.extend(block)
-        # accepted prefix, then a correction (or, all accepted, a bonus) token
-        fix = (block[accept] + 1) % vocab if accept < len(block) else block[-1]
-        drafter.commit(block[:accept] + [fix])
-    return {"ms_per_token": seconds / n * 1e3, "drafted": drafted}
+    """ModelDrafter rounds through a DraftBatcher that runs its forwards inline (as in-process generation
+    does): the time is the runner's forwards plus the drafter's and batcher's own work, no thread hand-off."""
+
+    async def rounds_of_k() -> dict:
+        batcher = DraftBatcher(runner)
+        drafter = ModelDrafter(batcher)
+        await drafter.start(prompt, SamplingParams(temperature=0.0, max_tokens=10**6))
+        rounds = -(-tokens // k)
+        schedule = verdict_schedule(warmup_rounds + rounds, k)
+        seconds, n, drafted = 0.0, 0, []
+        try:
+            for r, accept in enumerate(schedule):
+                t0 = time.perf_counter()
+                block = (await drafter.propose(k)).token_ids
+                dt = time.perf_counter() - t0
+                if r >= warmup_rounds:
+                    seconds += dt
+                    n += len(block)
+                    drafted.extend(block)
+                # accepted prefix, then a correction (or, all accepted, a bonus) token
+                fix = (block[accept] + 1) % vocab if accept < len(block) else block[-1]
+                drafter.commit(block[:accept] + [fix])
+        finally:
+            drafter.release()
+            await batcher.close()
+        return {"ms_per_token": seconds / n * 1e3, "drafted": drafted}
+
+    with torch.inference_mode():
+        return asyncio.run(rounds_of_k())
 
 
 def measure(model, prompt, args) -> dict:
@@ -115,6 +131,7 @@ def measure(model, prompt, args) -> dict:
         "model_runner": lambda: ModelRunner(model),
         "static_hf": lambda: StaticCacheRunner(model, fast_path=False),
         "static_cache": lambda: StaticCacheRunner(model),
+        "batched_pool": lambda: BatchedRunner(model, num_slots=4, max_seq_len=1024),
     }
     plan = {"hf_dynamic": lambda: run_hf(model, prompt, args.tokens)}
     plan.update(
