@@ -220,14 +220,15 @@ def run_interleaved(plan, prompts, check) -> tuple[dict, dict]:
     return methods, outputs
 
 
-async def _raw_verify(address: str, draft_runner, prompts, max_tokens: int, k: int) -> tuple[list[dict], list]:
-    """Drive the Verify stream by hand; one record per round."""
+async def _raw_verify(address: str, batcher, prompts, max_tokens: int, k: int) -> tuple[list[dict], list]:
+    """Drive the Verify stream by hand, drafting with `batcher` (a DraftBatcher running inline); one record
+    per round."""
     rounds, outputs = [], []
     async with grpc.aio.insecure_channel(address) as channel:
         stub = verify_pb2_grpc.VerifyServiceStub(channel)
         for prompt in prompts:
-            drafter = ModelDrafter(draft_runner)
-            drafter.start(prompt, greedy(max_tokens))
+            drafter = ModelDrafter(batcher)
+            await drafter.start(prompt, greedy(max_tokens))
             opened = await stub.OpenSession(
                 verify_pb2.OpenSessionRequest(prompt_ids=prompt, params=greedy_pb(max_tokens)), timeout=RPC_TIMEOUT
             )
@@ -235,7 +236,7 @@ async def _raw_verify(address: str, draft_runner, prompts, max_tokens: int, k: i
             epoch, position, out = opened.epoch, opened.base_position, []
             while True:
                 kk = min(k, max_tokens - len(out) - 1)
-                proposal = drafter.propose(kk) if kk > 0 else DraftBlock([])
+                proposal = await drafter.propose(kk) if kk > 0 else DraftBlock([])
                 msg = verify_pb2.VerifyRequest(
                     session_id=opened.session_id, epoch=epoch, base_position=position, draft_ids=proposal.token_ids
                 )
@@ -266,6 +267,7 @@ async def _raw_verify(address: str, draft_runner, prompts, max_tokens: int, k: i
                 drafter.commit(list(v.token_ids))
             await call.done_writing()
             await call.code()
+            drafter.release()
             outputs.append(out)
     return rounds, outputs
 
@@ -470,7 +472,7 @@ def main(argv: list[str] | None = None) -> dict:
             engine.generate(warm, greedy(16), K)
             for stub in (dstub, fstub, vstub):
                 generate_once(stub, warm, 16)
-            asyncio.run(_raw_verify(vaddr, engine.draft, [warm], 16, K))
+            asyncio.run(_raw_verify(vaddr, engine.batcher, [warm], 16, K))
             run_concurrent([dstub] * 4, [warm] * 4, 8)
             run_concurrent([vstub] * 4, [warm] * 4, 8)
 
@@ -501,7 +503,7 @@ def main(argv: list[str] | None = None) -> dict:
         # 2. per-round overhead on the raw Verify stream
         with tqdm(total=1, desc="2. verify rounds", unit="run") as bar:
             before = verify_counters(vstub)
-            rounds, raw_out = asyncio.run(_raw_verify(vaddr, engine.draft, p1, args.max_tokens, K))
+            rounds, raw_out = asyncio.run(_raw_verify(vaddr, engine.batcher, p1, args.max_tokens, K))
             after = verify_counters(vstub)
             bar.update()
         raw_stats = SpecStats()
