@@ -16,6 +16,7 @@ import math
 import shlex
 from dataclasses import dataclass, field
 
+from specmesh.loop import expected_tokens
 from specmesh.profile.collect import Endpoint, Phase, by_label, total
 
 BUDGET_PARTS = ("drafting", "network", "verify queue", "verify forward", "sampling", "other")
@@ -181,7 +182,8 @@ class Acceptance:
         return n
 
     def expected_tokens(self, k: float, alpha_boost: float = 0.0) -> float:
-        """E(K) = 1 + sum_{i<K} P_i, measured P_i where reliable, α beyond; fractional K interpolates."""
+        """E(K) = 1 + sum_{i<K} P_i, measured P_i where reliable, extrapolated beyond (`specmesh.loop.
+        expected_tokens`; with `alpha_boost`, α + boost beyond); fractional K interpolates."""
         lo = math.floor(k)
         e_lo = self._expected_int(lo, alpha_boost)
         if k == lo:
@@ -190,6 +192,8 @@ class Acceptance:
 
     def _expected_int(self, k: int, alpha_boost: float) -> float:
         p, n = self.cumulative, self.reliable()
+        if not alpha_boost:  # the rule the draft service's K policy plans with
+            return expected_tokens(p[:n], self.alpha, k)
         alpha = min(0.999, self.alpha + alpha_boost)
         e, last = 1.0, 1.0
         for i in range(k):

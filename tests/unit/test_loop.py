@@ -1,39 +1,49 @@
 """The loop's K policy and pipelined drafting, without models or network."""
 
 import asyncio
+import random
 
 import pytest
 
 from specmesh.domain import BatchLoad, DraftBlock, Verdict
-from specmesh.loop import AdaptiveK, GoodputK, speculative_generate
+from specmesh.loop import AdaptiveK, GoodputK, expected_tokens, speculative_generate
 from specmesh.sampling import SamplingParams, StopChecker
 
 
-def feed(policy, k, accepted, t_draft, t_verify, rounds=40):
+def accepted_run(rng: random.Random, k: int, alpha: float) -> int:
+    """Drafts accepted in a round of K when each is accepted with probability α (i.i.d.)."""
+    n = 0
+    while n < k and rng.random() < alpha:
+        n += 1
+    return n
+
+
+def feed(policy, k, alpha, t_draft, t_verify, rounds=80, seed=0):
+    rng = random.Random(seed)
     for _ in range(rounds):
-        policy.observe(k, accepted, t_draft * k, t_verify)
+        policy.observe(k, accepted_run(rng, k, alpha), t_draft * k, t_verify)
 
 
 def test_adaptive_k_grows_with_acceptance_and_cheap_drafts():
     p = AdaptiveK(8)
     assert p.next_k() == 8  # measure first
-    feed(p, 8, 7, t_draft=0.002, t_verify=0.03)
+    feed(p, 8, 0.9, t_draft=0.002, t_verify=0.03)
     assert p.alpha > 0.8 and p.next_k() >= 6
 
 
 def test_adaptive_k_shrinks_to_zero_when_drafting_does_not_pay_and_probes():
     p = AdaptiveK(4)
-    feed(p, 4, 0, t_draft=0.02, t_verify=0.01)  # the draft never agrees and costs twice a verification
+    feed(p, 4, 0.0, t_draft=0.02, t_verify=0.01)  # the draft never agrees and costs twice a verification
     ks = [p.next_k() for _ in range(32)]
     assert ks.count(0) >= 28 and 1 in ks  # K = 0, with a K = 1 probe now and then
 
 
 def test_adaptive_k_backs_off_when_verification_is_cheap_relative_to_drafting():
     p = AdaptiveK(8)
-    feed(p, 4, 2, t_draft=0.01, t_verify=0.012)
+    feed(p, 4, 0.6, t_draft=0.01, t_verify=0.012)
     k_expensive_draft = p.next_k()
     q = AdaptiveK(8)
-    feed(q, 4, 2, t_draft=0.001, t_verify=0.03)
+    feed(q, 4, 0.6, t_draft=0.001, t_verify=0.03)
     assert k_expensive_draft < q.next_k()
 
 
@@ -112,13 +122,15 @@ def test_pipelined_blocks_are_dropped_when_the_bonus_differs():
         committed += block + [0]
 
 
-def observe_load(policy, n, base, per_token, alpha=0.7, rounds=64, overhead=0.002):
+def observe_load(policy, n, base, per_token, alpha=0.7, rounds=64, overhead=0.002, seed=0):
     """Rounds at varied K against a verifier whose batch of n sessions takes base + per_token·(positions)."""
+    rng = random.Random(seed)
     for i in range(rounds):
         k = i % (policy.k_max + 1)
         tokens = n * (k + 1)
         batch_s = base + per_token * tokens
-        policy.observe(k, round(alpha * k), 0.001 * k, overhead + batch_s, BatchLoad(0.0, batch_s, n, tokens, 0))
+        accepted = accepted_run(rng, k, alpha)
+        policy.observe(k, accepted, 0.001 * k, overhead + batch_s, BatchLoad(0.0, batch_s, n, tokens, 0))
 
 
 def test_goodput_k_falls_to_zero_when_the_verifier_is_compute_bound():
@@ -136,16 +148,18 @@ def test_goodput_k_sees_the_whole_batch_not_one_session():
     alone, crowded = GoodputK(8), GoodputK(8)
     observe_load(alone, n=1, base=0.02, per_token=0.006)
     observe_load(crowded, n=16, base=0.02, per_token=0.006)
-    assert alone.next_k() >= 3 and crowded.next_k() == 0
+    assert alone.next_k() >= 2 and crowded.next_k() == 0  # alone, K = 2-3 maximises E(K) / round time
 
 
 class LoadedVerifier(ScriptedVerifier):
-    """Accepts one draft token per block (acceptance about 0.5) and reports a batch of 16 sessions drafting
+    """Accepts each draft token with probability 0.5 (seeded) and reports a batch of 16 sessions drafting
     what this one drafts, its forward cost growing with the positions computed."""
+
+    rng = random.Random(0)
 
     async def submit(self, proposal):
         self.blocks.append(list(proposal.token_ids))
-        accepted = proposal.token_ids[:1]
+        accepted = proposal.token_ids[: accepted_run(self.rng, proposal.k, 0.5)]
         tokens = accepted + [self.bonus(self.committed + accepted)]
         self.committed += tokens
         positions = 16 * (proposal.k + 1)
@@ -175,3 +189,22 @@ def test_goodput_k_is_zero_while_the_verify_batch_is_past_the_limit():
     policy.observe(0, 0, 0.0, 0.045, BatchLoad(0.0, 0.02, 1, 1))
     assert policy.next_k() > 0
     assert GoodputK(4).batch_limit == 0  # no limit unless asked
+
+
+def test_expected_tokens_is_geometric_for_iid_acceptance_and_carries_on_past_the_measured_positions():
+    alpha = 0.7
+    measured = [alpha ** (i + 1) for i in range(3)]
+    assert expected_tokens(measured, alpha, 6) == pytest.approx((1 - alpha**7) / (1 - alpha))
+    assert expected_tokens([], alpha, 4) == pytest.approx((1 - alpha**5) / (1 - alpha))
+    assert expected_tokens([0.9, 0.95], 0.5, 2) == pytest.approx(1 + 0.9 + 0.9)  # P_i never rises with i
+
+
+def test_adaptive_k_values_blocks_by_the_measured_positions_when_acceptance_comes_in_runs():
+    """Rounds that accept all 8 drafts or none: every position's P_i is 1/2, so E(K) = 1 + K/2. A geometric
+    fit of the same rounds (pooled α = 8/9) says E(2) = 2.7 and E(8) = 5.9."""
+    p = AdaptiveK(8)
+    for i in range(200):
+        p.observe(8, 8 if i % 2 else 0, 0.008, 0.03)
+    assert p.alpha == pytest.approx(8 / 9, abs=0.02)
+    assert p.expected_tokens(2) == pytest.approx(2.0, abs=0.1)
+    assert p.expected_tokens(8) == pytest.approx(5.0, abs=0.15)
