@@ -176,10 +176,16 @@ class AdaptiveK:
     def expected_tokens(self, k: int) -> float:
         return expected_tokens(self.cumulative(), self.alpha, k)
 
+    def _expected_by_k(self) -> list[float]:
+        """E(K) for K = 0..k_max, from one read of the estimates (a round's choice weighs them all)."""
+        measured, alpha = self.cumulative(), self.alpha
+        return [expected_tokens(measured, alpha, k) for k in range(self.k_max + 1)]
+
     def next_k(self) -> int:
         if self.t_draft is None or self.t_verify is None:
             return self.k_max  # measure first
-        rate = lambda k: self.expected_tokens(k) / (k * self.t_draft + self.t_verify)
+        e = self._expected_by_k()
+        rate = lambda k: e[k] / (k * self.t_draft + self.t_verify)
         return self._probed(self._best_k(rate))
 
     def _best_k(self, rate: Callable[[int], float]) -> int:
@@ -262,9 +268,10 @@ class GoodputK(AdaptiveK):
             return super().next_k()
         a, b = fit
         n, t_draft, overhead = self.batch_size, self.t_draft, self.overhead
+        e = self._expected_by_k()
 
         def rate(k: int) -> float:
-            return self.expected_tokens(k) / (k * t_draft + overhead + a + b * n * (k + 1))
+            return e[k] / (k * t_draft + overhead + a + b * n * (k + 1))
 
         best = self._best_k(rate)
         self._rounds += 1
