@@ -13,6 +13,7 @@ here applies only the rules both sides compute identically (max_tokens, stop tok
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections import OrderedDict
@@ -280,13 +281,14 @@ class DraftEngine:
                 gen = _Generation(self, stub, session_id, prompt_ids, params, k_max, metadata)
                 events = gen.run()
             timer = self.stream_metrics.timer() if self.stream_metrics is not None else None
-            async for event in events:
-                if isinstance(event, Tokens) and timer is not None:
-                    timer.tokens(len(event.token_ids))
-                if isinstance(event, Finished):
-                    self.totals.merge(event.stats)
-                    release()
-                yield event
+            async with contextlib.aclosing(events):
+                async for event in events:
+                    if isinstance(event, Tokens) and timer is not None:
+                        timer.tokens(len(event.token_ids))
+                    if isinstance(event, Finished):
+                        self.totals.merge(event.stats)
+                        release()
+                    yield event
         finally:
             release()
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from contextlib import aclosing
+
 from draft_service.engine import DraftEngine
 from specmesh import wire
 from specmesh.v1 import draft_pb2, draft_pb2_grpc
@@ -13,10 +15,12 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
 
     async def Generate(self, request, context):
         params = wire.params_from_pb(request.params, self.engine.vocab_size or None)
-        async for event in self.engine.generate(
+        events = self.engine.generate(
             request.session_id, list(request.prompt_ids), params, request.verify_address, wire.spec_len_from_pb(request)
-        ):
-            yield wire.event_to_pb(event, draft_pb2.DraftServiceGenerateResponse)
+        )
+        async with aclosing(events):
+            async for event in events:
+                yield wire.event_to_pb(event, draft_pb2.DraftServiceGenerateResponse)
 
     async def Info(self, request, context):
         return draft_pb2.DraftServiceInfoResponse(**self.engine.info())

@@ -27,6 +27,7 @@ of one.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -370,10 +371,13 @@ class Gateway:
         self.inflight += 1
         timer = self.stream_metrics.timer(len(req.prompt_ids)) if self.stream_metrics is not None else None
         try:
-            async for chunk in self._generate(req, outcome):
-                if timer is not None:
-                    timer.tokens(len(chunk.token_ids), chunk.finish_reason)
-                yield chunk
+            # Closed before this generator's own cleanup (below) says the request is over: the replicas'
+            # load and the call downstream are released in there.
+            async with contextlib.aclosing(self._generate(req, outcome)) as chunks:
+                async for chunk in chunks:
+                    if timer is not None:
+                        timer.tokens(len(chunk.token_ids), chunk.finish_reason)
+                    yield chunk
         finally:
             if timer is not None:
                 timer.end()
@@ -604,8 +608,9 @@ class Gateway:
                         timeout=timeout,
                         metadata=metadata,
                     )
-                    async for item in self._read(call, outcome, first, verify.address):
-                        yield item
+                    async with contextlib.aclosing(self._read(call, outcome, first, verify.address)) as items:
+                        async for item in items:
+                            yield item
             else:
                 stub = verify_pb2_grpc.VerifyServiceStub(self.verify_pool.channel(verify))
                 call = stub.Generate(
@@ -613,8 +618,9 @@ class Gateway:
                     timeout=timeout,
                     metadata=metadata,
                 )
-                async for item in self._read(call, outcome, first, verify.address):
-                    yield item
+                async with contextlib.aclosing(self._read(call, outcome, first, verify.address)) as items:
+                    async for item in items:
+                        yield item
 
     def _speculation_off_under_load(self) -> bool:
         """Whether the verify batch is past the size where speculation pays (--speculative-disable-by-batch-

@@ -7,6 +7,8 @@ session id sent downstream is scoped to the caller's API key and cache_salt (gat
 
 from __future__ import annotations
 
+import contextlib
+
 from gateway.core import Gateway, GenRequest, Outcome, shown
 from gateway.tenancy import downstream_session_id, tenant_of
 from specmesh import wire
@@ -77,11 +79,12 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         req = await self._request(request, context)
         outcome = Outcome(prompt_tokens=len(req.prompt_ids))
         text, ids, finish, logprobs = [], [], None, []
-        async for chunk in self.gateway.generate(req, outcome):
-            text.append(chunk.text)
-            ids += chunk.token_ids
-            logprobs += chunk.logprobs or []
-            finish = chunk.finish_reason or finish
+        async with contextlib.aclosing(self.gateway.generate(req, outcome)) as chunks:
+            async for chunk in chunks:
+                text.append(chunk.text)
+                ids += chunk.token_ids
+                logprobs += chunk.logprobs or []
+                finish = chunk.finish_reason or finish
         return gateway_pb2.GatewayServiceGenerateResponse(
             text="".join(text),
             token_ids=ids,
@@ -92,16 +95,17 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
     async def GenerateStream(self, request, context):
         req = await self._request(request, context)
         outcome = Outcome(prompt_tokens=len(req.prompt_ids))
-        async for chunk in self.gateway.generate(req, outcome):
-            if chunk.finish_reason is None:
-                logprobs = wire.logprobs_to_pb(chunk.logprobs)
-                yield Chunk(delta=Chunk.Delta(text=chunk.text, token_ids=chunk.token_ids, logprobs=logprobs))
-            else:
-                yield Chunk(
-                    finished=Chunk.Finished(
-                        text=chunk.text,
-                        token_ids=chunk.token_ids,
-                        logprobs=wire.logprobs_to_pb(chunk.logprobs),
-                        **self._final(request, outcome, chunk.finish_reason),
+        async with contextlib.aclosing(self.gateway.generate(req, outcome)) as chunks:
+            async for chunk in chunks:
+                if chunk.finish_reason is None:
+                    logprobs = wire.logprobs_to_pb(chunk.logprobs)
+                    yield Chunk(delta=Chunk.Delta(text=chunk.text, token_ids=chunk.token_ids, logprobs=logprobs))
+                else:
+                    yield Chunk(
+                        finished=Chunk.Finished(
+                            text=chunk.text,
+                            token_ids=chunk.token_ids,
+                            logprobs=wire.logprobs_to_pb(chunk.logprobs),
+                            **self._final(request, outcome, chunk.finish_reason),
+                        )
                     )
-                )

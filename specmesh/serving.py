@@ -150,8 +150,12 @@ class ServiceInterceptor(grpc.aio.ServerInterceptor):
         async def streaming(request, context):
             async with self._call(method, context):
                 request = _parsed_all(request) if hasattr(request, "__aiter__") else _parsed(request)
-                async for item in behavior(request, context):
-                    yield item
+                # Closed here, not when collected: grpc closes this generator when the client goes away,
+                # and the handler's own cleanup (a session detached, a call downstream cancelled) must run
+                # then. Every layer of a streaming handler closes the generator it reads, for this reason.
+                async with contextlib.aclosing(behavior(request, context)) as items:
+                    async for item in items:
+                        yield item
 
         return streaming
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from contextlib import aclosing
 
 from specmesh import wire
 from specmesh.errors import Unavailable
@@ -57,16 +58,17 @@ class VerifyServicer(verify_pb2_grpc.VerifyServiceServicer):
 
         reader = asyncio.get_running_loop().create_task(pump())
         try:
-            async for verdict in self.engine.session_stream(inbox):
-                yield wire.verdict_to_pb(verdict)
+            async with aclosing(self.engine.session_stream(inbox)) as verdicts:
+                async for verdict in verdicts:
+                    yield wire.verdict_to_pb(verdict)
         finally:
             reader.cancel()
 
     async def Generate(self, request, context):
-        async for event in self.engine.generate(
-            request.session_id, list(request.prompt_ids), self._params(request.params)
-        ):
-            yield wire.event_to_pb(event, verify_pb2.VerifyServiceGenerateResponse)
+        events = self.engine.generate(request.session_id, list(request.prompt_ids), self._params(request.params))
+        async with aclosing(events):
+            async for event in events:
+                yield wire.event_to_pb(event, verify_pb2.VerifyServiceGenerateResponse)
 
     async def ReleaseSession(self, request, context):
         return verify_pb2.ReleaseSessionResponse(released=self.engine.release(request.session_id))

@@ -10,6 +10,7 @@ Whatever a client sends, the answer is in OpenAI's shape, never a 500: the body 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import time
 import uuid
@@ -450,11 +451,9 @@ class Generation:
 
     async def _payloads(self, head: Head, include_usage: bool) -> AsyncGenerator[dict, None]:
         """One choice per event; several choices' events interleave as their generations produce them."""
-        if len(self.runs) == 1:
-            async for choice in self._choices(self.runs[0]):
-                yield stream_payload(self.api.chunk_type(**head._asdict(), choices=[choice]), include_usage)
-        else:
-            async for choice in _merged([self._choices(r) for r in self.runs]):
+        choices = self._choices(self.runs[0]) if len(self.runs) == 1 else _merged([self._choices(r) for r in self.runs])
+        async with contextlib.aclosing(choices):
+            async for choice in choices:
                 yield stream_payload(self.api.chunk_type(**head._asdict(), choices=[choice]), include_usage)
         self._finish_totals()
         if include_usage:

@@ -22,6 +22,7 @@ the parameter); an error after a stream began is a `data: {"error": ...}` event,
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import time
@@ -460,9 +461,10 @@ def router(front: Front) -> APIRouter:
         start = getattr(tokenizer, "bos_token_id", None) if tokenizer is not None else None
         req = GenRequest([start if isinstance(start, int) else 0], SamplingParams(temperature=0.0, max_tokens=1))
         try:
-            async for chunk in gateway.generate(req, Outcome(prompt_tokens=1)):
-                if chunk.finish_reason is not None:
-                    return Response(status_code=200)
+            async with contextlib.aclosing(gateway.generate(req, Outcome(prompt_tokens=1))) as chunks:
+                async for chunk in chunks:
+                    if chunk.finish_reason is not None:
+                        return Response(status_code=200)
         except SpecmeshError as e:
             log.warning("health_generate failed: %s", e)
         return Response(status_code=503)

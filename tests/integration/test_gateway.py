@@ -1,5 +1,6 @@
 """The gateway over real services: the official openai client, the gRPC front, sessions, errors, limits."""
 
+import asyncio
 import json
 import urllib.error
 import urllib.request
@@ -404,6 +405,87 @@ def test_session_sticks_to_its_replica_and_reuses_kv(stack, client, reference):
     assert second.usage.prompt_tokens_details.cached_tokens > 0  # the earlier turn's KV was reused
     _, want_text, _ = reference(gw.gateway.chat_prompt(messages), 12)
     assert second.choices[0].message.content == want_text
+
+
+class _Context:
+    """What the handlers read of grpc.aio's ServicerContext."""
+
+    def invocation_metadata(self):
+        return ()
+
+    def cancelled(self):
+        return False
+
+
+def _close_after_first(loop, method: str, behavior, request, probe):
+    """On a service's loop: a streaming handler, wrapped as its server wraps it, gives its first message and
+    is then closed, as grpc closes it when the client goes away. Returns what `probe()` reads as the close
+    returns, before the loop runs anything else: the handler's cleanup must not wait for garbage
+    collection (the inner generators' finalizers run later, or, when a reference cycle holds them, much
+    later)."""
+    from specmesh.serving import ServiceInterceptor, ServiceTelemetry
+
+    class Details:
+        def __init__(self):
+            self.method = f"/specmesh.v1.{method}"
+
+    async def run():
+        async def continuation(_):
+            return grpc.unary_stream_rpc_method_handler(behavior)
+
+        handler = await ServiceInterceptor(ServiceTelemetry("test")).intercept_service(continuation, Details())
+        stream = handler.unary_stream(request, _Context())
+        first = await anext(stream)
+        await stream.aclose()
+        return first, probe()
+
+    return asyncio.run_coroutine_threadsafe(run(), loop).result(60)
+
+
+def test_a_closed_handler_stops_its_work_before_the_close_returns(stack, tokenizer):
+    from draft_service.servicer import DraftServicer
+    from gateway.core import GenRequest, Outcome
+    from specmesh import wire
+    from specmesh.v1 import draft_pb2, verify_pb2
+    from verify_service.servicer import VerifyServicer
+
+    gw, verifies, draft = stack
+    prompt = tokenizer("def f():", add_special_tokens=False)["input_ids"]
+    sampling = SamplingParams(temperature=0.0, max_tokens=1000, ignore_eos=True)
+    params = wire.params_to_pb(sampling)
+    verify = verifies[0].server.engine
+    first, attached = _close_after_first(
+        verifies[0].loop,
+        "VerifyService/Generate",
+        VerifyServicer(verify).Generate,
+        verify_pb2.VerifyServiceGenerateRequest(prompt_ids=prompt, params=params),
+        lambda: verify.sessions.attached,
+    )
+    assert first.HasField("opened") and attached == 0  # its session detached and its KV freed
+
+    engine = draft.server.engine
+    slots = engine.batcher.runner.free_slots
+    first, (active, free) = _close_after_first(
+        draft.loop,
+        "DraftService/Generate",
+        DraftServicer(engine).Generate,
+        draft_pb2.DraftServiceGenerateRequest(
+            prompt_ids=prompt, params=params, verify_address=verifies[0].address, num_speculative_tokens=4
+        ),
+        lambda: (engine.active, engine.batcher.runner.free_slots),
+    )
+    assert first.HasField("opened")
+    assert active == 0 and free == slots  # the speculation loop stopped and its draft cache was given back
+
+    async def gateway_side():
+        chunks = gw.gateway.generate(GenRequest(prompt, sampling), Outcome(prompt_tokens=len(prompt)))
+        await anext(chunks)
+        await chunks.aclose()
+        pools = (gw.gateway.verify_pool, gw.gateway.draft_pool)
+        return gw.gateway.inflight, [r.inflight for pool in pools for r in pool.replicas.values()]
+
+    inflight, replicas = asyncio.run_coroutine_threadsafe(gateway_side(), gw.loop).result(60)
+    assert inflight == 0 and replicas == [0, 0, 0]  # the replicas' load and the call downstream: released
 
 
 def test_client_disconnect_cancels_a_non_streaming_generation(stack):
