@@ -302,16 +302,31 @@ async def speculative_generate(
         policy = FixedK(0)
     stats = SpecStats()
     logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
-    await verifier.start(prompt_ids, params)
-    if drafter is not None and policy.k_max:
-        await drafter.start(prompt_ids, params)
     ahead: DraftBlock | None = None  # the next block, drafted while the previous one was being verified
+    # The first block is drafted while the verifier prefills the prompt: it depends on the prompt alone,
+    # and it is what the first round would draft first anyway (the same K, the same draws in the same
+    # order, whatever the timing: seeded requests still replay), so the first token no longer waits for
+    # the draft's prefill and K forwards after the target's prefill.
+    first_k: int | None = None
+    opening = asyncio.ensure_future(verifier.start(prompt_ids, params))
+    try:
+        if drafter is not None and policy.k_max:
+            await drafter.start(prompt_ids, params)
+            first_k = min(policy.next_k(), params.draft_budget(len(stop.token_ids)))
+            if first_k > 0 and not (cancelled is not None and cancelled()):
+                ahead = await drafter.propose(first_k)
+        await opening
+    except BaseException:  # the drafter failed, or the generation was cancelled: the opening is not wanted
+        opening.cancel()
+        await asyncio.gather(opening, return_exceptions=True)
+        raise
     while not stop.finished:
         if cancelled is not None and cancelled():
             stop.finish("cancelled")
             break
         budget = params.draft_budget(len(stop.token_ids))
-        k = min(policy.next_k(), budget)
+        k = min(policy.next_k() if first_k is None else first_k, budget)
+        first_k = None
         t0 = time.perf_counter()
         from_ahead = False
         if ahead is not None and ahead.k >= k:

@@ -122,6 +122,55 @@ def test_pipelined_blocks_are_dropped_when_the_bonus_differs():
         committed += block + [0]
 
 
+class PrefillingVerifier(ScriptedVerifier):
+    """Its prefill takes a while; it notes what the drafter had drafted when the prefill ended."""
+
+    def __init__(self, drafter, prefill_s):
+        super().__init__(0.0, bonus=lambda ctx: ctx[-1] + 1)
+        self.drafter, self.prefill_s = drafter, prefill_s
+
+    async def start(self, prompt_ids, params):
+        await super().start(prompt_ids, params)
+        await asyncio.sleep(self.prefill_s)
+        self.drafted_by_then = self.drafter.drafted
+
+
+class TimedDrafter(CountingDrafter):
+    drafted = 0
+
+    async def propose(self, k, after=(), should_stop=None):
+        block = await super().propose(k, after, should_stop)
+        self.drafted += block.k
+        return block
+
+
+@pytest.mark.parametrize("cancel", [False, True])
+def test_the_first_block_is_drafted_while_the_verifier_prefills(cancel):
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    drafter = TimedDrafter()
+    verifier = PrefillingVerifier(drafter, prefill_s=0.2)
+    rounds = []
+    r = asyncio.run(
+        speculative_generate(
+            verifier,
+            drafter,
+            [1],
+            params,
+            4,
+            StopChecker(params),
+            cancelled=lambda: cancel,
+            on_round=rounds.append,
+        )
+    )
+    if cancel:  # nothing drafted, nothing verified
+        assert r.finish_reason == "cancelled" and drafter.drafted == 0 and verifier.blocks == []
+        return
+    assert r.token_ids == list(range(2, 14))
+    assert verifier.drafted_by_then == 4  # the whole first block was there when the prefill ended
+    assert verifier.blocks[0] == [2, 3, 4, 5] and rounds[0].from_pipeline
+    assert not any(rd.from_pipeline for rd in rounds[1:])
+
+
 def observe_load(policy, n, base, per_token, alpha=0.7, rounds=64, overhead=0.002, seed=0):
     """Rounds at varied K against a verifier whose batch of n sessions takes base + per_token·(positions)."""
     rng = random.Random(seed)
