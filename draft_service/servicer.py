@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from contextlib import aclosing
+import contextlib
 
 from draft_service.engine import DraftEngine
 from specmesh import wire
@@ -18,7 +18,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         events = self.engine.generate(
             request.session_id, list(request.prompt_ids), params, request.verify_address, wire.spec_len_from_pb(request)
         )
-        async with aclosing(events):
+        async with contextlib.aclosing(events):
             async for event in events:
                 yield wire.event_to_pb(event, draft_pb2.DraftServiceGenerateResponse)
 

@@ -593,34 +593,28 @@ class Gateway:
     ):
         timeout = max(1.0, deadline - time.monotonic())
         pb_params = wire.params_to_pb(params)
-        with verify.track():
+        with verify.track(), draft.track() if draft is not None else contextlib.nullcontext():
             if draft is not None:
-                with draft.track():
-                    stub = draft_pb2_grpc.DraftServiceStub(self.draft_pool.channel(draft))
-                    call = stub.Generate(
-                        draft_pb2.DraftServiceGenerateRequest(
-                            session_id=session_id,
-                            prompt_ids=prompt,
-                            params=pb_params,
-                            verify_address=verify.address,
-                            num_speculative_tokens=self._draft_k(k),
-                        ),
-                        timeout=timeout,
-                        metadata=metadata,
-                    )
-                    async with contextlib.aclosing(self._read(call, outcome, first, verify.address)) as items:
-                        async for item in items:
-                            yield item
+                call = draft_pb2_grpc.DraftServiceStub(self.draft_pool.channel(draft)).Generate(
+                    draft_pb2.DraftServiceGenerateRequest(
+                        session_id=session_id,
+                        prompt_ids=prompt,
+                        params=pb_params,
+                        verify_address=verify.address,
+                        num_speculative_tokens=self._draft_k(k),
+                    ),
+                    timeout=timeout,
+                    metadata=metadata,
+                )
             else:
-                stub = verify_pb2_grpc.VerifyServiceStub(self.verify_pool.channel(verify))
-                call = stub.Generate(
+                call = verify_pb2_grpc.VerifyServiceStub(self.verify_pool.channel(verify)).Generate(
                     verify_pb2.VerifyServiceGenerateRequest(session_id=session_id, prompt_ids=prompt, params=pb_params),
                     timeout=timeout,
                     metadata=metadata,
                 )
-                async with contextlib.aclosing(self._read(call, outcome, first, verify.address)) as items:
-                    async for item in items:
-                        yield item
+            async with contextlib.aclosing(self._read(call, outcome, first, verify.address)) as items:
+                async for item in items:
+                    yield item
 
     def _speculation_off_under_load(self) -> bool:
         """Whether the verify batch is past the size where speculation pays (--speculative-disable-by-batch-

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from contextlib import aclosing
+import contextlib
 
 from specmesh import wire
 from specmesh.errors import Unavailable
@@ -58,7 +58,7 @@ class VerifyServicer(verify_pb2_grpc.VerifyServiceServicer):
 
         reader = asyncio.get_running_loop().create_task(pump())
         try:
-            async with aclosing(self.engine.session_stream(inbox)) as verdicts:
+            async with contextlib.aclosing(self.engine.session_stream(inbox)) as verdicts:
                 async for verdict in verdicts:
                     yield wire.verdict_to_pb(verdict)
         finally:
@@ -66,7 +66,7 @@ class VerifyServicer(verify_pb2_grpc.VerifyServiceServicer):
 
     async def Generate(self, request, context):
         events = self.engine.generate(request.session_id, list(request.prompt_ids), self._params(request.params))
-        async with aclosing(events):
+        async with contextlib.aclosing(events):
             async for event in events:
                 yield wire.event_to_pb(event, verify_pb2.VerifyServiceGenerateResponse)
 
