@@ -115,13 +115,14 @@ def attempt(gw) -> tuple[float, float, float]:
 
 def test_a_maximum_size_prompt_stalls_no_stream_and_no_probe(stack):
     gw, _ = stack
-    # The event loop's own lag is the property itself and must hold every time. The streams' gaps and the
-    # probe's latency also carry the 2 shared cores' contention (the tokenizer takes one of them for half a
-    # second), so a noisy neighbour can push one measurement past the bound: they get a second measurement.
+    # The streams' gaps and the probe's latency carry the 2 shared cores' contention (the tokenizer takes one
+    # of them for half a second), and the loop's own lag any pause of this whole process (the services and
+    # the test suite's garbage live in it too: a fresh-clone CI run once saw a single 364 ms lag while the
+    # streams' worst gap was 53 ms and the probe's 27 ms). So a measurement past the bound gets a second
+    # one, which must hold. Tokenizing on the loop fails both: it stalls the loop for the whole 0.4-0.5 s.
     gap, latency, lag = attempt(gw)
-    assert lag < LIMIT_S
-    if gap >= LIMIT_S or latency >= LIMIT_S:
+    if gap >= LIMIT_S or latency >= LIMIT_S or lag >= LIMIT_S:
         gap, latency, lag = attempt(gw)
-        assert lag < LIMIT_S
+    assert lag < LIMIT_S
     assert gap < LIMIT_S
     assert latency < LIMIT_S
