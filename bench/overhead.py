@@ -22,10 +22,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import statistics
 import tempfile
 import time
+from collections.abc import AsyncGenerator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -61,6 +63,12 @@ class Recorder:
         verdict = await self.inner.submit(proposal)
         self.verdicts.append(verdict)
         return verdict
+
+    async def target_only(self, steps: int) -> AsyncGenerator[Verdict, None]:
+        async with contextlib.aclosing(self.inner.target_only(steps)) as verdicts:
+            async for verdict in verdicts:
+                self.verdicts.append(verdict)
+                yield verdict
 
     def on_batch(self, _sessions: int, seconds: float) -> None:
         self.forwards.append((time.perf_counter(), seconds))

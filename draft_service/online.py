@@ -9,7 +9,8 @@ on. Metrics and a trace event per weight swap make the loop visible.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import AsyncGenerator, Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
@@ -90,7 +91,16 @@ class FeedbackVerifier:
 
     async def submit(self, proposal: DraftBlock) -> Verdict:
         version = self.loop.distiller.serving_version  # the block was drafted by the weights live now
-        verdict = await self.inner.submit(proposal)
+        return self._learn(await self.inner.submit(proposal), proposal, version)
+
+    async def target_only(self, steps: int) -> AsyncGenerator[Verdict, None]:
+        # Target-only steps teach the draft as much as verified blocks: the target's distribution at each.
+        empty = DraftBlock([])
+        async with contextlib.aclosing(self.inner.target_only(steps)) as verdicts:
+            async for verdict in verdicts:
+                yield self._learn(verdict, empty, self.loop.distiller.serving_version)
+
+    def _learn(self, verdict: Verdict, proposal: DraftBlock, version: int) -> Verdict:
         if verdict.stale:
             return verdict
         assert self.feedback is not None  # start() comes first

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -76,18 +76,36 @@ class RemoteVerifier:
             self._inbox.put_nowait(Unavailable("the session stream was cancelled"))
 
     async def submit(self, proposal: DraftBlock) -> Verdict:
-        msg = wire.block_to_pb(proposal, self.session_id, self.epoch, self.position)
+        return await self._verdict(wire.block_to_pb(proposal, self.session_id, self.epoch, self.position))
+
+    async def target_only(self, steps: int) -> AsyncGenerator[Verdict, None]:
+        """One message asks for the whole run; the replica streams a verdict per step as it takes it."""
+        msg: verify_pb2.VerifyRequest | None = wire.block_to_pb(
+            DraftBlock([]), self.session_id, self.epoch, self.position, steps
+        )
+        for _ in range(steps):
+            verdict = await self._verdict(msg)
+            msg = None
+            yield verdict
+            if verdict.finish_reason is not None:
+                return
+
+    async def _verdict(self, msg: verify_pb2.VerifyRequest | None) -> Verdict:
+        """Send `msg` (if any) and return the next verdict, both within the timeout."""
         try:
             return await asyncio.wait_for(self._round(msg), self.timeout)
         except TimeoutError:
             raise Unavailable(f"the verify service did not answer a block within {self.timeout} s") from None
 
-    async def _round(self, msg: verify_pb2.VerifyRequest) -> Verdict:
+    async def _round(self, msg: verify_pb2.VerifyRequest | None) -> Verdict:
         assert self.call is not None  # start() comes first
-        if self._ended is None:
+        if msg is not None and self._ended is None:
             # A failed write means the stream has ended: what it sent before it did is in the inbox.
             with contextlib.suppress(asyncio.InvalidStateError, grpc.aio.AioRpcError):
                 await self.call.write(msg)
+        return await self._next_verdict()
+
+    async def _next_verdict(self) -> Verdict:
         while True:
             if self._ended is not None and self._inbox.empty():
                 raise self._end_error()

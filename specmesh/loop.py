@@ -20,8 +20,9 @@ tokens before them. A local verifier completes at once, so nothing is drafted ah
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -47,6 +48,12 @@ class Verifier(Protocol):
 
     def submit(self, proposal: DraftBlock) -> Awaitable[Verdict]:
         """Start verifying now; the awaitable's result is the Verdict."""
+        ...
+
+    def target_only(self, steps: int) -> AsyncGenerator[Verdict, None]:
+        """Take up to `steps` target-only steps in a row, yielding each step's Verdict as it is taken (the
+        caller stops reading once the generation has ended): a run of K = 0 rounds without a block, and
+        for a remote verifier without a round trip, per step."""
         ...
 
 
@@ -82,6 +89,11 @@ class FixedK:
 
     def next_k(self) -> int:
         return self.k_max
+
+    def zero_run(self, remaining: int) -> int:
+        """Target-only steps to take in a row, now that next_k() said 0 with `remaining` tokens left to
+        generate: K is never coming back, so all of them."""
+        return remaining if self.k_max == 0 else 1
 
     def observe(
         self, k: int, num_accepted: int, draft_seconds: float, verify_seconds: float, load: BatchLoad | None = None
@@ -203,6 +215,14 @@ class AdaptiveK:
             self.rounds_at_zero = 0
         return best
 
+    def zero_run(self, remaining: int) -> int:
+        """Target-only steps to take in a row, now that next_k() said 0: every K = 0 round up to the next
+        probe, which comes after as many steps as it would have one round at a time."""
+        run = self.probe_every - self.rounds_at_zero % self.probe_every
+        run = max(1, min(run, remaining))
+        self.rounds_at_zero += run - 1
+        return run
+
 
 class GoodputK(AdaptiveK):
     """K chosen for the tokens the verifier commits per second across its whole batch, not for one session.
@@ -260,8 +280,20 @@ class GoodputK(AdaptiveK):
         b = max(0.0, (sty / n - mean_t * mean_y) / var) if var > 1e-6 * max(1.0, mean_t * mean_t) else 0.0
         return max(0.0, mean_y - b * mean_t), b
 
+    # Target-only steps in a row while the verifier's batch is past batch_limit: the batch is looked at again
+    # after each run, so speculation comes back within this many tokens of the batch shrinking.
+    BATCH_LIMIT_RUN = 16
+
+    def _batch_limited(self) -> bool:
+        return bool(self.batch_limit) and self.last_batch_size > self.batch_limit
+
+    def zero_run(self, remaining: int) -> int:
+        if self._batch_limited():
+            return max(1, min(self.BATCH_LIMIT_RUN, remaining))
+        return super().zero_run(remaining)
+
     def next_k(self) -> int:
-        if self.batch_limit and self.last_batch_size > self.batch_limit:
+        if self._batch_limited():
             return 0
         fit = self.forward_model()
         if fit is None or self.t_draft is None or self.batch_size is None or self.overhead is None:
@@ -320,6 +352,41 @@ async def speculative_generate(
         opening.cancel()
         await asyncio.gather(opening, return_exceptions=True)
         raise
+
+    def take(verdict: Verdict) -> None:
+        """Emit a verdict's tokens up to any stop condition."""
+        nonlocal logprobs
+        kept = stop.extend(verdict.tokens)
+        if verdict.finish_reason is not None and not stop.finished:
+            stop.finish(verdict.finish_reason)
+        kept_logprobs = verdict.logprobs[:kept] if verdict.logprobs is not None else None
+        if logprobs is not None and kept_logprobs is not None:
+            logprobs += kept_logprobs
+        if on_tokens is not None and kept:
+            on_tokens(verdict.tokens[:kept], kept_logprobs)
+
+    async def target_only_run(steps: int) -> None:
+        """`steps` K = 0 rounds in a row, as one run the verifier takes without waiting for a block per step."""
+        t_sent = t_prev = time.perf_counter()
+        first_seconds, load = None, None
+        async with contextlib.aclosing(verifier.target_only(steps)) as verdicts:
+            async for verdict in verdicts:
+                now = time.perf_counter()
+                first_seconds = now - t_sent if first_seconds is None else first_seconds
+                stats.verify_seconds += now - t_prev
+                stats.record(0, 0)
+                load = verdict.load if verdict.load.batch_size else load
+                if on_round is not None:
+                    on_round(RoundRecord(0, 0, 0, len(verdict.tokens), t_prev, t_prev, t_prev, now))
+                take(verdict)
+                if drafter is not None and policy.k_max and not stop.finished:
+                    drafter.commit(verdict.tokens)
+                t_prev = now
+                if stop.finished or (cancelled is not None and cancelled()):
+                    break
+        if first_seconds is not None:  # one observation for the run: its per-step times are no round trips
+            policy.observe(0, 0, 0.0, first_seconds, load)
+
     while not stop.finished:
         if cancelled is not None and cancelled():
             stop.finish("cancelled")
@@ -327,6 +394,12 @@ async def speculative_generate(
         budget = params.draft_budget(len(stop.token_ids))
         k = min(policy.next_k() if first_k is None else first_k, budget)
         first_k = None
+        if k == 0:
+            steps = policy.zero_run(params.max_tokens - len(stop.token_ids))
+            if steps > 1:
+                ahead = None
+                await target_only_run(steps)
+                continue
         t0 = time.perf_counter()
         from_ahead = False
         if ahead is not None and ahead.k >= k:
@@ -378,14 +451,7 @@ async def speculative_generate(
                     from_pipeline=ahead is not None,
                 )
             )
-        kept = stop.extend(verdict.tokens)
-        if verdict.finish_reason is not None and not stop.finished:
-            stop.finish(verdict.finish_reason)
-        kept_logprobs = verdict.logprobs[:kept] if verdict.logprobs is not None else None
-        if logprobs is not None and kept_logprobs is not None:
-            logprobs += kept_logprobs
-        if on_tokens is not None and kept:
-            on_tokens(verdict.tokens[:kept], kept_logprobs)
+        take(verdict)
         ahead = None
         if guess is not None:
             full = verdict.num_drafted in (None, proposal.k) and verdict.num_accepted == proposal.k

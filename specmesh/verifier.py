@@ -8,7 +8,7 @@ commit path for both.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import AsyncGenerator, Sequence
 from typing import Any
 
 import torch
@@ -86,3 +86,7 @@ class LocalVerifier:
         block = RejectionInput(proposal, self.params, self.generator, context)
         with torch.inference_mode():
             return verify_batch(self.runner, self.sampler, [self.seq], [block])[0]
+
+    async def target_only(self, steps: int) -> AsyncGenerator[Verdict, None]:
+        for _ in range(steps):
+            yield await self.submit(DraftBlock([]))

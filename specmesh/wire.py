@@ -178,10 +178,17 @@ def spec_len_from_pb(pb) -> int | None:
 # The Verify stream: draft blocks up, verdicts down ---------------------------------------------------
 
 
-def block_to_pb(block: DraftBlock, session_id: str, epoch: int, base_position: int) -> verify_pb2.VerifyRequest:
-    """One VerifyRequest: the block's ids and, when it has them, its sparse q flattened row-major [K * S]."""
+def block_to_pb(
+    block: DraftBlock, session_id: str, epoch: int, base_position: int, target_only_steps: int = 0
+) -> verify_pb2.VerifyRequest:
+    """One VerifyRequest: the block's ids and, when it has them, its sparse q flattened row-major [K * S];
+    an empty block may ask for a run of `target_only_steps`."""
     pb = verify_pb2.VerifyRequest(
-        session_id=session_id, epoch=epoch, base_position=base_position, draft_ids=block.token_ids
+        session_id=session_id,
+        epoch=epoch,
+        base_position=base_position,
+        draft_ids=block.token_ids,
+        target_only_steps=target_only_steps,
     )
     if block.q_ids is not None and block.q_probs is not None and block.k:
         pb.q_ids.extend(block.q_ids.flatten().tolist())
@@ -195,6 +202,11 @@ def block_from_pb(pb: verify_pb2.VerifyRequest) -> DraftBlock:
     vocabulary, rows summing to 1, ...) are the verifier's to check (specmesh.rejection.validate_block)."""
     ids = list(pb.draft_ids)
     k = len(ids)
+    if k and pb.target_only_steps > 1:
+        raise InvalidArgument(
+            f"target_only_steps: {pb.target_only_steps} steps asked with {k} draft_ids; a run of target-only "
+            "steps takes an empty block"
+        )
     if not len(pb.q_ids) and not len(pb.q_probs):
         return DraftBlock(ids)
     if not k:

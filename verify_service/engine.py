@@ -104,11 +104,13 @@ class BlockIn:
     epoch: int
     base_position: int
     block: DraftBlock
+    target_only_steps: int = 0  # an empty block's run of target-only steps (0 and 1: one)
 
 
 @dataclass
 class Counters:
     deadline_steps: int = 0
+    run_steps: int = 0  # target-only steps of runs a client asked for
     stale_blocks: int = 0
     superseded_streams: int = 0  # silent streams whose session a newer turn took over
     prefill_chunks: int = 0
@@ -251,6 +253,7 @@ class VerifyEngine:
         session.generator = make_generator(params.seed, self.runner.device)
         session.prompt_len = len(prompt_ids)
         session.epoch = 0
+        session.run_steps = 0
 
     async def _wait_detached(self, session_id: str) -> None:
         """A failover retry can arrive before the stream its caller abandoned has been torn down here
@@ -345,10 +348,13 @@ class VerifyEngine:
                     raise msg
                 if isinstance(msg, BaseException):
                     raise msg
-                if isinstance(msg, Verdict):  # the draft was late: a target-only step was taken
+                if isinstance(msg, Verdict):  # a step of a target-only run, or the draft was late
                     verdict, msg = msg, None
                 else:
-                    verdict, msg = await self._verify_block(session, msg), None
+                    block_in, msg = msg, None
+                    verdict = await self._verify_block(session, block_in)
+                    # A run of target-only steps: the rest are taken without waiting for blocks (_next_block).
+                    session.run_steps = 0 if verdict.stale else max(0, block_in.target_only_steps - 1)
                 yield verdict
             failed = False
         finally:
@@ -378,10 +384,22 @@ class VerifyEngine:
         return draft_s > 0 and time.monotonic() - heard >= self.QUIET_DEADLINES * draft_s
 
     async def _next_block(self, session: Session, inbox: asyncio.Queue):
-        """The stream's next message; past the draft deadline, a target-only step's Verdict instead, so a
-        late draft never stalls its session (unless the client has been silent for QUIET_DEADLINES
+        """The stream's next message. During a run of target-only steps the client asked for, the next
+        step's Verdict. Past the draft deadline, a target-only step's Verdict instead, so a late draft never
+        stalls its session (unless the client has been silent for QUIET_DEADLINES
         deadlines). Past the idle timeout since the client last sent (`session.heard`, target-only steps
         do not count), DEADLINE_EXCEEDED."""
+        if session.run_steps > 0:
+            if not inbox.empty():  # a block (or the stream's end) ends the run
+                session.run_steps = 0
+                return inbox.get_nowait()
+            session.run_steps -= 1
+            self.counters.run_steps += 1
+            # The client asked for these steps and waits for them: its silence is not a hang.
+            session.heard = time.monotonic()
+            verdict = await self.scheduler.submit(session, self._target_only(session))
+            self._trace_round(verdict)
+            return verdict
         heard = session.heard
         draft_s = self.config.draft_deadline_ms / 1000 or None
         idle_s = self._idle_s()
@@ -508,4 +526,5 @@ class VerifyEngine:
             stale_blocks=self.counters.stale_blocks,
             prefix_tokens_reused=self.runner.prefix_tokens_reused,
             evicted_sessions=self.sessions.evicted,
+            run_steps=self.counters.run_steps,
         )

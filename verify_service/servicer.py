@@ -45,7 +45,7 @@ class VerifyServicer(verify_pb2_grpc.VerifyServiceServicer):
                     except ValueError as e:
                         inbox.put_nowait(e)
                         return
-                    inbox.put_nowait(BlockIn(pb.session_id, pb.epoch, pb.base_position, block))
+                    inbox.put_nowait(BlockIn(pb.session_id, pb.epoch, pb.base_position, block, pb.target_only_steps))
                 # A client's cancel ends the request iterator as quietly as a half-close, and the handler
                 # is cancelled only a moment later: wait that moment, so a cancelled stream is not taken
                 # for a finished one (whose session would be kept). Only early half-closes pay it.

@@ -62,6 +62,7 @@ class Session:
     grammar: Any = None  # structured output's matcher state (specmesh.structured.Grammar), if any
     prompt_len: int = 0
     epoch: int = 0  # verdicts produced this turn
+    run_steps: int = 0  # target-only steps still to take of a run the client asked for
     # Bookkeeping:
     attached: bool = False  # a Verify stream or a Generate call is using it
     opening: bool = False  # its turn is being prefilled: its cache is being written

@@ -81,6 +81,11 @@ class VerifyMetrics:
                 "Target-only steps taken because a draft block was late",
                 e.counters.deadline_steps,
             ),
+            (
+                "specmesh_verify_run_steps",
+                "Target-only steps of runs a draft asked for, taken without a block each",
+                e.counters.run_steps,
+            ),
             ("specmesh_verify_stale_blocks", "Blocks that arrived for a past epoch", e.counters.stale_blocks),
             (
                 "specmesh_verify_superseded_streams",

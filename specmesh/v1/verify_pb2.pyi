@@ -32,7 +32,7 @@ class OpenSessionResponse(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., base_position: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., prefill_seconds: _Optional[float] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
-    __slots__ = ("session_id", "epoch", "base_position", "draft_ids", "q_ids", "q_probs", "q_width")
+    __slots__ = ("session_id", "epoch", "base_position", "draft_ids", "q_ids", "q_probs", "q_width", "target_only_steps")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     BASE_POSITION_FIELD_NUMBER: _ClassVar[int]
@@ -40,6 +40,7 @@ class VerifyRequest(_message.Message):
     Q_IDS_FIELD_NUMBER: _ClassVar[int]
     Q_PROBS_FIELD_NUMBER: _ClassVar[int]
     Q_WIDTH_FIELD_NUMBER: _ClassVar[int]
+    TARGET_ONLY_STEPS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     epoch: int
     base_position: int
@@ -47,7 +48,8 @@ class VerifyRequest(_message.Message):
     q_ids: _containers.RepeatedScalarFieldContainer[int]
     q_probs: _containers.RepeatedScalarFieldContainer[float]
     q_width: int
-    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., base_position: _Optional[int] = ..., draft_ids: _Optional[_Iterable[int]] = ..., q_ids: _Optional[_Iterable[int]] = ..., q_probs: _Optional[_Iterable[float]] = ..., q_width: _Optional[int] = ...) -> None: ...
+    target_only_steps: int
+    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., base_position: _Optional[int] = ..., draft_ids: _Optional[_Iterable[int]] = ..., q_ids: _Optional[_Iterable[int]] = ..., q_probs: _Optional[_Iterable[float]] = ..., q_width: _Optional[int] = ..., target_only_steps: _Optional[int] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
     __slots__ = ("epoch", "num_drafted", "num_accepted", "token_ids", "finish_reason", "stale", "deadline", "timings", "logprobs")
@@ -136,7 +138,7 @@ class VerifyServiceInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class VerifyServiceInfoResponse(_message.Message):
-    __slots__ = ("model_path", "model_type", "vocab_size", "max_context_length", "max_spec_len", "max_batch_size", "max_sessions", "eos_token_ids", "sampler_backend", "sessions", "active_sessions", "kv_cache_bytes", "batches", "batched_blocks", "max_batch_size_seen", "deadline_steps", "stale_blocks", "prefix_tokens_reused", "evicted_sessions")
+    __slots__ = ("model_path", "model_type", "vocab_size", "max_context_length", "max_spec_len", "max_batch_size", "max_sessions", "eos_token_ids", "sampler_backend", "sessions", "active_sessions", "kv_cache_bytes", "batches", "batched_blocks", "max_batch_size_seen", "deadline_steps", "stale_blocks", "prefix_tokens_reused", "evicted_sessions", "run_steps")
     MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
     MODEL_TYPE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -156,6 +158,7 @@ class VerifyServiceInfoResponse(_message.Message):
     STALE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_TOKENS_REUSED_FIELD_NUMBER: _ClassVar[int]
     EVICTED_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    RUN_STEPS_FIELD_NUMBER: _ClassVar[int]
     model_path: str
     model_type: str
     vocab_size: int
@@ -175,4 +178,5 @@ class VerifyServiceInfoResponse(_message.Message):
     stale_blocks: int
     prefix_tokens_reused: int
     evicted_sessions: int
-    def __init__(self, model_path: _Optional[str] = ..., model_type: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context_length: _Optional[int] = ..., max_spec_len: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., max_sessions: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., sampler_backend: _Optional[str] = ..., sessions: _Optional[int] = ..., active_sessions: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., batches: _Optional[int] = ..., batched_blocks: _Optional[int] = ..., max_batch_size_seen: _Optional[int] = ..., deadline_steps: _Optional[int] = ..., stale_blocks: _Optional[int] = ..., prefix_tokens_reused: _Optional[int] = ..., evicted_sessions: _Optional[int] = ...) -> None: ...
+    run_steps: int
+    def __init__(self, model_path: _Optional[str] = ..., model_type: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context_length: _Optional[int] = ..., max_spec_len: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., max_sessions: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., sampler_backend: _Optional[str] = ..., sessions: _Optional[int] = ..., active_sessions: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., batches: _Optional[int] = ..., batched_blocks: _Optional[int] = ..., max_batch_size_seen: _Optional[int] = ..., deadline_steps: _Optional[int] = ..., stale_blocks: _Optional[int] = ..., prefix_tokens_reused: _Optional[int] = ..., evicted_sessions: _Optional[int] = ..., run_steps: _Optional[int] = ...) -> None: ...

@@ -252,3 +252,21 @@ def test_k_above_the_verifiers_limit_is_clamped_to_it(target, reference):
     finally:
         draft.stop()
         verify.stop()
+
+
+def test_sessions_past_the_batch_limit_decode_in_runs_without_a_block_per_step(target, reference):
+    """--speculative-disable-by-batch-size 1: once a verdict shows a batch of several sessions, a session
+    asks for target-only steps in runs (one message, a verdict per step), and the tokens stay the target's."""
+    verify = start_verify(target, max_batch_size=16)
+    draft = start_draft(noisy_copy(target, 0.03, seed=2), verify.address, speculative_disable_by_batch_size=1)
+    ps = prompts(6, seed=4)
+    try:
+        with ThreadPoolExecutor(6) as pool:
+            outs = list(pool.map(lambda p: generate(draft_stub(draft), p, GREEDY), ps))
+        info = verify_stub(verify).Info(verify_pb2.VerifyServiceInfoRequest())
+    finally:
+        draft.stop()
+        verify.stop()
+    assert [tokens for tokens, _ in outs] == [reference(p) for p in ps]
+    assert sum(chunks[-1].finished.stats.drafted for _, chunks in outs) > 0  # first rounds speculate
+    assert info.max_batch_size_seen > 1 and info.run_steps > 0 and info.deadline_steps == 0

@@ -63,6 +63,10 @@ class ScriptedVerifier:
         self.committed += tokens
         return Verdict(tokens, proposal.k, proposal.k)
 
+    async def target_only(self, steps):
+        for _ in range(steps):
+            yield await self.submit(DraftBlock([]))
+
 
 class CountingDrafter:
     """Drafts t+1 after t: the verifier's bonus agrees with it, so every drafted-ahead block is kept.
@@ -257,3 +261,58 @@ def test_adaptive_k_values_blocks_by_the_measured_positions_when_acceptance_come
     assert p.alpha == pytest.approx(8 / 9, abs=0.02)
     assert p.expected_tokens(2) == pytest.approx(2.0, abs=0.1)
     assert p.expected_tokens(8) == pytest.approx(5.0, abs=0.15)
+
+
+class RunRecordingVerifier(LoadedVerifier):
+    """LoadedVerifier that records each run of target-only steps the loop asks for."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.runs: list[int] = []
+
+    async def target_only(self, steps):
+        self.runs.append(steps)
+        async for verdict in super().target_only(steps):
+            yield verdict
+
+
+def test_k_zero_rounds_are_asked_for_as_runs_of_target_only_steps():
+    """Past the batch limit the loop asks for BATCH_LIMIT_RUN target-only steps at once (a remote verifier
+    takes them without a round trip each) and looks at the batch again after each run; the tokens are the
+    target's, whatever K."""
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    verifier = RunRecordingVerifier(0.0, bonus=lambda ctx: ctx[-1] + 1)
+    policy = GoodputK(4, batch_limit=1)
+    r = asyncio.run(speculative_generate(verifier, CountingDrafter(), [1], params, policy, StopChecker(params)))
+    assert r.token_ids == list(range(2, 42))
+    assert verifier.blocks[0]  # the first round drafts: no batch seen yet
+    run = GoodputK.BATCH_LIMIT_RUN
+    assert verifier.runs and verifier.runs[:-1] == [run] * (len(verifier.runs) - 1)
+    assert 1 <= verifier.runs[-1] <= run  # the last run is cut to the tokens left
+    assert sum(verifier.runs) == r.stats.rounds - 1 and r.stats.drafts == 1  # every step after the first round
+
+
+def test_a_k_zero_session_asks_for_the_whole_generation_as_one_run():
+    params = SamplingParams(temperature=0.0, max_tokens=25, ignore_eos=True)
+    verifier = RunRecordingVerifier(0.0, bonus=lambda ctx: ctx[-1] + 1)
+    r = asyncio.run(speculative_generate(verifier, None, [1], params, 4, StopChecker(params)))
+    assert r.token_ids == list(range(2, 27)) and verifier.runs == [25]
+
+
+def test_adaptive_k_runs_reach_the_next_probe_as_single_rounds_would():
+    """zero_run: the K = 1 probes come after as many K = 0 steps as they would one round at a time."""
+
+    def probes(policy, take_runs: bool, tokens=100):
+        ks, left = [], tokens
+        while left > 0:
+            k = policy.next_k()
+            steps = policy.zero_run(left) if k == 0 and take_runs else 1
+            ks += [k] + [0] * (steps - 1)
+            left -= steps
+        return [i for i, k in enumerate(ks) if k]
+
+    single, runs = AdaptiveK(4, probe_every=8), AdaptiveK(4, probe_every=8)
+    for p in (single, runs):
+        feed(p, 4, 0.0, t_draft=0.02, t_verify=0.01)
+    want = probes(single, take_runs=False)
+    assert len(want) >= 10 and probes(runs, take_runs=True) == want

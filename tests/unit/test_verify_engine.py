@@ -214,3 +214,43 @@ def test_a_draft_block_is_cut_to_fit_the_slot(model):
     assert out == truth and position == 32
     assert [(v.num_drafted, v.num_accepted) for v in verdicts] == [(8, 8), (2, 2)]
     assert verdicts[-1].finish_reason == "length"
+
+
+def test_a_run_of_target_only_steps_takes_no_block_per_step_and_a_block_ends_it(model):
+    """VerifyRequest.target_only_steps: the steps of a run come without further blocks (and without the
+    draft deadline: it is an hour here); a block that arrives during a run ends the run and is verified."""
+    engine = make_engine(model, draft_deadline_ms=3_600_000)
+    prompt = list(range(10, 20))
+    truth = reference(model, prompt, 16)
+
+    async def body(engine: VerifyEngine):
+        opened = await engine.open("s", prompt, greedy(16))
+        inbox: asyncio.Queue = asyncio.Queue()
+        inbox.put_nowait(BlockIn("s", 0, opened.base_position, DraftBlock([]), target_only_steps=5))
+        verdicts, out = [], []
+
+        def send(block: DraftBlock, steps: int = 0) -> None:
+            inbox.put_nowait(BlockIn("s", verdicts[-1].epoch + 1, len(prompt) + len(out), block, steps))
+
+        async with asyncio.timeout(60):  # a step waiting for a block would wait for the hour-long deadline
+            async for verdict in engine.session_stream(inbox):
+                verdicts.append(verdict)
+                out += verdict.tokens
+                if len(verdicts) == 5:  # the run is over: nothing comes unless asked
+                    send(DraftBlock(truth[5:8]))
+                elif len(verdicts) == 6:
+                    send(DraftBlock([]), steps=10)
+                elif len(verdicts) == 7:  # one step of that run taken: a block ends it
+                    send(DraftBlock(truth[10:13]))
+                elif len(verdicts) == 8:
+                    inbox.put_nowait(END_OF_STREAM)
+        return verdicts, out
+
+    verdicts, out = run(engine, body)
+    assert out == truth[:14]
+    assert [(v.num_drafted, v.num_accepted, v.deadline) for v in verdicts] == [(0, 0, False)] * 5 + [
+        (3, 3, False),
+        (0, 0, False),
+        (3, 3, False),
+    ]
+    assert engine.counters.run_steps == 4 and engine.counters.deadline_steps == 0

@@ -112,6 +112,7 @@ def test_point_mass_block_round_trip(block):
         (dict(draft_ids=[1, 2], q_ids=[1, 2], q_probs=[1.0], q_width=1), "q_probs"),
         (dict(draft_ids=[1], q_ids=[1], q_width=1), "q_probs"),  # ids without probabilities
         (dict(draft_ids=[1], q_probs=[1.0], q_width=1), "q_ids"),  # probabilities without ids
+        (dict(draft_ids=[1, 2], target_only_steps=4), "target_only_steps"),  # a run takes an empty block
     ],
 )
 def test_bad_block_shapes_raise_invalid_argument_naming_the_field(fields, field):
