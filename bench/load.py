@@ -10,7 +10,8 @@ held-out prompts (the first `--prompt-len` tokens of held-out standard library f
 `ignore_eos` so every request yields exactly `--max-tokens` tokens. Every service process is stopped at
 exit, on an exception, Ctrl-C or SIGTERM.
 
-Modes, measured level by level one after the other (so load from elsewhere on the machine hits both alike):
+Modes, measured level by level, `--repeats` passes each (default 2) in alternating order (A B B A: load from
+elsewhere on the machine, and its drift within a level, hits both alike); a level's figures pool its passes:
 
 - speculative: the draft service's default K (the request leaves `num_speculative_tokens` out);
 - target-only through the same stack: `"num_speculative_tokens": 0`, if the running stack treats 0 as
@@ -253,6 +254,12 @@ def histogram_mean(before: dict | None, after: dict | None, name: str | None) ->
         after["samples"].get(f"{name}_{x}", 0.0) - before["samples"].get(f"{name}_{x}", 0.0) for x in ("sum", "count")
     )
     return (round(s / c, 3) if c else None), int(c)
+
+
+def pooled_mean(parts: list[tuple[float | None, int]]) -> tuple[float | None, int]:
+    """The mean over several (mean, count) pairs of histogram_mean."""
+    n = sum(c for mean, c in parts if mean is not None)
+    return (round(sum(mean * c for mean, c in parts if mean is not None) / n, 3) if n else None), n
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -584,6 +591,12 @@ def parse_args(argv=None):
     ap.add_argument("--prompts", type=int, default=20, help="distinct held-out prompts, cycled over the requests")
     ap.add_argument("--requests-factor", type=int, default=2, help="requests per level = factor x concurrency ...")
     ap.add_argument("--min-requests", type=int, default=4, help="... but at least this many")
+    ap.add_argument(
+        "--repeats",
+        type=int,
+        default=2,
+        help="passes per mode and level, alternating which mode goes first (each pass sends the level's requests)",
+    )
     k_help = "K sent with speculative requests (default: left out, the draft service's default)"
     ap.add_argument("--num-speculative-tokens", type=int, default=None, help=k_help)
     ap.add_argument(
@@ -613,6 +626,8 @@ def parse_args(argv=None):
     if args.quick:
         args.concurrency, args.requests_factor, args.min_requests = [1, 4], 1, 4
         args.max_tokens, args.hf_prompts, args.old_runtime = 16, 2, []
+    if args.repeats < 1:
+        ap.error("--repeats must be >= 1")
     if not args.concurrency or min(args.concurrency) < 1:
         ap.error("--concurrency needs levels >= 1")
     if any(not 0 <= t <= 2 for t in args.temperatures):
@@ -693,13 +708,18 @@ async def measure(args, stack: Stack, prompts: list[list[int]]) -> dict:
             tqdm.write(f"the verify service exports no {verify_metric} histogram: mean verify batch = null")
             verify_metric = None
 
-        plan = [(t, c, mode) for t in args.temperatures for c in args.concurrency for mode in MODES]
+        # Each level runs its modes `repeats` times, alternating which goes first (A B B A ...): the machine's
+        # speed drifts by several per cent within seconds here, and one pass per mode charged that drift to
+        # whichever mode ran in the slower stretch (ratios of 0.8-1.15 between two modes on the same path).
+        plan = [(t, c, r, mode) for t in args.temperatures for c in args.concurrency for r in range(args.repeats)
+                for mode in (MODES if r % 2 == 0 else MODES[::-1])]  # fmt: skip
         n_req = {c: max(args.min_requests, args.requests_factor * c) for c in args.concurrency}
         levels: dict[tuple, dict] = {}
+        passes: dict[tuple, list] = {}  # (t, c, mode) -> [(records, wall, verify batch mean/count, draft ...)]
         warmed: set[tuple[float, int]] = set()
-        with tqdm(total=sum(n_req[c] for _, c, _ in plan), desc="load", unit="req") as bar:
-            for t, c, mode in plan:
-                bar.set_postfix_str(f"{mode}, {sampling_name(t)}, concurrency {c}")
+        with tqdm(total=sum(n_req[c] for _, c, _, _ in plan), desc="load", unit="req") as bar:
+            for t, c, r, mode in plan:
+                bar.set_postfix_str(f"{mode}, {sampling_name(t)}, concurrency {c}, pass {r + 1}/{args.repeats}")
                 if (t, c) not in warmed:
                     # One untimed wave at the new concurrency first: the first pass over batch shapes the
                     # services have not met yet (oneDNN primitives, KV pages touched first) would otherwise
@@ -711,7 +731,15 @@ async def measure(args, stack: Stack, prompts: list[list[int]]) -> dict:
                 records, wall = await run_level(client, prompts, n_req[c], c, args.max_tokens, t, k, timeout, bar)
                 va, da = scrape(stack.metrics_ports.get("verify")), scrape(stack.metrics_ports.get("draft"))
                 stack.check_alive()
-                m = summarize(records, wall, args.max_tokens)
+                batches = (histogram_mean(vb, va, verify_metric), histogram_mean(db, da, draft_metric))
+                passes.setdefault((t, c, mode), []).append((records, wall, *batches))
+                if r + 1 < args.repeats:
+                    continue
+                runs = passes[(t, c, mode)]
+                records = [rec for run in runs for rec in run[0]]
+                m = summarize(records, sum(run[1] for run in runs), args.max_tokens)
+                m["passes"] = len(runs)
+                m["pass_tokens_per_s"] = [summarize(run[0], run[1], args.max_tokens)["tokens_per_s"] for run in runs]
                 if m["errors"] == m["requests"]:
                     raise RuntimeError(
                         f"every request of {mode}, {sampling_name(t)}, concurrency {c} failed: {m['error_examples']}"
@@ -721,8 +749,8 @@ async def measure(args, stack: Stack, prompts: list[list[int]]) -> dict:
                         f"{m['errors']} of {m['requests']} requests failed ({mode}, {sampling_name(t)}, "
                         f"concurrency {c}): {m['error_examples']}"
                     )
-                m["mean_verify_batch"], m["verify_batches"] = histogram_mean(vb, va, verify_metric)
-                m["mean_draft_batch"], m["draft_batches"] = histogram_mean(db, da, draft_metric)
+                m["mean_verify_batch"], m["verify_batches"] = pooled_mean([run[2] for run in runs])
+                m["mean_draft_batch"], m["draft_batches"] = pooled_mean([run[3] for run in runs])
                 lv = levels.setdefault((t, c), {"sampling": sampling_name(t), "temperature": t, "concurrency": c})
                 lv[mode] = m
         return {
@@ -883,6 +911,7 @@ def main(argv=None) -> dict:
             "hf_torch_threads": args.hf_threads,
             "hf_prompts": min(args.hf_prompts, len(prompts)) if hf else 0,
             "quick": args.quick,
+            "repeats": args.repeats,
         },
         "target_only_method": measured["target_only_method"],
         "verify_batch_metric": measured["verify_batch_metric"],
