@@ -43,6 +43,7 @@ class RemoteVerifier:
     call: Any = field(default=None, init=False)  # the Verify stream, from start()
     epoch: int = field(default=0, init=False)
     position: int = field(default=0, init=False)
+    runs: bool = field(default=False, init=False)  # the replica takes runs of target-only steps
     # verdicts in arrival order, then _ENDED or the stream's error
     _inbox: asyncio.Queue = field(default_factory=asyncio.Queue, init=False)
     _reader: asyncio.Task | None = field(default=None, init=False)
@@ -57,6 +58,7 @@ class RemoteVerifier:
             metadata=self.metadata,
         )
         self.session_id, self.epoch, self.position = resp.session_id, resp.epoch, resp.base_position
+        self.runs = resp.target_only_runs
         self.call = self.stub.Verify(metadata=self.metadata)
         self._reader = asyncio.get_running_loop().create_task(self._read_all())
         if self.on_open is not None:
@@ -79,7 +81,16 @@ class RemoteVerifier:
         return await self._verdict(wire.block_to_pb(proposal, self.session_id, self.epoch, self.position))
 
     async def target_only(self, steps: int) -> AsyncGenerator[Verdict, None]:
-        """One message asks for the whole run; the replica streams a verdict per step as it takes it."""
+        """One message asks for the whole run, and the replica streams a verdict per step as it takes it; a
+        replica that does not take runs (an older version, during a rolling upgrade) gets an empty block per
+        step."""
+        if not self.runs:
+            for _ in range(steps):
+                verdict = await self.submit(DraftBlock([]))
+                yield verdict
+                if verdict.finish_reason is not None:
+                    return
+            return
         msg: verify_pb2.VerifyRequest | None = wire.block_to_pb(
             DraftBlock([]), self.session_id, self.epoch, self.position, steps
         )

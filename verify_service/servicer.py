@@ -32,6 +32,7 @@ class VerifyServicer(verify_pb2_grpc.VerifyServiceServicer):
             base_position=opened.base_position,
             cached_prompt_tokens=opened.cached_prompt_tokens,
             prefill_seconds=opened.prefill_seconds,
+            target_only_runs=True,
         )
 
     async def Verify(self, request_iterator, context):

@@ -18,18 +18,20 @@ class OpenSessionRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
 
 class OpenSessionResponse(_message.Message):
-    __slots__ = ("session_id", "epoch", "base_position", "cached_prompt_tokens", "prefill_seconds")
+    __slots__ = ("session_id", "epoch", "base_position", "cached_prompt_tokens", "prefill_seconds", "target_only_runs")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     BASE_POSITION_FIELD_NUMBER: _ClassVar[int]
     CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    TARGET_ONLY_RUNS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     epoch: int
     base_position: int
     cached_prompt_tokens: int
     prefill_seconds: float
-    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., base_position: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., prefill_seconds: _Optional[float] = ...) -> None: ...
+    target_only_runs: bool
+    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., base_position: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., prefill_seconds: _Optional[float] = ..., target_only_runs: _Optional[bool] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
     __slots__ = ("session_id", "epoch", "base_position", "draft_ids", "q_ids", "q_probs", "q_width", "target_only_steps")

@@ -11,6 +11,7 @@ from specmesh.sampling import SamplingParams
 from specmesh.v1 import common_pb2, draft_pb2, verify_pb2
 from tests.support.models import noisy_copy, tiny_model
 from tests.support.services import draft_stub, generate, start_draft, start_verify, verify_stub
+from verify_service.engine import BlockIn
 
 VOCAB = 128
 GREEDY = common_pb2.SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
@@ -254,19 +255,47 @@ def test_k_above_the_verifiers_limit_is_clamped_to_it(target, reference):
         verify.stop()
 
 
-def test_sessions_past_the_batch_limit_decode_in_runs_without_a_block_per_step(target, reference):
-    """--speculative-disable-by-batch-size 1: once a verdict shows a batch of several sessions, a session
-    asks for target-only steps in runs (one message, a verdict per step), and the tokens stay the target's."""
+def batch_limited_burst(target, n=6):
+    """n concurrent generations through a draft service with --speculative-disable-by-batch-size 1: their
+    outputs and stats, and the verify replica's Info afterwards."""
     verify = start_verify(target, max_batch_size=16)
     draft = start_draft(noisy_copy(target, 0.03, seed=2), verify.address, speculative_disable_by_batch_size=1)
-    ps = prompts(6, seed=4)
+    ps = prompts(n, seed=4)
     try:
-        with ThreadPoolExecutor(6) as pool:
+        with ThreadPoolExecutor(n) as pool:
             outs = list(pool.map(lambda p: generate(draft_stub(draft), p, GREEDY), ps))
         info = verify_stub(verify).Info(verify_pb2.VerifyServiceInfoRequest())
     finally:
         draft.stop()
         verify.stop()
+    return ps, outs, info
+
+
+def test_sessions_past_the_batch_limit_decode_in_runs_without_a_block_per_step(target, reference):
+    """--speculative-disable-by-batch-size 1: once a verdict shows a batch of several sessions, a session
+    asks for target-only steps in runs (one message, a verdict per step), and the tokens stay the target's."""
+    ps, outs, info = batch_limited_burst(target)
     assert [tokens for tokens, _ in outs] == [reference(p) for p in ps]
     assert sum(chunks[-1].finished.stats.drafted for _, chunks in outs) > 0  # first rounds speculate
     assert info.max_batch_size_seen > 1 and info.run_steps > 0 and info.deadline_steps == 0
+
+
+def test_a_replica_without_runs_gets_an_empty_block_per_step(target, reference, monkeypatch):
+    """Version skew (a rolling upgrade, draft services first): a verify replica from before target-only runs
+    leaves OpenSessionResponse.target_only_runs false and ignores target_only_steps. The draft service asks it
+    for one step per block, so its sessions never wait for verdicts that are not coming (with a block per
+    step asked for in a run, each step after the first would wait out the 5 s draft deadline)."""
+    import verify_service.servicer as servicer
+
+    monkeypatch.setattr(servicer, "BlockIn", lambda sid, epoch, base, block, steps=0: BlockIn(sid, epoch, base, block))
+    open_session = servicer.VerifyServicer.OpenSession
+
+    async def old_open_session(self, request, context):
+        resp = await open_session(self, request, context)
+        resp.ClearField("target_only_runs")
+        return resp
+
+    monkeypatch.setattr(servicer.VerifyServicer, "OpenSession", old_open_session)
+    ps, outs, info = batch_limited_burst(target)
+    assert [tokens for tokens, _ in outs] == [reference(p) for p in ps]
+    assert info.max_batch_size_seen > 1 and info.run_steps == 0 and info.deadline_steps == 0
