@@ -216,12 +216,10 @@ class AdaptiveK:
         return best
 
     def zero_run(self, remaining: int) -> int:
-        """Target-only steps to take in a row, now that next_k() said 0: every K = 0 round up to the next
-        probe, which comes after as many steps as it would have one round at a time."""
-        run = self.probe_every - self.rounds_at_zero % self.probe_every
-        run = max(1, min(run, remaining))
-        self.rounds_at_zero += run - 1
-        return run
+        """Target-only steps to take in a row, now that next_k() said 0: one. A K = 0 chosen from acceptance and
+        timings is a judgement on the last rounds that each verdict's timings may revise (they refit the
+        forward model), so it is not held for a run."""
+        return 1
 
 
 class GoodputK(AdaptiveK):

@@ -299,20 +299,12 @@ def test_a_k_zero_session_asks_for_the_whole_generation_as_one_run():
     assert r.token_ids == list(range(2, 27)) and verifier.runs == [25]
 
 
-def test_adaptive_k_runs_reach_the_next_probe_as_single_rounds_would():
-    """zero_run: the K = 1 probes come after as many K = 0 steps as they would one round at a time."""
-
-    def probes(policy, take_runs: bool, tokens=100):
-        ks, left = [], tokens
-        while left > 0:
-            k = policy.next_k()
-            steps = policy.zero_run(left) if k == 0 and take_runs else 1
-            ks += [k] + [0] * (steps - 1)
-            left -= steps
-        return [i for i, k in enumerate(ks) if k]
-
-    single, runs = AdaptiveK(4, probe_every=8), AdaptiveK(4, probe_every=8)
-    for p in (single, runs):
-        feed(p, 4, 0.0, t_draft=0.02, t_verify=0.01)
-    want = probes(single, take_runs=False)
-    assert len(want) >= 10 and probes(runs, take_runs=True) == want
+def test_a_k_zero_chosen_from_acceptance_is_one_step_not_a_run():
+    """Only a standing K = 0 (past the batch limit, or asked for) becomes a run: one that the goodput model
+    chose from the last rounds' acceptance is looked at again after the next verdict."""
+    p = AdaptiveK(4)
+    feed(p, 4, 0.0, t_draft=0.02, t_verify=0.01)
+    assert p.next_k() == 0 and p.zero_run(50) == 1
+    g = GoodputK(4, batch_limit=1)
+    g.observe(4, 0, 0.004, 0.045, BatchLoad(0.0, 0.04, 6, 6))
+    assert g.next_k() == 0 and g.zero_run(50) == GoodputK.BATCH_LIMIT_RUN and g.zero_run(3) == 3
