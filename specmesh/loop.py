@@ -15,6 +15,10 @@ the verdict accepts the whole block and its bonus equals the guess, the next blo
 otherwise it is thrown away (the drafter's cache rolls back on its own). Keeping it is exact: the kept
 tokens were sampled from q given exactly the committed prefix, and whether they are kept depends only on
 tokens before them. A local verifier completes at once, so nothing is drafted ahead in-process.
+
+A K = 0 that stands for a while (past the verifier's batch limit, or a generation asked to be target-only)
+is asked of the verifier as one run of target-only steps (`Verifier.target_only`): a remote verifier takes
+them without a block, or a round trip, per step, and streams a verdict per step.
 """
 
 from __future__ import annotations
