@@ -90,8 +90,10 @@ class Stack:
         gateway_args: list[str] | None = None,
         verify_args: list[str] | None = None,
         draft_args: list[str] | None = None,
+        device: str | None = None,
     ):
         self.target, self.draft = target, draft
+        self.device = device
         self.gateway_args = list(gateway_args or [])
         self.verify_args = list(verify_args or [])
         self.draft_args = list(draft_args or [])
@@ -112,6 +114,7 @@ class Stack:
             "2",
             "--log-level",
             "WARNING",
+            *(["--device", self.device] if self.device else []),
         ]
         proc, self.verify_address = start(
             "verify",
@@ -397,19 +400,21 @@ def hf_assisted(
     temperatures: list[float],
     threads: int,
     seed: int,
+    device: str,
 ) -> dict:
     """Tokens/s of `generate(assistant_model=draft)`, one prompt after the other, per sampling mode."""
     import torch
     import transformers
-    from transformers import AutoModelForCausalLM
+
+    from specmesh.models import load_model
 
     # assisted generation warns about its own internal generation_config / min-new-tokens plumbing
     transformers.logging.set_verbosity_error()
     torch.set_num_threads(threads)
     torch.manual_seed(seed)
-    # fp32 on the CPU, as the services load the demo pair (stored fp16)
-    target = AutoModelForCausalLM.from_pretrained(target_path, dtype=torch.float32).eval()
-    draft = AutoModelForCausalLM.from_pretrained(draft_path, dtype=torch.float32).eval()
+    # the services' loader, so the peer runs the same dtype on the same device (fp32 on a CPU, bf16 on CUDA)
+    target, _ = load_model(target_path, device)
+    draft, _ = load_model(draft_path, device)
 
     def kwargs(t: float, n: int) -> dict:
         kw = dict(assistant_model=draft, max_new_tokens=n, min_new_tokens=n, pad_token_id=0)
@@ -423,11 +428,11 @@ def hf_assisted(
     out = {}
     with torch.inference_mode():
         for t in temperatures:
-            target.generate(torch.tensor([prompts[0]]), **kwargs(t, 8))  # warm-up
+            target.generate(torch.tensor([prompts[0]], device=device), **kwargs(t, 8))  # warm-up
             load = os.getloadavg()[0]  # torch threads = cores: a busy machine slows this peer most of all
             tokens, seconds, per_prompt = 0, 0.0, []
             for p in tqdm(prompts, desc=f"HF assisted, {sampling_name(t)}", unit="prompt", leave=False):
-                ids = torch.tensor([p])
+                ids = torch.tensor([p], device=device)
                 t0 = time.perf_counter()
                 n = target.generate(ids, attention_mask=torch.ones_like(ids), **kwargs(t, max_tokens)).shape[1] - len(p)
                 dt = time.perf_counter() - t0
@@ -619,6 +624,11 @@ def parse_args(argv=None):
     ap.add_argument("--skip-hf", action="store_true", help="no HF assisted-generation peer (its ratios are null)")
     ap.add_argument("--request-timeout-s", type=float, default=300.0, help="client timeout per request")
     ap.add_argument("--seed", type=int, default=0, help="torch seed of the HF peer's sampling")
+    ap.add_argument(
+        "--device",
+        default=None,
+        help="torch device of both services and the HF peer (default: cuda when available, else cpu)",
+    )
     quick_help = "smoke run: concurrency 1,4, four requests per level, 16 tokens, 2 HF prompts"
     ap.add_argument("--quick", action="store_true", help=quick_help)
     ap.add_argument("--out", type=Path, default=RESULTS / "load.json", help="JSON results (the PNG goes beside it)")
@@ -633,6 +643,10 @@ def parse_args(argv=None):
     if any(not 0 <= t <= 2 for t in args.temperatures):
         ap.error("--temperatures must lie in [0, 2]")
     args.hf_threads = args.hf_threads or cores()
+    if args.device is None:
+        import torch
+
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
     return args
 
 
@@ -769,7 +783,10 @@ def measure_old_runtime(args, prompts: list[list[int]], levels: list[dict]) -> l
     """Target-only greedy through a stack whose verify service runs the previous runtime (`--runner hf`: the
     stock HF forward, each session's cache padded and copied into every batch), at each concurrency of the
     level asked, against the same level's target-only figure from the current runtime."""
-    stack = Stack(args.target, args.draft, args.verify_threads, args.draft_threads, verify_args=["--runner", "hf"])
+    hf_runner = ["--runner", "hf"]
+    stack = Stack(
+        args.target, args.draft, args.verify_threads, args.draft_threads, verify_args=hf_runner, device=args.device
+    )
     atexit.register(stack.close)
     out = []
     try:
@@ -828,12 +845,12 @@ def main(argv=None) -> dict:
     args.verify_threads = service_threads("verify", args.verify_threads)
     args.draft_threads = service_threads("draft", args.draft_threads)
     if args.speculative_disable_by_batch_size is None:  # as the local stack sets it (specmesh.placement)
-        import torch
-
-        args.speculative_disable_by_batch_size = speculation_batch_limit(torch.cuda.is_available())
+        args.speculative_disable_by_batch_size = speculation_batch_limit(args.device.startswith("cuda"))
     # The gateway decides it for new requests, the draft service per round (as the local stack sets both).
     limit = ["--speculative-disable-by-batch-size", str(args.speculative_disable_by_batch_size)]
-    stack = Stack(args.target, args.draft, args.verify_threads, args.draft_threads, limit, draft_args=limit)
+    stack = Stack(
+        args.target, args.draft, args.verify_threads, args.draft_threads, limit, draft_args=limit, device=args.device
+    )
     atexit.register(stack.close)
     try:
         stack.start_services()
@@ -854,6 +871,7 @@ def main(argv=None) -> dict:
             args.temperatures,
             args.hf_threads,
             args.seed,
+            args.device,
         )
     for lv in measured["levels"]:
         s, t = lv[SPEC]["tokens_per_s"], lv[TARGET_ONLY]["tokens_per_s"]
@@ -888,7 +906,8 @@ def main(argv=None) -> dict:
             "python": platform.python_version(),
             "torch": torch.__version__,
             "transformers": transformers.__version__,
-            "device": "cpu",
+            "device": args.device,
+            "gpu": torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else None,
             "loadavg_1m_start_end": [round(load_start[0], 2), round(os.getloadavg()[0], 2)],
         },
         "settings": {
