@@ -25,6 +25,7 @@ MAX_SPEC_LEN a compile-time bound so K changes never recompile). `auto` = triton
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -149,6 +150,16 @@ class RejectionSampler:
         self.device = torch.device(device)
         if backend == "auto":
             backend = "triton" if self.device.type == "cuda" else "torch"
+        if (
+            backend == "triton"
+            and self.device.type != "cuda"
+            and os.environ.get("TRITON_INTERPRET", "").lower() not in ("1", "true", "on")
+        ):
+            # A compiled kernel cannot read CPU tensors; without this the first verify would fail instead.
+            raise ValueError(
+                f"the triton rejection sampler needs a CUDA device (got {self.device}); use the torch backend, or "
+                "set TRITON_INTERPRET=1 to run the kernel in Triton's interpreter"
+            )
         self.backend = backend
         self.generator = torch.Generator(device=self.device)  # shared stream for unseeded requests
         if seed is not None:

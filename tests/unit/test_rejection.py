@@ -12,6 +12,10 @@ from specmesh.sampling import BatchSamplingParams, SamplingParams, process_logit
 
 GREEDY = SamplingParams(temperature=0.0)
 N_SAMPLES = 200_000
+# Where the Triton kernel runs: a real GPU where there is one, else its interpreter over CPU tensors
+# (tests/support/fixtures.py sets TRITON_INTERPRET=1 there). Both backends run on it when they are compared:
+# their random draws come from a generator of that device.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def one_hot_logits(argmaxes, vocab=10, big=100.0):
@@ -23,7 +27,7 @@ def one_hot_logits(argmaxes, vocab=10, big=100.0):
 # ---------------------------------------------------------------- greedy
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_greedy_rules(backend):
-    s = RejectionSampler(backend, seed=0)
+    s = RejectionSampler(backend, seed=0, device=DEVICE)
     cases = [  # (draft, target argmax per row incl. bonus, expected output)
         ([1, 2, 3], [1, 2, 3, 4], [1, 2, 3, 4]),  # all match: + bonus
         ([1, 2, 3], [5, 2, 3, 4], [5]),  # first mismatch: target's token, stop
@@ -33,7 +37,7 @@ def test_greedy_rules(backend):
     ]
     blocks = [RejectionInput.of(d, GREEDY) for d, _, _ in cases]
     logits = one_hot_logits([t for _, tgt, _ in cases for t in tgt])
-    out = s(logits, blocks)
+    out = s(logits.to(DEVICE), blocks)
     assert out.output_token_ids.shape == (5, 4)
     for b, (_, _, expected) in enumerate(cases):
         assert out.tokens(b) == expected
@@ -278,7 +282,7 @@ def test_triton_matches_torch(vocab):
         logits, blocks = random_batch(gen, vocab)
         outs = []
         for backend in ("torch", "triton"):
-            out = RejectionSampler(backend, seed=trial)(logits.clone(), clone_blocks(blocks))
+            out = RejectionSampler(backend, seed=trial, device=DEVICE)(logits.to(DEVICE), clone_blocks(blocks, DEVICE))
             outs.append((out.output_token_ids, out.num_accepted))
         assert torch.equal(outs[0][0], outs[1][0]), (outs[0][0], outs[1][0])
         assert outs[0][1] == outs[1][1]
@@ -292,8 +296,8 @@ def test_triton_handles_all_empty_drafts():
         RejectionInput.of([], GREEDY),
         RejectionInput.of([], SamplingParams(temperature=0.5)),
     ]
-    a = RejectionSampler("torch", seed=5)(logits.clone(), clone_blocks(blocks))
-    b = RejectionSampler("triton", seed=5)(logits.clone(), clone_blocks(blocks))
+    a = RejectionSampler("torch", seed=5, device=DEVICE)(logits.to(DEVICE), clone_blocks(blocks, DEVICE))
+    b = RejectionSampler("triton", seed=5, device=DEVICE)(logits.to(DEVICE), clone_blocks(blocks, DEVICE))
     assert torch.equal(a.output_token_ids, b.output_token_ids)
     assert a.tokens(1) == [int(logits[1].argmax())]
 
@@ -312,6 +316,13 @@ def test_triton_on_cuda_bf16_no_recompile_per_k():
         assert torch.equal(a.output_token_ids, b.output_token_ids)
         assert any(n > 0 for n in a.num_accepted)
     assert len(_rejection_kernel.device_caches[0][0]) == 1  # one compiled variant for every K
+
+
+def test_triton_on_cpu_tensors_without_the_interpreter_is_refused(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="TRITON_INTERPRET"):
+        RejectionSampler("triton", device="cpu")
+    RejectionSampler("torch", device="cpu")
 
 
 # ---------------------------------------------------------------- validation
