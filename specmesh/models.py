@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 
 import torch
+import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 
@@ -25,9 +27,21 @@ def load_model(path: str | Path, device: str | torch.device | None = None, dtype
     device = torch.device(device) if device is not None else default_device()
     dtype = dtype or default_dtype(device)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+    check_cache_argument(model)
     has_tokenizer = any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
     tokenizer = AutoTokenizer.from_pretrained(path) if has_tokenizer else None
     return model, tokenizer
+
+
+def check_cache_argument(model) -> None:
+    """The runtimes hand the KV cache to the HF forward as `cache=` (transformers >= 5.24). Earlier 5.x
+    releases name it `past_key_values` and take an unknown `cache=` into **kwargs without a word, so every
+    forward would run without its context: refuse such a model at load instead."""
+    if "cache" not in inspect.signature(model.forward).parameters:
+        raise RuntimeError(
+            f"{type(model).__name__}.forward takes no `cache` argument (transformers {transformers.__version__}): "
+            "specmesh needs transformers >= 5.24, where the KV cache argument is `cache=`"
+        )
 
 
 def eos_token_ids(model) -> frozenset[int]:

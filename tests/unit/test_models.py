@@ -109,3 +109,18 @@ def test_verify_batch_of_eight_equals_one_by_one():
         with torch.inference_mode():
             full = model(input_ids=torch.tensor([s.token_ids[:-1]])).logits[0, -1]
         assert int(full.argmax()) == s.token_ids[-1]
+
+
+def test_a_forward_without_the_cache_argument_is_refused():
+    """transformers before 5.24 names the KV cache `past_key_values` and takes `cache=` into **kwargs
+    without a word: every forward would run without its context, so loading refuses such a model."""
+    from specmesh.models import check_cache_argument
+
+    check_cache_argument(tiny_model("llama", vocab=97, seed=3))  # this transformers: accepted
+
+    class OldForward(torch.nn.Module):
+        def forward(self, input_ids=None, past_key_values=None, use_cache=None, **kwargs):
+            raise AssertionError("never called")
+
+    with pytest.raises(RuntimeError, match=r"transformers >= 5\.24"):
+        check_cache_argument(OldForward())
