@@ -1,0 +1,305 @@
+"""Where the verify forward's time goes, shape by shape: the first time each shape is met against the second.
+
+    python -m bench.verify_shapes [--device cuda] [--streams 1,16] [--k 4] [--tokens 64] [--prompt-len 64]
+        [--backends default,no-cudnn,math] [--random-weights]
+
+The verify service's batched runner (`BatchedRunner`, in process, no services) replays a decode: S streams,
+each verifying a block of K random drafts per round and committing a pre-drawn number of them (plus the
+target's token), so cache lengths advance unevenly and streams finish at different rounds, as they do under
+load. The same rounds run twice, on fresh sequences: pass 1 meets every (rows, cache length) shape for the
+first time, pass 2 repeats exactly those shapes. A cost paid once per shape (an attention backend building a
+plan for it, a kernel compiled for a new specialisation) shows as pass 1's tail over a flat pass 2. K = 0
+rounds (target-only decode: one row per stream, no attention mask) run the same way for comparison.
+
+Each SDPA backend setting runs in its own process, so that no backend's caches serve another's first pass:
+`default` (torch's own choice), `no-cudnn` (flash, memory-efficient or math), `math`. Every forward is timed
+between two device synchronisations. `--random-weights` builds the target from its config alone (the
+shapes and the kernels are the same), for a machine the checkpoint cannot be copied to.
+
+Writes bench/results/verify-shapes.json (per backend, streams, mode and pass: forwards, p50 / p90 / p99 /
+max ms, how many forwards took over 3x pass 2's p50, and every forward's time), a PNG of every forward's
+time beside it, and prints a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from bench.load import git_info, parse_list
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results"
+BACKENDS = ("default", "no-cudnn", "math")
+SLOW = 3.0  # a forward slower than this many times pass 2's p50 counts as slow
+
+
+def sdpa_backends(name: str):
+    """The context that restricts SDPA to the named setting (None: torch's own choice)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    if name == "default":
+        return None
+    if name == "no-cudnn":
+        return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+    if name == "math":
+        return sdpa_kernel([SDPBackend.MATH])
+    raise ValueError(f"unknown SDPA backend setting {name!r} (expected one of {', '.join(BACKENDS)})")
+
+
+def schedule(streams: int, k: int, tokens: int, seed: int) -> list[list[tuple[int, int]]]:
+    """Rounds of (stream, tokens committed): each stream commits until it has `tokens`; with K > 0 it
+    commits 1 + a draw of accepted drafts in [0, K] (the demo pair accepts about two thirds)."""
+    rng = random.Random(seed)
+    done = [0] * streams
+    rounds = []
+    while any(d < tokens for d in done):
+        now = []
+        for s in range(streams):
+            if done[s] < tokens:
+                accepted = sum(rng.random() < 0.67 for _ in range(k))
+                n = min(1 + accepted, tokens - done[s])
+                now.append((s, n))
+                done[s] += n
+        rounds.append(now)
+    return rounds
+
+
+def percentiles(ms: list[float]) -> dict:
+    xs = sorted(ms)
+
+    def q(p: float) -> float:
+        return round(xs[min(len(xs) - 1, int(p * len(xs)))], 3)
+
+    return {"forwards": len(xs), "p50": q(0.5), "p90": q(0.9), "p99": q(0.99), "max": round(xs[-1], 3)}
+
+
+def child(args) -> dict:
+    """One backend setting in this process: every (streams, mode), two passes each."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from specmesh.models import default_dtype, load_model
+    from specmesh.runtime.batched import BatchedRunner
+
+    device = torch.device(args.device)
+    torch.manual_seed(args.seed)
+    if args.random_weights:
+        config = AutoConfig.from_pretrained(args.target)
+        model = AutoModelForCausalLM.from_config(config, dtype=default_dtype(device)).to(device).eval()
+    else:
+        model, _ = load_model(args.target, device)
+    slots = max(args.streams)
+    runner = BatchedRunner(model, num_slots=slots, max_seq_len=args.prompt_len + args.tokens + args.k + 2, check=False)
+    vocab = runner.vocab_size
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    gen = random.Random(args.seed)
+    prompts = [[gen.randrange(vocab) for _ in range(args.prompt_len)] for _ in range(slots)]
+    ctx = sdpa_backends(args.child)
+    if ctx is not None:
+        ctx.__enter__()
+    try:
+        warm = runner.new_sequence([1, 2, 3, 4, 5, 6, 7, 8])  # CUDA context, BLAS handles: not any shape's cost
+        runner.prefill(warm)
+        for _ in range(3):
+            runner.forward([warm], [[1, 2]])
+        runner.free(warm)
+        sync()
+        out = []
+        for streams in args.streams:
+            for mode, k in (("speculative", args.k), ("target-only", 0)):
+                rounds = schedule(streams, k, args.tokens, args.seed + streams)
+                passes = []
+                for _ in range(2):
+                    seqs = [runner.new_sequence(list(p)) for p in prompts[:streams]]
+                    for s in seqs:
+                        runner.prefill(s)
+                    sync()
+                    ms, slow_shapes = [], []
+                    for rnd in rounds:
+                        batch = [seqs[s] for s, _ in rnd]
+                        drafts = [[gen.randrange(vocab) for _ in range(k)] for _ in rnd]
+                        t0 = time.perf_counter()
+                        runner.forward(batch, drafts)
+                        sync()
+                        ms.append((time.perf_counter() - t0) * 1e3)
+                        rows = len(rnd) * (k + 1)
+                        slow_shapes.append((rows, max(len(seqs[s].token_ids) + k for s, _ in rnd)))
+                        for (s, n), d in zip(rnd, drafts, strict=True):
+                            seqs[s].commit((d + [gen.randrange(vocab)])[:n])
+                    for s in seqs:
+                        runner.free(s)
+                    passes.append((ms, slow_shapes))
+                ref = percentiles(passes[1][0])["p50"]
+                for i, (ms, shapes) in enumerate(passes):
+                    slow = [(round(m, 1), *shape) for m, shape in zip(ms, shapes, strict=True) if m > SLOW * ref]
+                    out.append(
+                        {
+                            "backend": args.child,
+                            "streams": streams,
+                            "mode": mode,
+                            "k": k,
+                            "pass": i + 1,
+                            **percentiles(ms),
+                            "slow": len(slow),
+                            "slowest": sorted(slow, reverse=True)[:5],  # (ms, rows, longest cache)
+                            "ms": [round(m, 3) for m in ms],
+                        }
+                    )
+    finally:
+        if ctx is not None:
+            ctx.__exit__(None, None, None)
+    return {"rows": out}
+
+
+def markdown(rows: list[dict]) -> str:
+    lines = [
+        "| backend | streams | mode | pass | forwards | p50 ms | p90 ms | p99 ms | max ms | slow (> 3x pass 2 p50) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['backend']} | {r['streams']} | {r['mode']} | {r['pass']} | {r['forwards']} | {r['p50']} | "
+            f"{r['p90']} | {r['p99']} | {r['max']} | {r['slow']} |"
+        )
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    """One panel per backend: each forward's time in order, pass 1 against pass 2, per streams and mode."""
+    from bench.plots import pyplot, save
+
+    backends = list(dict.fromkeys(r["backend"] for r in rows))
+    if not backends:
+        return
+    plt = pyplot()
+    fig, axes = plt.subplots(1, len(backends), figsize=(5.2 * len(backends), 4), squeeze=False)
+    for ax, backend in zip(axes[0], backends, strict=True):
+        for r in (r for r in rows if r["backend"] == backend):
+            style = "-" if r["pass"] == 1 else ":"
+            label = f"{r['streams']} streams, {r['mode']}, pass {r['pass']}"
+            ax.plot(range(1, len(r["ms"]) + 1), r["ms"], style, marker=".", markersize=3, label=label)
+        ax.set_yscale("log")
+        ax.set_title(f"SDPA: {backend}", fontsize=10)
+        ax.set_xlabel("forward (round) in the pass")
+        ax.set_ylabel("ms (between two synchronisations)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=6)
+    save(fig, path)
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(
+        prog="python -m bench.verify_shapes", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--target", type=Path, default=ROOT / "models/demo/target", help="target checkpoint (or config)")
+    ap.add_argument("--device", default=None, help="torch device (default: cuda when available, else cpu)")
+    ap.add_argument("--streams", type=parse_list(int), default=[1, 16], help="comma-separated batch sizes")
+    ap.add_argument("--k", type=int, default=4, help="drafts per block in the speculative rounds")
+    ap.add_argument("--tokens", type=int, default=64, help="tokens each stream commits")
+    ap.add_argument("--prompt-len", type=int, default=64, help="prompt tokens per stream")
+    ap.add_argument("--backends", type=parse_list(str), default=None, help=f"SDPA settings: {', '.join(BACKENDS)}")
+    ap.add_argument("--random-weights", action="store_true", help="the target built from its config alone")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--timeout-s", type=float, default=300.0, help="per backend process")
+    ap.add_argument("--out", type=Path, default=RESULTS / "verify-shapes.json")
+    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--child-out", type=Path, default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.device is None:
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.backends is None:
+        args.backends = list(BACKENDS) if args.device.startswith("cuda") else ["default", "math"]
+    for b in args.backends:
+        if b not in BACKENDS:
+            ap.error(f"--backends: unknown setting {b!r} (expected one of {', '.join(BACKENDS)})")
+    if args.k < 1 or args.tokens < 1 or args.prompt_len < 1 or not args.streams or min(args.streams) < 1:
+        ap.error("--k, --tokens, --prompt-len and --streams must be >= 1")
+    return args
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    if args.child:
+        args.child_out.write_text(json.dumps(child(args)))
+        return {}
+    rows, failures = [], {}
+    passthrough = [
+        *("--target", str(args.target), "--device", args.device, "--k", str(args.k), "--tokens", str(args.tokens)),
+        *("--prompt-len", str(args.prompt_len), "--streams", ",".join(map(str, args.streams))),
+        *("--seed", str(args.seed), *(["--random-weights"] if args.random_weights else [])),
+    ]
+    with tempfile.TemporaryDirectory() as tmp:
+        for backend in args.backends:
+            part = Path(tmp) / f"{backend}.json"
+            cmd = [
+                sys.executable,
+                "-m",
+                "bench.verify_shapes",
+                *passthrough,
+                "--child",
+                backend,
+                "--child-out",
+                str(part),
+            ]
+            print(f"backend {backend} ...", flush=True)
+            try:
+                done = subprocess.run(cmd, cwd=ROOT, timeout=args.timeout_s, capture_output=True, text=True)
+            except subprocess.TimeoutExpired:
+                failures[backend] = f"timed out after {args.timeout_s:.0f} s"
+                continue
+            if done.returncode != 0 or not part.exists():
+                failures[backend] = (done.stderr or done.stdout).strip()[-2000:]
+                print(f"backend {backend} failed:\n{failures[backend]}", flush=True)
+                continue
+            rows += json.loads(part.read_text())["rows"]
+    import transformers
+
+    result = {
+        "bench": "verify_shapes",
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "git": git_info(),
+        "machine": {
+            "device": args.device,
+            "gpu": torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else None,
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+        },
+        "settings": {
+            k: (str(v) if isinstance(v, Path) else v)
+            for k, v in vars(args).items()
+            if k not in ("out", "child", "child_out")
+        },
+        "rows": rows,
+        "failures": failures,
+        "notes": [
+            "each forward is timed between two device synchronisations; prefill is not timed",
+            "slow = forwards over 3x pass 2's p50 of the same backend, streams and mode; slowest: (ms, rows, "
+            "longest cache length)",
+        ],
+    }
+    table = markdown(rows)
+    result["markdown"] = table
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    plot(rows, args.out.with_suffix(".png"))
+    print("\n" + table + "\n")
+    print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
+    if failures:
+        sys.exit(1)
+    return result
+
+
+if __name__ == "__main__":
+    main()
