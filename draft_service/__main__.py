@@ -49,6 +49,10 @@ FLAG_HELP = {
     "online_distill_lr": "the trainer's learning rate (AdamW)",
     "online_distill_steps_per_version": "training steps between two weight versions",
     "online_distill_rollback_window": "draft tokens a new version is judged on against its predecessor",
+    "online_distill_rehearsal": "windows of the draft's original domain with the target's top-k (python -m "
+    "specmesh.training.rehearsal), mixed into every training batch so the draft keeps that domain: auto = the draft "
+    "directory's rehearsal.safetensors if there is one, none = off, or a file",
+    "online_distill_rehearsal_share": "the share of each training batch drawn from the rehearsal set",
 }
 FLAG_OPTIONS = {
     "speculative_algorithm": {"type": str.lower, "choices": list(ALGORITHMS)},

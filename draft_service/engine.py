@@ -83,6 +83,9 @@ class DraftConfig:
     online_distill_lr: float = OnlineConfig.lr
     online_distill_steps_per_version: int = OnlineConfig.steps_per_version
     online_distill_rollback_window: int = OnlineConfig.rollback_window
+    # "auto": the draft directory's rehearsal.safetensors when it has one; "none": no rehearsal; else a file
+    online_distill_rehearsal: str = "auto"
+    online_distill_rehearsal_share: float = OnlineConfig.rehearsal_share
     metrics_port: int = -1  # Prometheus /metrics over HTTP; -1 = not served (the CLI defaults to 9465)
 
     def __post_init__(self):
@@ -97,6 +100,8 @@ class DraftConfig:
         if self.speculative_disable_by_batch_size < 0:
             raise ValueError("speculative_disable_by_batch_size must be >= 0")
         AllowList.parse(self.verify_allow)  # ValueError naming --verify-allow
+        if self.online_distill:
+            online_config(self)  # its knobs' checks and the rehearsal file's, as usage errors
 
     @property
     def algorithm(self) -> Algorithm:

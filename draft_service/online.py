@@ -21,7 +21,7 @@ from specmesh.domain import DraftBlock, TokenLogprob, Verdict
 from specmesh.loop import Verifier
 from specmesh.sampling import SamplingParams
 from specmesh.telemetry import tracer
-from specmesh.training.online import OnlineConfig, OnlineDistiller, SessionFeedback
+from specmesh.training.online import OnlineConfig, OnlineDistiller, RehearsalSet, SessionFeedback
 
 
 class OnlineLoop:
@@ -129,4 +129,20 @@ def online_config(config) -> OnlineConfig:
         cpu_share=config.online_distill_cpu_share,
         rollback_window=config.online_distill_rollback_window,
         dir=Path(config.online_distill_dir) if config.online_distill_dir else None,
+        rehearsal=rehearsal_file(config.online_distill_rehearsal, config.model_path),
+        rehearsal_share=config.online_distill_rehearsal_share,
     )
+
+
+def rehearsal_file(setting: str, model_path: str) -> Path | None:
+    """--online-distill-rehearsal: "auto" finds the draft's own set if it ships one, "none" is off, anything
+    else must be a file."""
+    if setting.lower() in ("", "none"):
+        return None
+    if setting.lower() == "auto":
+        own = Path(model_path) / RehearsalSet.FILE if model_path else None
+        return own if own is not None and own.is_file() else None
+    path = Path(setting)
+    if not path.is_file():
+        raise ValueError(f"--online-distill-rehearsal {setting}: no such file")
+    return path

@@ -14,6 +14,10 @@ have feedback) on its own copy of the draft's weights, at most `cpu_share` of on
 - rolled back when its live acceptance over its first `rollback_window` drafted tokens is below its
   predecessor's over that predecessor's last `rollback_window` by more than `rollback_margin`.
 
+Rehearsal: with a `RehearsalSet` (windows of the domain the draft was distilled on, with the target's top-k,
+made offline and shipped beside the draft), `rehearsal_share` of every batch comes from it, so that learning
+the traffic's domain does not wear away the one the draft was built for (experience replay).
+
 Lossless whatever the weights: a block carries the q its tokens were sampled from, and the verifier's test
 is exact for any q. Swapping weights only changes which q the next block is sampled from.
 """
@@ -57,6 +61,8 @@ class OnlineConfig:
     rollback_window: int = 1500
     rollback_margin: float = 0.03  # acceptance a new version may lose before it is rolled back
     dir: Path | None = None  # where every version is saved (None: kept in memory only)
+    rehearsal: Path | None = None  # a RehearsalSet file (None: every batch is live traffic)
+    rehearsal_share: float = 0.25  # of each batch's windows, the share drawn from the rehearsal set
 
     def __post_init__(self):
         for name in ("topk", "window", "buffer_windows", "batch_size", "steps_per_version", "rollback_window"):
@@ -68,6 +74,8 @@ class OnlineConfig:
             raise ValueError("online distillation: cpu_share must be in (0, 1]")
         if not 0 <= self.kl_weight <= 1:
             raise ValueError("online distillation: kl_weight must be in [0, 1]")
+        if not 0 <= self.rehearsal_share < 1:
+            raise ValueError("online distillation: rehearsal_share must be in [0, 1)")
 
 
 @dataclass
@@ -102,6 +110,67 @@ class ReplayBuffer:
         with self._lock:
             idx = torch.randint(len(self._items), (n,), generator=self._rng).tolist()
             return [self._items[i] for i in idx]
+
+
+class RehearsalSet:
+    """Windows of the draft's original domain with the target's top-k at every position: made offline
+    (`python -m specmesh.training.rehearsal`), saved as `FILE` beside the draft, sampled by the trainer."""
+
+    FILE = "rehearsal.safetensors"
+
+    def __init__(self, tokens: torch.Tensor, top_ids: torch.Tensor, top_logprobs: torch.Tensor, seed: int = 0):
+        n, t1 = tokens.shape
+        if t1 < 2 or n < 1 or top_ids.shape[:2] != (n, t1 - 1) or top_logprobs.shape != top_ids.shape:
+            raise ValueError(
+                f"rehearsal set: tokens {tuple(tokens.shape)}, top_ids {tuple(top_ids.shape)} and top_logprobs "
+                f"{tuple(top_logprobs.shape)} do not describe [N, T + 1], [N, T, k] and [N, T, k]"
+            )
+        self.tokens, self.top_ids, self.top_logprobs = tokens.long(), top_ids.long(), top_logprobs.float()
+        self._rng = torch.Generator().manual_seed(seed)
+
+    def __len__(self) -> int:
+        return self.tokens.size(0)
+
+    @property
+    def max_id(self) -> int:
+        return int(max(self.tokens.max(), self.top_ids.max()))
+
+    @classmethod
+    def load(cls, path: Path | str) -> RehearsalSet:
+        from safetensors import SafetensorError
+        from safetensors.torch import load_file
+
+        try:
+            t = load_file(str(path))
+        except (OSError, SafetensorError) as e:
+            raise ValueError(f"rehearsal set {path}: {e}") from None
+        missing = {"tokens", "top_ids", "top_logprobs"} - t.keys()
+        if missing:
+            raise ValueError(f"rehearsal set {path}: no {', '.join(sorted(missing))} tensor")
+        return cls(t["tokens"], t["top_ids"], t["top_logprobs"])
+
+    def save(self, path: Path | str, metadata: dict[str, str] | None = None) -> None:
+        from safetensors.torch import save_file
+
+        tensors = {
+            "tokens": self.tokens.int(),
+            "top_ids": self.top_ids.int(),
+            "top_logprobs": self.top_logprobs.half(),  # fp16: ample for a KD target, half the bytes
+        }
+        save_file(tensors, str(path), metadata=metadata)
+
+    def sample(self, n: int, topk: int) -> list[Window]:
+        """n windows, their top-k cut or padded (ids 0, log-prob -1e4) to `topk` like live windows."""
+        idx = torch.randint(len(self), (n,), generator=self._rng).tolist()
+        k = self.top_ids.size(2)
+        out = []
+        for i in idx:
+            ids, lps = self.top_ids[i, :, :topk], self.top_logprobs[i, :, :topk]
+            if k < topk:
+                ids = torch.cat((ids, ids.new_zeros((ids.size(0), topk - k))), 1)
+                lps = torch.cat((lps, lps.new_full((lps.size(0), topk - k), -1e4)), 1)
+            out.append(Window(self.tokens[i], ids, lps, torch.ones(ids.size(0), dtype=torch.bool)))
+        return out
 
 
 class SessionFeedback:
@@ -208,6 +277,13 @@ class OnlineDistiller:
         self.apply = apply
         self.on_swap = on_swap
         self.buffer = ReplayBuffer(config.buffer_windows)
+        self.rehearsal = RehearsalSet.load(config.rehearsal) if config.rehearsal is not None else None
+        vocab = serving_model.get_output_embeddings().weight.size(0)
+        if self.rehearsal is not None and self.rehearsal.max_id >= vocab:
+            raise ValueError(
+                f"rehearsal set {config.rehearsal}: token id {self.rehearsal.max_id} is outside the draft's "
+                f"vocabulary of {vocab}"
+            )
         self.student = copy.deepcopy(serving_model).float().train()
         for p in self.student.parameters():
             p.requires_grad_(True)
@@ -307,7 +383,14 @@ class OnlineDistiller:
 
     def step(self) -> float:
         """One KD step on a batch from the buffer; every `steps_per_version`, a new version goes live."""
-        batch, teacher, mask = collate(self.buffer.sample(self.config.batch_size))
+        b = self.config.batch_size
+        # at least one live window per batch: the traffic is what the loop is for
+        old = min(b - 1, round(b * self.config.rehearsal_share)) if self.rehearsal is not None else 0
+        windows = self.buffer.sample(b - old)
+        if old:
+            assert self.rehearsal is not None
+            windows += self.rehearsal.sample(old, self.config.topk)
+        batch, teacher, mask = collate(windows)
         with self._train_lock:
             with self._lock:
                 reset, self._reset_to = self._reset_to, None

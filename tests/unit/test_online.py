@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 import torch
@@ -161,3 +162,103 @@ def test_a_good_version_is_kept(tmp_path):
     pool.shutdown(wait=True)
     assert d.rollbacks == 0 and d.serving_version == 1
     assert d.acceptance_by_version()[1] == (160, 120)
+
+
+# ---------------------------------------------------------------- rehearsal
+def rehearsal_of(target, sessions: int, seed: int, k: int = 8):
+    """A rehearsal set from the target's own continuations (what specmesh.training.rehearsal writes)."""
+    from specmesh.training.rehearsal import build
+
+    return build(target, [ids for _, ids in continuations(target, sessions, seed)], k, seed=seed)
+
+
+def test_a_rehearsal_set_round_trips_and_fits_any_topk(tmp_path):
+    from specmesh.training.online import RehearsalSet
+
+    target = tiny_model("llama", seed=1).eval()
+    r = rehearsal_of(target, 3, seed=4, k=5)
+    ids = continuations(target, 3, 4)[0][1]
+    with torch.no_grad():
+        argmax = target(input_ids=torch.tensor([ids[:-1]])).logits[0].argmax(-1)
+    assert torch.equal(r.top_ids[0, :, 0], argmax)  # position p: the target's top token after ids[:p + 1]
+    r.save(tmp_path / RehearsalSet.FILE)
+    back = RehearsalSet.load(tmp_path / RehearsalSet.FILE)
+    assert torch.equal(back.tokens, r.tokens) and torch.equal(back.top_ids, r.top_ids)
+    torch.testing.assert_close(back.top_logprobs, r.top_logprobs, atol=2e-2, rtol=1e-3)  # stored fp16
+    wide, narrow = back.sample(2, topk=8), back.sample(2, topk=3)
+    assert wide[0].top_ids.shape == (29, 8) and (wide[0].top_logprobs[:, 5:] == -1e4).all()
+    assert narrow[0].top_ids.shape == (29, 3) and narrow[0].mask.all()
+    with pytest.raises(ValueError, match="no top_logprobs"):
+        from safetensors.torch import save_file
+
+        save_file({"tokens": r.tokens.int(), "top_ids": r.top_ids.int()}, str(tmp_path / "bad.safetensors"))
+        RehearsalSet.load(tmp_path / "bad.safetensors")
+    with pytest.raises(ValueError, match="rehearsal set"):
+        RehearsalSet(r.tokens, r.top_ids[:, :-1], r.top_logprobs[:, :-1])
+
+
+def test_each_batch_takes_its_share_from_the_rehearsal_set(tmp_path, monkeypatch):
+    import specmesh.training.online as online
+
+    target = tiny_model("llama", seed=1).eval()
+    r = rehearsal_of(target, 4, seed=9)
+    r.save(tmp_path / "r.safetensors")
+    _, _, d, _, pool = make(tmp_path / "v", rehearsal=tmp_path / "r.safetensors", rehearsal_share=0.5)
+    traffic(target, d, sessions=4)
+    seen = []
+    real = online.collate
+    monkeypatch.setattr(online, "collate", lambda ws: seen.append(ws) or real(ws))
+    d.step()
+    pool.shutdown(wait=True)
+    rehearsed = [w for w in seen[0] if any(torch.equal(w.tokens, t) for t in r.tokens)]
+    assert len(seen[0]) == 4 and len(rehearsed) == 2
+
+
+def test_rehearsal_keeps_the_draft_on_its_original_domain(tmp_path):
+    """Trained on one domain's traffic, the draft drifts on another it agreed with; rehearsing the other
+    domain's windows (as the shipped set does for the standard library) holds it there."""
+    target = tiny_model("llama", seed=1).eval()
+    r = rehearsal_of(target, 8, seed=21)
+    r.save(tmp_path / "r.safetensors")
+    kept = {}
+    for share in (0.0, 0.5):
+        kw = {"rehearsal": tmp_path / "r.safetensors", "rehearsal_share": share} if share else {}
+        _, draft, d, _, pool = make(tmp_path / f"v{share}", **kw)
+        draft.load_state_dict(target.state_dict())  # a draft distilled perfectly on the original domain
+        d.student.load_state_dict(target.state_dict())
+        # the live traffic: another model's continuations, a domain the target does not speak
+        other = tiny_model("llama", seed=5).eval()
+        for prompt, ids in continuations(other, 8, seed=3):
+            fb = d.session(prompt)
+            fb.extend(ids[len(prompt) :], feedback_of(other, ids, len(prompt), 8))
+            fb.flush()
+        for _ in range(40):
+            d.step()
+        pool.shutdown(wait=True)
+        kept[share] = agreement(target, draft, seed=22)  # fresh sessions of the original domain
+    assert kept[0.5] > kept[0.0] + 0.05, kept
+
+
+def test_the_rehearsal_builder_writes_a_set_the_service_finds(tmp_path):
+    """`python -m specmesh.training.rehearsal` on the demo target, and `--online-distill-rehearsal auto`
+    finding the file beside the draft (or nothing, or refusing a missing file)."""
+    from draft_service.engine import DraftConfig
+    from draft_service.online import online_config
+    from specmesh.training import rehearsal
+    from specmesh.training.online import RehearsalSet
+
+    demo = Path(__file__).resolve().parents[2] / "models" / "demo"
+    rehearsal.main(["--target", str(demo / "target"), "--draft", str(tmp_path), "--windows", "3", "--window", "16"])
+    r = RehearsalSet.load(tmp_path / RehearsalSet.FILE)
+    assert r.tokens.shape == (3, 17) and r.top_ids.shape == (3, 16, 8) and r.max_id < 8192
+    assert (r.top_logprobs[:, :, 0] >= r.top_logprobs[:, :, 1]).all()  # the target's top-k, best first
+
+    def cfg(path, setting):
+        return DraftConfig(model_path=str(path), online_distill=True, online_distill_rehearsal=setting)
+
+    assert online_config(cfg(tmp_path, "auto")).rehearsal == tmp_path / RehearsalSet.FILE
+    assert online_config(cfg(tmp_path / "elsewhere", "auto")).rehearsal is None
+    assert online_config(cfg(tmp_path, "none")).rehearsal is None
+    with pytest.raises(ValueError, match="--online-distill-rehearsal"):
+        cfg(tmp_path, str(tmp_path / "missing.safetensors"))
+    assert (demo / "draft" / RehearsalSet.FILE).is_file()  # the demo draft ships its set
