@@ -29,16 +29,22 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
 
 
-def heldout_prompts(tokenizer, n: int, length: int) -> list[list[int]]:
-    prompts = []
+def heldout_prompts(tokenizer, n: int, length: int, per_file: int = 1) -> list[list[int]]:
+    """Up to n prompts of `length` tokens from the held-out standard-library files: the first `length`
+    tokens of each file; with per_file > 1, also the windows starting every 2 x length tokens further in,
+    taken file by file in rounds (every file's first window, then every file's second...), so the first
+    prompts are always the same whatever n asks for."""
+    rounds: list[list[list[int]]] = [[] for _ in range(per_file)]
     for path in stdlib_files()[1]:
         text = read_text(path)
         ids = tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
-        if len(ids) >= length:
-            prompts.append(ids[:length])
-        if len(prompts) == n:
+        for r in range(per_file):
+            start = 2 * length * r
+            if len(ids) >= start + length:
+                rounds[r].append(ids[start : start + length])
+        if per_file == 1 and len(rounds[0]) == n:
             break
-    return prompts
+    return [p for r in rounds for p in r][:n]
 
 
 def run_engine(engine, prompts, params, k, algorithm="standalone"):
