@@ -34,6 +34,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, cast
 
 import torch
 
@@ -278,7 +279,7 @@ class OnlineDistiller:
         self.on_swap = on_swap
         self.buffer = ReplayBuffer(config.buffer_windows)
         self.rehearsal = RehearsalSet.load(config.rehearsal) if config.rehearsal is not None else None
-        vocab = serving_model.get_output_embeddings().weight.size(0)
+        vocab = cast(Any, serving_model).get_output_embeddings().weight.size(0)  # a PreTrainedModel
         if self.rehearsal is not None and self.rehearsal.max_id >= vocab:
             raise ValueError(
                 f"rehearsal set {config.rehearsal}: token id {self.rehearsal.max_id} is outside the draft's "

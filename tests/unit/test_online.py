@@ -262,3 +262,12 @@ def test_the_rehearsal_builder_writes_a_set_the_service_finds(tmp_path):
     with pytest.raises(ValueError, match="--online-distill-rehearsal"):
         cfg(tmp_path, str(tmp_path / "missing.safetensors"))
     assert (demo / "draft" / RehearsalSet.FILE).is_file()  # the demo draft ships its set
+
+
+def test_a_rehearsal_set_of_another_vocabulary_is_refused(tmp_path):
+    from specmesh.training.online import RehearsalSet
+
+    ids = torch.full((2, 5, 3), 500)  # the tiny draft's vocabulary is 128
+    RehearsalSet(torch.zeros((2, 6), dtype=torch.long), ids, torch.zeros((2, 5, 3))).save(tmp_path / "r.safetensors")
+    with pytest.raises(ValueError, match="outside the draft's vocabulary"):
+        make(tmp_path / "v", rehearsal=tmp_path / "r.safetensors")
