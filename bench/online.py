@@ -57,6 +57,7 @@ from specmesh.domain import SpecStats
 from specmesh.engine import SpeculativeEngine
 from specmesh.models import load_model
 from specmesh.sampling import SamplingParams
+from specmesh.training.online import RehearsalSet
 from specmesh.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 
 # How many 64-token windows the original-domain measure takes from each held-out standard-library file (20
@@ -304,6 +305,8 @@ def summarize(args, rows: list[dict], n_prompts: int) -> dict:
         "git": git_info(),
         "corpus": {"files": ENGLISH, "prompts": n_prompts, "prompt_tokens": 64},
         "settings": {k: v for k, v in vars(args).items() if k != "out"},
+        # The loop's side runs --online-distill-rehearsal auto unless an --online-arg says otherwise.
+        "rehearsal_set_beside_draft": (Path(args.draft) / RehearsalSet.FILE).is_file(),
         "summary": summary,
         "slices": rows,
     }
