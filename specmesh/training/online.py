@@ -279,12 +279,13 @@ class OnlineDistiller:
         self.on_swap = on_swap
         self.buffer = ReplayBuffer(config.buffer_windows)
         self.rehearsal = RehearsalSet.load(config.rehearsal) if config.rehearsal is not None else None
-        vocab = cast(Any, serving_model).get_output_embeddings().weight.size(0)  # a PreTrainedModel
-        if self.rehearsal is not None and self.rehearsal.max_id >= vocab:
-            raise ValueError(
-                f"rehearsal set {config.rehearsal}: token id {self.rehearsal.max_id} is outside the draft's "
-                f"vocabulary of {vocab}"
-            )
+        if self.rehearsal is not None:
+            vocab = cast(Any, serving_model).get_output_embeddings().weight.size(0)  # a PreTrainedModel
+            if self.rehearsal.max_id >= vocab:
+                raise ValueError(
+                    f"rehearsal set {config.rehearsal}: token id {self.rehearsal.max_id} is outside the draft's "
+                    f"vocabulary of {vocab}"
+                )
         self.student = copy.deepcopy(serving_model).float().train()
         for p in self.student.parameters():
             p.requires_grad_(True)
