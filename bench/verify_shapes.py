@@ -24,6 +24,7 @@ time beside it, and prints a markdown table.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import random
 import subprocess
@@ -43,11 +44,11 @@ SLOW = 3.0  # a forward slower than this many times pass 2's p50 counts as slow
 
 
 def sdpa_backends(name: str):
-    """The context that restricts SDPA to the named setting (None: torch's own choice)."""
+    """The context that restricts SDPA to the named setting ("default": torch's own choice)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     if name == "default":
-        return None
+        return contextlib.nullcontext()
     if name == "no-cudnn":
         return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
     if name == "math":
@@ -106,10 +107,7 @@ def child(args) -> dict:
 
     gen = random.Random(args.seed)
     prompts = [[gen.randrange(vocab) for _ in range(args.prompt_len)] for _ in range(slots)]
-    ctx = sdpa_backends(args.child)
-    if ctx is not None:
-        ctx.__enter__()
-    try:
+    with sdpa_backends(args.child):
         warm = runner.new_sequence([1, 2, 3, 4, 5, 6, 7, 8])  # CUDA context, BLAS handles: not any shape's cost
         runner.prefill(warm)
         for _ in range(3):
@@ -126,7 +124,7 @@ def child(args) -> dict:
                     for s in seqs:
                         runner.prefill(s)
                     sync()
-                    ms, slow_shapes = [], []
+                    ms, shapes = [], []
                     for rnd in rounds:
                         batch = [seqs[s] for s, _ in rnd]
                         drafts = [[gen.randrange(vocab) for _ in range(k)] for _ in rnd]
@@ -135,12 +133,12 @@ def child(args) -> dict:
                         sync()
                         ms.append((time.perf_counter() - t0) * 1e3)
                         rows = len(rnd) * (k + 1)
-                        slow_shapes.append((rows, max(len(seqs[s].token_ids) + k for s, _ in rnd)))
+                        shapes.append((rows, max(len(seqs[s].token_ids) + k for s, _ in rnd)))
                         for (s, n), d in zip(rnd, drafts, strict=True):
                             seqs[s].commit((d + [gen.randrange(vocab)])[:n])
                     for s in seqs:
                         runner.free(s)
-                    passes.append((ms, slow_shapes))
+                    passes.append((ms, shapes))
                 ref = percentiles(passes[1][0])["p50"]
                 for i, (ms, shapes) in enumerate(passes):
                     slow = [(round(m, 1), *shape) for m, shape in zip(ms, shapes, strict=True) if m > SLOW * ref]
@@ -157,9 +155,6 @@ def child(args) -> dict:
                             "ms": [round(m, 3) for m in ms],
                         }
                     )
-    finally:
-        if ctx is not None:
-            ctx.__exit__(None, None, None)
     return {"rows": out}
 
 
