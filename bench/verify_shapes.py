@@ -1,7 +1,7 @@
 """Where the verify forward's time goes, shape by shape: the first time each shape is met against the second.
 
     python -m bench.verify_shapes [--device cuda] [--streams 1,16] [--k 4] [--tokens 64] [--prompt-len 64]
-        [--backends default,no-cudnn,math] [--random-weights]
+        [--backends default,no-cudnn,math] [--random-weights] [--profile BACKEND]
 
 The verify service's batched runner (`BatchedRunner`, in process, no services) replays a decode: S streams,
 each verifying a block of K random drafts per round and committing a pre-drawn number of them (plus the
@@ -11,10 +11,13 @@ first time, pass 2 repeats exactly those shapes. A cost paid once per shape (an 
 plan for it, a kernel compiled for a new specialisation) shows as pass 1's tail over a flat pass 2. K = 0
 rounds (target-only decode: one row per stream, no attention mask) run the same way for comparison.
 
-Each SDPA backend setting runs in its own process, so that no backend's caches serve another's first pass:
-`default` (torch's own choice), `no-cudnn` (flash, memory-efficient or math), `math`. Every forward is timed
-between two device synchronisations. `--random-weights` builds the target from its config alone (the
-shapes and the kernels are the same), for a machine the checkpoint cannot be copied to.
+Each SDPA backend setting (the runner's `attention_backend`, `specmesh.runtime.attention`) runs in its own
+process, so that no backend's caches serve another's first pass: `default` (torch's own choice), `no-cudnn`
+(flash, memory-efficient or math; what `auto` takes on CUDA), `math`. Every forward is timed between two
+device synchronisations. `--random-weights` builds the target from its config alone (the shapes and the
+kernels are the same), for a machine the checkpoint cannot be copied to. `--profile BACKEND` runs that
+setting once more, in a process of its own, with torch's profiler over the first pass of the speculative
+rounds at the most streams, and keeps its operator table (the timed passes run without the profiler).
 
 Writes bench/results/verify-shapes.json (per backend, streams, mode and pass: forwards, p50 / p90 / p99 /
 max ms, how many forwards took over 3x pass 2's p50, and every forward's time), a PNG of every forward's
@@ -24,7 +27,6 @@ time beside it, and prints a markdown table.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import random
 import subprocess
@@ -36,24 +38,12 @@ from pathlib import Path
 import torch
 
 from bench.load import git_info, parse_list
+from specmesh.runtime.attention import ATTENTION_BACKENDS
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
-BACKENDS = ("default", "no-cudnn", "math")
+BACKENDS = tuple(b for b in ATTENTION_BACKENDS if b != "auto")  # auto is one of these, by device
 SLOW = 3.0  # a forward slower than this many times pass 2's p50 counts as slow
-
-
-def sdpa_backends(name: str):
-    """The context that restricts SDPA to the named setting ("default": torch's own choice)."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    if name == "default":
-        return contextlib.nullcontext()
-    if name == "no-cudnn":
-        return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
-    if name == "math":
-        return sdpa_kernel([SDPBackend.MATH])
-    raise ValueError(f"unknown SDPA backend setting {name!r} (expected one of {', '.join(BACKENDS)})")
 
 
 def schedule(streams: int, k: int, tokens: int, seed: int) -> list[list[tuple[int, int]]]:
@@ -84,7 +74,8 @@ def percentiles(ms: list[float]) -> dict:
 
 
 def child(args) -> dict:
-    """One backend setting in this process: every (streams, mode), two passes each."""
+    """One backend setting in this process: every (streams, mode), two passes each; or, with --profile, the
+    first pass of the speculative rounds at the most streams under torch's profiler."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from specmesh.models import default_dtype, load_model
@@ -98,7 +89,13 @@ def child(args) -> dict:
     else:
         model, _ = load_model(args.target, device)
     slots = max(args.streams)
-    runner = BatchedRunner(model, num_slots=slots, max_seq_len=args.prompt_len + args.tokens + args.k + 2, check=False)
+    runner = BatchedRunner(
+        model,
+        num_slots=slots,
+        max_seq_len=args.prompt_len + args.tokens + args.k + 2,
+        check=False,
+        attention_backend=args.child,
+    )
     vocab = runner.vocab_size
 
     def sync() -> None:
@@ -107,54 +104,64 @@ def child(args) -> dict:
 
     gen = random.Random(args.seed)
     prompts = [[gen.randrange(vocab) for _ in range(args.prompt_len)] for _ in range(slots)]
-    with sdpa_backends(args.child):
-        warm = runner.new_sequence([1, 2, 3, 4, 5, 6, 7, 8])  # CUDA context, BLAS handles: not any shape's cost
-        runner.prefill(warm)
-        for _ in range(3):
-            runner.forward([warm], [[1, 2]])
-        runner.free(warm)
+
+    def one_pass(streams: int, k: int, rounds) -> tuple[list[float], list[tuple[int, int]]]:
+        seqs = [runner.new_sequence(list(p)) for p in prompts[:streams]]
+        for s in seqs:
+            runner.prefill(s)
         sync()
-        out = []
-        for streams in args.streams:
-            for mode, k in (("speculative", args.k), ("target-only", 0)):
-                rounds = schedule(streams, k, args.tokens, args.seed + streams)
-                passes = []
-                for _ in range(2):
-                    seqs = [runner.new_sequence(list(p)) for p in prompts[:streams]]
-                    for s in seqs:
-                        runner.prefill(s)
-                    sync()
-                    ms, shapes = [], []
-                    for rnd in rounds:
-                        batch = [seqs[s] for s, _ in rnd]
-                        drafts = [[gen.randrange(vocab) for _ in range(k)] for _ in rnd]
-                        t0 = time.perf_counter()
-                        runner.forward(batch, drafts)
-                        sync()
-                        ms.append((time.perf_counter() - t0) * 1e3)
-                        rows = len(rnd) * (k + 1)
-                        shapes.append((rows, max(len(seqs[s].token_ids) + k for s, _ in rnd)))
-                        for (s, n), d in zip(rnd, drafts, strict=True):
-                            seqs[s].commit((d + [gen.randrange(vocab)])[:n])
-                    for s in seqs:
-                        runner.free(s)
-                    passes.append((ms, shapes))
-                ref = percentiles(passes[1][0])["p50"]
-                for i, (ms, shapes) in enumerate(passes):
-                    slow = [(round(m, 1), *shape) for m, shape in zip(ms, shapes, strict=True) if m > SLOW * ref]
-                    out.append(
-                        {
-                            "backend": args.child,
-                            "streams": streams,
-                            "mode": mode,
-                            "k": k,
-                            "pass": i + 1,
-                            **percentiles(ms),
-                            "slow": len(slow),
-                            "slowest": sorted(slow, reverse=True)[:5],  # (ms, rows, longest cache)
-                            "ms": [round(m, 3) for m in ms],
-                        }
-                    )
+        ms, shapes = [], []
+        for rnd in rounds:
+            batch = [seqs[s] for s, _ in rnd]
+            drafts = [[gen.randrange(vocab) for _ in range(k)] for _ in rnd]
+            t0 = time.perf_counter()
+            runner.forward(batch, drafts)
+            sync()
+            ms.append((time.perf_counter() - t0) * 1e3)
+            shapes.append((len(rnd) * (k + 1), max(len(seqs[s].token_ids) + k for s, _ in rnd)))
+            for (s, n), d in zip(rnd, drafts, strict=True):
+                seqs[s].commit((d + [gen.randrange(vocab)])[:n])
+        for s in seqs:
+            runner.free(s)
+        return ms, shapes
+
+    warm = runner.new_sequence([1, 2, 3, 4, 5, 6, 7, 8])  # CUDA context, BLAS handles: not any shape's cost
+    runner.prefill(warm)
+    for _ in range(3):
+        runner.forward([warm], [[1, 2]])
+    runner.free(warm)
+    sync()
+    if args.profile_child:
+        from torch.profiler import ProfilerActivity, profile
+
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        streams = max(args.streams)
+        rounds = schedule(streams, args.k, args.tokens, args.seed + streams)
+        with profile(activities=activities) as prof:
+            ms, _ = one_pass(streams, args.k, rounds)
+        table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60)
+        return {"profile": {"backend": args.child, "streams": streams, "ms": [round(m, 3) for m in ms], "table": table}}
+    out = []
+    for streams in args.streams:
+        for mode, k in (("speculative", args.k), ("target-only", 0)):
+            rounds = schedule(streams, k, args.tokens, args.seed + streams)
+            passes = [one_pass(streams, k, rounds) for _ in range(2)]
+            ref = percentiles(passes[1][0])["p50"]
+            for i, (ms, shapes) in enumerate(passes):
+                slow = [(round(m, 1), *shape) for m, shape in zip(ms, shapes, strict=True) if m > SLOW * ref]
+                out.append(
+                    {
+                        "backend": args.child,
+                        "streams": streams,
+                        "mode": mode,
+                        "k": k,
+                        "pass": i + 1,
+                        **percentiles(ms),
+                        "slow": len(slow),
+                        "slowest": sorted(slow, reverse=True)[:5],  # (ms, rows, longest cache)
+                        "ms": [round(m, 3) for m in ms],
+                    }
+                )
     return {"rows": out}
 
 
@@ -206,17 +213,19 @@ def parse_args(argv=None):
     ap.add_argument("--prompt-len", type=int, default=64, help="prompt tokens per stream")
     ap.add_argument("--backends", type=parse_list(str), default=None, help=f"SDPA settings: {', '.join(BACKENDS)}")
     ap.add_argument("--random-weights", action="store_true", help="the target built from its config alone")
+    ap.add_argument("--profile", default=None, metavar="BACKEND", help="also profile this setting's first pass")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout-s", type=float, default=300.0, help="per backend process")
     ap.add_argument("--out", type=Path, default=RESULTS / "verify-shapes.json")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--child-out", type=Path, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--profile-child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.device is None:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.backends is None:
         args.backends = list(BACKENDS) if args.device.startswith("cuda") else ["default", "math"]
-    for b in args.backends:
+    for b in [*args.backends, *([args.profile] if args.profile else [])]:
         if b not in BACKENDS:
             ap.error(f"--backends: unknown setting {b!r} (expected one of {', '.join(BACKENDS)})")
     if args.k < 1 or args.tokens < 1 or args.prompt_len < 1 or not args.streams or min(args.streams) < 1:
@@ -229,36 +238,32 @@ def main(argv=None) -> dict:
     if args.child:
         args.child_out.write_text(json.dumps(child(args)))
         return {}
-    rows, failures = [], {}
+    rows, failures, profile = [], {}, None
     passthrough = [
         *("--target", str(args.target), "--device", args.device, "--k", str(args.k), "--tokens", str(args.tokens)),
         *("--prompt-len", str(args.prompt_len), "--streams", ",".join(map(str, args.streams))),
         *("--seed", str(args.seed), *(["--random-weights"] if args.random_weights else [])),
     ]
     with tempfile.TemporaryDirectory() as tmp:
-        for backend in args.backends:
-            part = Path(tmp) / f"{backend}.json"
-            cmd = [
-                sys.executable,
-                "-m",
-                "bench.verify_shapes",
-                *passthrough,
-                "--child",
-                backend,
-                "--child-out",
-                str(part),
-            ]
-            print(f"backend {backend} ...", flush=True)
+        runs = [(b, False) for b in args.backends] + ([(args.profile, True)] if args.profile else [])
+        for backend, profiled in runs:
+            name = f"{backend} (profiled)" if profiled else backend
+            part = Path(tmp) / f"{backend}{'-profile' if profiled else ''}.json"
+            cmd = [sys.executable, "-m", "bench.verify_shapes", *passthrough, "--child", backend]
+            cmd += ["--child-out", str(part), *(["--profile-child"] if profiled else [])]
+            print(f"backend {name} ...", flush=True)
             try:
                 done = subprocess.run(cmd, cwd=ROOT, timeout=args.timeout_s, capture_output=True, text=True)
             except subprocess.TimeoutExpired:
-                failures[backend] = f"timed out after {args.timeout_s:.0f} s"
+                failures[name] = f"timed out after {args.timeout_s:.0f} s"
                 continue
             if done.returncode != 0 or not part.exists():
-                failures[backend] = (done.stderr or done.stdout).strip()[-2000:]
-                print(f"backend {backend} failed:\n{failures[backend]}", flush=True)
+                failures[name] = (done.stderr or done.stdout).strip()[-2000:]
+                print(f"backend {name} failed:\n{failures[name]}", flush=True)
                 continue
-            rows += json.loads(part.read_text())["rows"]
+            got = json.loads(part.read_text())
+            rows += got.get("rows", [])
+            profile = got.get("profile", profile)
     import transformers
 
     result = {
@@ -274,9 +279,10 @@ def main(argv=None) -> dict:
         "settings": {
             k: (str(v) if isinstance(v, Path) else v)
             for k, v in vars(args).items()
-            if k not in ("out", "child", "child_out")
+            if k not in ("out", "child", "child_out", "profile_child")
         },
         "rows": rows,
+        "profile": profile,
         "failures": failures,
         "notes": [
             "each forward is timed between two device synchronisations; prefill is not timed",
@@ -290,6 +296,9 @@ def main(argv=None) -> dict:
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     plot(rows, args.out.with_suffix(".png"))
     print("\n" + table + "\n")
+    if profile:
+        print(f"profile, {profile['backend']}, {profile['streams']} streams, speculative, first pass:")
+        print(profile["table"])
     print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
     if failures:
         sys.exit(1)

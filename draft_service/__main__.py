@@ -12,6 +12,7 @@ from draft_service.engine import ALGORITHMS, RUNNERS, DraftConfig
 from draft_service.server import build_server
 from specmesh.config import EnvArgumentParser, add_config_flags, add_process_flags, add_server_flags, parse_config
 from specmesh.drafters import DraftBatcher
+from specmesh.runtime.attention import ATTENTION_BACKENDS
 from specmesh.security import add_service_flags
 from specmesh.serving import run_service
 
@@ -28,6 +29,9 @@ FLAG_HELP = {
     "sessions than this (0 = no limit; the gateway's flag of that name decides it for new requests)",
     "pipeline": "keep drafting the next block while one is being verified",
     "draft_topk": "sampled drafts: the support of the sparse draft distribution sent with each token",
+    "attention_backend": "SDPA kernels the runtime may use: auto = all but cuDNN on CUDA (cuDNN builds a plan per new "
+    "sequence length, which a decode meets every forward), torch's own choice elsewhere; default = torch's own "
+    "choice; no-cudnn; math (reference, slow)",
     "draft_runner": "batched: one forward advances every drafting session (Llama family); static: one session per "
     "forward, preallocated cache; hf: the stock HF forward; auto: batched where the model allows it",
     "max_model_len": "longest sequence a session's draft KV slot holds (0 = the model's max_position_embeddings)",
@@ -57,6 +61,7 @@ FLAG_HELP = {
 FLAG_OPTIONS = {
     "speculative_algorithm": {"type": str.lower, "choices": list(ALGORITHMS)},
     "draft_runner": {"choices": list(RUNNERS)},
+    "attention_backend": {"choices": list(ATTENTION_BACKENDS)},
 }
 
 

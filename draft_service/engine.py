@@ -33,6 +33,7 @@ from specmesh.errors import FailedPrecondition, InvalidArgument, ResourceExhaust
 from specmesh.loop import FixedK, GoodputK, RoundRecord, speculative_generate
 from specmesh.models import load_model
 from specmesh.rejection import MAX_SPEC_LEN
+from specmesh.runtime.attention import check_attention_backend
 from specmesh.runtime.batched import BatchedRunner
 from specmesh.runtime.hf import ModelRunner
 from specmesh.runtime.static import StaticCacheRunner
@@ -67,6 +68,7 @@ class DraftConfig:
     # "auto": "batched" where the architecture allows it, else "hf". "batched": one forward advances every
     # session (BatchedRunner); "static": StaticCacheRunner, one session per forward; "hf": ModelRunner.
     draft_runner: str = "auto"
+    attention_backend: str = "auto"  # specmesh.runtime.attention
     max_sessions: int = 64  # concurrent generations; more get RESOURCE_EXHAUSTED
     max_cached_sessions: int = 64  # per-session draft KV caches kept for later turns (LRU)
     max_model_len: int = 0  # longest sequence the draft's KV slots hold; 0 = the model's
@@ -95,6 +97,7 @@ class DraftConfig:
             raise ValueError("the standalone algorithm needs --model-path (the draft model)")
         if self.draft_runner not in RUNNERS:
             raise ValueError(f"draft_runner must be one of {RUNNERS}, got {self.draft_runner!r}")
+        check_attention_backend(self.attention_backend)
         if not 0 <= self.speculative_num_steps <= MAX_SPEC_LEN:
             raise ValueError(f"speculative_num_steps must be in [0, {MAX_SPEC_LEN}]")
         if self.speculative_disable_by_batch_size < 0:
@@ -127,8 +130,11 @@ def make_runner(model, config: DraftConfig):
             num_slots=config.max_sessions + config.max_cached_sessions,
             max_seq_len=config.max_model_len or None,
             prefault=config.kv_cache_prefault,
+            attention_backend=config.attention_backend,
         )
-    return StaticCacheRunner(model) if kind == "static" else ModelRunner(model)
+    if kind == "static":
+        return StaticCacheRunner(model, attention_backend=config.attention_backend)
+    return ModelRunner(model)
 
 
 class DraftEngine:

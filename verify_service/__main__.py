@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from specmesh.config import EnvArgumentParser, add_config_flags, add_process_flags, add_server_flags, parse_config
 from specmesh.rejection import MAX_SPEC_LEN
+from specmesh.runtime.attention import ATTENTION_BACKENDS
 from specmesh.security import add_service_flags
 from specmesh.serving import run_service
 from verify_service.engine import VerifyConfig
@@ -22,6 +23,9 @@ FLAG_HELP = {
     "idle sessions are evicted LRU when a new one does not fit",
     "kv_cache_prefault": "write the batched runner's whole KV pool at start, so the process's memory is resident "
     "from the start and stays flat under load (--no-kv-cache-prefault: pages are taken as slots first fill them)",
+    "attention_backend": "SDPA kernels the runtime may use: auto = all but cuDNN on CUDA (cuDNN builds a plan per new "
+    "sequence length, which a decode meets every forward), torch's own choice elsewhere; default = torch's own "
+    "choice; no-cudnn; math (reference, slow)",
     "runner": "target runtime: batched = one ragged forward over a KV slot pool (Llama family), hf = the stock HF "
     "forward (any causal LM), auto = batched when the model and budget allow it",
     "max_model_len": "most tokens per session (prompt + max_tokens) = a KV slot's length; 0 = the model's context, "
@@ -51,6 +55,7 @@ FLAG_HELP = {
 }
 FLAG_OPTIONS = {
     "runner": {"choices": list(RUNNERS)},
+    "attention_backend": {"choices": list(ATTENTION_BACKENDS)},
     "sampler_backend": {"choices": ["auto", "torch", "triton"]},
     "seed": {"type": int},  # its default, None, has no type to parse with
 }

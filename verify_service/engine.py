@@ -27,6 +27,7 @@ from specmesh.errors import (
 )
 from specmesh.models import eos_token_ids, load_model
 from specmesh.rejection import MAX_SPEC_LEN, RejectionInput, RejectionSampler, token_logprobs, validate_block
+from specmesh.runtime.attention import check_attention_backend
 from specmesh.runtime.batched import BatchedRunner
 from specmesh.sampling import (
     MAX_LOGPROBS,
@@ -63,6 +64,7 @@ class VerifyConfig:
     kv_cache_budget_mb: float = 2048.0
     kv_cache_prefault: bool = True  # the batched runner's pool resident from the start (see BatchedRunner)
     runner: str = "auto"  # auto | batched | hf (see verify_service.runner)
+    attention_backend: str = "auto"  # specmesh.runtime.attention
     max_model_len: int = 0  # most tokens per session; 0 = the model's, capped to fit max_sessions slots
     max_batch_tokens: int = 512  # positions one tick's forward may compute (vLLM's max_num_batched_tokens)
     session_ttl_s: float = 600.0
@@ -88,6 +90,7 @@ class VerifyConfig:
             raise ValueError("max_batch_size, max_sessions and max_batch_tokens must be >= 1")
         if self.runner not in RUNNERS:
             raise ValueError(f"runner must be one of {', '.join(RUNNERS)}")
+        check_attention_backend(self.attention_backend)
         if self.max_model_len < 0 or self.prefill_chunk_tokens < 0:
             raise ValueError("max_model_len and prefill_chunk_tokens must be >= 0")
         if min(self.attach_timeout_s, self.stream_idle_timeout_s, self.max_cached_sessions) < 0:
@@ -130,6 +133,7 @@ class VerifyEngine:
         # made every batched forward ~40% slower on the 2-core dev machine.
         model_thread = model_thread or ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
         args = (model, config.runner, budget, config.max_sessions, config.max_model_len, config.kv_cache_prefault)
+        args += (config.attention_backend,)
         self.runner = model_thread.submit(build_runner, *args).result()
         self.tokenizer = tokenizer
         self.vocab_size = self.runner.vocab_size

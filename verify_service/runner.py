@@ -74,6 +74,7 @@ def build_runner(
     max_sessions: int = 64,
     max_model_len: int = 0,
     prefault: bool = False,
+    attention_backend: str = "auto",
 ) -> ModelRunner | BatchedRunner:
     """The runner `--runner` asks for (see the module docstring); ValueError when it cannot be had."""
     if runner not in RUNNERS:
@@ -94,7 +95,9 @@ def build_runner(
             raise
         log.warning("%s: serving with the HF runner, whose caches grow token by token", e)
         return ModelRunner(model)
-    batched = BatchedRunner(model, plan.num_slots, plan.slot_len, prefault=prefault)
+    batched = BatchedRunner(
+        model, plan.num_slots, plan.slot_len, prefault=prefault, attention_backend=attention_backend
+    )
     log.info(
         "batched runner: %d KV slots of %d tokens (%.1f MiB)", plan.num_slots, plan.slot_len, batched.pool_bytes / 2**20
     )

@@ -36,6 +36,7 @@ from transformers import PreTrainedModel
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from specmesh.errors import InvalidArgument, ResourceExhausted
+from specmesh.runtime.attention import check_attention_backend, sdpa_context
 from specmesh.runtime.sequence import common_prefix
 from specmesh.runtime.static import TrackedSequence, _FastDecoder
 
@@ -194,7 +195,8 @@ class BatchedRunner:
     probe when built (raises ValueError if they disagree). `packed`: oneDNN-packed weights (None: wherever
     the device and dtype allow, see `_FastDecoder`). `prefault`: write the whole pool once when built, so
     its memory is resident from the start (a service's memory then stays flat as slots fill, and a memory
-    limit too small for the pool is met at start rather than under load).
+    limit too small for the pool is met at start rather than under load). `attention_backend`: which SDPA
+    kernels the forward may use (`specmesh.runtime.attention`; "auto" keeps cuDNN's per-shape plans out).
     """
 
     def __init__(
@@ -205,6 +207,7 @@ class BatchedRunner:
         check: bool = True,
         packed: bool | None = None,
         prefault: bool = False,
+        attention_backend: str = "auto",
     ):
         if not self.supports(model):
             raise ValueError(
@@ -216,6 +219,7 @@ class BatchedRunner:
         self.config = model.config
         self.device = next(model.parameters()).device
         self.vocab_size = model.get_output_embeddings().weight.size(0)
+        self.attention_backend = check_attention_backend(attention_backend)
         self.prefix_tokens_reused = 0  # tokens whose KV was found in a cache instead of recomputed
         limit = int(getattr(self.config, "max_position_embeddings", 0) or 0)
         if max_seq_len is not None:
@@ -415,15 +419,16 @@ class BatchedRunner:
         slots = torch.tensor(flat_slot, dtype=torch.long, device=dev)  # [T]
         dec = self._dec
         dec.refresh_if_stale()
-        out = dec.ragged(
-            self._k,
-            self._v,
-            ids,
-            pos,
-            slots,
-            segments,
-            torch.tensor(rows, dtype=torch.long, device=dev) if rows else None,
-        )
+        with sdpa_context(self.attention_backend, dev):
+            out = dec.ragged(
+                self._k,
+                self._v,
+                ids,
+                pos,
+                slots,
+                segments,
+                torch.tensor(rows, dtype=torch.long, device=dev) if rows else None,
+            )
         if out is None:
             return [_no_logits(self.vocab_size, dev) for _ in work]
         out = out.float()  # [R, V]

@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from transformers import PreTrainedModel
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
+from specmesh.runtime.attention import check_attention_backend, sdpa_context
 from specmesh.runtime.sequence import SequenceBase
 
 _NONE_CHANGED = sys.maxsize
@@ -508,13 +509,21 @@ class StaticCacheRunner:
 
     `fast_path`: None = the hand-written decoder when the architecture allows it and it matches the HF
     forward on a probe; False = always the HF forward (over the preallocated cache); True = require it.
+    `attention_backend`: which SDPA kernels a forward may use (`specmesh.runtime.attention`).
     """
 
-    def __init__(self, model: PreTrainedModel, initial_capacity: int = 256, fast_path: bool | None = None):
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        initial_capacity: int = 256,
+        fast_path: bool | None = None,
+        attention_backend: str = "auto",
+    ):
         self.model = model
         self.config = model.config
         self.device = next(model.parameters()).device
         self.vocab_size = model.get_output_embeddings().weight.size(0)
+        self.attention_backend = check_attention_backend(attention_backend)
         self.prefix_tokens_reused = 0  # tokens whose KV was found in a cache instead of recomputed
         self.initial_capacity = max(int(initial_capacity), 1)
         layers = DynamicCache(config=self.config).layers
@@ -599,16 +608,17 @@ class StaticCacheRunner:
         cache = seq.cache
         start = cache.length
         try:
-            if self._fast is not None:
-                self._fast.refresh_if_stale()
-                cache.reserve(start + len(feed))
-                logits = self._fast(cache, feed, num_logits)
-            else:
-                ids = torch.tensor([feed], dtype=torch.long, device=self.device)
-                pos = torch.arange(start, start + len(feed), device=self.device)[None, :]
-                logits = self.model(
-                    input_ids=ids, position_ids=pos, cache=cache, use_cache=True, logits_to_keep=num_logits
-                ).logits[0]
+            with sdpa_context(self.attention_backend, self.device):
+                if self._fast is not None:
+                    self._fast.refresh_if_stale()
+                    cache.reserve(start + len(feed))
+                    logits = self._fast(cache, feed, num_logits)
+                else:
+                    ids = torch.tensor([feed], dtype=torch.long, device=self.device)
+                    pos = torch.arange(start, start + len(feed), device=self.device)[None, :]
+                    logits = self.model(
+                        input_ids=ids, position_ids=pos, cache=cache, use_cache=True, logits_to_keep=num_logits
+                    ).logits[0]
         except BaseException:
             cache.set_length(start)  # some layers may already hold the new keys/values
             raise

@@ -47,3 +47,15 @@ def test_a_backend_run_end_to_end(tmp_path):
 def test_an_unknown_backend_is_refused():
     with pytest.raises(SystemExit):
         verify_shapes.parse_args(["--backends", "default,flash2"])
+
+
+def test_a_profiled_run_keeps_the_operator_table(tmp_path):
+    tiny_model("llama", vocab=97, seed=0).config.save_pretrained(tmp_path / "model")
+    out = tmp_path / "shapes.json"
+    argv = ["--target", str(tmp_path / "model"), "--random-weights", "--device", "cpu", "--streams", "2"]
+    argv += ["--tokens", "4", "--prompt-len", "5", "--k", "2", "--backends", "default", "--profile", "math"]
+    verify_shapes.main([*argv, "--out", str(out)])
+    profile = json.loads(out.read_text())["profile"]
+    assert profile["backend"] == "math" and profile["streams"] == 2 and len(profile["ms"]) > 0
+    assert "aten::mm" in profile["table"] or "aten::addmm" in profile["table"] or "aten::linear" in profile["table"]
+    assert "Self CPU time total" in profile["table"]
