@@ -38,7 +38,7 @@ from transformers.cache_utils import DynamicCache, DynamicLayer
 from specmesh.errors import InvalidArgument, ResourceExhausted
 from specmesh.runtime.attention import check_attention_backend, sdpa_context
 from specmesh.runtime.sequence import common_prefix
-from specmesh.runtime.static import TrackedSequence, _FastDecoder
+from specmesh.runtime.static import TrackedSequence, _FastDecoder, logits_agree
 
 
 class SlotSequence(TrackedSequence):
@@ -454,9 +454,9 @@ class BatchedRunner:
                     ids[:8] + ids[9:11],
                 ]
                 for logits, f in zip(got, fed, strict=True):
-                    ref = self.model(input_ids=torch.tensor([f], device=self.device)).logits[0, -len(logits) :].float()
-                    tol = 1e-3 * (1.0 + float(ref.abs().max()))
-                    if not (bool(torch.isfinite(logits).all()) and float((ref - logits).abs().max()) <= tol):
+                    with sdpa_context(self.attention_backend, self.device):
+                        out = self.model(input_ids=torch.tensor([f], device=self.device))
+                    if not logits_agree(out.logits[0, -len(logits) :].float(), logits, self._dec.dtype):
                         return False
             return True
         finally:

@@ -339,3 +339,23 @@ def test_unsupported_models_are_refused():
     assert not BatchedRunner.supports(gpt2)
     with pytest.raises(ValueError, match="ModelRunner"):
         BatchedRunner(gpt2, num_slots=1)
+
+
+DEMO_TARGET = Path(__file__).resolve().parents[2] / "models" / "demo" / "target"
+
+
+def test_the_probe_passes_the_demo_target_in_bf16_and_still_catches_a_layout_mistake():
+    """In bf16 the decoder's masked attention and HF's causal call round differently (about 0.5% of the
+    logits' scale for the demo target), which a fp32 bound refused: a CUDA service failed to start. A rotary
+    turned the wrong way must still be refused."""
+    from specmesh.models import load_model
+    from specmesh.runtime.static import StaticCacheRunner
+
+    model, _ = load_model(DEMO_TARGET, "cpu", dtype=torch.bfloat16)
+    runner = BatchedRunner(model, num_slots=2, max_seq_len=32)  # raises if the probe disagrees
+    assert StaticCacheRunner(model).uses_fast_path
+    runner._dec.sin.neg_()
+    try:
+        assert not runner._matches_hf()
+    finally:
+        runner._dec.sin.neg_()
