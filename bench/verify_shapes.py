@@ -1,7 +1,7 @@
 """Where the verify forward's time goes, shape by shape: the first time each shape is met against the second.
 
     python -m bench.verify_shapes [--device cuda] [--streams 1,16] [--k 4] [--tokens 64] [--prompt-len 64]
-        [--backends default,no-cudnn,math] [--random-weights] [--profile BACKEND]
+        [--backends default,no-cudnn,math] [--padded-attention auto|on|off] [--random-weights] [--profile BACKEND]
 
 The verify service's batched runner (`BatchedRunner`, in process, no services) replays a decode: S streams,
 each verifying a block of K random drafts per round and committing a pre-drawn number of them (plus the
@@ -18,6 +18,8 @@ device synchronisations. `--random-weights` builds the target from its config al
 kernels are the same), for a machine the checkpoint cannot be copied to. `--profile BACKEND` runs that
 setting once more, in a process of its own, with torch's profiler over the first pass of the speculative
 rounds at the most streams, and keeps its operator table (the timed passes run without the profiler).
+`--padded-attention`: the runner's attention layout for every setting (auto: padded on CUDA, one call per
+sequence on CPU; see `specmesh.runtime.batched`).
 
 Writes bench/results/verify-shapes.json (per backend, streams, mode and pass: forwards, p50 / p90 / p99 /
 max ms, how many forwards took over 3x pass 2's p50, and every forward's time), a PNG of every forward's
@@ -95,6 +97,7 @@ def child(args) -> dict:
         max_seq_len=args.prompt_len + args.tokens + args.k + 2,
         check=False,
         attention_backend=args.child,
+        padded_attention={"auto": None, "on": True, "off": False}[args.padded_attention],
     )
     vocab = runner.vocab_size
 
@@ -152,6 +155,7 @@ def child(args) -> dict:
                 out.append(
                     {
                         "backend": args.child,
+                        "padded": runner._dec.padded,
                         "streams": streams,
                         "mode": mode,
                         "k": k,
@@ -167,12 +171,14 @@ def child(args) -> dict:
 
 def markdown(rows: list[dict]) -> str:
     lines = [
-        "| backend | streams | mode | pass | forwards | p50 ms | p90 ms | p99 ms | max ms | slow (> 3x pass 2 p50) |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| backend | padded | streams | mode | pass | forwards | p50 ms | p90 ms | p99 ms | max ms "
+        "| slow (> 3x pass 2 p50) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
-            f"| {r['backend']} | {r['streams']} | {r['mode']} | {r['pass']} | {r['forwards']} | {r['p50']} | "
+            f"| {r['backend']} | {r.get('padded')} | {r['streams']} | {r['mode']} | {r['pass']} | {r['forwards']} | "
+            f"{r['p50']} | "
             f"{r['p90']} | {r['p99']} | {r['max']} | {r['slow']} |"
         )
     return "\n".join(lines)
@@ -213,6 +219,9 @@ def parse_args(argv=None):
     ap.add_argument("--prompt-len", type=int, default=64, help="prompt tokens per stream")
     ap.add_argument("--backends", type=parse_list(str), default=None, help=f"SDPA settings: {', '.join(BACKENDS)}")
     ap.add_argument("--random-weights", action="store_true", help="the target built from its config alone")
+    ap.add_argument(
+        "--padded-attention", choices=["auto", "on", "off"], default="auto", help="the runner's attention layout"
+    )
     ap.add_argument("--profile", default=None, metavar="BACKEND", help="also profile this setting's first pass")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout-s", type=float, default=300.0, help="per backend process")
@@ -243,6 +252,7 @@ def main(argv=None) -> dict:
         *("--target", str(args.target), "--device", args.device, "--k", str(args.k), "--tokens", str(args.tokens)),
         *("--prompt-len", str(args.prompt_len), "--streams", ",".join(map(str, args.streams))),
         *("--seed", str(args.seed), *(["--random-weights"] if args.random_weights else [])),
+        *("--padded-attention", args.padded_attention),
     ]
     with tempfile.TemporaryDirectory() as tmp:
         runs = [(b, False) for b in args.backends] + ([(args.profile, True)] if args.profile else [])

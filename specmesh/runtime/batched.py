@@ -11,7 +11,9 @@ Here the caches never move:
 * Forward: the new tokens of all sequences are flattened to [T, hidden]; per layer one fused qkv matmul,
   rotary by each token's own position, one index_put writing every new key/value into its slot, then
   attention per sequence over a view of its slot [:, :end] (causal over its own new queries), and o_proj,
-  MLP and (only for the rows whose logits are asked for) lm_head batched over all T tokens.
+  MLP and (only for the rows whose logits are asked for) lm_head batched over all T tokens. On CUDA the
+  decode blocks attend in one call per layer instead, padded to the longest block and the longest context
+  (a forward over many sequences is bound by kernel launches there, not by the padded work).
 * Sequence semantics are ModelRunner's: a sequence has committed `token_ids` and `cached_ids`; a forward
   keeps the longest common prefix of the two (leaving at least the last committed token to feed) and
   recomputes the rest, which covers rejected drafts, a draft's own speculation and multi-turn prefix reuse.
@@ -87,12 +89,57 @@ class _Work(NamedTuple):
     num_logits: int  # logits rows wanted: the last num_logits of feed
 
 
-class _RaggedDecoder(_FastDecoder):
-    """`_FastDecoder`'s weights and ops over a flattened ragged batch and a slot pool."""
+# Segments of at most this many new tokens (decode blocks: K + 1 <= 17) attend in one padded SDPA call per
+# layer; longer ones (prefill chunks) attend one by one, so a chunk does not pad every block to its length.
+PADDED_MAX_ROWS = 32
 
-    def __init__(self, model: PreTrainedModel, packed: bool | None = None):
+
+class _Padded(NamedTuple):
+    """One padded attention call over S short segments: index plans built once per forward, on the host."""
+
+    rows: list[int]  # which segments (indices into `segments`)
+    slots: torch.Tensor  # [S] their slots
+    gather: torch.Tensor  # [S * n_max] batch row of each padded query (padding repeats a real row)
+    scatter: torch.Tensor  # [R] padded position of each real row ...
+    real: torch.Tensor  # [R] ... and its batch row
+    mask: torch.Tensor  # [S, 1, n_max, L] key p visible to query j of segment s: p <= start_s + j
+    n_max: int
+    length: int  # L: the longest segment's end
+
+
+class _RaggedDecoder(_FastDecoder):
+    """`_FastDecoder`'s weights and ops over a flattened ragged batch and a slot pool.
+
+    `padded`: short segments attend in one padded SDPA call per layer instead of one call per segment
+    (None: on CUDA, where a forward over many sequences is bound by kernel launches; on CPU the per-segment
+    calls do no padded work and cost little next to the matmuls)."""
+
+    def __init__(self, model: PreTrainedModel, packed: bool | None = None, padded: bool | None = None):
         super().__init__(model, packed)
         self.group = self.n_heads // self.n_kv  # query heads per KV head (1 without GQA)
+        self.padded = self.embed.device.type == "cuda" if padded is None else bool(padded)
+
+    def _padded_plan(self, segments: list[tuple[int, int, int, int]], dev) -> _Padded | None:
+        short = [i for i, (_slot, _start, n, _off) in enumerate(segments) if n <= PADDED_MAX_ROWS]
+        if not self.padded or len(short) < 2:
+            return None
+        n_max = max(segments[i][2] for i in short)
+        length = max(segments[i][1] + segments[i][2] for i in short)
+        gather, scatter, real, qpos = [], [], [], []
+        for s, i in enumerate(short):
+            _slot, start, n, off = segments[i]
+            for j in range(n_max):
+                jj = min(j, n - 1)  # a padding query repeats the last real one: same keys, no empty row
+                gather.append(off + jj)
+                qpos.append(start + jj)
+                if j < n:
+                    scatter.append(s * n_max + j)
+                    real.append(off + j)
+        as_long = lambda xs: torch.tensor(xs, dtype=torch.long, device=dev)
+        qp = as_long(qpos).view(len(short), 1, n_max, 1)
+        mask = torch.arange(length, device=dev).view(1, 1, 1, length) <= qp
+        slots = as_long([segments[i][0] for i in short])
+        return _Padded(short, slots, as_long(gather), as_long(scatter), as_long(real), mask, n_max, length)
 
     def ragged(
         self,
@@ -120,9 +167,11 @@ class _RaggedDecoder(_FastDecoder):
         cos, sin = self.cos[pos], self.sin[pos]  # [T, 1, D]
         # Causal masks over each sequence's slot prefix, built once for all layers. With GQA a sequence's
         # queries are laid out [n_kv, group * n] (see below), so its [n, end] mask is tiled `group` times.
+        plan = self._padded_plan(segments, dev)
+        alone = set(range(len(segments))) - set(plan.rows if plan else ())
         masks: list[torch.Tensor | None] = []
-        for _slot, start, n, _off in segments:
-            if n == 1:
+        for i, (_slot, start, n, _off) in enumerate(segments):
+            if n == 1 or i not in alone:
                 masks.append(None)  # one query sees the whole prefix
                 continue
             end = start + n
@@ -161,7 +210,18 @@ class _RaggedDecoder(_FastDecoder):
             k_layer[slots, :, pos] = qk[:, nh:]  # [T, n_kv, D]
             v_layer[slots, :, pos] = qkv[:, nqk:]
             q = qk[:, :nh]  # [T, nh, D]
-            for (slot, start, n, off), mask in zip(segments, masks, strict=True):
+            if plan is not None:
+                s_n = len(plan.rows)
+                qs = q.index_select(0, plan.gather).view(s_n, plan.n_max, nh, hd).transpose(1, 2)
+                keys = k_layer[plan.slots, :, : plan.length]  # [S, n_kv, L, D], gathered from the slots
+                values = v_layer[plan.slots, :, : plan.length]
+                if g > 1:  # query head j uses KV head j // group (HF's repeat_kv)
+                    keys, values = keys.repeat_interleave(g, dim=1), values.repeat_interleave(g, dim=1)
+                a = F.scaled_dot_product_attention(qs, keys, values, attn_mask=plan.mask, scale=scale)
+                attn[plan.real] = a.transpose(1, 2).reshape(s_n * plan.n_max, nh, hd)[plan.scatter]
+            for i, ((slot, start, n, off), mask) in enumerate(zip(segments, masks, strict=True)):
+                if i not in alone:
+                    continue
                 end = start + n
                 keys = k_layer[slot, :, :end][None]  # [1, n_kv, end, D], a view of the slot
                 values = v_layer[slot, :, :end][None]
@@ -197,6 +257,8 @@ class BatchedRunner:
     its memory is resident from the start (a service's memory then stays flat as slots fill, and a memory
     limit too small for the pool is met at start rather than under load). `attention_backend`: which SDPA
     kernels the forward may use (`specmesh.runtime.attention`; "auto" keeps cuDNN's per-shape plans out).
+    `padded_attention`: decode blocks attend in one padded call per layer (None: on CUDA; see
+    `_RaggedDecoder`).
     """
 
     def __init__(
@@ -208,6 +270,7 @@ class BatchedRunner:
         packed: bool | None = None,
         prefault: bool = False,
         attention_backend: str = "auto",
+        padded_attention: bool | None = None,
     ):
         if not self.supports(model):
             raise ValueError(
@@ -227,14 +290,16 @@ class BatchedRunner:
         if limit < 2:
             raise ValueError("BatchedRunner needs max_seq_len >= 2 (or a model max_position_embeddings)")
         self.slot_len = limit
-        self._dec = _RaggedDecoder(model, packed)
+        self._dec = _RaggedDecoder(model, packed, padded_attention)
         self._dec.reserve(self.slot_len)
         d = self._dec
         self.num_layers = len(d.layers)
         shape = (num_slots, d.n_kv, self.slot_len, d.head_dim)
-        # Positions at or past a slot's valid length are never read, so the pool needs no zeroing; on CPU
-        # torch.empty's pages cost no memory until first written, which prefault does up front.
-        alloc = torch.zeros if prefault else torch.empty
+        # Per-segment attention never reads a slot past its valid length, so that pool needs no zeroing (on
+        # CPU torch.empty's pages cost no memory until first written, which prefault does up front). Padded
+        # attention does read past it, under a mask: masked keys and values must be finite (0 x NaN is NaN),
+        # so its pool starts zeroed; what later sequences leave there is finite.
+        alloc = torch.zeros if prefault or d.padded else torch.empty
         self._k = [alloc(shape, dtype=d.dtype, device=self.device) for _ in range(self.num_layers)]
         self._v = [alloc(shape, dtype=d.dtype, device=self.device) for _ in range(self.num_layers)]
         self.slot_bytes = 2 * self.num_layers * d.n_kv * self.slot_len * d.head_dim * self._k[0].element_size()

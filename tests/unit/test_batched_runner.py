@@ -359,3 +359,25 @@ def test_the_probe_passes_the_demo_target_in_bf16_and_still_catches_a_layout_mis
         assert not runner._matches_hf()
     finally:
         runner._dec.sin.neg_()
+
+
+@pytest.mark.parametrize("make", [lambda: tiny_model("llama", vocab=97, seed=0), tiny_llama_mha, tiny_qwen3])
+def test_padded_attention_gives_the_per_segment_logits(make):
+    """CUDA's layout (decode blocks in one padded SDPA call per layer) against the per-segment calls, on
+    ragged batches with a prefill chunk beside the blocks, rollback and a sequence that leaves and returns;
+    each runner is also checked against the HF forward when built."""
+    model = make()
+    outs = []
+    for padded in (False, True):
+        r = BatchedRunner(model, num_slots=4, max_seq_len=64, padded_attention=padded)
+        a, b = r.new_sequence([1, 2, 3, 4, 5, 6, 7]), r.new_sequence([9, 8, 7])
+        c = r.new_sequence(list(range(10, 50)))
+        r.prefill(a)
+        r.prefill(b)
+        got = list(r.step([a, b], [[11, 12, 13], [14]], prefill=[PrefillChunk(c, 20)]).logits)
+        a.commit([11])  # 12 and 13 rejected
+        got += r.forward([a, b, c], [[21, 22], [], [5, 6, 7, 8]])
+        got += r.forward([c, a], [[1], [3, 3, 3, 3, 3]])
+        outs.append(got)
+    for x, y in zip(*outs):
+        torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-4)
