@@ -25,6 +25,8 @@ FLAG_HELP = {
     "speculative_num_steps": "most draft tokens per block (K); adaptive K stays within it",
     "adaptive": "choose K per session for the verifier's goodput, from live acceptance, timings and the "
     "verifier's load (down to 0)",
+    "goodput_guard": "adaptive K falls back to target-only while speculation measures fewer tokens per second "
+    "than target-only steps (pooled over sessions; a few probe steps keep both sides measured)",
     "speculative_disable_by_batch_size": "adaptive K drafts nothing while the verifier's last batch held more "
     "sessions than this (0 = no limit; the gateway's flag of that name decides it for new requests)",
     "pipeline": "keep drafting the next block while one is being verified",

@@ -30,7 +30,7 @@ from specmesh import wire
 from specmesh.domain import Finished, GenerationEvent, Opened, SpecStats, Tokens
 from specmesh.drafters import ALGORITHMS, Algorithm, DraftBatcher, ModelDrafter, make_drafter
 from specmesh.errors import FailedPrecondition, InvalidArgument, ResourceExhausted, Unavailable
-from specmesh.loop import FixedK, GoodputK, RoundRecord, speculative_generate
+from specmesh.loop import FixedK, GoodputGuard, GoodputK, RoundRecord, speculative_generate
 from specmesh.models import load_model
 from specmesh.rejection import MAX_SPEC_LEN
 from specmesh.runtime.attention import check_attention_backend
@@ -60,6 +60,8 @@ class DraftConfig:
     speculative_algorithm: str = "standalone"
     speculative_num_steps: int = 4  # most draft tokens per block (K max)
     adaptive: bool = True
+    # Adaptive K falls back to target-only while speculation measures slower (specmesh.loop.GoodputGuard).
+    goodput_guard: bool = True
     # Adaptive K is 0 while the verifier's last batch held more sessions than this (0 = no such limit): the
     # per-round side of the gateway's rule of the same name, for sessions that began speculating alone.
     speculative_disable_by_batch_size: int = 0
@@ -160,6 +162,7 @@ class DraftEngine:
             else None
         )
         self.totals = SpecStats()  # every finished generation's speculation statistics
+        self.goodput_guard = GoodputGuard() if config.goodput_guard else None  # shared by every generation
         self.tracer = tracer("draft")
         self.stream_metrics = stream_metrics  # TTFT and inter-token latency of Generate streams
         self._drafters: OrderedDict[str, ModelDrafter] = OrderedDict()
@@ -380,7 +383,8 @@ class _Generation:
         # fixed K and no drafting ahead (both adapt to how fast verdicts come back).
         seeded = params.seed is not None
         limit = engine.config.speculative_disable_by_batch_size
-        self.policy = GoodputK(k_max, batch_limit=limit) if engine.config.adaptive and not seeded else FixedK(k_max)
+        adaptive = engine.config.adaptive and not seeded
+        self.policy = GoodputK(k_max, batch_limit=limit, guard=engine.goodput_guard) if adaptive else FixedK(k_max)
         self.pipeline = engine.config.pipeline and not seeded
         self.parent = otel_context.get_current()  # the Generate server span: rounds are its children
 

@@ -37,7 +37,18 @@ class DraftMetrics(ServiceMetrics):
         pipelined.add_metric(["used"], e.totals.pipelined_used)
         pipelined.add_metric(["discarded"], e.totals.pipelined_discarded)
         cached_doc = "Per-session draft KV caches kept for later turns"
+        goodput = g(
+            "specmesh_draft_goodput_tokens_per_second",
+            "Tokens committed per second of a session's wall time, as the goodput guard measures them",
+            labels=["mode"],
+        )
+        guard = e.goodput_guard
+        for mode, speculative in (("speculative", True), ("target_only", False)):
+            rate = guard.rate(speculative) if guard is not None else None
+            if rate is not None:
+                goodput.add_metric([mode], rate)
         return [
+            goodput,
             g("specmesh_draft_active_sessions", "Generations in progress", value=e.active),
             g("specmesh_draft_cached_sessions", cached_doc, value=e.cached_sessions),
             g("specmesh_draft_seconds_per_token", "Mean time to draft one token", value=e.draft_seconds_per_token()),

@@ -104,6 +104,9 @@ class FixedK:
     ) -> None:
         pass
 
+    def observe_goodput(self, k: int, tokens: int, seconds: float) -> None:
+        """A round (k > 0) or a run of target-only steps (k = 0) committed `tokens` in `seconds` of wall time."""
+
 
 def expected_tokens(cumulative: Sequence[float], alpha: float, k: int) -> float:
     """Tokens a round of K drafts commits, E(K) = 1 + sum_{i<K} P_i. P_i, the chance that its first i + 1
@@ -225,6 +228,78 @@ class AdaptiveK:
         forward model), so it is not held for a run."""
         return 1
 
+    def observe_goodput(self, k: int, tokens: int, seconds: float) -> None:
+        pass
+
+
+class GoodputGuard:
+    """Measured goodput of speculation against target-only, pooled over every session of a draft service.
+
+    GoodputK chooses K from a model of a round's time, and a model can miss what a round really costs: a
+    verifier that serves speculating sessions in more, smaller batches than target-only ones, a draft that
+    competes with the target for one GPU, a round trip per round where target-only steps come in runs. The
+    guard measures instead: tokens committed per second of wall time, in speculative rounds and in
+    target-only steps, summed over sessions with exponential forgetting (`decay` per observation).
+
+    Every `every` speculative rounds (service-wide) one session takes `probe` target-only steps, so that side
+    stays measured. While speculation measures slower than target-only by more than `margin`, sessions take
+    target-only steps in runs, and after every `every` such steps `probe` rounds speculate, so that
+    speculation comes back when it pays again. Until both sides are measured, speculation goes on as GoodputK
+    chooses it. `decay` forgets an observation's weight by 10% per newer one on the same side: about the last
+    ten rounds, or the last ten target-only runs, count.
+    """
+
+    def __init__(self, every: int = 64, probe: int = 4, margin: float = 0.05, decay: float = 0.9):
+        if every < 1 or probe < 1 or not 0.0 <= margin < 1.0 or not 0.0 < decay <= 1.0:
+            raise ValueError("GoodputGuard needs every >= 1, probe >= 1, 0 <= margin < 1 and 0 < decay <= 1")
+        self.every, self.probe, self.margin, self.decay = every, probe, margin, decay
+        self._tokens = [0.0, 0.0]  # decayed sums, [target-only, speculative]
+        self._seconds = [0.0, 0.0]
+        self._spec_rounds_since_probe = 0  # speculative rounds since target-only was last measured
+        self._zero_steps_since_probe = 0  # target-only steps since speculation was last measured
+        self._spec_probe_left = 0  # rounds of a speculation probe still to hand out
+        self.probes = 0  # probes handed out, either side (sessions share a guard on one event loop)
+
+    def observe(self, speculative: bool, tokens: int, seconds: float) -> None:
+        if tokens <= 0 or seconds <= 0:
+            return
+        i = int(speculative)
+        self._tokens[i] = self.decay * self._tokens[i] + tokens
+        self._seconds[i] = self.decay * self._seconds[i] + seconds
+        if speculative:
+            self._spec_rounds_since_probe += 1
+            self._zero_steps_since_probe = 0
+        else:
+            self._zero_steps_since_probe += tokens
+            self._spec_rounds_since_probe = 0
+
+    def rate(self, speculative: bool) -> float | None:
+        """Tokens per second of wall time per session, None before any observation."""
+        i = int(speculative)
+        return self._tokens[i] / self._seconds[i] if self._seconds[i] > 0 else None
+
+    def speculation_loses(self) -> bool:
+        spec, zero = self.rate(True), self.rate(False)
+        return spec is not None and zero is not None and spec < (1.0 - self.margin) * zero
+
+    def target_only_steps(self) -> int:
+        """Target-only steps the asking session should take now instead of speculating (0: speculate)."""
+        if self.speculation_loses():
+            if self._spec_probe_left:
+                self._spec_probe_left -= 1
+                return 0
+            if self._zero_steps_since_probe >= self.every:
+                self._zero_steps_since_probe = 0
+                self._spec_probe_left = self.probe - 1  # this round and the next probe - 1 speculate
+                self.probes += 1
+                return 0
+            return self.every
+        if self._spec_rounds_since_probe >= self.every:
+            self._spec_rounds_since_probe = 0
+            self.probes += 1
+            return self.probe
+        return 0
+
 
 class GoodputK(AdaptiveK):
     """K chosen for the tokens the verifier commits per second across its whole batch, not for one session.
@@ -243,9 +318,19 @@ class GoodputK(AdaptiveK):
     rounds included, so speculation comes back as soon as the batch shrinks).
     """
 
-    def __init__(self, k_max: int, decay: float = 0.95, explore_every: int = 8, batch_limit: int = 0, **kw):
+    def __init__(
+        self,
+        k_max: int,
+        decay: float = 0.95,
+        explore_every: int = 8,
+        batch_limit: int = 0,
+        guard: GoodputGuard | None = None,
+        **kw,
+    ):
         super().__init__(k_max, **kw)
         self.batch_limit = batch_limit
+        self.guard = guard
+        self._guard_steps = 0  # target-only steps the guard asked for, taken as the next run
         self.last_batch_size = 0
         self.fit_decay = decay
         self.explore_every = explore_every
@@ -292,11 +377,22 @@ class GoodputK(AdaptiveK):
     def zero_run(self, remaining: int) -> int:
         if self._batch_limited():
             return max(1, min(self.BATCH_LIMIT_RUN, remaining))
+        if self._guard_steps:
+            steps, self._guard_steps = self._guard_steps, 0
+            return max(1, min(steps, remaining))
         return super().zero_run(remaining)
+
+    def observe_goodput(self, k: int, tokens: int, seconds: float) -> None:
+        if self.guard is not None:
+            self.guard.observe(k > 0, tokens, seconds)
 
     def next_k(self) -> int:
         if self._batch_limited():
             return 0
+        if self.guard is not None and self.k_max:
+            self._guard_steps = self.guard.target_only_steps()
+            if self._guard_steps:
+                return 0
         fit = self.forward_model()
         if fit is None or self.t_draft is None or self.batch_size is None or self.overhead is None:
             return super().next_k()
@@ -370,7 +466,7 @@ async def speculative_generate(
     async def target_only_run(steps: int) -> None:
         """`steps` K = 0 rounds in a row, as one run the verifier takes without waiting for a block per step."""
         t_sent = t_prev = time.perf_counter()
-        first_seconds, load = None, None
+        first_seconds, load, committed = None, None, 0
         async with contextlib.aclosing(verifier.target_only(steps)) as verdicts:
             async for verdict in verdicts:
                 now = time.perf_counter()
@@ -381,6 +477,7 @@ async def speculative_generate(
                 if on_round is not None:
                     on_round(RoundRecord(0, 0, 0, len(verdict.tokens), t_prev, t_prev, t_prev, now))
                 take(verdict)
+                committed += len(verdict.tokens)
                 if drafter is not None and policy.k_max and not stop.finished:
                     drafter.commit(verdict.tokens)
                 t_prev = now
@@ -388,6 +485,7 @@ async def speculative_generate(
                     break
         if first_seconds is not None:  # one observation for the run: its per-step times are no round trips
             policy.observe(0, 0, 0.0, first_seconds, load)
+            policy.observe_goodput(0, committed, t_prev - t_sent)
 
     while not stop.finished:
         if cancelled is not None and cancelled():
@@ -439,6 +537,7 @@ async def speculative_generate(
             t3 - t1,
             verdict.load if verdict.load.batch_size else None,
         )
+        policy.observe_goodput(drafted, len(verdict.tokens), t3 - t0)
         if on_round is not None:
             on_round(
                 RoundRecord(

@@ -642,6 +642,7 @@ class StaticCacheRunner:
     def _fast_matches_hf(self) -> bool:
         """Run a probe (prefill, one-token decode, a multi-token feed) through both paths; compare logits."""
         fast, self._fast = self._fast, None
+        assert fast is not None  # called only once a decoder is built
         try:
             with torch.inference_mode():
                 ids = [(7 * i + 3) % self.vocab_size for i in range(12)]

@@ -6,7 +6,7 @@ import random
 import pytest
 
 from specmesh.domain import BatchLoad, DraftBlock, Verdict
-from specmesh.loop import AdaptiveK, GoodputK, expected_tokens, speculative_generate
+from specmesh.loop import AdaptiveK, GoodputGuard, GoodputK, expected_tokens, speculative_generate
 from specmesh.sampling import SamplingParams, StopChecker
 
 
@@ -308,3 +308,71 @@ def test_a_k_zero_chosen_from_acceptance_is_one_step_not_a_run():
     g = GoodputK(4, batch_limit=1)
     g.observe(4, 0, 0.004, 0.045, BatchLoad(0.0, 0.04, 6, 6))
     assert g.next_k() == 0 and g.zero_run(50) == GoodputK.BATCH_LIMIT_RUN and g.zero_run(3) == 3
+
+
+def test_the_goodput_guard_turns_speculation_off_while_it_measures_slower_and_probes_both_sides():
+    guard = GoodputGuard(every=8, probe=2, margin=0.05)
+    assert guard.target_only_steps() == 0  # nothing measured: speculate as GoodputK chooses
+    for _ in range(8):
+        guard.observe(True, 3, 0.030)  # 100 tok/s speculating
+    assert guard.target_only_steps() == 2  # every 8 speculative rounds, a 2-step target-only probe
+    guard.observe(False, 2, 0.010)  # 200 tok/s target-only
+    assert guard.speculation_loses()
+    assert guard.target_only_steps() == 8  # runs of `every` target-only steps ...
+    for _ in range(4):
+        guard.observe(False, 8, 0.040)
+    assert [guard.target_only_steps() for _ in range(2)] == [0, 0]  # ... then `probe` rounds speculate
+    assert guard.target_only_steps() == 8  # and if it still loses, back to target-only
+    for _ in range(20):
+        guard.observe(True, 4, 0.010)  # speculation got cheap: 400 tok/s
+    assert not guard.speculation_loses()
+    assert guard.target_only_steps() == 2 and guard.target_only_steps() == 0  # the probe that was due, then none
+    assert 300 < guard.rate(True) < 400 and guard.rate(False) == pytest.approx(200)  # older rounds fading
+
+
+def test_a_goodput_k_with_the_guard_takes_the_runs_it_asks_for():
+    guard = GoodputGuard(every=4, probe=3)
+    policy = GoodputK(4, guard=guard)
+    for _ in range(4):
+        policy.observe_goodput(4, 3, 0.03)
+    assert policy.next_k() == 0 and policy.zero_run(100) == 3 and policy.zero_run(100) == 1
+    assert GoodputK(4).guard is None
+
+
+class TimedVerifier(ScriptedVerifier):
+    """Accepts half of each block; a speculative round costs `round_s`, a target-only step `step_s`."""
+
+    def __init__(self, round_s, step_s):
+        super().__init__(0.0, bonus=lambda ctx: ctx[-1] + 1)
+        self.round_s, self.step_s, self.runs = round_s, step_s, []
+
+    async def submit(self, proposal):
+        self.blocks.append(list(proposal.token_ids))
+        await asyncio.sleep(self.round_s if proposal.k else self.step_s)
+        accepted = proposal.token_ids[: proposal.k // 2]
+        tokens = accepted + [self.bonus(self.committed + accepted)]
+        self.committed += tokens
+        return Verdict(tokens, len(accepted), proposal.k)
+
+    async def target_only(self, steps):
+        self.runs.append(steps)
+        async for verdict in super().target_only(steps):
+            yield verdict
+
+
+@pytest.mark.parametrize("speculation_pays", [False, True])
+def test_the_loop_falls_back_to_target_only_where_speculation_measures_slower(speculation_pays):
+    """A verifier where a round (3 tokens) takes 40 ms and a target-only step 2 ms (speculation at 75 tok/s
+    against 500), and the reverse (a round 2 ms, a step 40 ms): with the guard the loop ends up in runs of
+    target-only steps in the first case and keeps speculating in the second, the tokens the same."""
+    round_s, step_s = (0.002, 0.040) if speculation_pays else (0.040, 0.002)
+    params = SamplingParams(temperature=0.0, max_tokens=150, ignore_eos=True)
+    verifier = TimedVerifier(round_s, step_s)
+    policy = GoodputK(4, guard=GoodputGuard(every=8, probe=2))
+    r = asyncio.run(speculative_generate(verifier, CountingDrafter(), [1], params, policy, StopChecker(params)))
+    assert r.token_ids == list(range(2, 152))
+    steps_in_runs = sum(verifier.runs)
+    if speculation_pays:
+        assert all(n == 2 for n in verifier.runs[:-1]) and steps_in_runs <= 30  # only the guard's probes
+    else:
+        assert steps_in_runs >= 75 and verifier.runs.count(8) >= 5
