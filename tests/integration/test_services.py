@@ -1,5 +1,6 @@
 """The service pair over real gRPC on loopback: lossless output, batching, sessions, errors, lifecycle."""
 
+import asyncio
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -299,3 +300,43 @@ def test_a_replica_without_runs_gets_an_empty_block_per_step(target, reference, 
     ps, outs, info = batch_limited_burst(target)
     assert [tokens for tokens, _ in outs] == [reference(p) for p in ps]
     assert info.max_batch_size_seen > 1 and info.run_steps == 0 and info.deadline_steps == 0
+
+
+@pytest.mark.parametrize("guard", [True, False])
+def test_the_goodput_guard_turns_speculation_off_where_rounds_cost_what_the_model_does_not_see(
+    target, reference, monkeypatch, guard
+):
+    """Every speculative block waits 30 ms more on its way to the verifier (a slow link, a busy scheduler),
+    target-only runs do not (one message asks for a whole run). GoodputK's model charges that wait to K = 0
+    steps too, so it keeps drafting; the guard measures that target-only runs commit more tokens per second
+    and turns speculation off. Without the guard the same stack keeps speculating. The output is the target's
+    either way."""
+    from draft_service.remote import RemoteVerifier
+
+    submit = RemoteVerifier.submit
+
+    async def slow_submit(self, proposal):
+        await asyncio.sleep(0.03)
+        return await submit(self, proposal)
+
+    monkeypatch.setattr(RemoteVerifier, "submit", slow_submit)
+    verify = start_verify(target)
+    draft = start_draft(noisy_copy(target, 0.03, seed=2), verify.address, goodput_guard=guard)
+    try:
+        stub = draft_stub(draft)
+        drafted = []
+        for p in prompts(8, seed=7):
+            tokens, chunks = generate(stub, p, GREEDY)
+            assert tokens == reference(p)
+            drafted.append(chunks[-1].finished.stats.drafted)
+        assert drafted[0] > 0
+        engine = draft.server.engine
+        if guard:
+            assert engine.goodput_guard.speculation_loses() and engine.goodput_guard.probes >= 1
+            assert sum(drafted[4:]) <= sum(drafted[:4]) / 3  # what is left is the guard's probes
+            assert verify_stub(verify).Info(verify_pb2.VerifyServiceInfoRequest()).run_steps > 100
+        else:
+            assert engine.goodput_guard is None and min(drafted[4:]) > 0
+    finally:
+        draft.stop()
+        verify.stop()

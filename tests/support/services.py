@@ -43,6 +43,10 @@ def start_draft(model, verify_address: str, tokenizer=None, **kw) -> BackgroundS
     """`tokenizer`: the draft follows requests' grammars (structured output); without one it drafts unmasked."""
     kw.setdefault("verify_allow", LOOPBACK_VERIFY)
     kw.setdefault("kv_cache_prefault", False)
+    # The tests' drafts are mostly noisy copies of their targets, as dear as the target, so the goodput guard
+    # would rightly turn speculation off in them; the tests of the speculation machinery need it on. The
+    # guard has its own tests (tests/integration/test_services.py).
+    kw.setdefault("goodput_guard", False)
     config = DraftConfig(
         model_path="(in-memory)" if model is not None else "", port=0, verify_address=verify_address, **kw
     )
