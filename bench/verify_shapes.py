@@ -155,7 +155,7 @@ def child(args) -> dict:
                 out.append(
                     {
                         "backend": args.child,
-                        "padded": runner._dec.padded,
+                        "padded": runner.padded_attention,
                         "streams": streams,
                         "mode": mode,
                         "k": k,

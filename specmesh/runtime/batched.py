@@ -330,6 +330,11 @@ class BatchedRunner:
         return len(self._free)
 
     @property
+    def padded_attention(self) -> bool:
+        """Whether decode blocks attend in one padded call per layer (see `_RaggedDecoder`)."""
+        return self._dec.padded
+
+    @property
     def pool_bytes(self) -> int:
         """Bytes of the whole pool, in use or not."""
         return self._num_slots * self.slot_bytes
