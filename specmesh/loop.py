@@ -260,10 +260,18 @@ class GoodputGuard:
         self._spec_probe_left = 0  # rounds of a speculation probe still to hand out
         self.probes = 0  # probes handed out, either side (sessions share a guard on one event loop)
 
+    # An observation counts for at most this many times its side's current seconds per token: a round that
+    # waited out a stalled replica or a paused process is a fault, not what speculation costs, and without
+    # a bound one such round would outweigh the last ten.
+    CLIP = 4.0
+
     def observe(self, speculative: bool, tokens: int, seconds: float) -> None:
         if tokens <= 0 or seconds <= 0:
             return
         i = int(speculative)
+        rate = self.rate(speculative)
+        if rate is not None:
+            seconds = min(seconds, self.CLIP * tokens / rate)
         self._tokens[i] = self.decay * self._tokens[i] + tokens
         self._seconds[i] = self.decay * self._seconds[i] + seconds
         if speculative:

@@ -154,7 +154,8 @@ def save_tiny_checkpoints(base: Path, seed: int = 8) -> tuple[Path, Path]:
 
 def spawn(module: str, args: list[str], env: dict) -> tuple[subprocess.Popen, str]:
     if module == "draft_service":
-        env = {"SPECMESH_DRAFT_VERIFY_ALLOW": LOOPBACK_VERIFY, **env}
+        # The goodput guard off, as in start_draft: these drafts are noisy copies of their targets.
+        env = {"SPECMESH_DRAFT_VERIFY_ALLOW": LOOPBACK_VERIFY, "SPECMESH_DRAFT_GOODPUT_GUARD": "false", **env}
     proc = subprocess.Popen(
         [sys.executable, "-m", module, "--port", "0", "--metrics-port", "0", "--threads", "1", *args],
         cwd=ROOT,

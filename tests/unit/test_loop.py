@@ -376,3 +376,17 @@ def test_the_loop_falls_back_to_target_only_where_speculation_measures_slower(sp
         assert all(n == 2 for n in verifier.runs[:-1]) and steps_in_runs <= 30  # only the guard's probes
     else:
         assert steps_in_runs >= 75 and verifier.runs.count(8) >= 5
+
+
+def test_one_stalled_round_does_not_turn_the_guard_against_speculation():
+    """A round that waited out a paused draft for 4 s counts as a round 4x as slow as usual, not as 4 s: a
+    fault must not switch speculation off for the next thousand tokens."""
+    guard = GoodputGuard(every=1000)
+    for _ in range(20):
+        guard.observe(True, 3, 0.020)  # 150 tok/s speculating
+        guard.observe(False, 1, 0.010)  # 100 tok/s target-only
+    guard.observe(True, 3, 4.0)
+    assert not guard.speculation_loses() and guard.rate(True) > 100
+    for _ in range(10):
+        guard.observe(True, 3, 0.020)
+    assert guard.rate(True) > 130
