@@ -84,9 +84,9 @@ class RemoteVerifier:
         """One message asks for the whole run, and the replica streams a verdict per step as it takes it; a
         replica that does not take runs (an older version, during a rolling upgrade) gets an empty block per
         step."""
+        run = steps if self.runs else 0
         for i in range(steps):
             ask = not (self.runs and i)  # a run is asked once; a block per step is sent at each
-            run = steps if self.runs else 0
             msg = wire.block_to_pb(DraftBlock([]), self.session_id, self.epoch, self.position, run) if ask else None
             verdict = await self._verdict(msg)
             yield verdict
