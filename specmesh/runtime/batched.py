@@ -120,8 +120,10 @@ class _RaggedDecoder(_FastDecoder):
         self.padded = self.embed.device.type == "cuda" if padded is None else bool(padded)
 
     def _padded_plan(self, segments: list[tuple[int, int, int, int]], dev) -> _Padded | None:
+        if not self.padded:
+            return None
         short = [i for i, (_slot, _start, n, _off) in enumerate(segments) if n <= PADDED_MAX_ROWS]
-        if not self.padded or len(short) < 2:
+        if len(short) < 2:
             return None
         n_max = max(segments[i][2] for i in short)
         length = max(segments[i][1] + segments[i][2] for i in short)
@@ -165,14 +167,14 @@ class _RaggedDecoder(_FastDecoder):
         assert self.cos is not None and self.sin is not None  # tables are built in __init__
         x = F.embedding(ids, self.embed)  # [T, hidden]
         cos, sin = self.cos[pos], self.sin[pos]  # [T, 1, D]
-        # Causal masks over each sequence's slot prefix, built once for all layers. With GQA a sequence's
-        # queries are laid out [n_kv, group * n] (see below), so its [n, end] mask is tiled `group` times.
         plan = self._padded_plan(segments, dev)
-        alone = set(range(len(segments))) - set(plan.rows if plan else ())
+        in_plan = frozenset(plan.rows if plan else ())  # segments that attend in the padded call
+        # Causal masks over each other sequence's slot prefix, built once for all layers. With GQA a sequence's
+        # queries are laid out [n_kv, group * n] (see below), so its [n, end] mask is tiled `group` times.
         masks: list[torch.Tensor | None] = []
         for i, (_slot, start, n, _off) in enumerate(segments):
-            if n == 1 or i not in alone:
-                masks.append(None)  # one query sees the whole prefix
+            if n == 1 or i in in_plan:
+                masks.append(None)  # one query sees the whole prefix (or the plan holds the mask)
                 continue
             end = start + n
             m = torch.arange(end, device=dev)[None, :] <= torch.arange(start, end, device=dev)[:, None]
@@ -220,7 +222,7 @@ class _RaggedDecoder(_FastDecoder):
                 a = F.scaled_dot_product_attention(qs, keys, values, attn_mask=plan.mask, scale=scale)
                 attn[plan.real] = a.transpose(1, 2).reshape(s_n * plan.n_max, nh, hd)[plan.scatter]
             for i, ((slot, start, n, off), mask) in enumerate(zip(segments, masks, strict=True)):
-                if i not in alone:
+                if i in in_plan:
                     continue
                 end = start + n
                 keys = k_layer[slot, :, :end][None]  # [1, n_kv, end, D], a view of the slot
