@@ -411,7 +411,9 @@ class _Generation:
             # Before the final event goes out: a caller's next turn must find the session free on the
             # verify service (the stream's status is awaited).
             await self.remote.aclose(result.finish_reason != "cancelled")
-            self.queue.put_nowait(Finished(result.finish_reason, result.stats))
+            guard = self.engine.goodput_guard
+            pays = guard.speculation_pays() if guard is not None else None
+            self.queue.put_nowait(Finished(result.finish_reason, result.stats, pays))
         except Exception as e:  # noqa: BLE001 - delivered to the caller as a status
             self.queue.put_nowait(_Failed(e))
 

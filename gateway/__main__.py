@@ -61,6 +61,14 @@ def parse_args(argv=None):
         help="requests that leave num_speculative_tokens unset decode target-only while more than this many "
         "generations per healthy verify replica are in flight (0 = always speculate)",
     )
+    ap.flag(
+        "--goodput-probe-every",
+        type=int,
+        default=d.goodput_probe_every,
+        help="requests that leave num_speculative_tokens unset decode target-only, straight on the verify "
+        "replica, while the draft replica reports that speculation measures slower than target-only (its "
+        "goodput guard); every N-th of them still goes through the draft replica to keep it measuring (0 = off)",
+    )
     ap.flag("--max-prompt-tokens", type=int, default=d.max_prompt_tokens, help="longest prompt accepted")
     ap.flag("--max-tokens-limit", type=int, default=d.max_tokens_limit, help="largest max_tokens accepted")
     ap.flag("--max-body-bytes", type=int, default=1 << 20, help="largest request body accepted")
@@ -101,6 +109,7 @@ def parse_args(argv=None):
         model_name=name,
         speculative_num_steps=a.speculative_num_steps,
         speculative_disable_by_batch_size=a.speculative_disable_by_batch_size,
+        goodput_probe_every=a.goodput_probe_every,
         max_prompt_tokens=a.max_prompt_tokens,
         max_tokens_limit=a.max_tokens_limit,
         request_timeout_s=a.request_timeout_s,
@@ -121,6 +130,8 @@ def parse_args(argv=None):
         ap.error(f"--speculative-num-steps must be in [0, {MAX_SPEC_LEN}]")
     if config.speculative_disable_by_batch_size < 0:
         ap.error("--speculative-disable-by-batch-size must be >= 0")
+    if config.goodput_probe_every < 0:
+        ap.error("--goodput-probe-every must be >= 0")
     try:
         flags = vars(a)
         a.api_keys = keys_from(a.api_key_file, a.api_key, "--api-key-file")

@@ -61,6 +61,10 @@ class GatewayConfig:
     # Requests that leave K unset decode target-only while more than this many generations per healthy
     # verify replica are in flight (vLLM's speculative_disable_by_batch_size); 0 = never.
     speculative_disable_by_batch_size: int = 0
+    # Requests that leave K unset decode target-only, straight on the verify replica, while the draft
+    # replica's goodput guard last reported that speculation measures slower there than target-only; every
+    # this many-th such request still goes through the draft replica, so that it keeps measuring. 0 = never.
+    goodput_probe_every: int = 8
     max_prompt_tokens: int = 4096
     max_tokens_limit: int = 4096
     request_timeout_s: float = 300.0
@@ -501,6 +505,10 @@ class Gateway:
             outcome.target_only = True
             return verify, None
         draft = self.draft_pool.least_loaded() if self.draft_pool.replicas and drafting else None
+        if draft is not None and req.num_speculative_tokens is None and self._speculation_loses_on(draft, req):
+            self.draft_pool.count("target_only_by_goodput")
+            outcome.target_only = True
+            return verify, None
         outcome.target_only = draft is None
         if draft is None and self.draft_pool.replicas:
             self.target_only_fallbacks += 1
@@ -612,7 +620,7 @@ class Gateway:
                     timeout=timeout,
                     metadata=metadata,
                 )
-            async with contextlib.aclosing(self._read(call, outcome, first, verify.address)) as items:
+            async with contextlib.aclosing(self._read(call, outcome, first, verify.address, draft)) as items:
                 async for item in items:
                     yield item
 
@@ -627,6 +635,18 @@ class Gateway:
         replicas = max(1, len(self.verify_pool.healthy))
         return self.inflight > limit * replicas
 
+    def _speculation_loses_on(self, draft: Replica, req: GenRequest) -> bool:
+        """Whether this request goes target-only because `draft` last reported that speculation loses to
+        target-only steps there: target-only through the draft service still pays the extra hop, straight on
+        the verify replica it does not. Every --goodput-probe-every-th such request goes through the draft
+        replica anyway: its guard measures only the sessions it serves. A seeded request keeps its path, so
+        that it replays exactly."""
+        every = self.config.goodput_probe_every
+        if every <= 0 or draft.speculation_pays is not False or req.params.seed is not None:
+            return False
+        draft.diverted += 1
+        return draft.diverted % every != 0
+
     def _draft_k(self, k: int | None) -> int | None:
         """The K the draft service is sent: the request's, else --speculative-num-steps when set, else
         unset (None leaves the field unset, and the draft service uses its own default)."""
@@ -635,7 +655,9 @@ class Gateway:
         return self.config.speculative_num_steps or None
 
     @staticmethod
-    async def _read(call, outcome: Outcome, first: bool, replica: str):
+    async def _read(call, outcome: Outcome, first: bool, replica: str, draft: Replica | None = None):
+        """A Generate stream's items; `draft`: the draft replica serving it, which learns that replica's
+        goodput report from the finished chunk."""
         finished = False
         try:
             async for resp in call:
@@ -650,6 +672,9 @@ class Gateway:
                 elif kind == "finished":
                     if resp.finished.HasField("stats"):
                         outcome.stats.merge(wire.stats_from_pb(resp.finished.stats))
+                    if draft is not None:
+                        f = resp.finished
+                        draft.speculation_pays = f.speculation_pays if f.HasField("speculation_pays") else None
                     finish = wire.finish_from_pb(resp.finished.finish_reason)
                     finished = finish is not None
                     if finished:

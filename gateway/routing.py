@@ -65,6 +65,10 @@ class Replica:
     fails: int = 0
     successes: int = 0
     prefixes: OrderedDict = field(default_factory=OrderedDict)  # block hash -> None, LRU order
+    # A draft replica's last report of its goodput guard (GenerationFinished.speculation_pays): None = not
+    # measured; and how many requests were sent straight to the verifier since it said false.
+    speculation_pays: bool | None = None
+    diverted: int = 0
 
     @contextlib.contextmanager
     def track(self):

@@ -192,6 +192,9 @@ class Tokens:
 class Finished:
     finish_reason: str  # "stop" | "length" | "cancelled"
     stats: SpecStats = field(default_factory=SpecStats)
+    # A draft service's goodput guard at the end of the generation: does speculation measure at least as
+    # fast as target-only there (None: not measured)
+    speculation_pays: bool | None = None
 
 
 GenerationEvent = Opened | Tokens | Finished

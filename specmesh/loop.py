@@ -290,6 +290,13 @@ class GoodputGuard:
         spec, zero = self.rate(True), self.rate(False)
         return spec is not None and zero is not None and spec < (1.0 - self.margin) * zero
 
+    def speculation_pays(self) -> bool | None:
+        """What the service reports to its callers: None until both sides are measured, then whether
+        speculation is within the margin of target-only or faster."""
+        if self.rate(True) is None or self.rate(False) is None:
+            return None
+        return not self.speculation_loses()
+
     def target_only_steps(self) -> int:
         """Target-only steps the asking session should take now instead of speculating (0: speculate)."""
         if self.speculation_loses():

@@ -297,6 +297,8 @@ def event_to_pb(event: GenerationEvent, response_type: type) -> Any:
         pb = response_type(finished=common_pb2.GenerationFinished(finish_reason=finish_to_pb(event.finish_reason)))
         if event.stats != SpecStats():  # all zero (target-only decoding) travels as unset, so HasField tells
             pb.finished.stats.CopyFrom(stats_to_pb(event.stats))
+        if event.speculation_pays is not None:
+            pb.finished.speculation_pays = event.speculation_pays
         return pb
     raise TypeError(f"not a generation event: {event!r}")
 
@@ -314,5 +316,6 @@ def event_from_pb(pb) -> GenerationEvent:
         reason = finish_from_pb(pb.finished.finish_reason)
         if reason is None:
             raise InvalidArgument("finished.finish_reason: a finished chunk must say why the generation ended")
-        return Finished(reason, stats_from_pb(pb.finished.stats))
+        pays = pb.finished.speculation_pays if pb.finished.HasField("speculation_pays") else None
+        return Finished(reason, stats_from_pb(pb.finished.stats), pays)
     raise InvalidArgument("chunk: none of opened, tokens, finished is set")

@@ -52,6 +52,9 @@ class PhaseSummary:
     steps: float = 0.0
     draft_seconds: float = 0.0  # drafting time of the phase's rounds (draft metrics)
     draft_tokens: float = 0.0  # tokens those rounds drafted
+    # requests the stack decoded target-only by its own choice in a speculative phase (the gateway's
+    # --speculative-disable-by-batch-size, or a draft replica that reports speculation loses there)
+    target_only_requests: int = 0
 
     @property
     def mean_k(self) -> float:
@@ -85,6 +88,7 @@ def summarize(phase: Phase, endpoints: list[Endpoint]) -> PhaseSummary:
         drafts=sum(int(r.stats.get("drafts", 0)) for r in res),
         drafted=sum(int(r.stats.get("drafted", 0)) for r in res),
         accepted=sum(int(r.stats.get("accepted", 0)) for r in res),
+        target_only_requests=sum(bool(r.stats.get("target_only")) for r in res) if phase.speculative else 0,
     )
     t = lambda role, name, **lab: _role_total(phase, endpoints, role, name, **lab)
     steps = t("verify", "specmesh_verify_steps_total")

@@ -196,7 +196,9 @@ def sections(f: Findings, plots: dict[str, str]) -> list[tuple[str, list[str], s
     setup.append(
         "- phases: "
         + ", ".join(
-            f"{s.name} ({s.requests} requests, {s.wall:.0f} s" + (f", {s.errors} failed)" if s.errors else ")")
+            f"{s.name} ({s.requests} requests, {s.wall:.0f} s"
+            + (f", {s.target_only_requests} target-only by the stack's choice" if s.target_only_requests else "")
+            + (f", {s.errors} failed)" if s.errors else ")")
             for s in f.summaries
         )
     )
@@ -325,6 +327,7 @@ def write(f: Findings, out: Path) -> dict[str, Path]:
                 "concurrency": s.concurrency,
                 "speculative": s.speculative,
                 "requests": s.requests,
+                "target_only_requests": s.target_only_requests,
                 "throughput": s.throughput,
                 "budget_seconds": s.budget,
                 "verify_batch": s.verify_batch,

@@ -140,9 +140,11 @@ class GenerationTokens(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class GenerationFinished(_message.Message):
-    __slots__ = ("finish_reason", "stats")
+    __slots__ = ("finish_reason", "stats", "speculation_pays")
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     STATS_FIELD_NUMBER: _ClassVar[int]
+    SPECULATION_PAYS_FIELD_NUMBER: _ClassVar[int]
     finish_reason: FinishReason
     stats: SpecStats
-    def __init__(self, finish_reason: _Optional[_Union[FinishReason, str]] = ..., stats: _Optional[_Union[SpecStats, _Mapping]] = ...) -> None: ...
+    speculation_pays: bool
+    def __init__(self, finish_reason: _Optional[_Union[FinishReason, str]] = ..., stats: _Optional[_Union[SpecStats, _Mapping]] = ..., speculation_pays: _Optional[bool] = ...) -> None: ...

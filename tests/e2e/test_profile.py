@@ -17,11 +17,12 @@ from tests.e2e.test_serve import DEMO, Serve
 from tests.support.services import ROOT
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-# Speculating at every load (on a CPU the stack would turn it off past one stream): the advice under test is
-# about K and the draft, which the concurrency-4 phase must see speculating.
+# Speculating at every load (on a CPU the stack would turn it off past one stream, and the gateway would send
+# requests past a slow draft once its goodput guard says speculation loses): the advice under test is about K
+# and the draft, which the concurrency-4 phase must see speculating.
 DEMO_STACK = [
     "--model-path", str(DEMO / "target"), "--speculative-draft-model-path", str(DEMO / "draft"),
-    "--speculative-disable-by-batch-size", "0",
+    "--speculative-disable-by-batch-size", "0", "--gateway-arg=--goodput-probe-every=0",
 ]  # fmt: skip
 
 
@@ -79,6 +80,7 @@ def test_k12_gets_lower_k_advice(k12_report):
         assert f"## {section}" in report["md"]
     spec = [p for p in report["phases"] if p["speculative"]]
     assert [p["concurrency"] for p in spec] == [1, 4]
+    assert all(p["target_only_requests"] == 0 for p in spec)  # the stack speculated every request (see DEMO_STACK)
     assert all(p["budget_seconds"]["verify forward"] > 0 and p["budget_seconds"]["drafting"] > 0 for p in spec)
     assert 0 < report["alpha"] < 1 and 0 < report["cost_ratio"] < 1
 

@@ -340,3 +340,47 @@ def test_the_goodput_guard_turns_speculation_off_where_rounds_cost_what_the_mode
     finally:
         draft.stop()
         verify.stop()
+
+
+def test_the_gateway_skips_the_draft_hop_while_the_draft_reports_that_speculation_loses(target, reference, monkeypatch):
+    """The same slow link as above, with a gateway in front (--goodput-probe-every 4). Once the draft
+    service's guard reports that speculation loses, requests that leave K unset go target-only straight to
+    the verify replica, all but every fourth, which still goes through the draft service so that its guard
+    keeps measuring. Requests that set K, or a seed, keep the draft path. Every output is the target's."""
+    from draft_service.remote import RemoteVerifier
+    from specmesh.v1 import gateway_pb2, gateway_pb2_grpc
+    from tests.support.services import GatewayServer
+
+    submit = RemoteVerifier.submit
+
+    async def slow_submit(self, proposal):
+        await asyncio.sleep(0.03)
+        return await submit(self, proposal)
+
+    monkeypatch.setattr(RemoteVerifier, "submit", slow_submit)
+    verify = start_verify(target)
+    draft = start_draft(noisy_copy(target, 0.03, seed=2), verify.address, goodput_guard=True)
+    gw = GatewayServer([verify.address], [draft.address], None, goodput_probe_every=4)
+    try:
+        stub = gateway_pb2_grpc.GatewayServiceStub(grpc.insecure_channel(gw.grpc_address))
+
+        def one(p, params=GREEDY, **kw):
+            r = stub.Generate(gateway_pb2.GatewayServiceGenerateRequest(prompt_ids=p, params=params, **kw))
+            assert list(r.token_ids) == reference(p)
+            return r
+
+        direct = [one(p).target_only for p in prompts(16, seed=7)]
+        assert draft.server.engine.goodput_guard.speculation_pays() is False
+        first = direct.index(True)
+        assert first >= 1 and not any(direct[:first])  # through the draft until its guard had measured both sides
+        # from then on, three of every four straight to the verify replica (--goodput-probe-every 4)
+        assert direct[first:] == [i % 4 != 3 for i in range(16 - first)], direct
+        assert gw.gateway.draft_pool.decisions["target_only_by_goodput"] == sum(direct)
+        p = prompts(1, seed=9)[0]
+        assert not one(p, num_speculative_tokens=2).target_only  # the caller's K: through the draft
+        seeded = common_pb2.SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True, seed=3)
+        assert not one(p, seeded).target_only  # a seeded request replays on the path it took before
+    finally:
+        gw.stop()
+        draft.stop()
+        verify.stop()

@@ -315,9 +315,10 @@ def test_the_goodput_guard_turns_speculation_off_while_it_measures_slower_and_pr
     assert guard.target_only_steps() == 0  # nothing measured: speculate as GoodputK chooses
     for _ in range(8):
         guard.observe(True, 3, 0.030)  # 100 tok/s speculating
+    assert guard.speculation_pays() is None  # one side measured: nothing to report yet
     assert guard.target_only_steps() == 2  # every 8 speculative rounds, a 2-step target-only probe
     guard.observe(False, 2, 0.010)  # 200 tok/s target-only
-    assert guard.speculation_loses()
+    assert guard.speculation_loses() and guard.speculation_pays() is False
     assert guard.target_only_steps() == 8  # runs of `every` target-only steps ...
     for _ in range(4):
         guard.observe(False, 8, 0.040)
@@ -325,7 +326,7 @@ def test_the_goodput_guard_turns_speculation_off_while_it_measures_slower_and_pr
     assert guard.target_only_steps() == 8  # and if it still loses, back to target-only
     for _ in range(20):
         guard.observe(True, 4, 0.010)  # speculation got cheap: 400 tok/s
-    assert not guard.speculation_loses()
+    assert not guard.speculation_loses() and guard.speculation_pays() is True
     assert guard.target_only_steps() == 2 and guard.target_only_steps() == 0  # the probe that was due, then none
     assert 300 < guard.rate(True) < 400 and guard.rate(False) == pytest.approx(200)  # older rounds fading
 

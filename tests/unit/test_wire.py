@@ -174,6 +174,8 @@ def test_an_unknown_finish_reason_raises_invalid_argument():
         Tokens([1, 2, 3]),
         Finished("length", STATS),
         Finished("stop"),
+        Finished("stop", STATS, speculation_pays=False),
+        Finished("length", speculation_pays=True),
     ],
 )
 @pytest.mark.parametrize(
@@ -190,6 +192,8 @@ def test_a_finished_chunk_without_speculation_carries_no_stats():
     assert not pb.finished.HasField("stats")
     pb = wire.event_to_pb(Finished("length", SpecStats(rounds=1)), draft_pb2.DraftServiceGenerateResponse)
     assert pb.finished.HasField("stats")
+    assert not pb.finished.HasField("speculation_pays")  # not measured is not "false"
+    assert wire.event_from_pb(through_bytes(pb)).speculation_pays is None
 
 
 @pytest.mark.parametrize(
