@@ -268,8 +268,11 @@ class DraftEngine:
         verify_address: str,
         num_speculative_tokens: int | None = None,
         metadata: tuple = (),
+        goodput_probe: bool = False,
     ) -> AsyncIterator[GenerationEvent]:
-        """Yields Opened, then Tokens as rounds commit them, then Finished."""
+        """Yields Opened, then Tokens as rounds commit them, then Finished. `goodput_probe`: the caller sends
+        most requests past this service while its guard says speculation loses, and this one to measure
+        speculation (it takes none of the guard's target-only runs)."""
         k_max = self.check(prompt_ids, params, num_speculative_tokens)
         self._admit(session_id)
         stub, max_spec_len = await self._stub(verify_address or self.config.verify_address)
@@ -292,7 +295,7 @@ class DraftEngine:
             if k_max == 0:  # target-only: the verify service decodes alone, nothing to draft
                 events = _target_only(stub, session_id, prompt_ids, params, metadata, self.config.verify_timeout_s)
             else:
-                gen = _Generation(self, stub, session_id, prompt_ids, params, k_max, metadata)
+                gen = _Generation(self, stub, session_id, prompt_ids, params, k_max, metadata, goodput_probe)
                 events = gen.run()
             timer = self.stream_metrics.timer() if self.stream_metrics is not None else None
             async with contextlib.aclosing(events):
@@ -372,6 +375,7 @@ class _Generation:
         params: SamplingParams,
         k_max: int,
         metadata: tuple,
+        goodput_probe: bool = False,
     ):
         self.engine, self.session_id, self.prompt_ids, self.params = engine, session_id, prompt_ids, params
         self.queue: asyncio.Queue[GenerationEvent | _Failed] = asyncio.Queue()
@@ -384,7 +388,10 @@ class _Generation:
         seeded = params.seed is not None
         limit = engine.config.speculative_disable_by_batch_size
         adaptive = engine.config.adaptive and not seeded
-        self.policy = GoodputK(k_max, batch_limit=limit, guard=engine.goodput_guard) if adaptive else FixedK(k_max)
+        guard = engine.goodput_guard
+        self.policy = (
+            GoodputK(k_max, batch_limit=limit, guard=guard, guard_runs=not goodput_probe) if adaptive else FixedK(k_max)
+        )
         self.pipeline = engine.config.pipeline and not seeded
         self.parent = otel_context.get_current()  # the Generate server span: rounds are its children
 

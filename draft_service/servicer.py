@@ -16,7 +16,12 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
     async def Generate(self, request, context):
         params = wire.params_from_pb(request.params, self.engine.vocab_size or None)
         events = self.engine.generate(
-            request.session_id, list(request.prompt_ids), params, request.verify_address, wire.spec_len_from_pb(request)
+            request.session_id,
+            list(request.prompt_ids),
+            params,
+            request.verify_address,
+            wire.spec_len_from_pb(request),
+            goodput_probe=request.goodput_probe,
         )
         async with contextlib.aclosing(events):
             async for event in events:

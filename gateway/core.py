@@ -148,6 +148,7 @@ class Outcome:
     verify_session_replica: str = ""  # ... and that replica's address
     target_only: bool = False
     verify_replica: str = ""
+    goodput_probe: bool = False  # sent through a draft replica that reports speculation loses, to measure it
 
 
 class Stalled(Exception):
@@ -505,10 +506,14 @@ class Gateway:
             outcome.target_only = True
             return verify, None
         draft = self.draft_pool.least_loaded() if self.draft_pool.replicas and drafting else None
-        if draft is not None and req.num_speculative_tokens is None and self._speculation_loses_on(draft, req):
-            self.draft_pool.count("target_only_by_goodput")
-            outcome.target_only = True
-            return verify, None
+        outcome.goodput_probe = False
+        if draft is not None and req.num_speculative_tokens is None and req.params.seed is None:
+            route = self._goodput_route(draft)
+            if route == "direct":
+                self.draft_pool.count("target_only_by_goodput")
+                outcome.target_only = True
+                return verify, None
+            outcome.goodput_probe = route == "probe"
         outcome.target_only = draft is None
         if draft is None and self.draft_pool.replicas:
             self.target_only_fallbacks += 1
@@ -610,6 +615,7 @@ class Gateway:
                         params=pb_params,
                         verify_address=verify.address,
                         num_speculative_tokens=self._draft_k(k),
+                        goodput_probe=outcome.goodput_probe,
                     ),
                     timeout=timeout,
                     metadata=metadata,
@@ -635,17 +641,18 @@ class Gateway:
         replicas = max(1, len(self.verify_pool.healthy))
         return self.inflight > limit * replicas
 
-    def _speculation_loses_on(self, draft: Replica, req: GenRequest) -> bool:
-        """Whether this request goes target-only because `draft` last reported that speculation loses to
-        target-only steps there: target-only through the draft service still pays the extra hop, straight on
-        the verify replica it does not. Every --goodput-probe-every-th such request goes through the draft
-        replica anyway: its guard measures only the sessions it serves. A seeded request keeps its path, so
+    def _goodput_route(self, draft: Replica) -> str:
+        """Where a request that leaves K (and the seed) unset goes while `draft` last reported that
+        speculation loses to target-only steps there: "direct", target-only straight on the verify replica
+        (through the draft service it would still pay the extra hop); every --goodput-probe-every-th one
+        "probe", through the draft replica, which speculates on it so that its guard measures speculation
+        again and can report that it pays; "draft" otherwise. A seeded request always keeps its path, so
         that it replays exactly."""
         every = self.config.goodput_probe_every
-        if every <= 0 or draft.speculation_pays is not False or req.params.seed is not None:
-            return False
+        if every <= 0 or draft.speculation_pays is not False:
+            return "draft"
         draft.diverted += 1
-        return draft.diverted % every != 0
+        return "direct" if draft.diverted % every else "probe"
 
     def _draft_k(self, k: int | None) -> int | None:
         """The K the draft service is sent: the request's, else --speculative-num-steps when set, else

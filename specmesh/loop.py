@@ -297,9 +297,13 @@ class GoodputGuard:
             return None
         return not self.speculation_loses()
 
-    def target_only_steps(self) -> int:
-        """Target-only steps the asking session should take now instead of speculating (0: speculate)."""
+    def target_only_steps(self, runs: bool = True) -> int:
+        """Target-only steps the asking session should take now instead of speculating (0: speculate).
+        `runs` False: a session sent to measure speculation (its caller routes the others past it), which
+        takes no target-only runs, only the short probes due while speculation pays."""
         if self.speculation_loses():
+            if not runs:
+                return 0
             if self._spec_probe_left:
                 self._spec_probe_left -= 1
                 return 0
@@ -340,11 +344,13 @@ class GoodputK(AdaptiveK):
         explore_every: int = 8,
         batch_limit: int = 0,
         guard: GoodputGuard | None = None,
+        guard_runs: bool = True,
         **kw,
     ):
         super().__init__(k_max, **kw)
         self.batch_limit = batch_limit
         self.guard = guard
+        self.guard_runs = guard_runs  # False: a goodput probe, which takes none of the guard's target-only runs
         self._guard_steps = 0  # target-only steps the guard asked for, taken as the next run
         self.last_batch_size = 0
         self.fit_decay = decay
@@ -405,7 +411,7 @@ class GoodputK(AdaptiveK):
         if self._batch_limited():
             return 0
         if self.guard is not None and self.k_max:
-            self._guard_steps = self.guard.target_only_steps()
+            self._guard_steps = self.guard.target_only_steps(self.guard_runs)
             if self._guard_steps:
                 return 0
         fit = self.forward_model()

@@ -345,8 +345,9 @@ def test_the_goodput_guard_turns_speculation_off_where_rounds_cost_what_the_mode
 def test_the_gateway_skips_the_draft_hop_while_the_draft_reports_that_speculation_loses(target, reference, monkeypatch):
     """The same slow link as above, with a gateway in front (--goodput-probe-every 4). Once the draft
     service's guard reports that speculation loses, requests that leave K unset go target-only straight to
-    the verify replica, all but every fourth, which still goes through the draft service so that its guard
-    keeps measuring. Requests that set K, or a seed, keep the draft path. Every output is the target's."""
+    the verify replica, all but every fourth, which still goes through the draft service and speculates
+    there (a goodput probe), so that its guard keeps measuring speculation. Requests that set K, or a seed,
+    keep the draft path. Every output is the target's."""
     from draft_service.remote import RemoteVerifier
     from specmesh.v1 import gateway_pb2, gateway_pb2_grpc
     from tests.support.services import GatewayServer
@@ -369,12 +370,16 @@ def test_the_gateway_skips_the_draft_hop_while_the_draft_reports_that_speculatio
             assert list(r.token_ids) == reference(p)
             return r
 
-        direct = [one(p).target_only for p in prompts(16, seed=7)]
+        answers = [one(p) for p in prompts(16, seed=7)]
+        direct = [r.target_only for r in answers]
         assert draft.server.engine.goodput_guard.speculation_pays() is False
         first = direct.index(True)
         assert first >= 1 and not any(direct[:first])  # through the draft until its guard had measured both sides
-        # from then on, three of every four straight to the verify replica (--goodput-probe-every 4)
+        # from then on, three of every four straight to the verify replica (--goodput-probe-every 4); the
+        # fourth goes through the draft as a goodput probe, which speculates rather than take the guard's runs
         assert direct[first:] == [i % 4 != 3 for i in range(16 - first)], direct
+        probes = answers[first + 3 :: 4]
+        assert probes and all(r.stats.drafted > 0 for r in probes)
         assert gw.gateway.draft_pool.decisions["target_only_by_goodput"] == sum(direct)
         p = prompts(1, seed=9)[0]
         assert not one(p, num_speculative_tokens=2).target_only  # the caller's K: through the draft

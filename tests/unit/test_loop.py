@@ -391,3 +391,24 @@ def test_one_stalled_round_does_not_turn_the_guard_against_speculation():
     for _ in range(10):
         guard.observe(True, 3, 0.020)
     assert guard.rate(True) > 130
+
+
+def test_a_goodput_probe_speculates_while_the_guard_says_speculation_loses():
+    """A gateway sends most requests past a draft service whose guard reports that speculation loses, and
+    a few as goodput probes. A probe takes none of the guard's target-only runs, so it feeds the guard fresh
+    speculative rounds: once those measure faster, the guard reports that speculation pays again."""
+    guard = GoodputGuard(every=8, probe=2, margin=0.05)
+    for _ in range(8):
+        guard.observe(True, 3, 0.030)  # 100 tok/s speculating
+    guard.observe(False, 2, 0.010)  # 200 tok/s target-only
+    assert guard.speculation_pays() is False
+    assert guard.target_only_steps(runs=False) == 0  # the probe speculates ...
+    assert guard.target_only_steps() == 8  # ... where any other session takes a run
+
+    params = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
+    verifier = TimedVerifier(0.002, 0.040)  # speculation got cheap: a round 2 ms, a target-only step 40 ms
+    probe = GoodputK(4, guard=guard, guard_runs=False)
+    r = asyncio.run(speculative_generate(verifier, CountingDrafter(), [1], params, probe, StopChecker(params)))
+    assert r.token_ids == list(range(2, 62))
+    assert r.stats.drafted > 0 and all(n == 2 for n in verifier.runs)  # the guard's short probes, no run of 8
+    assert guard.speculation_pays() is True
