@@ -302,15 +302,9 @@ def test_a_replica_without_runs_gets_an_empty_block_per_step(target, reference, 
     assert info.max_batch_size_seen > 1 and info.run_steps == 0 and info.deadline_steps == 0
 
 
-@pytest.mark.parametrize("guard", [True, False])
-def test_the_goodput_guard_turns_speculation_off_where_rounds_cost_what_the_model_does_not_see(
-    target, reference, monkeypatch, guard
-):
-    """Every speculative block waits 30 ms more on its way to the verifier (a slow link, a busy scheduler),
-    target-only runs do not (one message asks for a whole run). GoodputK's model charges that wait to K = 0
-    steps too, so it keeps drafting; the guard measures that target-only runs commit more tokens per second
-    and turns speculation off. Without the guard the same stack keeps speculating. The output is the target's
-    either way."""
+@pytest.fixture
+def slow_link(monkeypatch):
+    """Every speculative block waits 30 ms more on its way to the verifier; target-only runs do not."""
     from draft_service.remote import RemoteVerifier
 
     submit = RemoteVerifier.submit
@@ -320,6 +314,17 @@ def test_the_goodput_guard_turns_speculation_off_where_rounds_cost_what_the_mode
         return await submit(self, proposal)
 
     monkeypatch.setattr(RemoteVerifier, "submit", slow_submit)
+
+
+@pytest.mark.parametrize("guard", [True, False])
+def test_the_goodput_guard_turns_speculation_off_where_rounds_cost_what_the_model_does_not_see(
+    target, reference, slow_link, guard
+):
+    """Every speculative block waits 30 ms more on its way to the verifier (a slow link, a busy scheduler),
+    target-only runs do not (one message asks for a whole run). GoodputK's model charges that wait to K = 0
+    steps too, so it keeps drafting; the guard measures that target-only runs commit more tokens per second
+    and turns speculation off. Without the guard the same stack keeps speculating. The output is the target's
+    either way."""
     verify = start_verify(target)
     draft = start_draft(noisy_copy(target, 0.03, seed=2), verify.address, goodput_guard=guard)
     try:
@@ -342,23 +347,15 @@ def test_the_goodput_guard_turns_speculation_off_where_rounds_cost_what_the_mode
         verify.stop()
 
 
-def test_the_gateway_skips_the_draft_hop_while_the_draft_reports_that_speculation_loses(target, reference, monkeypatch):
+def test_the_gateway_skips_the_draft_hop_while_the_draft_reports_that_speculation_loses(target, reference, slow_link):
     """The same slow link as above, with a gateway in front (--goodput-probe-every 4). Once the draft
     service's guard reports that speculation loses, requests that leave K unset go target-only straight to
     the verify replica, all but every fourth, which still goes through the draft service and speculates
     there (a goodput probe), so that its guard keeps measuring speculation. Requests that set K, or a seed,
     keep the draft path. Every output is the target's."""
-    from draft_service.remote import RemoteVerifier
     from specmesh.v1 import gateway_pb2, gateway_pb2_grpc
     from tests.support.services import GatewayServer
 
-    submit = RemoteVerifier.submit
-
-    async def slow_submit(self, proposal):
-        await asyncio.sleep(0.03)
-        return await submit(self, proposal)
-
-    monkeypatch.setattr(RemoteVerifier, "submit", slow_submit)
     verify = start_verify(target)
     draft = start_draft(noisy_copy(target, 0.03, seed=2), verify.address, goodput_guard=True)
     gw = GatewayServer([verify.address], [draft.address], None, goodput_probe_every=4)
