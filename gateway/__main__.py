@@ -130,8 +130,8 @@ def parse_args(argv=None):
         ap.error(f"--speculative-num-steps must be in [0, {MAX_SPEC_LEN}]")
     if config.speculative_disable_by_batch_size < 0:
         ap.error("--speculative-disable-by-batch-size must be >= 0")
-    if config.goodput_probe_every < 0:
-        ap.error("--goodput-probe-every must be >= 0")
+    if config.goodput_probe_every < 0 or config.goodput_probe_every == 1:
+        ap.error("--goodput-probe-every must be 0 (off) or >= 2 (1 would send every request as a probe)")
     try:
         flags = vars(a)
         a.api_keys = keys_from(a.api_key_file, a.api_key, "--api-key-file")

@@ -148,7 +148,8 @@ class Outcome:
     verify_session_replica: str = ""  # ... and that replica's address
     target_only: bool = False
     verify_replica: str = ""
-    goodput_probe: bool = False  # sent through a draft replica that reports speculation loses, to measure it
+    # "direct", "probe" or "draft": where the draft replicas' goodput reports sent the request (core._goodput_route)
+    goodput_route: str = ""
 
 
 class Stalled(Exception):
@@ -506,14 +507,16 @@ class Gateway:
             outcome.target_only = True
             return verify, None
         draft = self.draft_pool.least_loaded() if self.draft_pool.replicas and drafting else None
-        outcome.goodput_probe = False
         if draft is not None and req.num_speculative_tokens is None and req.params.seed is None:
-            route = self._goodput_route(draft)
-            if route == "direct":
-                self.draft_pool.count("target_only_by_goodput")
+            # A replica whose guard reports that speculation pays (or has not said) comes first: one that
+            # reports it loses carries little load, and least_loaded alone would keep choosing it.
+            paying = [r for r in self.draft_pool.healthy if r.speculation_pays is not False]
+            draft = min(paying, key=lambda r: r.inflight) if paying else draft
+            # one decision per request: a failover keeps it (and counts it once)
+            outcome.goodput_route = outcome.goodput_route or self._goodput_route(draft)
+            if outcome.goodput_route == "direct":
                 outcome.target_only = True
                 return verify, None
-            outcome.goodput_probe = route == "probe"
         outcome.target_only = draft is None
         if draft is None and self.draft_pool.replicas:
             self.target_only_fallbacks += 1
@@ -615,7 +618,7 @@ class Gateway:
                         params=pb_params,
                         verify_address=verify.address,
                         num_speculative_tokens=self._draft_k(k),
-                        goodput_probe=outcome.goodput_probe,
+                        goodput_probe=outcome.goodput_route == "probe",
                     ),
                     timeout=timeout,
                     metadata=metadata,
@@ -652,7 +655,10 @@ class Gateway:
         if every <= 0 or draft.speculation_pays is not False:
             return "draft"
         draft.diverted += 1
-        return "direct" if draft.diverted % every else "probe"
+        if draft.diverted % every:
+            self.draft_pool.count("target_only_by_goodput")
+            return "direct"
+        return "probe"
 
     def _draft_k(self, k: int | None) -> int | None:
         """The K the draft service is sent: the request's, else --speculative-num-steps when set, else

@@ -245,6 +245,7 @@ class Pool:
             replica.successes += 1
             if not replica.healthy and replica.successes >= self.success_threshold:
                 replica.healthy = True
+                replica.speculation_pays, replica.diverted = None, 0  # maybe a new process: not measured yet
                 log.info("%s replica %s is healthy again", self.name, replica.address)
         else:
             replica.successes = 0

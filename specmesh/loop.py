@@ -299,11 +299,9 @@ class GoodputGuard:
 
     def target_only_steps(self, runs: bool = True) -> int:
         """Target-only steps the asking session should take now instead of speculating (0: speculate).
-        `runs` False: a session sent to measure speculation (its caller routes the others past it), which
-        takes no target-only runs, only the short probes due while speculation pays."""
-        if self.speculation_loses():
-            if not runs:
-                return 0
+        `runs` False: a session sent to measure speculation (its caller routes the others past it): it
+        speculates as if speculation paid, short target-only probes included, so both sides stay measured."""
+        if self.speculation_loses() and runs:
             if self._spec_probe_left:
                 self._spec_probe_left -= 1
                 return 0

@@ -52,8 +52,9 @@ class PhaseSummary:
     steps: float = 0.0
     draft_seconds: float = 0.0  # drafting time of the phase's rounds (draft metrics)
     draft_tokens: float = 0.0  # tokens those rounds drafted
-    # requests the stack decoded target-only by its own choice in a speculative phase (the gateway's
-    # --speculative-disable-by-batch-size, or a draft replica that reports speculation loses there)
+    # requests of a speculative phase (K left to the stack) that the stack decoded target-only: the gateway's
+    # --speculative-disable-by-batch-size, a draft replica that reports speculation loses, no healthy draft
+    # replica, or the rest of a stream after a stalled draft
     target_only_requests: int = 0
 
     @property

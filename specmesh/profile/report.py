@@ -197,7 +197,7 @@ def sections(f: Findings, plots: dict[str, str]) -> list[tuple[str, list[str], s
         "- phases: "
         + ", ".join(
             f"{s.name} ({s.requests} requests, {s.wall:.0f} s"
-            + (f", {s.target_only_requests} target-only by the stack's choice" if s.target_only_requests else "")
+            + (f", {s.target_only_requests} decoded target-only by the stack" if s.target_only_requests else "")
             + (f", {s.errors} failed)" if s.errors else ")")
             for s in f.summaries
         )

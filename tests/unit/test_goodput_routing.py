@@ -1,0 +1,65 @@
+"""The gateway's routing by the draft replicas' goodput reports, without a network: which draft replica,
+straight to the verify replica or through the draft, one decision per request, and a replica that comes back
+starts unmeasured."""
+
+import pytest
+
+from gateway.__main__ import parse_args
+from gateway.core import Gateway, GatewayConfig, GenRequest, Outcome
+from specmesh.sampling import SamplingParams
+
+
+def gateway(**kw) -> Gateway:
+    return Gateway(GatewayConfig(verify=("10.0.0.1:50061",), draft=("10.0.1.1:50062", "10.0.1.2:50062"), **kw))
+
+
+def choose(gw: Gateway, outcome: Outcome | None = None, **req):
+    outcome = outcome or Outcome(prompt_tokens=3)
+    params = req.pop("params", SamplingParams(temperature=0.0, max_tokens=4))
+    _, draft = gw._choose(GenRequest([1, 2, 3], params, **req), [], set(), outcome)
+    return draft, outcome
+
+
+def test_a_replica_that_reports_speculation_loses_is_passed_over_for_one_that_pays():
+    gw = gateway()
+    a, b = gw.draft_pool.replicas.values()
+    a.speculation_pays = False  # idle, so least loaded: it would win every choice on load alone
+    for _ in range(5):
+        draft, outcome = choose(gw)
+        assert draft is b and outcome.goodput_route == "draft" and not outcome.target_only
+    b.speculation_pays = False  # every replica says it loses: straight to the verify replica, 1 in 8 a probe
+    routes = [choose(gw) for _ in range(16)]
+    assert [o.goodput_route for _, o in routes] == ["direct"] * 7 + ["probe"] + ["direct"] * 7 + ["probe"]
+    assert all((d is None) == o.target_only for d, o in routes)
+    assert gw.draft_pool.decisions["target_only_by_goodput"] == 14
+    # the caller's K, or a seed, keeps the draft path
+    assert choose(gw, num_speculative_tokens=2)[0] is not None
+    assert choose(gw, params=SamplingParams(temperature=0.7, max_tokens=4, seed=1))[0] is not None
+
+
+def test_a_failover_keeps_the_request_s_goodput_decision():
+    gw = gateway(goodput_probe_every=2)
+    for r in gw.draft_pool.replicas.values():
+        r.speculation_pays = False
+    draft, outcome = choose(gw)
+    assert outcome.goodput_route == "direct" and draft is None
+    outcome.failovers += 1
+    draft, outcome = choose(gw, outcome)  # chosen again after a failed replica: the same decision, counted once
+    assert outcome.goodput_route == "direct" and draft is None
+    assert gw.draft_pool.decisions["target_only_by_goodput"] == 1
+
+
+def test_a_replica_back_in_the_pool_starts_unmeasured():
+    gw = gateway(fail_threshold=1, success_threshold=1)
+    a = next(iter(gw.draft_pool.replicas.values()))
+    a.speculation_pays, a.diverted = False, 5
+    gw.draft_pool._record(a, False)
+    assert not a.healthy and a.speculation_pays is False
+    gw.draft_pool._record(a, True)  # maybe a restarted process, with a guard that has measured nothing
+    assert a.healthy and a.speculation_pays is None and a.diverted == 0
+
+
+@pytest.mark.parametrize("every", ["1", "-1"])
+def test_a_probe_share_that_would_not_probe_is_refused(every):
+    with pytest.raises(SystemExit):
+        parse_args(["--verify", "10.0.0.1:50061", "--goodput-probe-every", every])
