@@ -508,10 +508,6 @@ class Gateway:
             return verify, None
         draft = self.draft_pool.least_loaded() if self.draft_pool.replicas and drafting else None
         if draft is not None and req.num_speculative_tokens is None and req.params.seed is None:
-            # A replica whose guard reports that speculation pays (or has not said) comes first: one that
-            # reports it loses carries little load, and least_loaded alone would keep choosing it.
-            paying = [r for r in self.draft_pool.healthy if r.speculation_pays is not False]
-            draft = min(paying, key=lambda r: r.inflight) if paying else draft
             # one decision per request: a failover keeps it (and counts it once)
             outcome.goodput_route = outcome.goodput_route or self._goodput_route(draft)
             if outcome.goodput_route == "direct":

@@ -224,8 +224,11 @@ class Pool:
         return chosen
 
     def least_loaded(self, exclude: set[str] = frozenset()) -> Replica | None:
+        """The healthy replica with the fewest requests in flight; a draft replica whose goodput guard
+        reports that speculation loses comes last (the gateway sends most requests past it, so it carries
+        little load, and on load alone it would be chosen every time)."""
         candidates = [r for r in self.healthy if r.address not in exclude]
-        return min(candidates, key=lambda r: r.inflight) if candidates else None
+        return min(candidates, key=lambda r: (r.speculation_pays is False, r.inflight)) if candidates else None
 
     # health ----------------------------------------------------------------------------------------
     async def probe(self, replica: Replica) -> bool:
