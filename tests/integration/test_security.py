@@ -128,6 +128,7 @@ def _start_draft(model, verify_address: str, server: Security | None, client: Se
         port=0,
         verify_address=verify_address,
         kv_cache_prefault=False,
+        goodput_guard=False,  # its draft is a noisy copy of the target, as dear: the guard would turn it off
         **algorithm,
         **kw,
     )
