@@ -164,6 +164,31 @@ def test_a_good_version_is_kept(tmp_path):
     assert d.acceptance_by_version()[1] == (160, 120)
 
 
+def test_a_dip_within_prompt_noise_is_not_rolled_back(tmp_path):
+    """Acceptance varies by ~0.03 between windows of the same draft; the default margin (0.05) lets that
+    pass, and a drop past it still rolls back."""
+    target, draft, d, swaps, pool = make(tmp_path, rollback_window=100)
+    traffic(target, d, sessions=4)
+    for _ in range(25):
+        d.record_round(0, 4, 2)  # 0.50
+    for _ in range(10):
+        d.step()
+    pool.submit(lambda: None).result()
+    for _ in range(23):
+        d.record_round(1, 4, 2)
+    d.record_round(1, 4, 0)
+    d.record_round(1, 4, 0)  # its first 100 drafted tokens: 0.46, 0.04 below v0
+    assert d.rollbacks == 0 and d.serving_version == 1
+    for _ in range(10):
+        d.step()
+    pool.submit(lambda: None).result()
+    assert d.serving_version == 2
+    for _ in range(25):
+        d.record_round(2, 4, 1)  # 0.25 against v1's 0.46
+    pool.shutdown(wait=True)
+    assert d.rollbacks == 1 and d.serving_version == 1
+
+
 # ---------------------------------------------------------------- rehearsal
 def rehearsal_of(target, sessions: int, seed: int, k: int = 8):
     """A rehearsal set from the target's own continuations (what specmesh.training.rehearsal writes)."""
