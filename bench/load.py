@@ -30,7 +30,12 @@ p50/p99, ITL p50/p99 (gaps between streamed chunks, vLLM's definition: under spe
 several tokens, so TPOT, (end - first token) / (tokens - 1) per request, is reported too), acceptance, and
 the mean verify / draft batch size over the level from the services' Prometheus `/metrics` scraped before
 and after it (`specmesh_verify_batch_size` _sum / _count; a draft batch histogram if the draft service
-exports one, otherwise null). Ratios speculative / target-only and speculative / HF assisted per level.
+exports one, otherwise null), and the CPU seconds each service process used per 1,000 completion tokens
+(`cpu_s_per_1k_tokens`, from /proc: on a saturated machine equal CPU per token means equal throughput, however
+the work is scheduled). Ratios speculative / target-only and speculative / HF assisted per level.
+
+Speculation forced on at every level (what the 16-stream analysis in the README ran):
+`--concurrency 16 --speculative-disable-by-batch-size 0 --num-speculative-tokens 4 --draft-arg=--no-adaptive`.
 
 Writes bench/results/load.json and bench/results/load.png and prints a markdown table for the README.
 `--quick` is a smoke run (concurrency 1,4, four requests per level, 16 tokens, 2 HF prompts).
@@ -267,6 +272,31 @@ def pooled_mean(parts: list[tuple[float | None, int]]) -> tuple[float | None, in
 
 # ---------------------------------------------------------------------------------------------------------
 # the client
+
+
+def process_cpu_seconds(procs: list[tuple[str, subprocess.Popen]]) -> dict[str, float] | None:
+    """CPU seconds (user + system) each of the stack's processes has used so far; None where /proc is not."""
+    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    out = {}
+    for name, proc in procs:
+        try:
+            with open(f"/proc/{proc.pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            return None
+        out[name] = (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
+def cpu_per_1k_tokens(parts: list[tuple[dict | None, dict | None, int]]) -> dict[str, float] | None:
+    """CPU seconds per 1,000 completion tokens of each process over passes of (before, after, tokens)."""
+    if not parts or any(b is None or a is None for b, a, _ in parts):
+        return None
+    tokens = sum(n for _, _, n in parts)
+    if not tokens:
+        return None
+    names = parts[0][0].keys()  # type: ignore[union-attr]
+    return {n: round(1000 * sum(a[n] - b[n] for b, a, _ in parts) / tokens, 3) for n in names}  # type: ignore[index]
 
 
 async def one_request(
@@ -622,6 +652,13 @@ def parse_args(argv=None):
     ap.add_argument("--hf-prompts", type=int, default=12, help="prompts for the HF assisted-generation peer")
     ap.add_argument("--hf-threads", type=int, default=0, help="torch threads of the HF peer (0 = this machine's cores)")
     ap.add_argument("--skip-hf", action="store_true", help="no HF assisted-generation peer (its ratios are null)")
+    ap.add_argument(
+        "--draft-arg",
+        action="append",
+        default=[],
+        metavar="FLAG",
+        help="a flag for the draft service (repeatable), e.g. --draft-arg=--no-adaptive to keep every request's K",
+    )
     ap.add_argument("--request-timeout-s", type=float, default=300.0, help="client timeout per request")
     ap.add_argument("--seed", type=int, default=0, help="torch seed of the HF peer's sampling")
     ap.add_argument(
@@ -742,11 +779,14 @@ async def measure(args, stack: Stack, prompts: list[list[int]]) -> dict:
                     await run_level(targets[SPEC][0], prompts, c, c, 16, t, targets[SPEC][1], timeout)
                 client, k = targets[mode]
                 vb, db = scrape(stack.metrics_ports.get("verify")), scrape(stack.metrics_ports.get("draft"))
+                cpu_before = process_cpu_seconds(stack.procs)
                 records, wall = await run_level(client, prompts, n_req[c], c, args.max_tokens, t, k, timeout, bar)
+                done = summarize(records, wall, args.max_tokens)["completion_tokens"]
+                cpu = (cpu_before, process_cpu_seconds(stack.procs), done)
                 va, da = scrape(stack.metrics_ports.get("verify")), scrape(stack.metrics_ports.get("draft"))
                 stack.check_alive()
                 batches = (histogram_mean(vb, va, verify_metric), histogram_mean(db, da, draft_metric))
-                passes.setdefault((t, c, mode), []).append((records, wall, *batches))
+                passes.setdefault((t, c, mode), []).append((records, wall, *batches, cpu))
                 if r + 1 < args.repeats:
                     continue
                 runs = passes[(t, c, mode)]
@@ -765,6 +805,8 @@ async def measure(args, stack: Stack, prompts: list[list[int]]) -> dict:
                     )
                 m["mean_verify_batch"], m["verify_batches"] = pooled_mean([run[2] for run in runs])
                 m["mean_draft_batch"], m["draft_batches"] = pooled_mean([run[3] for run in runs])
+                # Where the CPU went: on a saturated machine, equal CPU-seconds per token mean equal throughput
+                m["cpu_s_per_1k_tokens"] = cpu_per_1k_tokens([run[4] for run in runs])
                 lv = levels.setdefault((t, c), {"sampling": sampling_name(t), "temperature": t, "concurrency": c})
                 lv[mode] = m
         return {
@@ -849,7 +891,13 @@ def main(argv=None) -> dict:
     # The gateway decides it for new requests, the draft service per round (as the local stack sets both).
     limit = ["--speculative-disable-by-batch-size", str(args.speculative_disable_by_batch_size)]
     stack = Stack(
-        args.target, args.draft, args.verify_threads, args.draft_threads, limit, draft_args=limit, device=args.device
+        args.target,
+        args.draft,
+        args.verify_threads,
+        args.draft_threads,
+        limit,
+        draft_args=limit + args.draft_arg,
+        device=args.device,
     )
     atexit.register(stack.close)
     try:
@@ -927,6 +975,7 @@ def main(argv=None) -> dict:
             "draft_torch_threads": args.draft_threads,
             "speculative_disable_by_batch_size": args.speculative_disable_by_batch_size,
             "draft_pipelining": pipeline_pays(args.verify_threads, args.draft_threads),
+            "draft_args": args.draft_arg,
             "hf_torch_threads": args.hf_threads,
             "hf_prompts": min(args.hf_prompts, len(prompts)) if hf else 0,
             "quick": args.quick,
