@@ -53,6 +53,8 @@ FLAG_HELP = {
     "online_distill_cpu_share": "the trainer's share of one core's time (it sleeps the rest)",
     "online_distill_buffer": "replay buffer size, in training windows of 64 tokens",
     "online_distill_lr": "the trainer's learning rate (AdamW)",
+    "online_distill_kl_weight": "weight of the KL to the target's top-k in the loss; the rest is cross-entropy on "
+    "the committed token (1 = pure KL)",
     "online_distill_steps_per_version": "training steps between two weight versions",
     "online_distill_rollback_window": "draft tokens a new version is judged on against its predecessor",
     "online_distill_rehearsal": "windows of the draft's original domain with the target's top-k (python -m "

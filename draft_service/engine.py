@@ -85,6 +85,7 @@ class DraftConfig:
     online_distill_cpu_share: float = OnlineConfig.cpu_share
     online_distill_buffer: int = OnlineConfig.buffer_windows
     online_distill_lr: float = OnlineConfig.lr
+    online_distill_kl_weight: float = OnlineConfig.kl_weight
     online_distill_steps_per_version: int = OnlineConfig.steps_per_version
     online_distill_rollback_window: int = OnlineConfig.rollback_window
     # "auto": the draft directory's rehearsal.safetensors when it has one; "none": no rehearsal; else a file

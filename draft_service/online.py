@@ -125,6 +125,7 @@ def online_config(config) -> OnlineConfig:
         topk=config.online_distill_topk,
         buffer_windows=config.online_distill_buffer,
         lr=config.online_distill_lr,
+        kl_weight=config.online_distill_kl_weight,
         steps_per_version=config.online_distill_steps_per_version,
         cpu_share=config.online_distill_cpu_share,
         rollback_window=config.online_distill_rollback_window,
