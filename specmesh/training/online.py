@@ -56,7 +56,12 @@ class OnlineConfig:
     # With a quarter of each batch rehearsing the original domain (rehearsal_share), 1.5e-4 learns the new
     # domain faster live (bench.online: +0.089 against +0.067-0.070 at 5e-5) and the original domain holds.
     lr: float = 1.5e-4
-    kl_weight: float = 1.0  # 1 = pure KD on the target's top-k; below, mixes in CE on the committed token
+    # Half KL to the target's top-k, half cross-entropy on the committed token (the target's own choice: its
+    # argmax under greedy traffic, a sample of it otherwise). Acceptance is decided by the target's choice, and
+    # the CE term pulls the draft's argmax there harder than the KL alone: offline at lr 1.5e-4 on bench.online's
+    # English corpus, teacher-forced agreement after 300 / 600 steps was 0.674 / 0.677 with pure KL, 0.692 /
+    # 0.703 at 0.5 and 0.678 / 0.681 with CE alone; live (bench.online) the gain went from +0.085-0.094 to +0.13.
+    kl_weight: float = 0.5
     steps_per_version: int = 50
     cpu_share: float = 0.3  # the trainer's share of one core's wall time (it sleeps the rest)
     # Drafted tokens a version is judged on, and the acceptance it may lose against its predecessor before it

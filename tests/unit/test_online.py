@@ -102,7 +102,9 @@ def agreement(target, draft, seed: int = 7) -> float:
 
 
 def test_the_trainer_moves_the_draft_toward_the_target_and_versions_go_live(tmp_path):
-    target, draft, d, swaps, pool = make(tmp_path)
+    # Pure KL: the tiny random target's argmax is arbitrary, and 60 steps of cross-entropy on it over 12
+    # sessions memorise those sessions rather than carry to fresh prompts (agreement stays 0 at the default 0.5).
+    target, draft, d, swaps, pool = make(tmp_path, kl_weight=1.0)
     traffic(target, d)
     before = agreement(target, draft)
     runner = BatchedRunner(draft, num_slots=2, max_seq_len=64)  # serves from fused copies of the weights
@@ -296,3 +298,15 @@ def test_a_rehearsal_set_of_another_vocabulary_is_refused(tmp_path):
     RehearsalSet(torch.zeros((2, 6), dtype=torch.long), ids, torch.zeros((2, 5, 3))).save(tmp_path / "r.safetensors")
     with pytest.raises(ValueError, match="outside the draft's vocabulary"):
         make(tmp_path / "v", rehearsal=tmp_path / "r.safetensors")
+
+
+def test_the_kl_weight_flag_reaches_the_trainer_and_is_checked(tmp_path, capsys):
+    from draft_service.__main__ import parse_args
+    from draft_service.online import online_config
+
+    draft = str(Path(__file__).resolve().parents[2] / "models" / "demo" / "draft")
+    config, _ = parse_args(["--model-path", draft, "--online-distill", "--online-distill-kl-weight", "0.25"])
+    assert online_config(config).kl_weight == 0.25
+    with pytest.raises(SystemExit):
+        parse_args(["--model-path", draft, "--online-distill", "--online-distill-kl-weight", "1.5"])
+    assert "kl_weight must be in [0, 1]" in capsys.readouterr().err
