@@ -109,10 +109,13 @@ def distill_loss(
     kl_weight: float,
     autocast: bool = False,
     mask: torch.Tensor | None = None,
+    labels: torch.Tensor | None = None,
 ) -> DistillLoss:
     """Loss of the draft on `batch` [B, T + 1] (inputs [:, :-1], corpus labels [:, 1:]); `mask` [B, T]: the
-    positions that count (online distillation has the target's feedback only where tokens were committed)."""
-    inputs, labels = batch[:, :-1], batch[:, 1:]
+    positions that count (online distillation has the target's feedback only where tokens were committed);
+    `labels` [B, T]: the cross-entropy's targets instead of the corpus's next tokens."""
+    inputs = batch[:, :-1]
+    labels = batch[:, 1:] if labels is None else labels
     with _autocast(batch.device, autocast):
         logits = draft(input_ids=inputs, use_cache=False).logits
     logq = torch.log_softmax(logits.float(), dim=-1)  # full vocabulary: mass outside the top-k is penalised too

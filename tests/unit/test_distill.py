@@ -112,6 +112,15 @@ def test_truncated_kl_with_the_whole_vocabulary_is_the_true_kl(tiny):
     mixed = D.distill_loss(draft, batch, targets, kl_weight=0.25)
     assert mixed.loss.item() == pytest.approx(0.25 * mixed.kl.item() + 0.75 * mixed.ce.item(), rel=1e-6)
 
+    # The cross-entropy on other labels (the target's own choices, as online distillation commits them)
+    choice = targets.ids[..., 0].long()
+    on_choice = D.distill_loss(draft, batch, targets, kl_weight=0.25, labels=choice)
+    with torch.no_grad():
+        ce_choice = torch.nn.functional.cross_entropy(logq.reshape(-1, logq.size(-1)), choice.reshape(-1)).item()
+    assert on_choice.ce.item() == pytest.approx(ce_choice, rel=1e-4)
+    assert on_choice.kl.item() == pytest.approx(mixed.kl.item(), rel=1e-6)
+    assert on_choice.ce.item() != pytest.approx(mixed.ce.item(), rel=1e-3)
+
 
 def test_offline_cache_gives_the_online_loss_and_refuses_other_settings(tiny, tmp_path):
     target, windows = tiny["target"], tiny["train"]
