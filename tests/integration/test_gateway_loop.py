@@ -2,8 +2,8 @@
 tokenized on worker threads, so every other stream keeps its pace and /health/live keeps answering.
 
 A prompt's size is capped before it is tokenized (characters, bytes of the request, gRPC's message size);
-within the caps, the worst case is a text at the character cap, whose tokenization costs about a second
-(it was done on the loop, and froze every stream and the liveness probe for as long).
+within the caps, the worst case is a text at the character cap, whose tokenization costs 0.2-0.5 s on the
+machines this has run on (it was done on the loop, and froze every stream and the liveness probe for as long).
 """
 
 import asyncio
@@ -108,7 +108,9 @@ def attempt(gw) -> tuple[float, float, float]:
         f"({sum(map(len, gaps))} gaps), worst /health/live {max(latencies) * 1000:.0f} ms ({len(latencies)} probes), "
         f"worst lag of the gateway's event loop {max(lags) * 1000:.0f} ms"
     )
-    assert min(big_calls) > 2 * LIMIT_S  # the prompts were real work: the test could have failed
+    # The prompts were real work, so the test could have failed: on the loop, either would stall it past the
+    # bound by half again (0.19 s on the fastest machine it has run on, 0.4-0.5 s on slower ones).
+    assert min(big_calls) > 1.5 * LIMIT_S
     assert all(len(g) > 10 for g in gaps) and len(latencies) > 10
     return worst_gap, max(latencies), max(lags)
 
