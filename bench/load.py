@@ -288,15 +288,13 @@ def process_cpu_seconds(procs: list[tuple[str, subprocess.Popen]]) -> dict[str, 
     return out
 
 
-def cpu_per_1k_tokens(parts: list[tuple[dict | None, dict | None, int]]) -> dict[str, float] | None:
-    """CPU seconds per 1,000 completion tokens of each process over passes of (before, after, tokens)."""
-    if not parts or any(b is None or a is None for b, a, _ in parts):
+def cpu_per_1k_tokens(passes: list[tuple[dict | None, dict | None]], tokens: int) -> dict[str, float] | None:
+    """CPU seconds per 1,000 completion tokens of each process, over passes of (before, after) readings that
+    together produced `tokens`."""
+    if not passes or not tokens or any(b is None or a is None for b, a in passes):
         return None
-    tokens = sum(n for _, _, n in parts)
-    if not tokens:
-        return None
-    names = parts[0][0].keys()  # type: ignore[union-attr]
-    return {n: round(1000 * sum(a[n] - b[n] for b, a, _ in parts) / tokens, 3) for n in names}  # type: ignore[index]
+    names = passes[0][0].keys()  # type: ignore[union-attr]
+    return {n: round(1000 * sum(a[n] - b[n] for b, a in passes) / tokens, 3) for n in names}  # type: ignore[index]
 
 
 async def one_request(
@@ -781,8 +779,7 @@ async def measure(args, stack: Stack, prompts: list[list[int]]) -> dict:
                 vb, db = scrape(stack.metrics_ports.get("verify")), scrape(stack.metrics_ports.get("draft"))
                 cpu_before = process_cpu_seconds(stack.procs)
                 records, wall = await run_level(client, prompts, n_req[c], c, args.max_tokens, t, k, timeout, bar)
-                done = summarize(records, wall, args.max_tokens)["completion_tokens"]
-                cpu = (cpu_before, process_cpu_seconds(stack.procs), done)
+                cpu = (cpu_before, process_cpu_seconds(stack.procs))
                 va, da = scrape(stack.metrics_ports.get("verify")), scrape(stack.metrics_ports.get("draft"))
                 stack.check_alive()
                 batches = (histogram_mean(vb, va, verify_metric), histogram_mean(db, da, draft_metric))
@@ -806,7 +803,7 @@ async def measure(args, stack: Stack, prompts: list[list[int]]) -> dict:
                 m["mean_verify_batch"], m["verify_batches"] = pooled_mean([run[2] for run in runs])
                 m["mean_draft_batch"], m["draft_batches"] = pooled_mean([run[3] for run in runs])
                 # Where the CPU went: on a saturated machine, equal CPU-seconds per token mean equal throughput
-                m["cpu_s_per_1k_tokens"] = cpu_per_1k_tokens([run[4] for run in runs])
+                m["cpu_s_per_1k_tokens"] = cpu_per_1k_tokens([run[4] for run in runs], m["completion_tokens"])
                 lv = levels.setdefault((t, c), {"sampling": sampling_name(t), "temperature": t, "concurrency": c})
                 lv[mode] = m
         return {

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from bench.load import git_info
+from bench.load import git_info, parse_list
 from bench.online import english_prompts
 from bench.services import RESULTS, ROOT
 from specmesh.models import load_model
@@ -115,10 +115,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(prog="python -m bench.online_ceiling", description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", type=Path, default=ROOT / "models" / "demo" / "target")
     ap.add_argument("--draft", type=Path, default=ROOT / "models" / "demo" / "draft")
-    floats = lambda s: [float(x) for x in s.split(",")]
-    ap.add_argument("--lr", type=floats, default=[OnlineConfig.lr], help="comma-separated learning rates")
+    ap.add_argument("--lr", type=parse_list(float), default=[OnlineConfig.lr], help="comma-separated learning rates")
     ap.add_argument(
-        "--kl-weight", type=floats, default=[1.0, OnlineConfig.kl_weight], help="comma-separated KL weights"
+        "--kl-weight", type=parse_list(float), default=[1.0, OnlineConfig.kl_weight], help="comma-separated KL weights"
     )
     ap.add_argument("--steps", type=int, default=600)
     ap.add_argument("--every", type=int, default=100)

@@ -27,14 +27,14 @@ def test_a_busy_process_is_charged_and_an_idle_one_is_not():
     assert before is not None and after is not None
     assert after["busy"] - before["busy"] > 0.2
     assert after["idle"] - before["idle"] < 0.1
-    per_1k = cpu_per_1k_tokens([(before, after, 500)])
+    per_1k = cpu_per_1k_tokens([(before, after)], 500)
     assert per_1k is not None and per_1k["busy"] == pytest.approx(2 * (after["busy"] - before["busy"]), abs=1e-3)
 
 
 def test_passes_pool_and_a_missing_reading_is_null():
-    a = ({"verify": 1.0}, {"verify": 3.0}, 1000)
-    b = ({"verify": 5.0}, {"verify": 6.0}, 1000)
-    assert cpu_per_1k_tokens([a, b]) == {"verify": 1.5}
-    assert cpu_per_1k_tokens([a, (None, {"verify": 1.0}, 10)]) is None
-    assert cpu_per_1k_tokens([]) is None
-    assert cpu_per_1k_tokens([({"v": 0.0}, {"v": 1.0}, 0)]) is None
+    a = ({"verify": 1.0}, {"verify": 3.0})
+    b = ({"verify": 5.0}, {"verify": 6.0})
+    assert cpu_per_1k_tokens([a, b], 2000) == {"verify": 1.5}
+    assert cpu_per_1k_tokens([a, (None, {"verify": 1.0})], 1010) is None
+    assert cpu_per_1k_tokens([], 100) is None
+    assert cpu_per_1k_tokens([({"v": 0.0}, {"v": 1.0})], 0) is None
