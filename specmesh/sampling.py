@@ -19,15 +19,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from specmesh.errors import InvalidArgument
 from specmesh.text import IncrementalDetokenizer, find_stop
-
-if TYPE_CHECKING:
-    from specmesh.structured import Grammar
 
 MAX_STOP_STRINGS = 16
 MAX_LOGPROBS = 20  # most top log-probabilities per token (vLLM's default max_logprobs)
@@ -229,6 +226,43 @@ def _apply_top_k_top_p(scaled, top_k, top_p, use_k, use_p) -> torch.Tensor:
     return torch.empty_like(scaled).scatter_(1, sorted_idx, sorted_logits)
 
 
+class GrammarMask(Protocol):
+    """A generation's grammar state (`specmesh.structured.Grammar`), as logits processing sees it."""
+
+    def bitmask(self, output: Sequence[int], drafts: Sequence[int], rows: int) -> torch.Tensor:
+        """[rows, ceil(V / 32)] int32: bit t of row j set where the grammar allows token t after `output` and
+        drafts[:j]."""
+        ...
+
+
+def allowed_from_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[rows, W] int32 bitmask -> [rows, vocab_size] bool, vectorised (no loop over the vocabulary)."""
+    bits = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    return ((bitmask[:, :, None] >> bits) & 1).bool().reshape(bitmask.size(0), -1)[:, :vocab_size]
+
+
+def apply_grammar_masks(
+    logits: torch.Tensor, rows: Sequence[tuple[int, GrammarMask, Sequence[int], Sequence[int], int]]
+) -> torch.Tensor:
+    """Mask in place the rows of each (first row, grammar, output, drafts, row count): -inf where the
+    grammar refuses the token."""
+    if not rows:
+        return logits
+    vocab = logits.size(1)
+    masks: list[torch.Tensor] = []
+    where: list[int] = []
+    for first, grammar, output, drafts, n in rows:
+        masks.append(grammar.bitmask(output, drafts, n))
+        where.extend(range(first, first + n))
+    # The bitmask travels to the logits' device (32 times smaller than the bool mask) and is expanded there.
+    allowed = allowed_from_bitmask(torch.cat(masks).to(logits.device), vocab)
+    if allowed.size(1) < vocab:  # ids past the grammar's vocabulary (padding rows of the embedding)
+        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.size(1)), value=False)
+    idx = torch.tensor(where, dtype=torch.long, device=logits.device)
+    logits[idx] = logits[idx].masked_fill(~allowed, float("-inf"))
+    return logits
+
+
 @dataclass(frozen=True)
 class LogitsContext:
     """The context one request's logits rows are processed under (`apply_context_processing`).
@@ -241,7 +275,7 @@ class LogitsContext:
     output_start: int  # index in `tokens` where the output begins (prior_output_tokens already counted)
     draft_ids: Sequence[int] = ()  # x_1..x_K
     eos_token_ids: frozenset[int] = frozenset()  # what min_tokens holds back besides stop_token_ids
-    grammar: Grammar | None = None  # structured output's state for this generation, if it has a grammar
+    grammar: GrammarMask | None = None  # structured output's state for this generation, if it has a grammar
 
     @property
     def rows(self) -> int:
@@ -282,8 +316,6 @@ def apply_context_processing(
     if not active:
         if not grammars:
             return logits
-        from specmesh.structured import apply_grammar_masks
-
         return apply_grammar_masks(logits.float().clone(), grammars)
     row_idx: list[int] = []  # row in `logits` of each processed row
     row_req: list[int] = []  # its request, as an index into `active`
@@ -378,8 +410,6 @@ def apply_context_processing(
         block[idx(ban_rows), idx(ban_ids)] = float("-inf")
     out[where] = block
     if grammars:
-        from specmesh.structured import apply_grammar_masks
-
         apply_grammar_masks(out, grammars)
     return out
 

@@ -188,31 +188,3 @@ class Grammar:
                 if not m.consume_token(token):
                     break
         return mask
-
-
-def allowed_from_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """[rows, W] int32 bitmask -> [rows, vocab_size] bool, vectorised (no loop over the vocabulary)."""
-    bits = torch.arange(32, dtype=torch.int32, device=bitmask.device)
-    return ((bitmask[:, :, None] >> bits) & 1).bool().reshape(bitmask.size(0), -1)[:, :vocab_size]
-
-
-def apply_grammar_masks(
-    logits: torch.Tensor, rows: Sequence[tuple[int, Grammar, Sequence[int], Sequence[int], int]]
-) -> torch.Tensor:
-    """Mask in place the rows of each (first row, grammar, output, drafts, row count): -inf where the
-    grammar refuses the token."""
-    if not rows:
-        return logits
-    vocab = logits.size(1)
-    masks: list[torch.Tensor] = []
-    where: list[int] = []
-    for first, grammar, output, drafts, n in rows:
-        masks.append(grammar.bitmask(output, drafts, n))
-        where.extend(range(first, first + n))
-    # The bitmask travels to the logits' device (32 times smaller than the bool mask) and is expanded there.
-    allowed = allowed_from_bitmask(torch.cat(masks).to(logits.device), vocab)
-    if allowed.size(1) < vocab:  # ids past the grammar's vocabulary (padding rows of the embedding)
-        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.size(1)), value=False)
-    idx = torch.tensor(where, dtype=torch.long, device=logits.device)
-    logits[idx] = logits[idx].masked_fill(~allowed, float("-inf"))
-    return logits

@@ -33,6 +33,7 @@ import torch
 
 from specmesh.domain import DraftBlock, TokenLogprob
 from specmesh.errors import InvalidArgument
+from specmesh.rejection.batch import PreparedBatch
 from specmesh.rejection.limits import MAX_SPEC_LEN, PLACEHOLDER_TOKEN_ID
 from specmesh.sampling import (
     BatchSamplingParams,
@@ -223,26 +224,6 @@ def _logprobs(
         n = num_accepted[b] + 1
         result[b], at = lps[at : at + n], at + n
     return result
-
-
-@dataclass
-class PreparedBatch:
-    """Everything the accept loop needs; shapes: T = sum K_b, R = T + B rows, V vocab."""
-
-    draft_token_ids: torch.Tensor  # [T] int64
-    cu_num_draft_tokens: torch.Tensor  # [B] int32 inclusive cumsum of K_b
-    draft_p_x: torch.Tensor  # [T] float32  p_i(x_i)
-    draft_q_x: torch.Tensor  # [T] float32  q_i(x_i) (1 for point masses, 0 if x_i is outside the support)
-    uniforms: torch.Tensor  # [T] float64
-    residual_probs: torch.Tensor  # [R, V] float32: draft rows max(p - q, 0) (unnormalised), bonus rows p
-    target_argmax: torch.Tensor  # [R] int64 (greedy rule)
-    is_greedy: torch.Tensor  # [B] bool
-    exponentials: torch.Tensor  # [B, V] float32, Exp(1); unused rows of greedy requests are ones
-    max_spec_len: int
-
-    def num_accepted_from(self, out: torch.Tensor) -> list[int]:
-        # accepted = (filled entries) - 1; one sync for the whole batch
-        return ((out != PLACEHOLDER_TOKEN_ID).sum(dim=1) - 1).tolist()
 
 
 def prepare(target_logits: torch.Tensor, blocks: list[RejectionInput], shared: torch.Generator) -> PreparedBatch:

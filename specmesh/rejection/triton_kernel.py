@@ -18,7 +18,7 @@ import triton.language as tl
 from specmesh.rejection.limits import MAX_SPEC_LEN, PLACEHOLDER_TOKEN_ID
 
 if TYPE_CHECKING:
-    from specmesh.rejection.sampler import PreparedBatch
+    from specmesh.rejection.batch import PreparedBatch
 
 
 # Sizes and strides are runtime values: no recompilation when K, the batch or the vocabulary changes shape.

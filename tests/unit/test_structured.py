@@ -15,10 +15,11 @@ from specmesh.sampling import (
     LogitsContext,
     SamplingParams,
     StructuredSpec,
+    allowed_from_bitmask,
     apply_context_processing,
     process_logits,
 )
-from specmesh.structured import GrammarCompiler, allowed_from_bitmask, grammar_text
+from specmesh.structured import GrammarCompiler, grammar_text
 
 TOKENS = [b"<eos>", b"a", b"b", b"c", b"ab", b"ba", b"{", b"}"]
 V = len(TOKENS)
