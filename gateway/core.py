@@ -1,14 +1,18 @@
 """The gateway's domain object: one generation across the replica pools, with failover, in text and ids.
 
-`Gateway.generate` picks a verify replica (session affinity or prefix-aware), a draft replica (least
-loaded), and streams the draft service's committed tokens. If a replica fails mid-stream (UNAVAILABLE,
-a deadline, an internal error), the replicas are probed, dead ones leave the pool, and the generation is
-replayed on healthy ones from prompt + the tokens already emitted, with max_tokens reduced: the client
-sees one stream with nothing lost and nothing repeated (under greedy decoding, the same tokens). With no
-healthy draft replica the verify service decodes target-only: slower, same output distribution. A request
-may ask for that itself (`num_speculative_tokens` 0): it then goes to the verify replica alone.
-Errors that are the caller's (INVALID_ARGUMENT, ...) are never retried, nor is overload (429): the
-status of a downstream error comes from the one table in `specmesh.errors`.
+`Gateway.generate` checks and admits a request, asks the router (`gateway.router`) for a route (a verify
+replica by session affinity or prefix, a draft replica or none) and streams the draft service's committed
+tokens. `Inputs` is the way in: prompts tokenized off the event loop, requests checked against the
+gateway's limits.
+
+If a replica fails mid-stream (UNAVAILABLE, a deadline, an internal error), the replicas are probed, dead
+ones leave the pool, and the generation is replayed on healthy ones from prompt + the tokens already
+emitted, with max_tokens reduced: the client sees one stream with nothing lost and nothing repeated
+(under greedy decoding, the same tokens). With no healthy draft replica the verify service decodes
+target-only: slower, same output distribution. A request may ask for that itself
+(`num_speculative_tokens` 0): it then goes to the verify replica alone. Errors that are the caller's
+(INVALID_ARGUMENT, ...) are never retried, nor is overload (429): the status of a downstream error comes
+from the one table in `specmesh.errors`.
 
 Stalls: a replica that hangs (a stopped process, a black-holed connection) fails no call, so every stream
 is watched. A stream stalls when no token arrives within `stall_gap_multiple` times its mean gap between
@@ -38,7 +42,8 @@ from functools import partial
 import grpc
 import jinja2
 
-from gateway.routing import Pool, Replica
+from gateway.router import Route, Router, RouteRequest
+from gateway.routing import Replica
 from specmesh import wire
 from specmesh.domain import TokenLogprob
 from specmesh.errors import CALLER_ERRORS, InvalidArgument, ResourceExhausted, Unavailable, from_grpc_code
@@ -148,7 +153,7 @@ class Outcome:
     verify_session_replica: str = ""  # ... and that replica's address
     target_only: bool = False
     verify_replica: str = ""
-    # "direct", "probe" or "draft": where the draft replicas' goodput reports sent the request (core._goodput_route)
+    # "direct", "probe" or "draft": where the draft replicas' goodput reports sent the request (gateway.router)
     goodput_route: str = ""
 
 
@@ -221,32 +226,17 @@ class TextStream:
         return delta
 
 
-class Gateway:
-    def __init__(self, config: GatewayConfig, tokenizer=None, stream_metrics: StreamMetrics | None = None):
+class Inputs:
+    """What the gateway takes in: text tokenized on threads of its own, and each generation request checked
+    against the gateway's limits before it is admitted (vLLM's input processor, in short).
+
+    Tokenizing runs on those threads, never on the event loop: a long prompt takes a fast tokenizer a second
+    or more (it releases the GIL meanwhile), and every stream and health check waits on the loop."""
+
+    def __init__(self, config: GatewayConfig, tokenizer=None):
         self.config = config
         self.tokenizer = tokenizer
-        kw = dict(
-            load_factor=config.load_factor,
-            fail_threshold=config.fail_threshold,
-            success_threshold=config.success_threshold,
-        )
-        self.verify_pool = Pool("verify", list(config.verify), **kw)
-        self.draft_pool = Pool("draft", list(config.draft), **kw)
-        self._slots = asyncio.Semaphore(config.max_concurrency)
-        self.waiting = 0
-        self.inflight = 0
-        self._tasks: list[asyncio.Task] = []
-        self.failovers = 0
-        self.stalls = 0  # streams replayed because they made no progress
-        self.target_only_fallbacks = 0
-        self.totals = SpecStats()  # speculation statistics of every finished generation
-        self.stream_metrics = stream_metrics  # TTFT and inter-token latency of every generation
-        # Tokenizing and detokenizing run on these threads, never on the event loop: a long prompt takes
-        # a fast tokenizer a second or more (it releases the GIL meanwhile), and every stream and health
-        # check waits on the loop. Detokenizing large chunks has threads of its own, so that streams never
-        # queue behind long prompts being tokenized (small chunks stay on the loop: see `detokenize`).
         self._tokenizing = ThreadPoolExecutor(max(1, config.tokenizer_threads), thread_name_prefix="tokenize")
-        self._detokenizing = ThreadPoolExecutor(max(1, config.tokenizer_threads), thread_name_prefix="detokenize")
         # Token ids a prompt may hold: the tokenizer's, else whatever fits the wire's int32.
         self.vocab_size = len(tokenizer) if tokenizer is not None else 2**31
         # A text longer than this cannot fit max_prompt_tokens tokens: refused before it is tokenized.
@@ -254,22 +244,9 @@ class Gateway:
             longest_token_chars(tokenizer) if tokenizer is not None else DEFAULT_CHARS_PER_TOKEN
         )
 
-    async def start(self) -> None:
-        for pool in (self.verify_pool, self.draft_pool):
-            await pool.check_all()
-            self._tasks.append(
-                asyncio.get_running_loop().create_task(pool.run_health_checks(self.config.health_interval_s))
-            )
-
-    async def close(self) -> None:
-        for t in self._tasks:
-            t.cancel()
-        await self.verify_pool.close()
-        await self.draft_pool.close()
+    def close(self) -> None:
         self._tokenizing.shutdown(wait=False, cancel_futures=True)
-        self._detokenizing.shutdown(wait=False, cancel_futures=True)
 
-    # input -------------------------------------------------------------------------------------------
     def encode(self, text: str) -> list[int]:
         if self.tokenizer is None:
             raise InvalidArgument("this gateway has no tokenizer: send token ids")
@@ -312,22 +289,6 @@ class Gateway:
         self.check_prompt_chars(sum(len(m["content"]) for m in messages), "messages")
         return await self.off_loop(self.chat_prompt, messages)
 
-    # A chunk whose decode covers up to this many tokens (its own and the detokenizer's window), with stop
-    # strings no longer than INLINE_STOP_CHARS, is detokenized on the event loop: that costs ~10-15 us,
-    # while a hop to a thread and back costs the loop hundreds (the woken thread takes the GIL), and a
-    # stream pays it on every chunk. Larger work goes to the threads.
-    INLINE_IDS = 32
-    INLINE_STOP_CHARS = 256
-
-    async def detokenize(self, text: TextStream, ids: list[int], final: bool) -> str:
-        """`text.add`, on the event loop when it is small, else on the detokenizer's threads (nothing to do
-        without a tokenizer)."""
-        if text.detokenizer is None:
-            return ""
-        if len(ids) + text.detokenizer.window_tokens <= self.INLINE_IDS and text.hold < self.INLINE_STOP_CHARS:
-            return text.add(ids, final)
-        return await asyncio.get_running_loop().run_in_executor(self._detokenizing, text.add, ids, final)
-
     def check(self, req: GenRequest) -> None:
         if not req.prompt_ids:
             raise InvalidArgument("the prompt is empty")
@@ -353,6 +314,79 @@ class Gateway:
         k = req.num_speculative_tokens
         if k is not None and not 0 <= k <= MAX_SPEC_LEN:
             raise InvalidArgument(f"num_speculative_tokens must be in [0, {MAX_SPEC_LEN}], got {k}")
+
+
+class Gateway:
+    """One generation's lifecycle, for every front: admission, the stream of the route the router chose,
+    its text, the stall watch, failover and replay (see the module docstring)."""
+
+    def __init__(self, config: GatewayConfig, tokenizer=None, stream_metrics: StreamMetrics | None = None):
+        self.config = config
+        self.tokenizer = tokenizer
+        self.inputs = Inputs(config, tokenizer)
+        self.vocab_size, self.max_prompt_chars = self.inputs.vocab_size, self.inputs.max_prompt_chars
+        self.router = Router.from_config(config)
+        self.verify_pool, self.draft_pool = self.router.pools
+        self._slots = asyncio.Semaphore(config.max_concurrency)
+        self.waiting = 0
+        self.inflight = 0
+        self.failovers = 0
+        self.stalls = 0  # streams replayed because they made no progress
+        self.totals = SpecStats()  # speculation statistics of every finished generation
+        self.stream_metrics = stream_metrics  # TTFT and inter-token latency of every generation
+        # Detokenizing large chunks has threads of its own, so that streams never queue behind long prompts
+        # being tokenized (small chunks stay on the loop: see `detokenize`).
+        self._detokenizing = ThreadPoolExecutor(max(1, config.tokenizer_threads), thread_name_prefix="detokenize")
+
+    @property
+    def target_only_fallbacks(self) -> int:
+        return self.router.target_only_fallbacks
+
+    async def start(self) -> None:
+        await self.router.start(self.config.health_interval_s)
+
+    async def close(self) -> None:
+        await self.router.close()
+        self.inputs.close()
+        self._detokenizing.shutdown(wait=False, cancel_futures=True)
+
+    # the fronts' way in: `Inputs` -------------------------------------------------------------------------
+    def encode(self, text: str) -> list[int]:
+        return self.inputs.encode(text)
+
+    def chat_prompt(self, messages: list[dict]) -> list[int]:
+        return self.inputs.chat_prompt(messages)
+
+    def check_prompt_chars(self, chars: int, param: str) -> None:
+        self.inputs.check_prompt_chars(chars, param)
+
+    async def off_loop(self, fn, *args):
+        return await self.inputs.off_loop(fn, *args)
+
+    async def tokenize(self, text: str, param: str = "prompt") -> list[int]:
+        return await self.inputs.tokenize(text, param)
+
+    async def tokenize_chat(self, messages: list[dict]) -> list[int]:
+        return await self.inputs.tokenize_chat(messages)
+
+    def check(self, req: GenRequest) -> None:
+        self.inputs.check(req)
+
+    # A chunk whose decode covers up to this many tokens (its own and the detokenizer's window), with stop
+    # strings no longer than INLINE_STOP_CHARS, is detokenized on the event loop: that costs ~10-15 us,
+    # while a hop to a thread and back costs the loop hundreds (the woken thread takes the GIL), and a
+    # stream pays it on every chunk. Larger work goes to the threads.
+    INLINE_IDS = 32
+    INLINE_STOP_CHARS = 256
+
+    async def detokenize(self, text: TextStream, ids: list[int], final: bool) -> str:
+        """`text.add`, on the event loop when it is small, else on the detokenizer's threads (nothing to do
+        without a tokenizer)."""
+        if text.detokenizer is None:
+            return ""
+        if len(ids) + text.detokenizer.window_tokens <= self.INLINE_IDS and text.hold < self.INLINE_STOP_CHARS:
+            return text.add(ids, final)
+        return await asyncio.get_running_loop().run_in_executor(self._detokenizing, text.add, ids, final)
 
     # generation -------------------------------------------------------------------------------------
     async def admit(self):
@@ -398,61 +432,26 @@ class Gateway:
         deadline = time.monotonic() + self.config.request_timeout_s
         drafting = True  # False once a speculative stream stalled: the rest is target-only
         while True:
-            verify, draft = self._choose(req, emitted, excluded, outcome, drafting)
-            # A replay continues the same output: the rules over output tokens must count what came before.
-            params = replace(
-                req.params, max_tokens=req.params.max_tokens - len(emitted), prior_output_tokens=len(emitted)
-            )
-            prompt = req.prompt_ids + emitted
+            route = self._route(req, emitted, excluded, outcome, drafting)
+            stream = self._watched(self._stream(route, req, emitted, deadline, outcome), route, first=not emitted)
             failed: Replica | None = None
-            # The target-only continuation of a stalled stream names the verify session the stalled stream
-            # held there (the replica's own name for it when the request named none): the replica hands a
-            # session whose stream went silent to its newer turn, cache included, so nothing is prefilled
-            # again. A failover to another replica uses the request's own session id.
-            resume = outcome.stalls and verify.address == outcome.verify_session_replica
-            session_id = outcome.verify_session if resume else req.session_id
-            stream = self._watched(
-                self._stream(
-                    verify,
-                    draft,
-                    prompt,
-                    params,
-                    session_id,
-                    req.num_speculative_tokens,
-                    deadline,
-                    outcome,
-                    first=not emitted,
-                    metadata=req.metadata,
-                ),
-                verify,
-                draft,
-                first=not emitted,
-            )
             try:
                 async for ids, finish, logprobs in stream:
                     emitted += ids
                     outcome.completion_tokens = len(emitted)
-                    # As vLLM: a stop token id ends the output (the verifier stops after it, and min_tokens
-                    # bans it before then) but its text is not part of the output's text.
-                    stop_id = bool(ids) and ids[-1] in req.params.stop_token_ids
-                    final = finish is not None or stop_id
-                    delta = await self.detokenize(text, ids[:-1] if stop_id else ids, final=final)
-                    if text.stopped:
-                        yield Chunk(ids, delta, "stop", logprobs)
-                        return
-                    if finish is not None:
-                        yield Chunk(ids, delta, finish, logprobs)
-                        return
-                    if ids:
-                        yield Chunk(ids, delta, logprobs=logprobs)
+                    chunk = await self._chunk(text, req.params.stop_token_ids, ids, finish, logprobs)
+                    if chunk is not None:
+                        yield chunk
+                        if chunk.finish_reason is not None:
+                            return
                 raise Unavailable("the generation stream ended without a finish reason")
             except Stalled:
                 outcome.stalls += 1
                 self.stalls += 1
-                failed = verify if draft is None else None
+                failed = route.verify if route.draft is None else None
                 drafting = False
             except grpc.aio.AioRpcError as e:
-                failed = await self._on_failure(e, verify, draft)
+                failed = await self._on_failure(e, route)
             finally:
                 await stream.aclose()  # now, not when collected: it holds the replicas' load and the call
             if outcome.failovers >= self.config.max_failovers or time.monotonic() > deadline:
@@ -463,15 +462,47 @@ class Gateway:
                 excluded.add(failed.address)
             await asyncio.sleep(0.05 * outcome.failovers)
 
+    async def _chunk(self, text: TextStream, stop_token_ids, ids: list[int], finish, logprobs) -> Chunk | None:
+        """A stream item as the client's Chunk, None when it has nothing to send; a Chunk with a finish
+        reason ends the generation (a stop string found in the text ends it too)."""
+        # As vLLM: a stop token id ends the output (the verifier stops after it, and min_tokens bans it before
+        # then) but its text is not part of the output's text.
+        stop_id = bool(ids) and ids[-1] in stop_token_ids
+        final = finish is not None or stop_id
+        delta = await self.detokenize(text, ids[:-1] if stop_id else ids, final=final)
+        if text.stopped:
+            return Chunk(ids, delta, "stop", logprobs)
+        if finish is not None or ids:
+            return Chunk(ids, delta, finish, logprobs)
+        return None
+
+    def _route(
+        self, req: GenRequest, emitted: list[int], excluded: set[str], outcome: Outcome, drafting: bool = True
+    ) -> Route:
+        """The router's choice for the generation's next stream, recorded in its outcome."""
+        ask = RouteRequest(
+            req.session_id,
+            req.prompt_ids + emitted,
+            req.num_speculative_tokens,
+            seeded=req.params.seed is not None,
+            excluded=excluded,
+            drafting=drafting,
+            goodput=outcome.goodput_route,
+            stalled_session=(outcome.verify_session_replica, outcome.verify_session) if outcome.stalls else None,
+        )
+        route = self.router.route(ask, self.inflight)
+        outcome.verify_replica = route.verify.address
+        outcome.target_only = route.target_only
+        outcome.goodput_route = route.goodput
+        return route
+
     async def prompt_logprobs(self, prompt_ids: list[int], top: int, metadata: tuple = ()) -> list[TokenLogprob]:
         """The target's log-probability of each prompt token after the first (echo + logprobs), from the verify
         replica the prompt would be routed to (its prefix is likely generated there next)."""
         if len(prompt_ids) > self.config.max_prompt_tokens:
             limit = self.config.max_prompt_tokens
             raise InvalidArgument(f"the prompt has {len(prompt_ids)} tokens; the limit is {limit}")
-        verify = self.verify_pool.for_prompt(prompt_ids, set())
-        if verify is None:
-            raise Unavailable("no healthy verify replica")
+        verify = self.router.for_prompt(prompt_ids)
         stub = verify_pb2_grpc.VerifyServiceStub(self.verify_pool.channel(verify))
         with verify.track():
             try:
@@ -484,48 +515,7 @@ class Gateway:
                 raise from_grpc_code(e.code().name, e.details() or "prompt log-probabilities failed") from None
         return wire.logprobs_from_pb(resp.logprobs, len(prompt_ids) - 1) or []
 
-    def _choose(
-        self, req: GenRequest, emitted: list[int], excluded: set[str], outcome: Outcome, drafting: bool = True
-    ) -> tuple[Replica, Replica | None]:
-        """The verify replica (the session's, or prefix-aware) and the least loaded draft replica (None:
-        decode target-only, as asked, after a stall (`drafting` False) or for want of a healthy draft
-        replica)."""
-        verify = self._stalled_on(outcome, excluded) or (
-            self.verify_pool.for_session(req.session_id, excluded)
-            if req.session_id
-            else self.verify_pool.for_prompt(req.prompt_ids + emitted, excluded)
-        )
-        if verify is None:
-            raise Unavailable("no healthy verify replica")
-        outcome.verify_replica = verify.address
-        if req.num_speculative_tokens == 0:
-            self.draft_pool.count("target_only_requested")  # the caller's choice, not a fallback
-            outcome.target_only = True
-            return verify, None
-        if req.num_speculative_tokens is None and self._speculation_off_under_load():
-            self.draft_pool.count("target_only_under_load")
-            outcome.target_only = True
-            return verify, None
-        draft = self.draft_pool.least_loaded() if self.draft_pool.replicas and drafting else None
-        if draft is not None and req.num_speculative_tokens is None and req.params.seed is None:
-            # one decision per request: a failover keeps it (and counts it once)
-            outcome.goodput_route = outcome.goodput_route or self._goodput_route(draft)
-            if outcome.goodput_route == "direct":
-                outcome.target_only = True
-                return verify, None
-        outcome.target_only = draft is None
-        if draft is None and self.draft_pool.replicas:
-            self.target_only_fallbacks += 1
-        return verify, draft
-
-    def _stalled_on(self, outcome: Outcome, excluded: set[str]) -> Replica | None:
-        """After a stall, the verify replica that holds the stalled stream's session, while it is healthy."""
-        if not outcome.stalls or not outcome.verify_session or outcome.verify_session_replica in excluded:
-            return None
-        replica = self.verify_pool.replicas.get(outcome.verify_session_replica)
-        return replica if replica is not None and replica.healthy else None
-
-    async def _on_failure(self, e: grpc.aio.AioRpcError, verify: Replica, draft: Replica | None) -> Replica | None:
+    async def _on_failure(self, e: grpc.aio.AioRpcError, route: Route) -> Replica | None:
         """Raise an error that another replica would give too; otherwise probe both replicas and return the
         verify replica if it is down (the retry must avoid it)."""
         name = e.code().name
@@ -533,6 +523,7 @@ class Gateway:
             raise from_grpc_code(name, e.details()) from None
         if name == ResourceExhausted.code:  # overload: the caller backs off rather than loading another replica
             raise ResourceExhausted(e.details() or "a replica is overloaded") from None
+        verify, draft = route.verify, route.draft
         log.warning(
             "generation failed on verify %s / draft %s: %s %s",
             verify.address,
@@ -540,27 +531,28 @@ class Gateway:
             name,
             e.details(),
         )
-        ok_v = await self._probe(self.verify_pool, verify)
+        ok_v = await self.verify_pool.suspect(verify)
         if draft is not None:
-            await self._probe(self.draft_pool, draft)
+            await self.draft_pool.suspect(draft)
         return verify if not ok_v else None
 
-    async def _stalled(self, verify: Replica, draft: Replica | None) -> bool:
+    async def _stalled(self, route: Route) -> bool:
         """A stream went past its bound without a token: whether to give it up. A speculative stream is given
         up at once (the caller goes on target-only on the same verify replica, and the draft replica leaves
         the pool until its health checks answer again): that costs only speed, while a probe of a hung draft
         would add its timeout to the gap. A target-only stream is given up only if its verify replica fails
         a probe too: a replica that answers is slow (loaded, prefilling), not hung."""
+        verify, draft = route.verify, route.draft
         if draft is not None:
             log.warning("stream stalled on draft %s: continuing target-only on %s", draft.address, verify.address)
             self.draft_pool.stalled(draft)
             return True
-        if await self._probe(self.verify_pool, verify):
+        if await self.verify_pool.suspect(verify):
             return False
         log.warning("stream stalled on verify %s, which fails its health check: failing over", verify.address)
         return True
 
-    async def _watched(self, stream, verify: Replica, draft: Replica | None, first: bool):
+    async def _watched(self, stream, route: Route, first: bool):
         """`stream`'s items; past the stream's pace without one, `_stalled` decides: wait on, or raise Stalled
         (the stream is closed on the way out, which cancels its call)."""
         cap = self.config.stall_timeout_s
@@ -570,7 +562,7 @@ class Gateway:
             while True:
                 pending = asyncio.ensure_future(anext(stream))
                 while cap > 0 and not (await asyncio.wait({pending}, timeout=pace.bound()))[0]:
-                    if await self._stalled(verify, draft):
+                    if await self._stalled(route):
                         raise Stalled(f"no token for {pace.bound():.2f} s")
                 try:
                     item = await pending
@@ -585,109 +577,67 @@ class Gateway:
                 await asyncio.gather(pending, return_exceptions=True)
             await stream.aclose()
 
-    @staticmethod
-    async def _probe(pool: Pool, replica: Replica) -> bool:
-        await pool.suspect(replica)
-        return replica.healthy
-
-    async def _stream(
-        self,
-        verify: Replica,
-        draft: Replica | None,
-        prompt,
-        params,
-        session_id,
-        k,
-        deadline,
-        outcome: Outcome,
-        first: bool,
-        metadata: tuple = (),
-    ):
+    async def _stream(self, route: Route, req: GenRequest, emitted: list[int], deadline: float, outcome: Outcome):
+        """The items of one Generate stream on `route`, which replays the prompt and the tokens emitted so far."""
+        verify, draft = route.verify, route.draft
+        first = not emitted
+        prompt = req.prompt_ids + emitted
+        # A replay continues the same output: the rules over output tokens must count what came before.
+        params = replace(req.params, max_tokens=req.params.max_tokens - len(emitted), prior_output_tokens=len(emitted))
         timeout = max(1.0, deadline - time.monotonic())
         pb_params = wire.params_to_pb(params)
         with verify.track(), draft.track() if draft is not None else contextlib.nullcontext():
             if draft is not None:
                 call = draft_pb2_grpc.DraftServiceStub(self.draft_pool.channel(draft)).Generate(
                     draft_pb2.DraftServiceGenerateRequest(
-                        session_id=session_id,
+                        session_id=route.session_id,
                         prompt_ids=prompt,
                         params=pb_params,
                         verify_address=verify.address,
-                        num_speculative_tokens=self._draft_k(k),
-                        goodput_probe=outcome.goodput_route == "probe",
+                        num_speculative_tokens=route.k,
+                        goodput_probe=route.goodput_probe,
                     ),
                     timeout=timeout,
-                    metadata=metadata,
+                    metadata=req.metadata,
                 )
             else:
                 call = verify_pb2_grpc.VerifyServiceStub(self.verify_pool.channel(verify)).Generate(
-                    verify_pb2.VerifyServiceGenerateRequest(session_id=session_id, prompt_ids=prompt, params=pb_params),
+                    verify_pb2.VerifyServiceGenerateRequest(
+                        session_id=route.session_id, prompt_ids=prompt, params=pb_params
+                    ),
                     timeout=timeout,
-                    metadata=metadata,
+                    metadata=req.metadata,
                 )
-            async with contextlib.aclosing(self._read(call, outcome, first, verify.address, draft)) as items:
+            async with contextlib.aclosing(_items(call, outcome, first, verify.address, draft)) as items:
                 async for item in items:
                     yield item
 
-    def _speculation_off_under_load(self) -> bool:
-        """Whether the verify batch is past the size where speculation pays (--speculative-disable-by-batch-
-        size): a batched target forward over N sessions' K + 1 positions costs ever more against N single
-        positions as N grows, until drafting only adds work. Counted when the request is admitted (this one
-        included), per healthy verify replica, so that requests arriving together see each other."""
-        limit = self.config.speculative_disable_by_batch_size
-        if limit <= 0:
-            return False
-        replicas = max(1, len(self.verify_pool.healthy))
-        return self.inflight > limit * replicas
 
-    def _goodput_route(self, draft: Replica) -> str:
-        """Where a request that leaves K (and the seed) unset goes while `draft` last reported that
-        speculation loses to target-only steps there: "direct", target-only straight on the verify replica
-        (through the draft service it would still pay the extra hop); every --goodput-probe-every-th one
-        "probe", through the draft replica, which speculates on it so that its guard measures speculation
-        again and can report that it pays; "draft" otherwise. A seeded request always keeps its path, so
-        that it replays exactly."""
-        every = self.config.goodput_probe_every
-        if every <= 0 or draft.speculation_pays is not False:
-            return "draft"
-        draft.diverted += 1
-        if draft.diverted % every:
-            self.draft_pool.count("target_only_by_goodput")
-            return "direct"
-        return "probe"
-
-    def _draft_k(self, k: int | None) -> int | None:
-        """The K the draft service is sent: the request's, else --speculative-num-steps when set, else
-        unset (None leaves the field unset, and the draft service uses its own default)."""
-        if k is not None:
-            return k
-        return self.config.speculative_num_steps or None
-
-    @staticmethod
-    async def _read(call, outcome: Outcome, first: bool, replica: str, draft: Replica | None = None):
-        """A Generate stream's items; `draft`: the draft replica serving it, which learns that replica's
-        goodput report from the finished chunk."""
-        finished = False
-        try:
-            async for resp in call:
-                kind = resp.WhichOneof("chunk")
-                if kind == "opened":
-                    outcome.verify_session, outcome.verify_session_replica = resp.opened.session_id, replica
-                    if first:
-                        outcome.cached_prompt_tokens = resp.opened.cached_prompt_tokens
-                elif kind == "tokens" and resp.tokens.token_ids:
-                    ids = list(resp.tokens.token_ids)
-                    yield ids, None, wire.logprobs_from_pb(resp.tokens.logprobs, len(ids))
-                elif kind == "finished":
-                    if resp.finished.HasField("stats"):
-                        outcome.stats.merge(wire.stats_from_pb(resp.finished.stats))
-                    if draft is not None:
-                        f = resp.finished
-                        draft.speculation_pays = f.speculation_pays if f.HasField("speculation_pays") else None
-                    finish = wire.finish_from_pb(resp.finished.finish_reason)
-                    finished = finish is not None
-                    if finished:
-                        yield [], finish, None
-        finally:
-            if not finished:
-                call.cancel()  # a client that went away, or a stop string found here: stop the work downstream
+async def _items(call, outcome: Outcome, first: bool, replica: str, draft: Replica | None = None):
+    """A Generate stream's items (token ids, finish reason, log-probabilities), its other chunks recorded in
+    `outcome`; `draft`: the draft replica serving it, which learns that replica's goodput report from the
+    finished chunk."""
+    finished = False
+    try:
+        async for resp in call:
+            kind = resp.WhichOneof("chunk")
+            if kind == "opened":
+                outcome.verify_session, outcome.verify_session_replica = resp.opened.session_id, replica
+                if first:
+                    outcome.cached_prompt_tokens = resp.opened.cached_prompt_tokens
+            elif kind == "tokens" and resp.tokens.token_ids:
+                ids = list(resp.tokens.token_ids)
+                yield ids, None, wire.logprobs_from_pb(resp.tokens.logprobs, len(ids))
+            elif kind == "finished":
+                if resp.finished.HasField("stats"):
+                    outcome.stats.merge(wire.stats_from_pb(resp.finished.stats))
+                if draft is not None:
+                    f = resp.finished
+                    draft.speculation_pays = f.speculation_pays if f.HasField("speculation_pays") else None
+                finish = wire.finish_from_pb(resp.finished.finish_reason)
+                finished = finish is not None
+                if finished:
+                    yield [], finish, None
+    finally:
+        if not finished:
+            call.cancel()  # a client that went away, or a stop string found here: stop the work downstream

@@ -1,4 +1,5 @@
-"""Replica pools: health, load, KV-cache affinity and DNS membership, for the verify and draft pools.
+"""Replica pools: health, load, KV-cache affinity and DNS membership, for the verify and draft pools
+(`gateway.router` combines their choices into each request's route).
 
 - **Sessions** stick to the verify replica that holds their KV cache: consistent hashing on the session
   id (64 virtual nodes per replica), with a load bound (Mirrokni et al., "bounded-load consistent
@@ -257,13 +258,15 @@ class Pool:
                 replica.healthy = False
                 log.warning("%s replica %s left the pool (%d failed checks)", self.name, replica.address, replica.fails)
 
-    async def suspect(self, replica: Replica) -> None:
-        """A call to the replica failed: probe now; if the probe fails too, take it out at once."""
+    async def suspect(self, replica: Replica) -> bool:
+        """A call to the replica failed: probe now; if the probe fails too, take it out at once. Whether the
+        replica is still in the pool."""
         if not await self.probe(replica):
             if replica.healthy:
                 log.warning("%s replica %s failed a call and a probe: out of the pool", self.name, replica.address)
             replica.healthy = False
             replica.successes = 0
+        return replica.healthy
 
     def stalled(self, replica: Replica) -> None:
         """A stream through the replica made no progress: out of the pool now. A hung process may still

@@ -16,8 +16,8 @@ def gateway(**kw) -> Gateway:
 def choose(gw: Gateway, outcome: Outcome | None = None, **req):
     outcome = outcome or Outcome(prompt_tokens=3)
     params = req.pop("params", SamplingParams(temperature=0.0, max_tokens=4))
-    _, draft = gw._choose(GenRequest([1, 2, 3], params, **req), [], set(), outcome)
-    return draft, outcome
+    route = gw._route(GenRequest([1, 2, 3], params, **req), [], set(), outcome)
+    return route.draft, outcome
 
 
 def test_a_replica_that_reports_speculation_loses_is_passed_over_for_one_that_pays():

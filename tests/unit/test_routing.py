@@ -1,9 +1,13 @@
 """Replica choice without a network: affinity, minimal movement when replicas join, load bounds, prefixes,
-health thresholds."""
+health thresholds, and the router's routes (target-only, K, a stalled stream's session)."""
 
 import asyncio
 
+import pytest
+
+from gateway.router import Router, RouteRequest
 from gateway.routing import Pool, prefix_blocks
+from specmesh.errors import Unavailable
 
 
 def pool(n, **kw):
@@ -83,3 +87,38 @@ def test_dns_names_expand_to_one_replica_per_address():
     asyncio.run(p.refresh_membership())
     assert p.replicas and all(a.endswith(":50061") for a in p.replicas)
     assert all(not a.startswith("localhost") for a in p.replicas)
+
+
+def router(**kw):
+    return Router(pool(2), Pool("draft", ["10.0.1.1:50062"]), **kw)
+
+
+def test_the_router_s_target_only_routes_and_its_k():
+    r = router(speculative_num_steps=5, speculative_disable_by_batch_size=2)
+    ask = RouteRequest("s", [1, 2, 3])
+    route = r.route(ask, inflight=1)
+    assert route.draft is not None and route.k == 5 and route.session_id == "s" and not route.target_only
+    assert r.route(RouteRequest("s", [1, 2, 3], k=3)).k == 3  # the request's K wins
+    assert r.route(RouteRequest("s", [1, 2, 3], k=0)).target_only  # asked for
+    assert r.route(ask, inflight=5).target_only  # more than 2 per healthy verify replica in flight
+    assert not r.route(RouteRequest("s", [1], k=2), inflight=5).target_only  # ... unless the request set K
+    assert r.route(RouteRequest("s", [1], drafting=False)).target_only  # after a stall
+    decisions = r.draft_pool.decisions
+    assert decisions["target_only_requested"] == 1 and decisions["target_only_under_load"] == 1
+    assert r.target_only_fallbacks == 1  # only the stall's: the others were no fallback
+    r.verify_pool.replicas[route.verify.address].healthy = False
+    r.verify_pool.replicas[next(a for a in r.verify_pool.replicas if a != route.verify.address)].healthy = False
+    with pytest.raises(Unavailable):
+        r.route(ask)
+
+
+def test_a_stalled_stream_s_session_is_resumed_on_its_replica_while_it_is_healthy():
+    r = router()
+    home = r.route(RouteRequest("s", [1])).verify
+    other = next(a for a in r.verify_pool.replicas if a != home.address)
+    stalled = RouteRequest("s", [1], stalled_session=(other, "v-7"), drafting=False)
+    route = r.route(stalled)
+    assert route.verify.address == other and route.session_id == "v-7" and route.target_only
+    r.verify_pool.replicas[other].healthy = False  # gone: back to the session's replica, with its own id
+    route = r.route(stalled)
+    assert route.verify is home and route.session_id == "s"

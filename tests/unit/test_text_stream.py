@@ -272,4 +272,4 @@ def test_gateway_detokenizes_small_chunks_on_the_loop_and_large_ones_on_its_thre
         assert where[0] == threading.current_thread().name and where[-1].startswith("detokenize")
     finally:
         gw._detokenizing.shutdown()
-        gw._tokenizing.shutdown()
+        gw.inputs._tokenizing.shutdown()

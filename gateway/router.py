@@ -1,0 +1,200 @@
+"""The gateway's router: where each stream of a generation goes. `Router.route` takes what the request asks
+(session, prompt, K, seed) and what its generation went through (tokens emitted, verify replicas that
+failed, a stalled stream, the goodput decision made for it) and returns a `Route`: a verify replica, a draft
+replica or none (target-only), the verify session to open there, and the K the draft service is sent.
+
+The pools' own policies (affinity, prefix match, load bounds, health) are in `gateway.routing`; the router
+combines them for one request, in this order:
+
+- **Verify replica**: after a stall, the replica that holds the stalled stream's session (the target-only
+  continuation resumes it there, cache included) while it is healthy; otherwise the session's replica by
+  bounded-load consistent hashing, or for a request without a session the prefix-aware choice over the
+  prompt and the tokens emitted so far. Replicas this generation found down are skipped.
+- **Target-only**, straight on the verify replica: when the request asks it (K = 0); when it leaves K unset
+  and more than `speculative_disable_by_batch_size` generations per healthy verify replica are in flight
+  (vLLM's speculative_disable_by_batch_size); after a speculative stream stalled; without a healthy draft
+  replica; or by the draft replicas' goodput reports (below).
+- **Draft replica**: the least loaded healthy one, a replica that reports speculation loses last.
+- **Goodput**: while the chosen draft replica last reported that speculation measures slower there than
+  target-only steps, a request that leaves K and the seed unset goes "direct" (target-only on the verify
+  replica, sparing the draft hop), every `goodput_probe_every`-th one a "probe" through the draft replica so
+  that its guard measures speculation again; "draft" otherwise. One decision per request, kept across its
+  failovers; a seeded request always keeps its path, so that it replays exactly.
+
+The router knows nothing of streams or gRPC calls: the gateway's lifecycle (`gateway.core`) opens the
+route's stream, watches it and fails over.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from gateway.routing import Pool, Replica
+from specmesh.errors import Unavailable
+
+if TYPE_CHECKING:
+    from gateway.core import GatewayConfig
+
+
+@dataclass(frozen=True)
+class RouteRequest:
+    """What one stream of a generation is routed by: the request, and what its generation went through."""
+
+    session_id: str  # the request's session ("": none, so the prompt picks the verify replica)
+    token_ids: list[int]  # the prompt and the tokens emitted so far
+    k: int | None = None  # the request's K: None = the service's choice, 0 = target-only
+    seeded: bool = False  # the request has a seed: it keeps the draft path, so that it replays exactly
+    excluded: frozenset[str] | set[str] = frozenset()  # verify replicas this generation found down
+    drafting: bool = True  # False once a speculative stream stalled: the rest is target-only
+    goodput: str = ""  # the goodput decision already made for the request ("": none yet)
+    # After a stall: the verify replica and the session the stalled stream held there (the last one opened).
+    stalled_session: tuple[str, str] | None = None
+
+
+@dataclass(frozen=True)
+class Route:
+    """Where one stream goes."""
+
+    verify: Replica
+    draft: Replica | None  # None: target-only, straight on the verify replica
+    session_id: str  # the verify session: the request's, or the stalled stream's when resumed on its replica
+    k: int | None  # the K the draft service is sent; None leaves it unset (the draft service's default)
+    goodput: str = ""  # "direct", "probe" or "draft": where the goodput reports sent the request ("" not asked)
+
+    @property
+    def target_only(self) -> bool:
+        return self.draft is None
+
+    @property
+    def goodput_probe(self) -> bool:
+        """Through a draft replica that reports speculation loses, so that it measures speculation again."""
+        return self.goodput == "probe"
+
+
+class Router:
+    """The verify and draft pools, their health checks, and each stream's route (see the module docstring)."""
+
+    def __init__(
+        self,
+        verify_pool: Pool,
+        draft_pool: Pool,
+        speculative_num_steps: int = 0,
+        speculative_disable_by_batch_size: int = 0,
+        goodput_probe_every: int = 8,
+    ):
+        self.verify_pool = verify_pool
+        self.draft_pool = draft_pool
+        self.speculative_num_steps = speculative_num_steps  # K of requests that leave it unset; 0: the service's
+        self.speculative_disable_by_batch_size = speculative_disable_by_batch_size
+        self.goodput_probe_every = goodput_probe_every
+        self.target_only_fallbacks = 0  # streams routed target-only for want of a draft replica (or after a stall)
+        self._tasks: list[asyncio.Task] = []
+
+    @classmethod
+    def from_config(cls, config: GatewayConfig) -> Router:
+        """The router of the gateway's replica pools, with its settings."""
+        pools = dict(
+            load_factor=config.load_factor,
+            fail_threshold=config.fail_threshold,
+            success_threshold=config.success_threshold,
+        )
+        return cls(
+            Pool("verify", list(config.verify), **pools),
+            Pool("draft", list(config.draft), **pools),
+            speculative_num_steps=config.speculative_num_steps,
+            speculative_disable_by_batch_size=config.speculative_disable_by_batch_size,
+            goodput_probe_every=config.goodput_probe_every,
+        )
+
+    @property
+    def pools(self) -> tuple[Pool, Pool]:
+        return self.verify_pool, self.draft_pool
+
+    async def start(self, health_interval_s: float) -> None:
+        """Check every replica once, then keep checking them in the background."""
+        for pool in self.pools:
+            await pool.check_all()
+            self._tasks.append(asyncio.get_running_loop().create_task(pool.run_health_checks(health_interval_s)))
+
+    async def close(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for pool in self.pools:
+            await pool.close()
+
+    def route(self, ask: RouteRequest, inflight: int = 0) -> Route:
+        """The route of the generation's next stream; `inflight`: the generations running at the gateway
+        (this one included). Unavailable when no verify replica is healthy."""
+        verify = self._stalled_on(ask) or (
+            self.verify_pool.for_session(ask.session_id, ask.excluded)
+            if ask.session_id
+            else self.verify_pool.for_prompt(ask.token_ids, ask.excluded)
+        )
+        if verify is None:
+            raise Unavailable("no healthy verify replica")
+        resumed = ask.stalled_session is not None and verify.address == ask.stalled_session[0]
+        session_id = ask.stalled_session[1] if resumed else ask.session_id
+        k = ask.k if ask.k is not None else self.speculative_num_steps or None
+        target_only = Route(verify, None, session_id, k, ask.goodput)
+        if ask.k == 0:
+            self.draft_pool.count("target_only_requested")  # the caller's choice, not a fallback
+            return target_only
+        if ask.k is None and self._speculation_off_under_load(inflight):
+            self.draft_pool.count("target_only_under_load")
+            return target_only
+        draft = self.draft_pool.least_loaded() if self.draft_pool.replicas and ask.drafting else None
+        if draft is None:
+            if self.draft_pool.replicas:
+                self.target_only_fallbacks += 1
+            return target_only
+        goodput = ask.goodput
+        if ask.k is None and not ask.seeded:
+            goodput = goodput or self._goodput_route(draft)  # once per request: a failover keeps it
+            if goodput == "direct":
+                return Route(verify, None, session_id, k, goodput)
+        return Route(verify, draft, session_id, k, goodput)
+
+    def for_prompt(self, prompt_ids: list[int]) -> Replica:
+        """The verify replica a prompt would be routed to (for a call about the prompt alone)."""
+        verify = self.verify_pool.for_prompt(prompt_ids, set())
+        if verify is None:
+            raise Unavailable("no healthy verify replica")
+        return verify
+
+    def _stalled_on(self, ask: RouteRequest) -> Replica | None:
+        """After a stall, the verify replica that holds the stalled stream's session, while it is healthy."""
+        if ask.stalled_session is None:
+            return None
+        address, session = ask.stalled_session
+        if not session or address in ask.excluded:
+            return None
+        replica = self.verify_pool.replicas.get(address)
+        return replica if replica is not None and replica.healthy else None
+
+    def _speculation_off_under_load(self, inflight: int) -> bool:
+        """Whether the verify batch is past the size where speculation pays (--speculative-disable-by-batch-
+        size): a batched target forward over N sessions' K + 1 positions costs ever more against N single
+        positions as N grows, until drafting only adds work. Counted when the request is admitted (this one
+        included), per healthy verify replica, so that requests arriving together see each other."""
+        limit = self.speculative_disable_by_batch_size
+        if limit <= 0:
+            return False
+        replicas = max(1, len(self.verify_pool.healthy))
+        return inflight > limit * replicas
+
+    def _goodput_route(self, draft: Replica) -> str:
+        """Where a request that leaves K (and the seed) unset goes while `draft` last reported that
+        speculation loses to target-only steps there: "direct", target-only straight on the verify replica
+        (through the draft service it would still pay the extra hop); every --goodput-probe-every-th one
+        "probe", through the draft replica, which speculates on it so that its guard measures speculation
+        again and can report that it pays; "draft" otherwise."""
+        every = self.goodput_probe_every
+        if every <= 0 or draft.speculation_pays is not False:
+            return "draft"
+        draft.diverted += 1
+        if draft.diverted % every:
+            self.draft_pool.count("target_only_by_goodput")
+            return "direct"
+        return "probe"
