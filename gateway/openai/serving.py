@@ -42,6 +42,7 @@ from gateway.tenancy import downstream_session_id, tenant_of
 from specmesh import telemetry
 from specmesh.domain import TokenLogprob
 from specmesh.errors import SpecmeshError, Unavailable
+from specmesh.sampling import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -307,39 +308,10 @@ async def respond(
     )
     metadata = span.outgoing_metadata()
     params = body.to_sampling_params(bad_words)
-    echo = bool(getattr(body, "echo", False))
     runs: list[Run] = []
     try:
-        for p, (ids, text) in enumerate(prompts):
-            for j in range(body.n):
-                index = p * body.n + j
-                req = None
-                if params.max_tokens > 0:
-                    req = front.gen_request(request, body, ids)
-                    # Independent samples: a session (and a seed) of their own, as vLLM's n does.
-                    seed = None if params.seed is None else (params.seed + j) % 2**63
-                    session = f"{req.session_id}#{index}" if req.session_id and index else req.session_id
-                    req = dataclasses.replace(req, params=dataclasses.replace(params, seed=seed), session_id=session)
-                    req.metadata = metadata
-                run = Run(index, ids, req, Outcome(prompt_tokens=len(ids)))
-                if echo:
-                    run.echo = text if text is not None else await front.gateway.off_loop(_decode, front.gateway, ids)
-                    if params.logprobs is not None:
-                        scored = await front.gateway.prompt_logprobs(ids, params.logprobs, metadata)
-                        run.echo_logprobs = [(ids[0], None), *zip(ids[1:], scored, strict=True)]
-                runs.append(run)
-        for r in runs:
-            if r.req is not None:
-                r.chunks = front.gateway.generate(r.req, r.outcome)
-        # Run up to each first chunk before answering, so errors found before any output (bad input,
-        # overload, no replica) are real HTTP statuses rather than stream events.
-        firsts = await asyncio.gather(
-            *(anext(r.chunks, None) for r in runs if r.chunks is not None), return_exceptions=True
-        )
-        for r, first in zip([r for r in runs if r.chunks is not None], firsts, strict=True):
-            if isinstance(first, BaseException):
-                raise first
-            r.first = first
+        runs = await _runs(front, request, body, prompts, params, metadata)
+        await _start(front.gateway, runs)
     except SpecmeshError as e:
         await _close(runs)
         return _failed(span, e)
@@ -351,6 +323,52 @@ async def respond(
     if body.stream:
         return generation.stream(Head(rid, int(time.time()), front.model_name), body.include_usage)
     return await generation.complete(request, front.model_name, rid)
+
+
+async def _runs(
+    front: Front,
+    request: Request,
+    body: GenerationRequest,
+    prompts: list[tuple[list[int], str | None]],
+    params: SamplingParams,
+    metadata: tuple,
+) -> list[Run]:
+    """A Run per choice, prompt-major; with `echo`, each with its prompt's text (and log-probabilities)."""
+    echo = bool(getattr(body, "echo", False))
+    runs: list[Run] = []
+    for p, (ids, text) in enumerate(prompts):
+        for j in range(body.n):
+            index = p * body.n + j
+            req = None
+            if params.max_tokens > 0:
+                req = front.gen_request(request, body, ids)
+                # Independent samples: a session (and a seed) of their own, as vLLM's n does.
+                seed = None if params.seed is None else (params.seed + j) % 2**63
+                session = f"{req.session_id}#{index}" if req.session_id and index else req.session_id
+                req = dataclasses.replace(req, params=dataclasses.replace(params, seed=seed), session_id=session)
+                req.metadata = metadata
+            run = Run(index, ids, req, Outcome(prompt_tokens=len(ids)))
+            if echo:
+                run.echo = text if text is not None else await front.gateway.off_loop(_decode, front.gateway, ids)
+                if params.logprobs is not None:
+                    scored = await front.gateway.prompt_logprobs(ids, params.logprobs, metadata)
+                    run.echo_logprobs = [(ids[0], None), *zip(ids[1:], scored, strict=True)]
+            runs.append(run)
+    return runs
+
+
+async def _start(gateway: Gateway, runs: list[Run]) -> None:
+    """Start every run's generation and run it up to its first chunk before answering, so that errors found
+    before any output (bad input, overload, no replica) are real HTTP statuses rather than stream events."""
+    for r in runs:
+        if r.req is not None:
+            r.chunks = gateway.generate(r.req, r.outcome)
+    started = [r for r in runs if r.chunks is not None]
+    firsts = await asyncio.gather(*(anext(r.chunks, None) for r in started), return_exceptions=True)
+    for r, first in zip(started, firsts, strict=True):
+        if isinstance(first, BaseException):
+            raise first
+        r.first = first
 
 
 def _decode(gateway: Gateway, ids: list[int]) -> str:

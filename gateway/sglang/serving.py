@@ -370,13 +370,88 @@ def _stream(runs: list[Run], firsts: list[dict], batch: bool) -> StreamingRespon
     )
 
 
+def _model_info(front: Front) -> dict:
+    return {
+        "model_path": front.model_name,
+        "served_model_name": front.model_name,
+        "tokenizer_path": None,
+        "is_generation": True,
+        "preferred_sampling_params": None,
+        "weight_version": "default",
+        "has_image_understanding": False,
+        "has_audio_understanding": False,
+    }
+
+
+def _server_info(front: Front) -> dict:
+    gateway = front.gateway
+    c, totals = gateway.config, gateway.totals
+    return {
+        "version": _version(),
+        "frontend": "specmesh",
+        "model_path": front.model_name,
+        "served_model_name": front.model_name,
+        "speculative_algorithm": "specmesh" if c.draft else None,
+        "speculative_num_steps": c.speculative_num_steps or None,
+        "max_prompt_tokens": c.max_prompt_tokens,
+        "max_new_tokens_limit": c.max_tokens_limit,
+        "max_running_requests": c.max_concurrency,
+        "verify_replicas": [r.address for r in gateway.verify_pool.healthy],
+        "draft_replicas": [r.address for r in gateway.draft_pool.healthy],
+        # SGLang's benchmarks read the mean acceptance length here.
+        "internal_states": [
+            {
+                "avg_spec_accept_length": round(totals.mean_accepted_length, 6),
+                "spec_accept_rate": round(totals.acceptance_rate, 6),
+                "running_requests": gateway.inflight,
+                "waiting_requests": gateway.waiting,
+            }
+        ],
+    }
+
+
+def _flush_cache(request: Request) -> Response:
+    timeout = request.query_params.get("timeout")  # SGLang's wait for running requests, in seconds
+    if timeout is not None:
+        try:
+            ok = 0 <= float(timeout) < math.inf
+        except ValueError:
+            ok = False
+        if not ok:
+            raise APIError(
+                400, f"'timeout' must be a number of seconds >= 0, got {shown(timeout)}", "timeout", "invalid_value"
+            )
+    # SGLang flushes its radix cache here. specmesh keeps no shared prefix cache to flush: KV caches
+    # belong to sessions on the verify and draft replicas, one-off sessions are released when their
+    # request ends and named ones when they expire. Answered as such rather than pretending to flush.
+    return PlainTextResponse(
+        "Nothing to flush: specmesh keeps KV caches per session on its verify and draft replicas; one-off "
+        "sessions are released when their request ends, named sessions expire after the verify service's "
+        "--session-ttl-s.\n"
+    )
+
+
+async def _health_generate(front: Front) -> Response:
+    gateway = front.gateway
+    tokenizer = gateway.tokenizer
+    start = getattr(tokenizer, "bos_token_id", None) if tokenizer is not None else None
+    req = GenRequest([start if isinstance(start, int) else 0], SamplingParams(temperature=0.0, max_tokens=1))
+    try:
+        async with contextlib.aclosing(gateway.generate(req, Outcome(prompt_tokens=1))) as chunks:
+            async for chunk in chunks:
+                if chunk.finish_reason is not None:
+                    return Response(status_code=200)
+    except SpecmeshError as e:
+        log.warning("health_generate failed: %s", e)
+    return Response(status_code=503)
+
+
 def router(front: Front) -> APIRouter:
     routes = APIRouter()
-    gateway = front.gateway
 
     async def generate(request: Request) -> Response:
         t0 = time.perf_counter()
-        req = parse_generate(await front.read_json(request), gateway.vocab_size)
+        req = parse_generate(await front.read_json(request), front.gateway.vocab_size)
         try:
             runs = await _start(front, request, req, t0)
             firsts = await _first_answers(runs)
@@ -393,63 +468,15 @@ def router(front: Front) -> APIRouter:
     @routes.get("/get_model_info")
     @routes.get("/model_info")
     async def model_info() -> dict:
-        return {
-            "model_path": front.model_name,
-            "served_model_name": front.model_name,
-            "tokenizer_path": None,
-            "is_generation": True,
-            "preferred_sampling_params": None,
-            "weight_version": "default",
-            "has_image_understanding": False,
-            "has_audio_understanding": False,
-        }
+        return _model_info(front)
 
     @routes.get("/get_server_info")
     @routes.get("/server_info")
     async def server_info() -> dict:
-        c, totals = gateway.config, gateway.totals
-        return {
-            "version": _version(),
-            "frontend": "specmesh",
-            "model_path": front.model_name,
-            "served_model_name": front.model_name,
-            "speculative_algorithm": "specmesh" if c.draft else None,
-            "speculative_num_steps": c.speculative_num_steps or None,
-            "max_prompt_tokens": c.max_prompt_tokens,
-            "max_new_tokens_limit": c.max_tokens_limit,
-            "max_running_requests": c.max_concurrency,
-            "verify_replicas": [r.address for r in gateway.verify_pool.healthy],
-            "draft_replicas": [r.address for r in gateway.draft_pool.healthy],
-            # SGLang's benchmarks read the mean acceptance length here.
-            "internal_states": [
-                {
-                    "avg_spec_accept_length": round(totals.mean_accepted_length, 6),
-                    "spec_accept_rate": round(totals.acceptance_rate, 6),
-                    "running_requests": gateway.inflight,
-                    "waiting_requests": gateway.waiting,
-                }
-            ],
-        }
+        return _server_info(front)
 
     async def flush_cache(request: Request) -> Response:
-        timeout = request.query_params.get("timeout")  # SGLang's wait for running requests, in seconds
-        if timeout is not None:
-            try:
-                ok = 0 <= float(timeout) < math.inf
-            except ValueError:
-                ok = False
-            if not ok:
-                raise APIError(
-                    400, f"'timeout' must be a number of seconds >= 0, got {shown(timeout)}", "timeout", "invalid_value"
-                )
-        # SGLang flushes its radix cache here. specmesh keeps no shared prefix cache to flush: KV caches
-        # belong to sessions on the verify and draft replicas, one-off sessions are released when their
-        # request ends and named ones when they expire. Answered as such rather than pretending to flush.
-        return PlainTextResponse(
-            "Nothing to flush: specmesh keeps KV caches per session on its verify and draft replicas; one-off "
-            "sessions are released when their request ends, named sessions expire after the verify service's "
-            "--session-ttl-s.\n"
-        )
+        return _flush_cache(request)
 
     for method in ("GET", "POST"):
         routes.add_api_route("/flush_cache", flush_cache, methods=[method], name=f"flush_cache_{method.lower()}")
@@ -457,16 +484,6 @@ def router(front: Front) -> APIRouter:
     @routes.get("/health_generate")
     async def health_generate() -> Response:
         """Healthy when a one-token generation goes through the whole path, as SGLang checks."""
-        tokenizer = gateway.tokenizer
-        start = getattr(tokenizer, "bos_token_id", None) if tokenizer is not None else None
-        req = GenRequest([start if isinstance(start, int) else 0], SamplingParams(temperature=0.0, max_tokens=1))
-        try:
-            async with contextlib.aclosing(gateway.generate(req, Outcome(prompt_tokens=1))) as chunks:
-                async for chunk in chunks:
-                    if chunk.finish_reason is not None:
-                        return Response(status_code=200)
-        except SpecmeshError as e:
-            log.warning("health_generate failed: %s", e)
-        return Response(status_code=503)
+        return await _health_generate(front)
 
     return routes
