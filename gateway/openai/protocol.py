@@ -174,6 +174,18 @@ class OpenAIRequestModel(BaseModel):
         return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
 
 
+def must_be(field: str, kind: type, message: str):
+    """A before-validator of `field` that refuses a value other than a `kind` (a missing one too, with
+    validate_default) as invalid_type, with `message` saying what the field must be."""
+
+    def check(cls, value: Any) -> Any:
+        if not isinstance(value, kind):
+            raise PydanticCustomError("invalid_type", message)
+        return value
+
+    return field_validator(field, mode="before")(check)
+
+
 def _refuse_unsupported(value: Any) -> Any:
     # An empty or false value asks for nothing this API lacks (0 == False counts as false, as before).
     if value not in (None, False, {}, []):
@@ -449,7 +461,9 @@ class ChatMessage(OpenAIRequestModel):
         return out
 
 
-class _ChatInput(OpenAIRequestModel):
+class ChatInput(OpenAIRequestModel):
+    """The messages of a chat request (also what /tokenize takes to count a chat prompt)."""
+
     messages: list[ChatMessage]
 
     @field_validator("messages", mode="before")
@@ -460,7 +474,7 @@ class _ChatInput(OpenAIRequestModel):
         return value
 
 
-class ChatCompletionRequest(GenerationRequest, _ChatInput):
+class ChatCompletionRequest(GenerationRequest, ChatInput):
     """POST /v1/chat/completions. `max_completion_tokens` is OpenAI's newer name for `max_tokens`.
     `logprobs` is a boolean here, `top_logprobs` the number of top log-probabilities per token."""
 

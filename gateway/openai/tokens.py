@@ -22,12 +22,11 @@ from functools import partial
 from typing import Any
 
 from fastapi import APIRouter, Request
-from pydantic import BaseModel, Field, field_validator
-from pydantic_core import PydanticCustomError
+from pydantic import BaseModel, Field
 
 from gateway.core import Gateway, shown
 from gateway.openai.models import model_limits
-from gateway.openai.protocol import APIError, ChatMessage, OpenAIRequestModel, Unsupported, parse_request
+from gateway.openai.protocol import APIError, ChatInput, OpenAIRequestModel, Unsupported, must_be, parse_request
 from gateway.openai.serving import Front
 
 
@@ -40,16 +39,11 @@ class TokenizeCompletionRequest(_TokenizeBase):
     prompt: str = Field(None, validate_default=True, description="a string")
     add_special_tokens: bool = Field(False, description="a boolean")
 
-    @field_validator("prompt", mode="before")
-    @classmethod
-    def _text(cls, value: Any) -> str:
-        if not isinstance(value, str):
-            raise PydanticCustomError("invalid_type", "must be a string")
-        return value
+    _text = must_be("prompt", str, "must be a string")
 
 
-class TokenizeChatRequest(_TokenizeBase):
-    messages: list[ChatMessage]
+# The chat input listed first: pydantic orders fields base by base from the last, so `model` is checked first.
+class TokenizeChatRequest(ChatInput, _TokenizeBase):
     add_generation_prompt: bool = Field(True, description="a boolean")
     # vLLM's other chat fields; the chat route takes none of them, so neither does its token count
     continue_final_message: Unsupported = None
@@ -59,24 +53,12 @@ class TokenizeChatRequest(_TokenizeBase):
     tools: Unsupported = None
     mm_processor_kwargs: Unsupported = None
 
-    @field_validator("messages", mode="before")
-    @classmethod
-    def _non_empty_list(cls, value: Any) -> Any:
-        if not isinstance(value, list) or not value:
-            raise PydanticCustomError("invalid_type", "must be a non-empty list")
-        return value
-
 
 class DetokenizeRequest(OpenAIRequestModel):
     model: str | None = Field(None, description="a string")
     tokens: list[Any]
 
-    @field_validator("tokens", mode="before")
-    @classmethod
-    def _list(cls, value: Any) -> Any:
-        if not isinstance(value, list):
-            raise PydanticCustomError("invalid_type", "must be a list of token ids")
-        return value
+    _list = must_be("tokens", list, "must be a list of token ids")
 
 
 class TokenizeResponse(BaseModel):

@@ -156,6 +156,23 @@ def _grammar(param: str, get) -> StructuredSpec | None:
     return StructuredSpec(given[0], value, field_name=where)
 
 
+def _neutral(value: Any, accepted: tuple) -> bool:
+    return any(value is None if a is None else type(value) is type(a) and value == a for a in accepted)
+
+
+def _check_names(raw: dict, neutral: dict[str, tuple[tuple, str]], known: frozenset, prefix: str, unknown: str) -> None:
+    """Refuse a parameter of `raw` that specmesh neither honours (`known`) nor takes at its neutral value
+    (`neutral`); each is named `prefix` + its key, and `unknown` says what an unknown one is not."""
+    for key, value in raw.items():
+        where = f"{prefix}{key}"
+        if key in neutral:
+            accepted, words = neutral[key]
+            if not _neutral(value, accepted):
+                raise unsupported(where, value, words)
+        elif key not in known:
+            raise bad(where, unknown, "unsupported")
+
+
 @dataclass(frozen=True)
 class Sampling:
     """One object of `sampling_params`, checked: what the generation takes, and the samples per prompt."""
@@ -170,14 +187,7 @@ def sampling(raw: Any, param: str, vocab_size: int) -> Sampling:
         raw = {}
     if not isinstance(raw, dict):
         raise bad(param, f"must be an object, got {shown(raw)}", "invalid_type")
-    for key, value in raw.items():
-        where = f"{param}.{key}"
-        if key in NEUTRAL:
-            accepted, words = NEUTRAL[key]
-            if not _neutral(value, accepted):
-                raise unsupported(where, value, words)
-        elif key not in KNOWN:
-            raise bad(where, "is not a sampling parameter specmesh knows", "unsupported")
+    _check_names(raw, NEUTRAL, KNOWN, f"{param}.", "is not a sampling parameter specmesh knows")
     get = {k: v for k, v in raw.items() if v is not None}.get
     kw: dict[str, Any] = {}
     max_new = integer(f"{param}.max_new_tokens", get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS), 0, 2**31 - 1)
@@ -329,10 +339,6 @@ def _get(body: dict, name: str, default: Any) -> Any:
     return default if value is None else value
 
 
-def _neutral(value: Any, accepted: tuple) -> bool:
-    return any(value is None if a is None else type(value) is type(a) and value == a for a in accepted)
-
-
 def _prompts(body: dict, vocab_size: int) -> tuple[list[str | list[int]], list[str], bool]:
     text, ids = body.get("text"), body.get("input_ids")
     if (text is None) == (ids is None):
@@ -356,13 +362,7 @@ def _prompts(body: dict, vocab_size: int) -> tuple[list[str | list[int]], list[s
 
 def parse_generate(body: dict, vocab_size: int) -> GenerateRequest:
     """The request's generations, or an APIError (400) naming the first parameter that is wrong."""
-    for key, value in body.items():
-        if key in NEUTRAL_TOP:
-            accepted, words = NEUTRAL_TOP[key]
-            if not _neutral(value, accepted):
-                raise unsupported(key, value, words)
-        elif key not in KNOWN_TOP:
-            raise bad(key, "is not a parameter of /generate that specmesh knows", "unsupported")
+    _check_names(body, NEUTRAL_TOP, KNOWN_TOP, "", "is not a parameter of /generate that specmesh knows")
     prompts, params_of, batch = _prompts(body, vocab_size)
     count = len(prompts)
     samplings = [sampling(raw, where, vocab_size) for where, raw in _per_prompt(body, "sampling_params", count, None)]
