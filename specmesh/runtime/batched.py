@@ -21,8 +21,8 @@ Here the caches never move:
   what lets a scheduler fill one pass up to a token budget.
 
 The decoder is `static._FastDecoder`'s (fused [in, out] weights, same ops), made ragged; the runner checks
-it against the stock HF forward on a probe when built and refuses models it cannot reproduce (use
-`BatchedRunner.supports(model)` to choose it, ModelRunner otherwise).
+it against the stock HF forward on a probe when built and refuses models it cannot reproduce
+(`specmesh.runtime.registry` chooses it where `BatchedRunner.supports(model)`, ModelRunner otherwise).
 """
 
 from __future__ import annotations
@@ -35,10 +35,11 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
-from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from specmesh.errors import InvalidArgument, ResourceExhausted
+from specmesh.runtime import PrefillChunk, StepResult
 from specmesh.runtime.attention import check_attention_backend, sdpa_context
+from specmesh.runtime.base import RunnerBase, logits_wanted, plain_full_attention
 from specmesh.runtime.sequence import common_prefix
 from specmesh.runtime.static import TrackedSequence, _FastDecoder, logits_agree
 
@@ -59,25 +60,6 @@ class SlotSequence(TrackedSequence):
     @property
     def freed(self) -> bool:
         return self.slot < 0
-
-
-class PrefillChunk(NamedTuple):
-    """A prefill request inside `BatchedRunner.step`: cache up to `max_tokens` more of `seq`'s committed
-    tokens (all but the last, which the next decode forward feeds). `count_reuse`: add the cached prefix
-    found to `prefix_tokens_reused` (a turn's first chunk only)."""
-
-    seq: SlotSequence
-    max_tokens: int | None = None
-    count_reuse: bool = True
-
-
-class StepResult(NamedTuple):
-    logits: list[torch.Tensor]  # per decode sequence, float32 [num_logits[i], V]
-    prefill_left: list[int]  # per prefill chunk, committed tokens still to prefill afterwards
-    # Per prefill chunk, the cached prefix found and added to `prefix_tokens_reused` (0 unless count_reuse):
-    # a scheduler running several sessions' chunks in one pass can tell each its own reuse.
-    prefill_reused: list[int]
-    tokens: int  # positions the pass computed, decode and prefill together (the pass's cost)
 
 
 class _Work(NamedTuple):
@@ -249,7 +231,7 @@ class _RaggedDecoder(_FastDecoder):
         return lin(x, self.lm_w, self.lm_b)  # [R, V]
 
 
-class BatchedRunner:
+class BatchedRunner(RunnerBase):
     """ModelRunner's interface and semantics over a shared slot KV pool, with one ragged forward per batch.
 
     `num_slots` sequences can be open at once, each up to `slot_len` tokens: `max_seq_len`, or the model's
@@ -262,6 +244,8 @@ class BatchedRunner:
     `padded_attention`: decode blocks attend in one padded call per layer (None: on CUDA; see
     `_RaggedDecoder`).
     """
+
+    chunked_prefill = True  # `step` runs its prefill chunks in the same pass as its decode blocks
 
     def __init__(
         self,
@@ -280,13 +264,9 @@ class BatchedRunner:
             )
         if num_slots < 1:
             raise ValueError("num_slots must be >= 1")
-        self.model = model
-        self.config = model.config
-        self.device = next(model.parameters()).device
-        self.vocab_size = model.get_output_embeddings().weight.size(0)
+        super().__init__(model)
         self.attention_backend = check_attention_backend(attention_backend)
-        self.prefix_tokens_reused = 0  # tokens whose KV was found in a cache instead of recomputed
-        limit = int(getattr(self.config, "max_position_embeddings", 0) or 0)
+        limit = self.model_len
         if max_seq_len is not None:
             limit = min(limit, int(max_seq_len)) if limit else int(max_seq_len)
         if limit < 2:
@@ -317,10 +297,7 @@ class BatchedRunner:
     @staticmethod
     def supports(model: PreTrainedModel) -> bool:
         """Whether this runner can serve `model` (the Llama family; full attention only)."""
-        if not _FastDecoder.supports(model):
-            return False
-        layers = DynamicCache(config=model.config).layers
-        return bool(layers) and all(type(layer) is DynamicLayer for layer in layers)
+        return _FastDecoder.supports(model) and plain_full_attention(model.config)
 
     # slots ----------------------------------------------------------------------------------------
     @property
@@ -344,6 +321,15 @@ class BatchedRunner:
     def kv_bytes(self) -> int:
         """Bytes of the slots held by open sequences (a slot is held whole, whatever its length)."""
         return (self._num_slots - len(self._free)) * self.slot_bytes
+
+    def kv_account(self, bytes_per_token: int | None = None) -> SlotAccount:
+        """`Runner.kv_account`: whole slots (`bytes_per_token` does not apply)."""
+        return SlotAccount(self)
+
+    def context_limit(self, max_model_len: int = 0) -> int:
+        """`Runner.context_limit`: a slot's length (already capped by the model's context and the
+        `max_seq_len` the runner was built with)."""
+        return self.slot_len if not max_model_len else min(self.slot_len, max_model_len)
 
     def new_sequence(self, token_ids: list[int]) -> SlotSequence:
         if not token_ids:
@@ -424,17 +410,14 @@ class BatchedRunner:
         seqs: list[SlotSequence],
         extra: list[list[int]] | None = None,
         num_logits: list[int] | None = None,
-        prefill: Sequence[PrefillChunk] = (),
+        prefill: Sequence[PrefillChunk[SlotSequence]] = (),
     ) -> StepResult:
         """`forward` over `seqs` and `prefill` chunks of other sequences, in ONE pass of the model.
 
         Nothing is counted or marked cached unless the whole pass succeeds; if it raises, every sequence's
         cache is its kept prefix (what its committed tokens still match), whatever was half written."""
-        chunks = [c if isinstance(c, PrefillChunk) else PrefillChunk(*c) for c in prefill]
-        if extra is not None and len(extra) != len(seqs):
-            raise InvalidArgument(f"{len(extra)} extra token lists for {len(seqs)} sequences")
-        if num_logits is not None and len(num_logits) != len(seqs):
-            raise InvalidArgument(f"{len(num_logits)} num_logits for {len(seqs)} sequences")
+        chunks = [PrefillChunk(*c) for c in prefill]
+        wanted = logits_wanted(len(seqs), extra, num_logits)
         everyone = [*seqs, *(c.seq for c in chunks)]
         for seq in everyone:
             self._own(seq)
@@ -444,11 +427,8 @@ class BatchedRunner:
         for i, seq in enumerate(seqs):
             ext = list(extra[i]) if extra is not None else []
             self._check_len(len(seq.token_ids) + len(ext))
-            want = len(ext) + 1 if num_logits is None else int(num_logits[i])
-            if not 0 <= want <= len(ext) + 1:
-                raise InvalidArgument(f"num_logits[{i}] = {want} is outside [0, {len(ext) + 1}]")
             keep = self._sync(seq)
-            work.append(_Work(seq, keep, seq.token_ids[keep:] + ext, want))
+            work.append(_Work(seq, keep, seq.token_ids[keep:] + ext, wanted[i]))
         reused, left = [], []
         for c in chunks:
             if c.max_tokens is not None and c.max_tokens < 0:
@@ -535,6 +515,28 @@ class BatchedRunner:
             for s in reversed(seqs):  # the pool's free stack is as it was
                 self.free(s)
             self.prefix_tokens_reused = 0
+
+
+class SlotAccount:
+    """`BatchedRunner`'s KV accounting: a sequence holds a whole slot, whatever its length, until the slot is
+    freed; the pool's slots cap the sequences."""
+
+    def __init__(self, runner: BatchedRunner):
+        self.runner = runner
+
+    @property
+    def pool_bytes(self) -> int:
+        return self.runner.pool_bytes
+
+    @property
+    def max_sequences(self) -> int:
+        return self.runner.num_slots
+
+    def held(self, seq: SlotSequence) -> int:
+        return 0 if seq.freed else self.runner.slot_bytes
+
+    def needed(self, seq: SlotSequence | None, tokens: int) -> int:
+        return self.runner.slot_bytes if seq is None or seq.freed else 0  # a new turn keeps its slot
 
 
 def _no_logits(vocab: int, device) -> torch.Tensor:

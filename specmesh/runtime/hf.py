@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from specmesh.runtime.base import SequentialRunner
 from specmesh.runtime.sequence import SequenceBase, common_prefix
 
 
@@ -30,15 +31,11 @@ class Sequence(SequenceBase):
     cached_ids: list[int] = field(default_factory=list)  # ids whose KV the cache holds, in order
 
 
-class ModelRunner:
+class ModelRunner(SequentialRunner[Sequence]):
     """Runs one HF causal LM over `Sequence`s. Knows nothing of speculation or gRPC."""
 
     def __init__(self, model: PreTrainedModel):
-        self.model = model
-        self.config = model.config
-        self.device = next(model.parameters()).device
-        self.vocab_size = model.get_output_embeddings().weight.size(0)
-        self.prefix_tokens_reused = 0  # tokens whose KV was found in a cache instead of recomputed
+        super().__init__(model)
         if any(getattr(layer, "is_sliding", False) for layer in DynamicCache(config=self.config).layers):
             # Sliding-window layers keep only the window: cropping and padded batching assume full caches.
             raise ValueError("models with sliding-window attention layers are not supported yet")
@@ -57,37 +54,12 @@ class ModelRunner:
             del seq.cached_ids[keep:]
         return keep
 
-    @torch.inference_mode()
-    def prefill(self, seq: Sequence, max_tokens: int | None = None, count_reuse: bool = True) -> int:
-        """`Runner.prefill`, chunked: each chunk runs in a forward of its own."""
-        keep = self._sync(seq)
-        if count_reuse:
-            self.prefix_tokens_reused += keep
-        feed = seq.token_ids[keep:-1]
-        now = feed if max_tokens is None else feed[:max_tokens]
-        if now:
-            self._run_one(seq, now, num_logits=1)
-        return len(feed) - len(now)
-
-    @torch.inference_mode()
-    def forward(self, seqs: list[Sequence], extra: list[list[int]] | None = None) -> list[torch.Tensor]:
-        """Feed each sequence its uncached committed tokens plus `extra[i]` (draft tokens).
-
-        Returns, per sequence, float32 logits [len(extra[i]) + 1, V]: row j predicts the token after the
-        j-th of (last committed token, extra...). Afterwards the cache holds everything fed; the next
-        forward crops what was not committed.
-        """
-        extra = extra if extra is not None else [[] for _ in seqs]
-        feeds, keeps = [], []
-        for seq, ext in zip(seqs, extra, strict=True):
-            keep = self._sync(seq)
-            keeps.append(keep)
-            feeds.append(seq.token_ids[keep:] + list(ext))
-        nlog = [len(e) + 1 for e in extra]
-        if len(seqs) == 1 or any(k == 0 for k in keeps):
+    def _run(self, seqs: list[Sequence], feeds: list[list[int]], num_logits: list[int]) -> list[torch.Tensor]:
+        """Several sequences run in one HF forward over a padded batch cache (see the module docstring)."""
+        if len(seqs) == 1 or any(not s.cached_ids for s in seqs):
             # A fresh sequence (nothing cached) would leave its padded queries nothing to attend to.
-            return [self._run_one(s, f, n) for s, f, n in zip(seqs, feeds, nlog, strict=True)]
-        return self._run_batch(seqs, feeds, nlog)
+            return [self._run_one(s, f, n) for s, f, n in zip(seqs, feeds, num_logits, strict=True)]
+        return self._run_batch(seqs, feeds, num_logits)
 
     def _run_one(self, seq: Sequence, feed: list[int], num_logits: int) -> torch.Tensor:
         ids = torch.tensor([feed], dtype=torch.long, device=self.device)

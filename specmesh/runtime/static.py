@@ -37,6 +37,7 @@ from transformers import PreTrainedModel
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
 from specmesh.runtime.attention import check_attention_backend, sdpa_context
+from specmesh.runtime.base import SequentialRunner, plain_full_attention
 from specmesh.runtime.sequence import SequenceBase
 
 _NONE_CHANGED = sys.maxsize
@@ -518,7 +519,7 @@ def logits_agree(ref: torch.Tensor, got: torch.Tensor, dtype: torch.dtype) -> bo
     return float((ref - got).abs().max()) <= rel * (1.0 + float(ref.abs().max()))
 
 
-class StaticCacheRunner:
+class StaticCacheRunner(SequentialRunner[FastSequence]):
     """ModelRunner's interface and semantics for single-sequence use, with a preallocated KV cache.
 
     `fast_path`: None = the hand-written decoder when the architecture allows it and it matches the HF
@@ -533,17 +534,13 @@ class StaticCacheRunner:
         fast_path: bool | None = None,
         attention_backend: str = "auto",
     ):
-        self.model = model
-        self.config = model.config
-        self.device = next(model.parameters()).device
-        self.vocab_size = model.get_output_embeddings().weight.size(0)
+        super().__init__(model)
         self.attention_backend = check_attention_backend(attention_backend)
-        self.prefix_tokens_reused = 0  # tokens whose KV was found in a cache instead of recomputed
         self.initial_capacity = max(int(initial_capacity), 1)
         layers = DynamicCache(config=self.config).layers
         if any(getattr(layer, "is_sliding", False) for layer in layers):
             raise ValueError("models with sliding-window attention layers are not supported yet")
-        if not layers or any(type(layer) is not DynamicLayer for layer in layers):
+        if not plain_full_attention(self.config):
             raise ValueError("StaticCacheRunner supports plain full-attention caches only")
         self.num_layers = len(layers)
         self._fast: _FastDecoder | None = None
@@ -593,30 +590,9 @@ class StaticCacheRunner:
             seq.cache.set_length(keep)
         return keep
 
-    @torch.inference_mode()
-    def prefill(self, seq: FastSequence) -> None:
-        """Cache every committed token but the last (the next forward feeds it), reusing a cached prefix."""
-        keep = self._sync(seq)
-        self.prefix_tokens_reused += keep
-        feed = seq.token_ids[keep:-1]
-        if feed:
-            self._run_one(seq, feed, num_logits=1)
-
-    @torch.inference_mode()
-    def forward(self, seqs: list[FastSequence], extra: list[list[int]] | None = None) -> list[torch.Tensor]:
-        """Feed each sequence its uncached committed tokens plus `extra[i]`; see ModelRunner.forward.
-
-        Returns, per sequence, float32 logits [len(extra[i]) + 1, V]. Sequences run one after another.
-        """
-        extra = extra if extra is not None else [[] for _ in seqs]
-        out = []
-        for seq, ext in zip(seqs, extra, strict=True):
-            keep = self._sync(seq)
-            feed = seq.token_ids[keep:]
-            if ext:
-                feed += ext
-            out.append(self._run_one(seq, feed, len(ext) + 1))
-        return out
+    def _run(self, seqs: list[FastSequence], feeds: list[list[int]], num_logits: list[int]) -> list[torch.Tensor]:
+        """Sequences run one after another."""
+        return [self._run_one(s, f, n) for s, f, n in zip(seqs, feeds, num_logits, strict=True)]
 
     def _run_one(self, seq: FastSequence, feed: list[int], num_logits: int) -> torch.Tensor:
         cache = seq.cache

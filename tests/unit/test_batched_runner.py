@@ -14,7 +14,8 @@ from specmesh.errors import InvalidArgument, ResourceExhausted
 from specmesh.runtime import Runner, RunnerSequence
 from specmesh.runtime.batched import BatchedRunner, PrefillChunk
 from specmesh.runtime.hf import ModelRunner
-from specmesh.runtime.static import _can_pack
+from specmesh.runtime.registry import build_runner
+from specmesh.runtime.static import StaticCacheRunner, _can_pack
 from tests.support.models import tiny_llama_mha, tiny_model, tiny_qwen3
 
 MODELS = {
@@ -339,6 +340,29 @@ def test_unsupported_models_are_refused():
     assert not BatchedRunner.supports(gpt2)
     with pytest.raises(ValueError, match="ModelRunner"):
         BatchedRunner(gpt2, num_slots=1)
+    assert isinstance(build_runner(gpt2, "auto"), ModelRunner)
+    with pytest.raises(ValueError, match="kind"):
+        build_runner(gpt2, "paged")
+
+
+def test_the_registry_builds_every_kind_behind_one_protocol(model):
+    """What callers ask instead of the class: whether chunks ride in the pass, the context, the KV account."""
+    batched = build_runner(model, "auto", num_slots=2, max_seq_len=64)
+    assert isinstance(batched, BatchedRunner) and isinstance(batched, Runner) and batched.chunked_prefill
+    assert batched.context_limit() == 64 and batched.context_limit(32) == 32
+    account = batched.kv_account()
+    assert account.pool_bytes == batched.pool_bytes and account.max_sequences == 2
+    seq = batched.new_sequence([1, 2, 3])
+    assert account.held(seq) == batched.slot_bytes == account.needed(None, 5) and account.needed(seq, 50) == 0
+    batched.free(seq)
+    assert account.held(seq) == 0 and account.needed(seq, 5) == batched.slot_bytes
+    for kind, cls in [("hf", ModelRunner), ("static", StaticCacheRunner)]:
+        runner = build_runner(model, kind)
+        assert isinstance(runner, cls) and isinstance(runner, Runner) and not runner.chunked_prefill
+        account = runner.kv_account(bytes_per_token=10)
+        assert account.pool_bytes is None and account.max_sequences is None and account.needed(None, 3) == 30
+        assert runner.context_limit() == 1024 and runner.context_limit(100) == 100
+        runner.free(runner.new_sequence([1]))  # nothing to give back: a no-op
 
 
 DEMO_TARGET = Path(__file__).resolve().parents[2] / "models" / "demo" / "target"
@@ -349,7 +373,6 @@ def test_the_probe_passes_the_demo_target_in_bf16_and_still_catches_a_layout_mis
     logits' scale for the demo target), which a fp32 bound refused: a CUDA service failed to start. A rotary
     turned the wrong way must still be refused."""
     from specmesh.models import load_model
-    from specmesh.runtime.static import StaticCacheRunner
 
     model, _ = load_model(DEMO_TARGET, "cpu", dtype=torch.bfloat16)
     runner = BatchedRunner(model, num_slots=2, max_seq_len=32)  # raises if the probe disagrees

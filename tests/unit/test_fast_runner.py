@@ -8,8 +8,11 @@ from transformers import GPT2Config, GPT2LMHeadModel
 
 from specmesh.drafters import DraftBatcher, ModelDrafter
 from specmesh.engine import SpeculativeEngine
+from specmesh.errors import InvalidArgument
 from specmesh.rejection import RejectionSampler
+from specmesh.runtime import PrefillChunk
 from specmesh.runtime.hf import ModelRunner
+from specmesh.runtime.registry import build_runner
 from specmesh.runtime.static import StaticCacheRunner
 from specmesh.sampling import SamplingParams
 from tests.support.models import noisy_copy, tiny_model, tiny_qwen3
@@ -214,3 +217,35 @@ def test_refusals():
     assert seq.num_cached == seq.cache.length == 0  # a failed forward leaves the cache as it was
     runner.forward([seq], [[4]])
     assert seq.cached_ids == [1, 2, 3, 4]
+
+
+@pytest.mark.parametrize("kind", ["hf", "static"])
+def test_step_without_a_ragged_pass_is_prefill_then_forward(kind):
+    """The runners without a ragged pass step by prefilling each chunk in a pass of its own, then running
+    the decode forward: the same logits and caches as calling prefill and forward, each chunk's reuse, and
+    the positions it computed."""
+    model = tiny_model("llama", seed=3)
+    stepped, called = build_runner(model, kind), build_runner(model, kind)
+    assert not stepped.chunked_prefill
+    prompt, opening = list(range(1, 12)), list(range(20, 37))
+    a, b = stepped.new_sequence(prompt), stepped.new_sequence(opening)
+    c, d = called.new_sequence(prompt), called.new_sequence(opening)
+    stepped.prefill(a)
+    called.prefill(c)
+    out = stepped.step([a], [[5, 6]], num_logits=[2], prefill=[PrefillChunk(b, max_tokens=10)])
+    left = called.prefill(d, max_tokens=10)
+    want = called.forward([c], [[5, 6]])[0]
+    assert out.prefill_left == [left] == [6] and out.prefill_reused == [0]
+    assert out.tokens == 10 + 3  # the chunk, then the last prompt token and two extras
+    torch.testing.assert_close(out.logits[0], want[1:])  # the last two of three rows
+    assert a.cached_ids == c.cached_ids and b.cached_ids == d.cached_ids
+    out = stepped.step([], prefill=[(b, None, False)])  # the rest of the chunk; a tuple is a chunk too
+    assert out.logits == [] and out.prefill_left == [0] and out.prefill_reused == [0] and out.tokens == 6
+    a.reset_tokens([*prompt, 5, 9, 10])  # a new turn: [*prompt, 5] is cached
+    before = stepped.prefix_tokens_reused
+    out = stepped.step([], prefill=[PrefillChunk(a)])
+    assert out.prefill_reused == [12] and stepped.prefix_tokens_reused == before + 12 and out.tokens == 1
+    with pytest.raises(InvalidArgument, match="num_logits"):
+        stepped.step([a], [[1]], num_logits=[3])
+    with pytest.raises(InvalidArgument, match="extra"):
+        stepped.step([a], [[1], [2]])

@@ -1,0 +1,53 @@
+"""The one place runners are built and their classes named: the services and the in-process engine ask for
+a kind, and everything after that goes through the `Runner` protocol (`specmesh.runtime`).
+
+Kinds:
+
+* `batched`: `BatchedRunner`, one ragged forward over a preallocated pool of `num_slots` KV slots of
+  `max_seq_len` tokens (None: the model's context); the Llama family only (`batched_supported`);
+* `static`: `StaticCacheRunner`, a preallocated cache per sequence, sequences one after another (the
+  hand-written decoder where the architecture allows it, the HF forward otherwise);
+* `hf`: `ModelRunner`, the stock HF forward, any causal LM;
+* `auto`: `batched` where the model allows it, else `hf`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from transformers import PreTrainedModel
+
+from specmesh.runtime import Runner
+from specmesh.runtime.batched import BatchedRunner
+from specmesh.runtime.hf import ModelRunner
+from specmesh.runtime.static import StaticCacheRunner
+
+KINDS = ("auto", "batched", "static", "hf")
+
+
+def batched_supported(model: PreTrainedModel) -> bool:
+    """Whether the `batched` kind has a decoder for `model` (the Llama family, full attention only)."""
+    return BatchedRunner.supports(model)
+
+
+def build_runner(
+    model: PreTrainedModel,
+    kind: str = "auto",
+    *,
+    num_slots: int = 0,
+    max_seq_len: int | None = None,
+    prefault: bool = False,
+    attention_backend: str = "auto",
+) -> Runner[Any]:
+    """A runner of `kind` for `model` (see the module docstring); ValueError for an unknown kind or a model
+    the kind cannot serve. `num_slots`, `max_seq_len` and `prefault` size the batched runner's pool;
+    `attention_backend` (`specmesh.runtime.attention`) applies to the hand-written decoders."""
+    if kind not in KINDS:
+        raise ValueError(f"runner kind must be one of {', '.join(KINDS)}, not {kind!r}")
+    if kind == "auto":
+        kind = "batched" if batched_supported(model) else "hf"
+    if kind == "batched":
+        return BatchedRunner(model, num_slots, max_seq_len, prefault=prefault, attention_backend=attention_backend)
+    if kind == "static":
+        return StaticCacheRunner(model, attention_backend=attention_backend)
+    return ModelRunner(model)
