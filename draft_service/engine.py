@@ -20,6 +20,7 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
+from typing import Any
 
 import grpc
 from opentelemetry import context as otel_context
@@ -33,10 +34,9 @@ from specmesh.errors import FailedPrecondition, InvalidArgument, ResourceExhaust
 from specmesh.loop import FixedK, GoodputGuard, GoodputK, RoundRecord, speculative_generate
 from specmesh.models import load_model
 from specmesh.rejection import MAX_SPEC_LEN
+from specmesh.runtime import Runner
 from specmesh.runtime.attention import check_attention_backend
-from specmesh.runtime.batched import BatchedRunner
-from specmesh.runtime.hf import ModelRunner
-from specmesh.runtime.static import StaticCacheRunner
+from specmesh.runtime.registry import KINDS, build_runner
 from specmesh.sampling import SamplingParams, StopChecker, check_token_ids
 from specmesh.security import AllowList, Security, dial
 from specmesh.telemetry import StreamMetrics, outgoing_metadata, tracer, wall_ns
@@ -44,7 +44,7 @@ from specmesh.training.online import OnlineConfig
 from specmesh.v1 import verify_pb2, verify_pb2_grpc
 
 log = logging.getLogger("specmesh.draft")
-RUNNERS = ("auto", "batched", "static", "hf")
+RUNNERS = KINDS  # --draft-runner: specmesh.runtime.registry's kinds
 
 
 @dataclass(frozen=True)
@@ -121,23 +121,17 @@ class _Failed:
     error: BaseException
 
 
-def make_runner(model, config: DraftConfig):
+def make_runner(model, config: DraftConfig) -> Runner[Any]:
     """The draft runner the config asks for (the draft's numerics cannot change the output distribution: the
     q a block carries is the q its tokens were sampled from, so the fastest runner is always safe)."""
-    kind = config.draft_runner
-    if kind == "auto":
-        kind = "batched" if BatchedRunner.supports(model) else "hf"
-    if kind == "batched":
-        return BatchedRunner(
-            model,
-            num_slots=config.max_sessions + config.max_cached_sessions,
-            max_seq_len=config.max_model_len or None,
-            prefault=config.kv_cache_prefault,
-            attention_backend=config.attention_backend,
-        )
-    if kind == "static":
-        return StaticCacheRunner(model, attention_backend=config.attention_backend)
-    return ModelRunner(model)
+    return build_runner(
+        model,
+        config.draft_runner,
+        num_slots=config.max_sessions + config.max_cached_sessions,
+        max_seq_len=config.max_model_len or None,
+        prefault=config.kv_cache_prefault,
+        attention_backend=config.attention_backend,
+    )
 
 
 class DraftEngine:

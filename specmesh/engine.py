@@ -21,8 +21,7 @@ from specmesh.loop import GenerationResult, speculative_generate
 from specmesh.models import eos_token_ids, load_model
 from specmesh.rejection import MAX_SPEC_LEN, RejectionSampler
 from specmesh.runtime import Runner
-from specmesh.runtime.hf import ModelRunner
-from specmesh.runtime.static import StaticCacheRunner
+from specmesh.runtime.registry import build_runner
 from specmesh.sampling import SamplingParams, StopChecker, check_token_ids
 from specmesh.verifier import LocalVerifier
 
@@ -82,9 +81,8 @@ class SpeculativeEngine:
             sampler = RejectionSampler(sampler_backend, device=next(target_model.parameters()).device)
         if draft_runner not in ("static", "hf"):
             raise ValueError(f"draft_runner must be static or hf, got {draft_runner!r}")
-        runner_cls = StaticCacheRunner if draft_runner == "static" else ModelRunner
-        draft = runner_cls(draft_model) if draft_model is not None else None
-        return cls(ModelRunner(target_model), draft, sampler, tokenizer, draft_topk)
+        draft = build_runner(draft_model, draft_runner) if draft_model is not None else None
+        return cls(build_runner(target_model, "hf"), draft, sampler, tokenizer, draft_topk)
 
     @classmethod
     def from_paths(

@@ -1,8 +1,8 @@
 """Verification without transport: one batched target forward + one rejection-sampler call per step.
 
 `verify_batch` is what the in-process `LocalVerifier` runs for its one sequence. The verify service's
-scheduler runs the same two halves, but its forward may carry other sessions' prefill chunks as well
-(`BatchedRunner.step`), so it calls the forward itself and then `sample_and_commit`: one sampling and
+scheduler runs the same two halves, but its pass may carry other sessions' prefill chunks as well
+(`Runner.step`), so it calls the step itself and then `sample_and_commit`: one sampling and
 commit path for both.
 """
 

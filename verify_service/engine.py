@@ -28,7 +28,6 @@ from specmesh.errors import (
 from specmesh.models import eos_token_ids, load_model
 from specmesh.rejection import MAX_SPEC_LEN, RejectionInput, RejectionSampler, token_logprobs, validate_block
 from specmesh.runtime.attention import check_attention_backend
-from specmesh.runtime.batched import BatchedRunner
 from specmesh.sampling import (
     MAX_LOGPROBS,
     LogitsContext,
@@ -40,7 +39,7 @@ from specmesh.sampling import (
 )
 from specmesh.structured import Grammar, GrammarCompiler
 from specmesh.telemetry import tracer, wall_ns
-from verify_service.runner import RUNNERS, build_runner, context_limit
+from verify_service.runner import RUNNERS, build_runner
 from verify_service.scheduler import Scheduler
 from verify_service.sessions import Session, SessionStore
 
@@ -133,19 +132,17 @@ class VerifyEngine:
         # made every batched forward ~40% slower on the 2-core dev machine.
         model_thread = model_thread or ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
         args = (model, config.runner, budget, config.max_sessions, config.max_model_len, config.kv_cache_prefault)
-        args += (config.attention_backend,)
-        self.runner = model_thread.submit(build_runner, *args).result()
+        self.runner = model_thread.submit(build_runner, *args, config.attention_backend).result()
         self.tokenizer = tokenizer
         self.vocab_size = self.runner.vocab_size
         self.eos_token_ids = eos_token_ids(model)
         self._grammars: GrammarCompiler | None = None
         self._grammars_lock = threading.Lock()
-        self.max_context = context_limit(self.runner, config.max_model_len)
+        self.max_context = self.runner.context_limit(config.max_model_len)
         self.sampler = RejectionSampler(config.sampler_backend, seed=config.seed, device=self.runner.device)
-        # The slot pool already caps the batched runner's sessions; hf caches need a count of their own.
-        cap = config.max_cached_sessions or (
-            None if isinstance(self.runner, BatchedRunner) else 4 * config.max_sessions
-        )
+        # A slot pool already caps the sessions; caches that grow token by token need a count of their own.
+        pooled = self.runner.kv_account().max_sequences is not None
+        cap = config.max_cached_sessions or (None if pooled else 4 * config.max_sessions)
         self.sessions = SessionStore(self.runner, budget, config.session_ttl_s, max_count=cap)
         self.scheduler = Scheduler(
             self.runner,
@@ -195,7 +192,7 @@ class VerifyEngine:
 
     # requests -------------------------------------------------------------------------------------
     def check_prompt(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        """The prompt and everything it may generate must fit the context (with BatchedRunner, a slot). No
+        """The prompt and everything it may generate must fit the context (with a slot pool, a slot). No
         room is kept for a draft block: blocks are cut to fit instead (`_to_verify`)."""
         check_token_ids(prompt_ids, self.vocab_size)
         if len(prompt_ids) + params.max_tokens > self.max_context:
@@ -234,7 +231,7 @@ class VerifyEngine:
         try:
             self._begin_turn(session, prompt_ids, params)
             session.grammar = grammar
-            # Chunked: with BatchedRunner the chunks ride in the ticks' forwards, else they run between ticks.
+            # Chunked: in the ticks' forwards where the runner has chunked prefill, else between ticks.
             reused, chunks = await self.scheduler.prefill(session)
         except BaseException:
             if session.ephemeral:  # nobody can name it again: it would hold its cache until the TTL
@@ -291,7 +288,7 @@ class VerifyEngine:
         session.attached = False
         session.inbox = None
         if not keep and (session.ephemeral or failed) and self.sessions.remove(session):
-            self.scheduler.after_pass(session, lambda: self.sessions.account.free(session.seq))
+            self.scheduler.after_pass(session, lambda: self.runner.free(session.seq))
 
     def _to_verify(self, session: Session, block: DraftBlock) -> RejectionInput:
         validate_block(block, self.vocab_size, self.config.max_spec_len)
@@ -512,7 +509,7 @@ class VerifyEngine:
         st = self.scheduler.stats
         return dict(
             model_path=str(self.config.model_path),
-            model_type=str(getattr(self.runner.config, "model_type", "")),
+            model_type=str(getattr(self.runner.model.config, "model_type", "")),
             vocab_size=self.vocab_size,
             max_context_length=min(self.max_context, 2**32 - 1),
             max_spec_len=self.config.max_spec_len,

@@ -22,12 +22,12 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 from transformers import PreTrainedModel
 
-from specmesh.runtime.batched import BatchedRunner
-from specmesh.runtime.hf import ModelRunner
-from verify_service.sessions import kv_bytes_per_token
+from specmesh.runtime import Runner, registry
+from specmesh.runtime.base import kv_bytes_per_token
 
 log = logging.getLogger("specmesh.verify")
 
@@ -75,17 +75,17 @@ def build_runner(
     max_model_len: int = 0,
     prefault: bool = False,
     attention_backend: str = "auto",
-) -> ModelRunner | BatchedRunner:
+) -> Runner[Any]:
     """The runner `--runner` asks for (see the module docstring); ValueError when it cannot be had."""
     if runner not in RUNNERS:
         raise ValueError(f"runner must be one of {', '.join(RUNNERS)}, not {runner!r}")
     if runner == "hf":
-        return ModelRunner(model)
-    if not BatchedRunner.supports(model):
+        return registry.build_runner(model, "hf")
+    if not registry.batched_supported(model):
         if runner == "batched":
             raise ValueError(f"--runner batched has no decoder for {type(model).__name__}; use auto or hf")
         log.info("no batched decoder for %s: serving with the HF runner", type(model).__name__)
-        return ModelRunner(model)
+        return registry.build_runner(model, "hf")
     model_len = int(getattr(model.config, "max_position_embeddings", 0) or 0)
     bpt = kv_bytes_per_token(model.config, next(model.parameters()).dtype)
     try:
@@ -94,19 +94,15 @@ def build_runner(
         if runner == "batched":
             raise
         log.warning("%s: serving with the HF runner, whose caches grow token by token", e)
-        return ModelRunner(model)
-    batched = BatchedRunner(
-        model, plan.num_slots, plan.slot_len, prefault=prefault, attention_backend=attention_backend
+        return registry.build_runner(model, "hf")
+    batched = registry.build_runner(
+        model,
+        "batched",
+        num_slots=plan.num_slots,
+        max_seq_len=plan.slot_len,
+        prefault=prefault,
+        attention_backend=attention_backend,
     )
-    log.info(
-        "batched runner: %d KV slots of %d tokens (%.1f MiB)", plan.num_slots, plan.slot_len, batched.pool_bytes / 2**20
-    )
+    pool = batched.kv_account().pool_bytes or 0
+    log.info("batched runner: %d KV slots of %d tokens (%.1f MiB)", plan.num_slots, plan.slot_len, pool / 2**20)
     return batched
-
-
-def context_limit(runner: ModelRunner | BatchedRunner, max_model_len: int = 0) -> int:
-    """Most tokens a session may reach (prompt + max_tokens): a slot's length, or the model's context."""
-    if isinstance(runner, BatchedRunner):
-        return runner.slot_len
-    limit = int(getattr(runner.config, "max_position_embeddings", 0) or 2**31 - 1)
-    return min(limit, max_model_len) if max_model_len else limit

@@ -7,11 +7,12 @@ thread, samples and commits (`specmesh.verifier.sample_and_commit`) and resolves
 join and leave between ticks (continuous batching), and draft lengths are ragged. All model work runs
 on one thread, so the event loop never blocks on torch and the runner is never used concurrently.
 
-Prefill (a turn opening) with `BatchedRunner` rides in the same forward as the decode blocks, as
-vLLM's chunked prefill does: each tick's pass holds the waiting blocks and, under a token budget
-(`max_batch_tokens`, blocks first), chunks of the sessions being opened, so a long prompt neither
-stalls the decoding sessions nor gets a forward of its own. With any other runner (no ragged `step`)
-prefill chunks run on the model thread between ticks.
+Prefill (a turn opening) rides in the same forward as the decode blocks where the runner's step takes
+prefill chunks into its pass (`Runner.chunked_prefill`), as vLLM's chunked prefill does: each tick's pass
+holds the waiting blocks and, under a token budget (`max_batch_tokens`, blocks first), chunks of the
+sessions being opened, so a long prompt neither stalls the decoding sessions nor gets a forward of its
+own. With any other runner (each chunk a pass of its own anyway) prefill chunks run on the model thread
+between ticks.
 
 Isolation: blocks are validated before they are submitted; if a pass still fails, each step and each
 chunk is rerun alone so one bad step cannot fail the others (the caches are untouched by a failed forward).
@@ -35,9 +36,7 @@ import torch
 from specmesh.domain import BatchLoad, SpecStats, Verdict
 from specmesh.errors import Unavailable
 from specmesh.rejection import RejectionInput, RejectionSampler
-from specmesh.runtime import RunnerSequence
-from specmesh.runtime.batched import BatchedRunner, PrefillChunk
-from specmesh.runtime.hf import ModelRunner
+from specmesh.runtime import PrefillChunk, Runner, RunnerSequence
 from specmesh.telemetry import tracer, wall_ns
 from specmesh.verifier import sample_and_commit
 from verify_service.sessions import Session
@@ -84,7 +83,7 @@ class SchedulerStats:
     spec: SpecStats = field(default_factory=SpecStats)  # steps that carried a draft block (vLLM's drafts)
     forwards: int = 0  # every target forward the scheduler ran (blocks, prefill chunks or both)
     prefill_chunks: int = 0
-    prefill_tokens: int = 0  # positions prefilled (known exactly with BatchedRunner)
+    prefill_tokens: int = 0  # positions prefilled
     mixed_batches: int = 0  # forwards that verified blocks and prefilled chunks together
     # Where verified steps' time went, summed over steps (`specmesh profile` splits a round with them).
     queue_wait_seconds: float = 0.0  # a block's arrival to the start of its batch
@@ -111,7 +110,7 @@ class Scheduler:
 
     def __init__(
         self,
-        runner: ModelRunner | BatchedRunner,
+        runner: Runner[Any],
         sampler: RejectionSampler,
         max_batch_size: int,
         on_batch=None,
@@ -129,7 +128,7 @@ class Scheduler:
         self.max_batch_size = max_batch_size
         self.max_batch_tokens = max_batch_tokens
         self.prefill_chunk_tokens = prefill_chunk_tokens
-        self.chunked_prefill = isinstance(runner, BatchedRunner)  # prefill chunks join the ticks' passes
+        self.chunked_prefill = runner.chunked_prefill  # prefill chunks join the ticks' passes
         self.model_thread = model_thread or ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
         self.stats = SchedulerStats()
         self.on_batch = on_batch  # (batch size, seconds) -> None, for metrics
@@ -237,12 +236,11 @@ class Scheduler:
         return reused, chunks
 
     def _prefill_alone(self, seq: Any, first: bool) -> _ChunkDone:
-        before_reused, before_left = self.runner.prefix_tokens_reused, uncached(seq)
         with torch.inference_mode():
-            left = self.runner.prefill(seq, self.prefill_chunk_tokens or None, count_reuse=first)
+            out = self.runner.step([], prefill=[PrefillChunk(seq, self.prefill_chunk_tokens or None, first)])
         self.stats.prefill_chunks += 1
-        self.stats.prefill_tokens += before_left - left
-        return _ChunkDone(left, self.runner.prefix_tokens_reused - before_reused)
+        self.stats.prefill_tokens += out.tokens
+        return _ChunkDone(out.prefill_left[0], out.prefill_reused[0])
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
@@ -336,13 +334,11 @@ class Scheduler:
         """One pass over the blocks and the prefill chunks: (logits per block, chunk results, positions)."""
         seqs = [s.session.seq for s in batch]
         extra = [s.block.token_ids for s in batch]
-        if isinstance(self.runner, BatchedRunner):
-            chunks = [PrefillChunk(p.session.seq, n, count_reuse=p.chunks == 0) for p, n in plan]
-            out = self.runner.step(seqs, extra, prefill=chunks)
-            done = [_ChunkDone(left, reused) for left, reused in zip(out.prefill_left, out.prefill_reused, strict=True)]
-            return out.logits, done, out.tokens
-        assert not plan  # other runners prefill between ticks
-        return self.runner.forward(seqs, extra), [], sum(s.block.k + 1 for s in batch)
+        # Without chunked prefill the plan is empty: those runners prefill between ticks.
+        chunks = [PrefillChunk(p.session.seq, n, count_reuse=p.chunks == 0) for p, n in plan]
+        out = self.runner.step(seqs, extra, prefill=chunks)
+        done = [_ChunkDone(left, reused) for left, reused in zip(out.prefill_left, out.prefill_reused, strict=True)]
+        return out.logits, done, out.tokens
 
     def _execute(
         self, batch: list[_Step], plan: list[tuple[_Prefill, int]], queue_depth: int = 0

@@ -5,16 +5,16 @@ cached tokens is reused and only the rest is prefilled. Sessions that nothing is
 least-recently-used first when a new one does not fit, and after `ttl_seconds` idle. Busy sessions (a
 stream or generate call attached, or a turn being prefilled) are never evicted.
 
-What a session holds depends on the runner: with `BatchedRunner` one whole slot of its pool from
+What a session holds is the runner's to say (`Runner.kv_account`): with a slot pool one whole slot from
 creation to release (so "no slot free" and "budget reached" are the same thing, and the slot goes back
-to the pool the moment the session is released, evicted or expired); with `ModelRunner` a cache that
+to the pool the moment the session is released, evicted or expired); with growing caches a cache that
 grows token by token (counted by the bytes its key/value tensors' storages really hold, which a cropped
 cache keeps until it grows again; it is freed with its last reference).
 
-Besides bytes, the number of sessions is capped (`max_count`; with BatchedRunner the slot count caps it
-too): every session counts, idle cached ones included, so a flood of opens can never grow the store past
-it. A new session beyond both bounds first evicts idle sessions LRU, and gets RESOURCE_EXHAUSTED when
-only busy ones are left.
+Besides bytes, the number of sessions is capped (`max_count`; a pool's slot count caps it too): every
+session counts, idle cached ones included, so a flood of opens can never grow the store past it. A new
+session beyond both bounds first evicts idle sessions LRU, and gets RESOURCE_EXHAUSTED when only busy ones
+are left.
 
 Every timestamp (LRU recency, TTL expiry) comes from the store's `clock`, so tests can drive time
 instead of sleeping.
@@ -27,32 +27,22 @@ import uuid
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
 from specmesh.errors import FailedPrecondition, NotFound, ResourceExhausted
-from specmesh.runtime import Runner, RunnerSequence
-from specmesh.runtime.batched import BatchedRunner, SlotSequence
+from specmesh.runtime import KvAccount, Runner
 from specmesh.sampling import SamplingParams, StopChecker
 
 EPHEMERAL_PREFIX = "eph-"  # the names of sessions created without one
 
 
-def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
-    """Keys + values of one token over all layers."""
-    heads = getattr(config, "num_attention_heads", 1)
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    elem = torch.empty((), dtype=dtype).element_size()
-    return 2 * config.num_hidden_layers * kv_heads * head_dim * elem
-
-
 @dataclass
 class Session:
     session_id: str
-    # The runner's own kind of sequence (hf.Sequence or batched.SlotSequence): the session is agnostic of
-    # which, and the runner checks that it is given its own.
+    # The runner's own kind of sequence (a RunnerSequence): the session is agnostic of which, and the
+    # runner checks that it is given its own.
     seq: Any
     ephemeral: bool  # created without an id (or with one of EPHEMERAL_PREFIX): released when its stream ends
     # Per turn:
@@ -88,66 +78,10 @@ class Session:
         return len(self.seq.token_ids)
 
 
-class KvAccount(Protocol):
-    """How many KV bytes a runner's sequence holds, and how they are given back."""
-
-    def held(self, seq: Any) -> int: ...
-
-    def needed(self, seq: Any | None, tokens: int) -> int:
-        """More bytes a turn of `tokens` committed tokens needs (seq: the session's, None for a new one)."""
-        ...
-
-    def free(self, seq: Any) -> None: ...
-
-
-class TokenAccount:
-    """ModelRunner: a DynamicCache grows with the tokens it caches, and is freed with its last reference."""
-
-    def __init__(self, bytes_per_token: int):
-        self.bytes_per_token = bytes_per_token
-
-    def held(self, seq: RunnerSequence) -> int:
-        # The storages, not the cached token count: a cache cropped to a shorter prefix keeps its tensors'
-        # full storage, which is what the process really holds.
-        layers = getattr(getattr(seq, "cache", None), "layers", None)
-        if layers is None:
-            return len(seq.cached_ids) * self.bytes_per_token
-        storages = {}
-        for layer in layers:
-            for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
-                if isinstance(t, torch.Tensor) and t.numel():
-                    st = t.untyped_storage()
-                    storages[st.data_ptr()] = st.nbytes()
-        return max(sum(storages.values()), len(seq.cached_ids) * self.bytes_per_token)
-
-    def needed(self, seq: RunnerSequence | None, tokens: int) -> int:
-        return max(0, tokens * self.bytes_per_token - (self.held(seq) if seq is not None else 0))
-
-    def free(self, seq: RunnerSequence) -> None:
-        pass
-
-
-class SlotAccount:
-    """BatchedRunner: a sequence holds a whole slot, whatever its length, until the slot is freed."""
-
-    def __init__(self, runner: BatchedRunner):
-        self.runner = runner
-
-    def held(self, seq: SlotSequence) -> int:
-        return 0 if seq.freed else self.runner.slot_bytes
-
-    def needed(self, seq: SlotSequence | None, tokens: int) -> int:
-        return self.runner.slot_bytes if seq is None or seq.freed else 0  # a new turn keeps its slot
-
-    def free(self, seq: SlotSequence) -> None:
-        self.runner.free(seq)
-
-
 class SessionStore:
-    """`budget_bytes`: the most KV the sessions may hold (with BatchedRunner, at most its pool).
-    `bytes_per_token`: ModelRunner's KV bytes per cached token (default: from the model's config).
-    `max_count`: the most sessions held, busy or idle (None: the slot count with BatchedRunner, else no cap
-    of its own)."""
+    """`budget_bytes`: the most KV the sessions may hold (at most the runner's pool, if it has one).
+    `bytes_per_token`: KV bytes per cached token where caches grow by the token (default: the model's).
+    `max_count`: the most sessions held, busy or idle (None: the pool's slot count, else no cap of its own)."""
 
     def __init__(
         self,
@@ -161,16 +95,11 @@ class SessionStore:
         self.runner = runner
         self.clock = clock  # seconds, monotonic: only differences between its readings matter
         self.ttl_seconds = ttl_seconds
-        self.account: KvAccount
-        if isinstance(runner, BatchedRunner):
-            self.account = SlotAccount(runner)
-            self.budget_bytes = min(budget_bytes, runner.pool_bytes)
-            slots = runner.pool_bytes // runner.slot_bytes
-            max_count = min(max_count or slots, slots)
-        else:
-            dtype = next(runner.model.parameters()).dtype
-            self.account = TokenAccount(bytes_per_token or kv_bytes_per_token(runner.model.config, dtype))
-            self.budget_bytes = budget_bytes
+        self.account: KvAccount[Any] = runner.kv_account(bytes_per_token)
+        pool, cap = self.account.pool_bytes, self.account.max_sequences
+        self.budget_bytes = budget_bytes if pool is None else min(budget_bytes, pool)
+        if cap is not None:
+            max_count = min(max_count or cap, cap)
         self.max_count = max_count or 2**62
         self._sessions: OrderedDict[str, Session] = OrderedDict()  # LRU order: oldest first
         self.evicted = 0
@@ -257,12 +186,12 @@ class SessionStore:
         session = self._sessions.pop(session_id, None)
         if session is None:
             return False
-        self.account.free(session.seq)
+        self.runner.free(session.seq)
         return True
 
     def remove(self, session: Session) -> bool:
         """Forget `session` (if it is still the one under its id) without freeing its KV: the caller frees
-        it (`account.free`) once no forward in flight writes it."""
+        it (`runner.free`) once no forward in flight writes it."""
         if self._sessions.get(session.session_id) is not session:
             return False
         del self._sessions[session.session_id]

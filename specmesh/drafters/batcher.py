@@ -23,14 +23,13 @@ import contextlib
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any
 
 import torch
 
 from specmesh.futures import settle
 from specmesh.models import eos_token_ids
-from specmesh.runtime import Runner, RunnerSequence
-from specmesh.runtime.batched import BatchedRunner, PrefillChunk, SlotSequence
+from specmesh.runtime import PrefillChunk, Runner, RunnerSequence
 from specmesh.sampling import (
     BatchSamplingParams,
     LogitsContext,
@@ -231,16 +230,9 @@ class DraftBatcher:
                 return [None if r.prefill_only else r.drafted for r in batch]
 
     def _forward(self, seqs: list[RunnerSequence], prefill: list[RunnerSequence]) -> torch.Tensor:
-        """Last-position logits [len(seqs), V] of each sequence, prefills riding along in the same pass."""
-        if isinstance(self.runner, BatchedRunner):  # one ragged forward for everything
-            # A BatchedRunner's sequences are the SlotSequences its new_sequence made.
-            slots = cast(list[SlotSequence], seqs)
-            chunks = [PrefillChunk(cast(SlotSequence, s)) for s in prefill]
-            rows = self.runner.step(slots, num_logits=[1] * len(seqs), prefill=chunks).logits
-        else:
-            for s in prefill:
-                self.runner.prefill(s)
-            rows = self.runner.forward(seqs) if seqs else []
+        """Last-position logits [len(seqs), V] of each sequence, prefills riding along in the same step (in
+        its one pass where the runner has `chunked_prefill`)."""
+        rows = self.runner.step(seqs, num_logits=[1] * len(seqs), prefill=[PrefillChunk(s) for s in prefill]).logits
         if not seqs:
             return torch.empty(0)
         return torch.cat([r[-1:] for r in rows])

@@ -66,7 +66,6 @@ class ModelDrafter:
 
     def release(self) -> None:
         """Give the session's cache back to the runner now (a runner with a fixed pool needs it back)."""
-        free = getattr(self.batcher.runner, "free", None)
-        if self.state is not None and free is not None:
-            free(self.state.seq)
+        if self.state is not None:
+            self.batcher.runner.free(self.state.seq)
         self.state = None

@@ -8,10 +8,11 @@ Sessions hold real KV caches of a tiny model: the byte accounting is checked aga
 import pytest
 
 from specmesh.errors import FailedPrecondition, NotFound, ResourceExhausted
+from specmesh.runtime.base import kv_bytes_per_token
 from specmesh.runtime.batched import BatchedRunner
 from specmesh.runtime.hf import ModelRunner
 from tests.support.models import tiny_model
-from verify_service.sessions import SessionStore, kv_bytes_per_token
+from verify_service.sessions import SessionStore
 
 PROMPT = list(range(1, 11))  # 10 tokens: prefill caches 9 (the last one is fed by the next forward)
 CACHED = len(PROMPT) - 1
