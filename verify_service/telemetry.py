@@ -72,7 +72,17 @@ class VerifyMetrics:
             [self.label(e)], e.sessions.kv_bytes() / e.sessions.budget_bytes if e.sessions.budget_bytes else 0.0
         )
         out: list[Metric] = [queue, kv, budget, sessions, usage]
-        for name, doc, value in [
+        for name, doc, value in self.counters(e):
+            f = c(name, doc)
+            f.add_metric([], value)
+            out.append(f)
+        return out + spec_families("specmesh_verify", st.spec) + vllm_spec_decode_families(st.spec, self.label(e))
+
+    @staticmethod
+    def counters(e: VerifyEngine) -> list[tuple[str, str, float]]:
+        """(name, help, value) of every counter family."""
+        st = e.scheduler.stats
+        return [
             ("specmesh_verify_batches", "Scheduler ticks that ran a batch", st.batches),
             ("specmesh_verify_steps", "Session steps verified (target-only steps included)", st.steps),
             ("specmesh_verify_emitted_tokens", "Tokens committed and emitted", st.tokens),
@@ -110,11 +120,7 @@ class VerifyMetrics:
             ("specmesh_verify_step_sample_seconds", "Steps' batch rejection sampling", st.step_sample_seconds),
             ("specmesh_verify_batch_tokens", "Positions verified by batches (K + 1 per step)", st.batch_tokens),
             ("specmesh_verify_busy_seconds", "Time the model thread spent in forwards", st.busy_seconds),
-        ]:
-            f = c(name, doc)
-            f.add_metric([], value)
-            out.append(f)
-        return out + spec_families("specmesh_verify", st.spec) + vllm_spec_decode_families(st.spec, self.label(e))
+        ]
 
     def label(self, e: VerifyEngine) -> str:
         """The `model_name` of the vLLM-named families."""
