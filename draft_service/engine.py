@@ -28,6 +28,7 @@ from opentelemetry import context as otel_context
 from draft_service.online import OnlineLoop, online_config
 from draft_service.remote import RemoteVerifier
 from specmesh import wire
+from specmesh.config import device_option, grpc_port_option, host_option, metrics_port_option, option
 from specmesh.domain import Finished, GenerationEvent, Opened, SpecStats, Tokens
 from specmesh.drafters import ALGORITHMS, Algorithm, DraftBatcher, ModelDrafter, make_drafter
 from specmesh.errors import FailedPrecondition, InvalidArgument, ResourceExhausted, Unavailable
@@ -35,7 +36,7 @@ from specmesh.loop import FixedK, GoodputGuard, GoodputK, RoundRecord, speculati
 from specmesh.models import load_model
 from specmesh.rejection import MAX_SPEC_LEN
 from specmesh.runtime import Runner
-from specmesh.runtime.attention import check_attention_backend
+from specmesh.runtime.attention import ATTENTION_BACKENDS, check_attention_backend
 from specmesh.runtime.registry import KINDS, build_runner
 from specmesh.sampling import SamplingParams, StopChecker, check_token_ids
 from specmesh.security import AllowList, Security, dial
@@ -49,49 +50,109 @@ RUNNERS = KINDS  # --draft-runner: specmesh.runtime.registry's kinds
 
 @dataclass(frozen=True)
 class DraftConfig:
-    model_path: str = ""  # required for the standalone algorithm
-    host: str = "127.0.0.1"
-    port: int = 50062
-    device: str | None = None
-    verify_address: str = ""  # default verify replica (host:port)
-    # Other verify replicas a request may name (specmesh.security.AllowList): a caller chooses among the
-    # replicas the operator configured, never an address of its own.
-    verify_allow: str = ""
-    speculative_algorithm: str = "standalone"
-    speculative_num_steps: int = 4  # most draft tokens per block (K max)
-    adaptive: bool = True
-    # Adaptive K falls back to target-only while speculation measures slower (specmesh.loop.GoodputGuard).
-    goodput_guard: bool = True
-    # Adaptive K is 0 while the verifier's last batch held more sessions than this (0 = no such limit): the
-    # per-round side of the gateway's rule of the same name, for sessions that began speculating alone.
-    speculative_disable_by_batch_size: int = 0
-    pipeline: bool = True
-    draft_topk: int = 16  # support of the sparse q sent with sampled drafts
-    # "auto": "batched" where the architecture allows it, else "hf". "batched": one forward advances every
-    # session (BatchedRunner); "static": StaticCacheRunner, one session per forward; "hf": ModelRunner.
-    draft_runner: str = "auto"
-    attention_backend: str = "auto"  # specmesh.runtime.attention
-    max_sessions: int = 64  # concurrent generations; more get RESOURCE_EXHAUSTED
-    max_cached_sessions: int = 64  # per-session draft KV caches kept for later turns (LRU)
-    max_model_len: int = 0  # longest sequence the draft's KV slots hold; 0 = the model's
-    kv_cache_prefault: bool = True  # the batched runner's pool resident from the start (see BatchedRunner)
-    verify_timeout_s: float = 60.0  # per verify call / round
-    grace_period_s: float = 10.0
-    # The predict-verify-optimize loop (draft_service.online): the draft distils from the verifier's top-k
-    # while it serves. Off by default: it costs a share of a core and the verifier's top-k on every token.
-    online_distill: bool = False
-    online_distill_dir: str = ""  # every weight version and its live acceptance ("" = kept in memory only)
-    online_distill_topk: int = OnlineConfig.topk
-    online_distill_cpu_share: float = OnlineConfig.cpu_share
-    online_distill_buffer: int = OnlineConfig.buffer_windows
-    online_distill_lr: float = OnlineConfig.lr
-    online_distill_kl_weight: float = OnlineConfig.kl_weight
-    online_distill_steps_per_version: int = OnlineConfig.steps_per_version
-    online_distill_rollback_window: int = OnlineConfig.rollback_window
-    # "auto": the draft directory's rehearsal.safetensors when it has one; "none": no rehearsal; else a file
-    online_distill_rehearsal: str = "auto"
-    online_distill_rehearsal_share: float = OnlineConfig.rehearsal_share
-    metrics_port: int = -1  # Prometheus /metrics over HTTP; -1 = not served (the CLI defaults to 9465)
+    """The draft service's settings; each field declared with `option` is also its flag (`python -m
+    draft_service --help`)."""
+
+    model_path: str = option("", "local HF checkpoint directory of the draft model (standalone)")
+    host: str = host_option()
+    port: int = grpc_port_option(50062)
+    device: str | None = device_option()
+    verify_address: str = option("", "default verify replica host:port (a request may name another)")
+    # A caller chooses among the replicas the operator configured, never an address of its own.
+    verify_allow: str = option(
+        "",
+        "verify replicas a request's verify_address may name besides --verify-address: comma-separated "
+        "host:port, the host an IP, a CIDR block (10.0.0.0/8), a DNS name (its addresses too) or a pattern "
+        "(*.verify.svc.cluster.local), the port a number or *; any other address is refused (PERMISSION_DENIED)",
+    )
+    speculative_algorithm: str = option(
+        "standalone", "standalone: a draft model; ngram: prompt lookup, no model", choices=ALGORITHMS, type=str.lower
+    )
+    speculative_num_steps: int = option(4, "most draft tokens per block (K); adaptive K stays within it")
+    adaptive: bool = option(
+        True,
+        "choose K per session for the verifier's goodput, from live acceptance, timings and the verifier's load "
+        "(down to 0)",
+    )
+    goodput_guard: bool = option(  # specmesh.loop.GoodputGuard
+        True,
+        "adaptive K falls back to target-only while speculation measures fewer tokens per second than "
+        "target-only steps (pooled over sessions; a few probe steps keep both sides measured)",
+    )
+    # The per-round side of the gateway's rule of the same name, for sessions that began speculating alone.
+    speculative_disable_by_batch_size: int = option(
+        0,
+        "adaptive K drafts nothing while the verifier's last batch held more sessions than this (0 = no limit; "
+        "the gateway's flag of that name decides it for new requests)",
+    )
+    pipeline: bool = option(True, "keep drafting the next block while one is being verified")
+    draft_topk: int = option(16, "sampled drafts: the support of the sparse draft distribution sent with each token")
+    draft_runner: str = option(
+        "auto",
+        "batched: one forward advances every drafting session (Llama family); static: one session per forward, "
+        "preallocated cache; hf: the stock HF forward; auto: batched where the model allows it",
+        choices=RUNNERS,
+    )
+    attention_backend: str = option(
+        "auto",
+        "SDPA kernels the runtime may use: auto = all but cuDNN on CUDA (cuDNN builds a plan per new sequence "
+        "length, which a decode meets every forward), torch's own choice elsewhere; default = torch's own "
+        "choice; no-cudnn; math (reference, slow)",
+        choices=ATTENTION_BACKENDS,
+    )
+    max_sessions: int = option(64, "concurrent generations; more get RESOURCE_EXHAUSTED")
+    max_cached_sessions: int = option(64, "per-session draft KV caches kept for later turns (LRU)")
+    max_model_len: int = option(
+        0, "longest sequence a session's draft KV slot holds (0 = the model's max_position_embeddings)"
+    )
+    kv_cache_prefault: bool = option(
+        True,
+        "write the batched runner's whole KV pool at start, so the process's memory is resident from the start "
+        "and stays flat under load (--no-kv-cache-prefault: pages are taken as slots first fill them)",
+    )
+    verify_timeout_s: float = option(60.0, "timeout of each call to the verifier")
+    grace_period_s: float = option(10.0, "on SIGTERM, in-flight generations get this long to finish")
+    # The predict-verify-optimize loop (draft_service.online): off by default, as it costs a share of a core
+    # and the verifier's top-k on every token.
+    online_distill: bool = option(
+        False,
+        "distil the draft from the verifier's top-k on live traffic while serving, swapping new weights in "
+        "between rounds and rolling back a version whose live acceptance is worse (see README)",
+    )
+    online_distill_dir: str = option(
+        "", "save every weight version and its live acceptance here (empty = in memory only)"
+    )
+    online_distill_topk: int = option(
+        OnlineConfig.topk, "target tokens per position the verifier returns as feedback (1-20)"
+    )
+    online_distill_cpu_share: float = option(
+        OnlineConfig.cpu_share, "the trainer's share of one core's time (it sleeps the rest)"
+    )
+    online_distill_buffer: int = option(
+        OnlineConfig.buffer_windows, "replay buffer size, in training windows of 64 tokens"
+    )
+    online_distill_lr: float = option(OnlineConfig.lr, "the trainer's learning rate (AdamW)")
+    online_distill_kl_weight: float = option(
+        OnlineConfig.kl_weight,
+        "weight of the KL to the target's top-k in the loss; the rest is cross-entropy on the committed token "
+        "(1 = pure KL)",
+    )
+    online_distill_steps_per_version: int = option(
+        OnlineConfig.steps_per_version, "training steps between two weight versions"
+    )
+    online_distill_rollback_window: int = option(
+        OnlineConfig.rollback_window, "draft tokens a new version is judged on against its predecessor"
+    )
+    online_distill_rehearsal: str = option(
+        "auto",
+        "windows of the draft's original domain with the target's top-k (python -m specmesh.training.rehearsal), "
+        "mixed into every training batch so the draft keeps that domain: auto = the draft directory's "
+        "rehearsal.safetensors if there is one, none = off, or a file",
+    )
+    online_distill_rehearsal_share: float = option(
+        OnlineConfig.rehearsal_share, "the share of each training batch drawn from the rehearsal set"
+    )
+    metrics_port: int = metrics_port_option(9465)
 
     def __post_init__(self):
         if self.speculative_algorithm not in ALGORITHMS:

@@ -10,16 +10,24 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import uvicorn
 
 from gateway.core import Gateway, GatewayConfig
 from gateway.http import create_app
-from gateway.openai.tools import TOOL_CALL_PARSERS
 from gateway.server import build_grpc_server
 from gateway.telemetry import GatewayMetrics
-from specmesh.config import EnvArgumentParser
+from specmesh.config import (
+    EnvArgumentParser,
+    GatewayListen,
+    Logging,
+    add_config_flags,
+    flag_fields,
+    option,
+    parse_config,
+)
 from specmesh.rejection.limits import MAX_SPEC_LEN
 from specmesh.security import KeyRing, Security, TLSConfig, add_tls_flags, keys_from
 from specmesh.telemetry import serve_metrics, setup_logging, setup_tracing
@@ -27,121 +35,66 @@ from specmesh.telemetry import serve_metrics, setup_logging, setup_tracing
 log = logging.getLogger("specmesh.gateway")
 
 
-def _list(text: str) -> tuple[str, ...]:
-    return tuple(x.strip() for x in text.split(",") if x.strip())
+@dataclass(frozen=True)
+class GatewayProcess(Logging, GatewayListen):
+    """How the gateway process runs, beyond GatewayConfig: where it listens, what it loads, its metrics and
+    logging; and, from the security flags, who may call it and how it dials the replicas."""
+
+    tokenizer_path: str = option("", "directory with the target's tokenizer (text in and out)")
+    max_body_bytes: int = option(1 << 20, "largest request body accepted")
+    open_health: bool = option(True, "/health, /health/live and gRPC health need no key (probes)")
+    open_metrics: bool = option(
+        False, "/metrics on the REST port needs no key (it lists the replicas' addresses); see --metrics-port"
+    )
+    metrics_port: int = option(
+        -1,
+        "serve /metrics on this port of its own, plain HTTP without a key, and not on the REST port "
+        "(-1 = on the REST port; 0 = any free port)",
+    )
+    api_keys: tuple[str, ...] = ()
+    front: Security = field(default_factory=Security)  # the REST and gRPC fronts'
+    upstream: Security = field(default_factory=Security)  # what it presents to the replicas
 
 
-def parse_args(argv=None):
+def parse_args(argv=None) -> tuple[GatewayConfig, GatewayProcess]:
+    """GatewayConfig and GatewayProcess from their flags (declared by their fields) and the security flags."""
     ap = EnvArgumentParser(prog="python -m gateway", description=__doc__, env_prefix="SPECMESH_GATEWAY_")
-    d = GatewayConfig()
-    ap.flag("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for all interfaces)")
-    ap.flag("--port", type=int, default=8000, help="REST port (OpenAI-compatible API, /health, /metrics)")
-    ap.flag("--grpc-port", type=int, default=50070, help="gRPC port (specmesh.v1.GatewayService); -1 = off")
-    ap.flag(
-        "--verify",
-        default="",
-        required=True,
-        help="verify replicas, comma-separated host:port; a host that resolves to several addresses "
-        "(a headless Service) gives one replica per address, re-resolved every health round",
-    )
-    ap.flag("--draft", default="", help="draft replicas, comma-separated host:port (none = target-only)")
-    ap.flag("--tokenizer-path", default="", help="directory with the target's tokenizer (text in and out)")
-    ap.flag("--model-name", default="", help="the model id clients send (default: the tokenizer directory's name)")
-    _security_flags(ap)
-    ap.flag(
-        "--speculative-num-steps",
-        type=int,
-        default=0,
-        help="draft tokens per block of requests that leave num_speculative_tokens unset (0 = the draft's default)",
-    )
-    ap.flag(
-        "--speculative-disable-by-batch-size",
-        type=int,
-        default=d.speculative_disable_by_batch_size,
-        help="requests that leave num_speculative_tokens unset decode target-only while more than this many "
-        "generations per healthy verify replica are in flight (0 = always speculate)",
-    )
-    ap.flag(
-        "--goodput-probe-every",
-        type=int,
-        default=d.goodput_probe_every,
-        help="requests that leave num_speculative_tokens unset decode target-only, straight on the verify "
-        "replica, while the draft replica reports that speculation measures slower than target-only (its "
-        "goodput guard); every N-th of them still goes through the draft replica to keep it measuring (0 = off)",
-    )
-    ap.flag("--max-prompt-tokens", type=int, default=d.max_prompt_tokens, help="longest prompt accepted")
-    ap.flag("--max-tokens-limit", type=int, default=d.max_tokens_limit, help="largest max_tokens accepted")
-    ap.flag("--max-body-bytes", type=int, default=1 << 20, help="largest request body accepted")
-    ap.flag("--max-concurrency", type=int, default=d.max_concurrency, help="generations running at once")
-    ap.flag("--max-queue", type=int, default=d.max_queue, help="generations waiting for a slot; more get 429")
-    ap.flag("--request-timeout-s", type=float, default=d.request_timeout_s, help="deadline of each generation")
-    ap.flag("--max-failovers", type=int, default=d.max_failovers, help="replica failovers per generation")
-    ap.flag("--health-interval-s", type=float, default=d.health_interval_s, help="replica health check period")
-    ap.flag("--fail-threshold", type=int, default=d.fail_threshold, help="failed checks that take a replica out")
-    ap.flag("--success-threshold", type=int, default=d.success_threshold, help="good checks that bring it back")
-    ap.flag("--load-factor", type=float, default=d.load_factor, help="bounded-load hashing: max load / mean load")
-    ap.flag(
-        "--stall-timeout-s",
-        type=float,
-        default=d.stall_timeout_s,
-        help="longest a stream may go without a token before it continues without its draft or moves to "
-        "another verify replica (0 = streams are not watched)",
-    )
-    ap.flag(
-        "--stall-gap-multiple",
-        type=float,
-        default=d.stall_gap_multiple,
-        help="a stream has stalled after this many times its mean gap between tokens (at most --stall-timeout-s)",
-    )
-    ap.flag(
-        "--tool-call-parser",
-        default=d.tool_call_parser,
-        choices=list(TOOL_CALL_PARSERS),
-        help="how chat finds tool calls in a reply with tool_choice auto (hermes: <tool_call>{json}</tool_call>)",
-    )
-    ap.flag("--log-level", default="INFO", help="logging level")
-    ap.flag("--log-format", default="text", choices=["text", "json"], help="json: one object per line with trace ids")
-    a = ap.parse_args(argv)
-    name = a.model_name or (Path(a.tokenizer_path).name if a.tokenizer_path else "specmesh")
-    config = GatewayConfig(
-        verify=_list(a.verify),
-        draft=_list(a.draft),
-        model_name=name,
-        speculative_num_steps=a.speculative_num_steps,
-        speculative_disable_by_batch_size=a.speculative_disable_by_batch_size,
-        goodput_probe_every=a.goodput_probe_every,
-        max_prompt_tokens=a.max_prompt_tokens,
-        max_tokens_limit=a.max_tokens_limit,
-        request_timeout_s=a.request_timeout_s,
-        max_concurrency=a.max_concurrency,
-        max_queue=a.max_queue,
-        max_failovers=a.max_failovers,
-        health_interval_s=a.health_interval_s,
-        fail_threshold=a.fail_threshold,
-        success_threshold=a.success_threshold,
-        load_factor=a.load_factor,
-        stall_timeout_s=a.stall_timeout_s,
-        stall_gap_multiple=a.stall_gap_multiple,
-        tool_call_parser=a.tool_call_parser,
-    )
-    if not config.verify:
-        ap.error("--verify needs at least one host:port")
-    if not 0 <= config.speculative_num_steps <= MAX_SPEC_LEN:
-        ap.error(f"--speculative-num-steps must be in [0, {MAX_SPEC_LEN}]")
-    if config.speculative_disable_by_batch_size < 0:
-        ap.error("--speculative-disable-by-batch-size must be >= 0")
-    if config.goodput_probe_every < 0 or config.goodput_probe_every == 1:
-        ap.error("--goodput-probe-every must be 0 (off) or >= 2 (1 would send every request as a probe)")
+    add_config_flags(ap, GatewayConfig)
+    with ap.process_flags():
+        add_config_flags(ap, GatewayProcess)
+        _security_flags(ap)
+    config, flags = parse_config(ap, GatewayConfig, argv)
+    tokenizer = flags["tokenizer_path"]
+    config = replace(config, model_name=config.model_name or (Path(tokenizer).name if tokenizer else "specmesh"))
     try:
-        flags = vars(a)
-        a.api_keys = keys_from(a.api_key_file, a.api_key, "--api-key-file")
-        a.front = Security(TLSConfig.from_flags(flags), KeyRing(a.api_keys), open_health=a.open_health)
-        service_keys = keys_from(a.service_key_file, a.service_key, "--service-key-file")
-        tls = TLSConfig.from_flags(flags, "upstream_tls", "--upstream-tls")
-        a.upstream = Security(tls, key=service_keys[0] if service_keys else "")
+        _check(config)
+        process = {f.name: flags[f.name] for f in flag_fields(GatewayProcess)}
+        return config, GatewayProcess(**process, **_security(flags))
     except ValueError as e:
         ap.error(str(e))
-    return config, a
+
+
+def _check(config: GatewayConfig) -> None:
+    """What the gateway's flags must hold beyond each one's type (code that builds a GatewayConfig itself may
+    leave the replica lists empty)."""
+    if not config.verify:
+        raise ValueError("--verify needs at least one host:port")
+    if not 0 <= config.speculative_num_steps <= MAX_SPEC_LEN:
+        raise ValueError(f"--speculative-num-steps must be in [0, {MAX_SPEC_LEN}]")
+    if config.speculative_disable_by_batch_size < 0:
+        raise ValueError("--speculative-disable-by-batch-size must be >= 0")
+    if config.goodput_probe_every < 0 or config.goodput_probe_every == 1:
+        raise ValueError("--goodput-probe-every must be 0 (off) or >= 2 (1 would send every request as a probe)")
+
+
+def _security(flags: dict) -> dict:
+    """GatewayProcess's keys and Security objects from the security flags (ValueError: a file is unreadable,
+    a TLS setting incomplete)."""
+    api_keys = keys_from(flags["api_key_file"], flags["api_key"], "--api-key-file")
+    front = Security(TLSConfig.from_flags(flags), KeyRing(api_keys), open_health=flags["open_health"])
+    service_keys = keys_from(flags["service_key_file"], flags["service_key"], "--service-key-file")
+    tls = TLSConfig.from_flags(flags, "upstream_tls", "--upstream-tls")
+    return dict(api_keys=api_keys, front=front, upstream=Security(tls, key=service_keys[0] if service_keys else ""))
 
 
 def _security_flags(ap: EnvArgumentParser) -> None:
@@ -150,20 +103,6 @@ def _security_flags(ap: EnvArgumentParser) -> None:
         "--api-key-file", default="", help="file of API keys, one a line; when any, requests need Authorization: Bearer"
     )
     ap.secret_flag("--api-key", file_flag="--api-key-file", help="API keys, comma-separated")
-    ap.flag("--open-health", type=bool, default=True, help="/health, /health/live and gRPC health need no key (probes)")
-    ap.flag(
-        "--open-metrics",
-        type=bool,
-        default=False,
-        help="/metrics on the REST port needs no key (it lists the replicas' addresses); see --metrics-port",
-    )
-    ap.flag(
-        "--metrics-port",
-        type=int,
-        default=-1,
-        help="serve /metrics on this port of its own, plain HTTP without a key, and not on the REST port "
-        "(-1 = on the REST port; 0 = any free port)",
-    )
     add_tls_flags(ap, "--tls", "served on the REST and gRPC ports (HTTPS, TLS)", "verifies client certificates")
     ap.flag("--tls-client-auth", type=bool, default=False, help="both fronts require a client certificate (mTLS)")
     add_tls_flags(
@@ -194,7 +133,7 @@ def load_tokenizer(path: str):
     return AutoTokenizer.from_pretrained(path)
 
 
-async def serve(config: GatewayConfig, args) -> None:
+async def serve(config: GatewayConfig, args: GatewayProcess) -> None:
     metrics = GatewayMetrics()
     gateway = Gateway(config, load_tokenizer(args.tokenizer_path), metrics.stream)
     metrics.watch(gateway)

@@ -42,9 +42,11 @@ from functools import partial
 import grpc
 import jinja2
 
+from gateway.openai.tools import TOOL_CALL_PARSERS
 from gateway.router import Route, Router, RouteRequest
 from gateway.routing import Replica
 from specmesh import wire
+from specmesh.config import option
 from specmesh.domain import TokenLogprob
 from specmesh.errors import CALLER_ERRORS, InvalidArgument, ResourceExhausted, Unavailable, from_grpc_code
 from specmesh.loop import SpecStats
@@ -59,31 +61,57 @@ log = logging.getLogger("specmesh.gateway")
 
 @dataclass(frozen=True)
 class GatewayConfig:
-    verify: tuple[str, ...] = ()
-    draft: tuple[str, ...] = ()
-    model_name: str = "specmesh"
-    speculative_num_steps: int = 0  # K of requests that leave it unset; 0 = the draft service's default
-    # Requests that leave K unset decode target-only while more than this many generations per healthy
-    # verify replica are in flight (vLLM's speculative_disable_by_batch_size); 0 = never.
-    speculative_disable_by_batch_size: int = 0
-    # Requests that leave K unset decode target-only, straight on the verify replica, while the draft
-    # replica's goodput guard last reported that speculation measures slower there than target-only; every
-    # this many-th such request still goes through the draft replica, so that it keeps measuring. 0 = never.
-    goodput_probe_every: int = 8
-    max_prompt_tokens: int = 4096
-    max_tokens_limit: int = 4096
-    request_timeout_s: float = 300.0
-    max_concurrency: int = 64
-    max_queue: int = 256
-    max_failovers: int = 3
-    health_interval_s: float = 2.0
-    fail_threshold: int = 3
-    success_threshold: int = 2
-    load_factor: float = 1.25
-    stall_timeout_s: float = 2.0  # the longest a stream may go without a token; 0: streams are not watched
-    stall_gap_multiple: float = 8.0  # a stall is this many times the stream's mean gap between tokens
+    """The gateway's settings; each field declared with `option` is also its flag (`python -m gateway --help`)."""
+
+    verify: tuple[str, ...] = option(
+        (),
+        "verify replicas, comma-separated host:port; a host that resolves to several addresses (a headless "
+        "Service) gives one replica per address, re-resolved every health round",
+        required=True,
+    )
+    draft: tuple[str, ...] = option((), "draft replicas, comma-separated host:port (none = target-only)")
+    model_name: str = option(
+        "specmesh", "the model id clients send (default: the tokenizer directory's name)", flag_default=""
+    )
+    speculative_num_steps: int = option(
+        0,
+        "draft tokens per block of requests that leave num_speculative_tokens unset (0 = the draft's default)",
+    )
+    speculative_disable_by_batch_size: int = option(  # vLLM's speculative_disable_by_batch_size
+        0,
+        "requests that leave num_speculative_tokens unset decode target-only while more than this many "
+        "generations per healthy verify replica are in flight (0 = always speculate)",
+    )
+    goodput_probe_every: int = option(
+        8,
+        "requests that leave num_speculative_tokens unset decode target-only, straight on the verify replica, "
+        "while the draft replica reports that speculation measures slower than target-only (its goodput "
+        "guard); every N-th of them still goes through the draft replica to keep it measuring (0 = off)",
+    )
+    max_prompt_tokens: int = option(4096, "longest prompt accepted")
+    max_tokens_limit: int = option(4096, "largest max_tokens accepted")
+    request_timeout_s: float = option(300.0, "deadline of each generation")
+    max_concurrency: int = option(64, "generations running at once")
+    max_queue: int = option(256, "generations waiting for a slot; more get 429")
+    max_failovers: int = option(3, "replica failovers per generation")
+    health_interval_s: float = option(2.0, "replica health check period")
+    fail_threshold: int = option(3, "failed checks that take a replica out")
+    success_threshold: int = option(2, "good checks that bring it back")
+    load_factor: float = option(1.25, "bounded-load hashing: max load / mean load")
+    stall_timeout_s: float = option(
+        2.0,
+        "longest a stream may go without a token before it continues without its draft or moves to another "
+        "verify replica (0 = streams are not watched)",
+    )
+    stall_gap_multiple: float = option(
+        8.0, "a stream has stalled after this many times its mean gap between tokens (at most --stall-timeout-s)"
+    )
     tokenizer_threads: int = 2  # threads that tokenize prompts, and as many that detokenize outputs
-    tool_call_parser: str = "hermes"  # how chat finds tool calls in a reply with tool_choice auto
+    tool_call_parser: str = option(
+        "hermes",
+        "how chat finds tool calls in a reply with tool_choice auto (hermes: <tool_call>{json}</tool_call>)",
+        choices=TOOL_CALL_PARSERS,
+    )
 
 
 class BadInput(InvalidArgument):

@@ -1,19 +1,41 @@
-"""Command-line flags that can also be set by environment variables, parsed into frozen config objects.
+"""Command-line flags generated from config dataclasses, also settable by environment variables.
+
+A config dataclass declares its flags in its fields (`option`): the help text, and where needed choices, a
+type to parse with or a default of the flag's own. `add_config_flags` makes a flag of each such field
+(`max_sessions`: --max-sessions), `parse_config` builds the config back from the parsed flags, and
+`to_argv` renders a config, or some of its fields, as the flags that give it back: a launcher passes
+settings on without writing flags by hand, and a flag has one declaration wherever it appears.
 
 Flags follow SGLang's names where one exists (`--model-path`, `--host`, `--port`,
 `--speculative-num-steps`, `--speculative-algorithm`, `--max-batch-size`, ...). Every flag `--foo-bar`
 of a service with env prefix `SPECMESH_VERIFY_` can also be given as `SPECMESH_VERIFY_FOO_BAR`; the
 command line wins over the environment, which wins over the default. `--help` shows each variable.
+
+The flags that more than one command declares live here, once: where a model service listens and runs
+(`host_option`, ...), the process flags of every service (`Logging`, `ServiceProcess`), and where the
+gateway listens (`GatewayListen`, which `specmesh serve` takes and passes on).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field, fields
 from typing import Any, TypeVar
 
 ConfigT = TypeVar("ConfigT")
+FLAG = "specmesh.flag"  # the field metadata key of an Option
+
+
+class _FieldDefault:
+    def __repr__(self) -> str:
+        return "FIELD_DEFAULT"
+
+
+FIELD_DEFAULT: Any = _FieldDefault()  # an Option's flag defaults to its field's default
 
 
 def _env_name(prefix: str, flag: str) -> str:
@@ -29,20 +51,36 @@ def _parse_bool(text: str) -> bool:
     raise ValueError(f"not a boolean: {text!r}")
 
 
-class EnvArgumentParser(argparse.ArgumentParser):
-    """argparse where every option's default may come from `<env_prefix><FLAG_NAME>`."""
+def comma_list(text: str) -> tuple[str, ...]:
+    """`a, b,,c` -> ("a", "b", "c"): how a tuple field is written as one flag."""
+    return tuple(x.strip() for x in text.split(",") if x.strip())
 
-    def __init__(self, *a, env_prefix: str, **kw):
+
+class EnvArgumentParser(argparse.ArgumentParser):
+    """argparse where every option's default may come from `<env_prefix><FLAG_NAME>` (no environment when
+    `env_prefix` is None: a launcher's flags, which it passes on to services that read their own)."""
+
+    def __init__(self, *a, env_prefix: str | None, **kw):
         kw.setdefault("formatter_class", argparse.ArgumentDefaultsHelpFormatter)
         super().__init__(*a, **kw)
         self.env_prefix = env_prefix
         self.secrets: dict[str, str] = {}  # dest -> the environment variable that alone may set it
         self.process_only: tuple[str, ...] = ()  # dests that configure the process, not the service's config
 
+    @contextlib.contextmanager
+    def process_flags(self) -> Iterator[None]:
+        """Every flag added inside configures the process, not the service: parse_config keeps it out of the
+        config and returns it with the process flags."""
+        before = len(self._actions)
+        try:
+            yield
+        finally:
+            self.process_only += tuple(a.dest for a in self._actions[before:])
+
     def secret_flag(self, name: str, *, file_flag: str, help: str) -> None:
         """A secret (a key) that only the environment may give: on the command line any user of the machine
         could read it (ps, /proc/PID/cmdline), so there it is refused with a pointer to `file_flag`."""
-        env = _env_name(self.env_prefix, name)
+        env = _env_name(self.env_prefix or "", name)
 
         class Refuse(argparse.Action):
             def __call__(self, parser, namespace, values, option_string=None):
@@ -61,73 +99,147 @@ class EnvArgumentParser(argparse.ArgumentParser):
         return ns, rest
 
     def flag(self, name: str, *, type=str, default=None, help: str, choices=None, required: bool = False):
-        env = _env_name(self.env_prefix, name)
+        env = _env_name(self.env_prefix, name) if self.env_prefix is not None else None
+        raw = os.environ.get(env) if env else None
+        help = f"{help} [env {env}]" if env else help
         if type is bool:
-            raw = os.environ.get(env)
             value = _parse_bool(raw) if raw is not None else bool(default)
-            self.add_argument(name, action=argparse.BooleanOptionalAction, default=value, help=f"{help} [env {env}]")
+            self.add_argument(name, action=argparse.BooleanOptionalAction, default=value, help=help)
             return
-        raw = os.environ.get(env)
         if raw is not None:
             try:
                 default = type(raw)
             except ValueError as e:
                 raise SystemExit(f"{env}={raw!r}: {e}") from None
             required = False
-        self.add_argument(
-            name, type=type, default=default, choices=choices, required=required, help=f"{help} [env {env}]"
-        )
+        self.add_argument(name, type=type, default=default, choices=choices, required=required, help=help)
 
 
-def add_config_flags(
-    ap: EnvArgumentParser, defaults: Any, helps: dict[str, str], options: dict[str, dict] | None = None
-) -> None:
-    """A flag per config field that `helps` describes, in its order (`max_sessions`: --max-sessions), with the
-    field's value in `defaults` as its default and that value's type as its own; `options[field]`: more
-    keyword arguments of that flag (choices, a different type)."""
-    options = options or {}
-    for name, help in helps.items():
-        default = getattr(defaults, name)
-        kw = {"type": type(default), "default": default, "help": help, **options.get(name, {})}
-        ap.flag("--" + name.replace("_", "-"), **kw)
+# --- flags declared by config fields ------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Option:
+    """How a config field appears on the command line (`option`)."""
+
+    help: str
+    choices: tuple | None = None
+    type: Callable | None = None  # what parses the flag's text; default: the type of the default
+    flag_default: Any = FIELD_DEFAULT  # the flag's, where it is not the field's (code that builds the config gets that)
+    required: bool = False
 
 
-def add_server_flags(ap: EnvArgumentParser, host: str, port: int) -> None:
-    """Where a model service listens for gRPC, and the torch device its model runs on."""
-    ap.flag("--host", default=host, help="address to listen on (0.0.0.0 for all interfaces)")
-    ap.flag("--port", type=int, default=port, help="gRPC port (0 = any free port, printed at start)")
-    ap.flag("--device", default=None, help="torch device; default cuda when available, else cpu")
+def option(default: Any, help: str, *, choices: Sequence | None = None, type: Callable | None = None,
+           flag_default: Any = FIELD_DEFAULT, required: bool = False) -> Any:  # fmt: skip
+    """A config field that is also a command-line flag (`add_config_flags`): `field = option(4, "what it is")`."""
+    meta = Option(help, tuple(choices) if choices is not None else None, type, flag_default, required)
+    return field(default=default, metadata={FLAG: meta})
 
 
-PROCESS_FLAGS = ("threads", "log_level", "log_format")
+def flag_fields(config: Any) -> list[dataclasses.Field]:
+    """The fields of a config dataclass (or instance) that are flags, in declaration order."""
+    return [f for f in fields(config) if FLAG in f.metadata]
 
 
-def add_process_flags(ap: EnvArgumentParser, metrics_port: int = 9464) -> None:
-    """Flags every service process has: metrics port (its default differs per service, so the services can
-    share a host with their defaults), torch threads, logging."""
-    ap.flag("--metrics-port", type=int, default=metrics_port, help="Prometheus /metrics HTTP port (-1 = off, 0 = any)")
-    ap.flag("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
-    ap.flag("--log-level", default="INFO", help="logging level")
-    ap.flag(
-        "--log-format",
-        default="text",
-        choices=["text", "json"],
-        help="json: one object per line with trace and request ids",
-    )
+def flag_name(field_name: str) -> str:
+    return "--" + field_name.replace("_", "-")
 
 
-def split_process_flags(args: dict) -> dict:
-    """Remove the process flags from parsed args (the rest builds the service's config); return them."""
-    return {k: args.pop(k) for k in PROCESS_FLAGS}
+def flag_default(f: dataclasses.Field) -> Any:
+    opt: Option = f.metadata[FLAG]
+    return f.default if opt.flag_default is FIELD_DEFAULT else opt.flag_default
+
+
+def add_config_flags(ap: EnvArgumentParser, config_type: type) -> None:
+    """A flag for every field of `config_type` that `option` declares, in field order, with the field's
+    default (or the flag's own) and that default's type. A tuple is one comma-separated flag."""
+    for f in flag_fields(config_type):
+        opt: Option = f.metadata[FLAG]
+        default = flag_default(f)
+        parse = opt.type or (comma_list if isinstance(default, tuple) else str if default is None else type(default))
+        if isinstance(default, tuple):
+            default = ",".join(default)  # argparse parses a string default with `parse`, as it will the flag
+        choices = list(opt.choices) if opt.choices is not None else None
+        ap.flag(flag_name(f.name), type=parse, default=default, help=opt.help, choices=choices, required=opt.required)
 
 
 def parse_config(ap: EnvArgumentParser, config_type: Callable[..., ConfigT], argv=None) -> tuple[ConfigT, dict]:
-    """The service's config from every flag but the process flags, and those; a config that refuses its values
-    (ValueError) is a usage error."""
+    """The service's config from every flag but the process flags (`ap.process_only`), and those; a config
+    that refuses its values (ValueError) is a usage error."""
     args = vars(ap.parse_args(argv))
-    process = split_process_flags(args)
-    process.update({k: args.pop(k) for k in ap.process_only if k in args})
+    process = {k: args.pop(k) for k in ap.process_only if k in args}
     try:
         return config_type(**args), process
     except ValueError as e:
         ap.error(str(e))
+
+
+def to_argv(config: Any) -> list[str]:
+    """The flags that give `config` back when parsed: a flag-generated dataclass renders every flag field
+    whose value is not its flag's default (the rest come back as defaults), a mapping of field names to
+    values (some of a config's fields, from a launcher that cannot import the config's class) renders
+    every value but None. Booleans are `--x` / `--no-x`, tuples comma-separated."""
+    if isinstance(config, Mapping):
+        items = [(name, value) for name, value in config.items() if value is not None]
+    else:
+        values = [(f.name, getattr(config, f.name), flag_default(f)) for f in flag_fields(config)]
+        items = [(name, value) for name, value, default in values if value != default]
+    argv: list[str] = []
+    for name, value in items:
+        if value is None:
+            raise ValueError(f"{flag_name(name)}: None cannot be written as a flag (its default is not None)")
+        if isinstance(value, bool):
+            argv.append(flag_name(name) if value else "--no-" + flag_name(name)[2:])
+        elif isinstance(value, (tuple, list)):
+            argv += [flag_name(name), ",".join(map(str, value))]
+        else:
+            argv += [flag_name(name), str(value)]
+    return argv
+
+
+# --- flags that more than one command declares ------------------------------------------------------------
+def host_option(default: str = "127.0.0.1") -> Any:
+    return option(default, "address to listen on (0.0.0.0 for all interfaces)")
+
+
+def grpc_port_option(default: int) -> Any:
+    """A model service's port."""
+    return option(default, "gRPC port (0 = any free port, printed at start)")
+
+
+def device_option() -> Any:
+    return option(None, "torch device; default cuda when available, else cpu", type=str)
+
+
+def metrics_port_option(flag_default: int) -> Any:
+    """A model service's metrics port: off for code that builds its config, `flag_default` on the command
+    line (it differs per service, so that the services can share a host with their defaults)."""
+    return option(-1, "Prometheus /metrics HTTP port (-1 = off, 0 = any)", flag_default=flag_default)
+
+
+@dataclass(frozen=True)
+class Logging:
+    """Every service's logging flags (`specmesh serve` passes its own on to each)."""
+
+    log_level: str = option("INFO", "logging level")
+    log_format: str = option("text", "json: one object per line with trace and request ids", choices=("text", "json"))
+
+
+@dataclass(frozen=True)
+class ServiceProcess(Logging):
+    """The process flags of a model service (draft, verify): logging and torch threads."""
+
+    threads: int = option(0, "torch CPU threads (0 = torch's default)")
+
+
+@dataclass(frozen=True)
+class GatewayListen:
+    """Where the gateway listens: flags of `python -m gateway`, and of `specmesh serve`, which runs one."""
+
+    host: str = host_option()
+    port: int = option(8000, "REST port (OpenAI-compatible API, /health, /metrics)")
+    grpc_port: int = option(50070, "gRPC port (specmesh.v1.GatewayService); -1 = off")
+
+
+def add_service_process_flags(ap: EnvArgumentParser) -> None:
+    """A model service's process flags, kept out of its config."""
+    with ap.process_flags():
+        add_config_flags(ap, ServiceProcess)

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specmesh.config import device_option, grpc_port_option, host_option, metrics_port_option, option
 from specmesh.domain import DraftBlock, Finished, GenerationEvent, Opened, TokenLogprob, Tokens, Verdict
 from specmesh.errors import (
     Aborted,
@@ -27,7 +28,7 @@ from specmesh.errors import (
 )
 from specmesh.models import eos_token_ids, load_model
 from specmesh.rejection import MAX_SPEC_LEN, RejectionInput, RejectionSampler, token_logprobs, validate_block
-from specmesh.runtime.attention import check_attention_backend
+from specmesh.runtime.attention import ATTENTION_BACKENDS, check_attention_backend
 from specmesh.sampling import (
     MAX_LOGPROBS,
     LogitsContext,
@@ -39,7 +40,7 @@ from specmesh.sampling import (
 )
 from specmesh.structured import Grammar, GrammarCompiler
 from specmesh.telemetry import tracer, wall_ns
-from verify_service.runner import RUNNERS, build_runner
+from verify_service.runner import MIN_AUTO_SLOT_TOKENS, RUNNERS, build_runner
 from verify_service.scheduler import Scheduler
 from verify_service.sessions import Session, SessionStore
 
@@ -54,33 +55,88 @@ class Superseded(Aborted):
 
 @dataclass(frozen=True)
 class VerifyConfig:
-    model_path: str = ""
-    host: str = "127.0.0.1"
-    port: int = 50061
-    device: str | None = None  # default: cuda if available, else cpu
-    max_batch_size: int = 32  # blocks per scheduler tick
-    max_sessions: int = 64  # concurrent streams + generate calls; more get RESOURCE_EXHAUSTED
-    kv_cache_budget_mb: float = 2048.0
-    kv_cache_prefault: bool = True  # the batched runner's pool resident from the start (see BatchedRunner)
-    runner: str = "auto"  # auto | batched | hf (see verify_service.runner)
-    attention_backend: str = "auto"  # specmesh.runtime.attention
-    max_model_len: int = 0  # most tokens per session; 0 = the model's, capped to fit max_sessions slots
-    max_batch_tokens: int = 512  # positions one tick's forward may compute (vLLM's max_num_batched_tokens)
-    session_ttl_s: float = 600.0
-    draft_deadline_ms: float = 250.0  # 0 = wait for the draft forever
-    batch_wait_ms: float = 3.0  # a tick waits this long for the other attached sessions' steps ...
-    batch_wait_fraction: float = 0.5  # ... or this fraction of a recent pass's time, if longer
-    max_spec_len: int = 16  # most draft tokens per block
-    sampler_backend: str = "auto"
-    seed: int | None = None  # the shared random stream of unseeded requests
-    grace_period_s: float = 10.0
-    prefill_chunk_tokens: int = 512  # prompt tokens one session prefills per forward (0 = no own limit)
+    """The verify service's settings; each field declared with `option` is also its flag (`python -m
+    verify_service --help`)."""
+
+    model_path: str = option("", "local HF checkpoint directory of the target model", required=True, flag_default=None)
+    host: str = host_option()
+    port: int = grpc_port_option(50061)
+    device: str | None = device_option()
+    max_batch_size: int = option(32, "most draft blocks (sessions) verified in one batched target forward")
+    max_sessions: int = option(64, "concurrent session streams and generate calls; more get RESOURCE_EXHAUSTED")
+    kv_cache_budget_mb: float = option(
+        2048.0,
+        "KV cache memory for all sessions (the batched runner allocates it as slots at start); idle sessions are "
+        "evicted LRU when a new one does not fit",
+    )
+    kv_cache_prefault: bool = option(
+        True,
+        "write the batched runner's whole KV pool at start, so the process's memory is resident from the start "
+        "and stays flat under load (--no-kv-cache-prefault: pages are taken as slots first fill them)",
+    )
+    runner: str = option(
+        "auto",
+        "target runtime: batched = one ragged forward over a KV slot pool (Llama family), hf = the stock HF "
+        "forward (any causal LM), auto = batched when the model and budget allow it",
+        choices=RUNNERS,
+    )
+    attention_backend: str = option(
+        "auto",
+        "SDPA kernels the runtime may use: auto = all but cuDNN on CUDA (cuDNN builds a plan per new sequence "
+        "length, which a decode meets every forward), torch's own choice elsewhere; default = torch's own "
+        "choice; no-cudnn; math (reference, slow)",
+        choices=ATTENTION_BACKENDS,
+    )
+    max_model_len: int = option(
+        0,
+        "most tokens per session (prompt + max_tokens) = a KV slot's length; 0 = the model's context, capped so "
+        "that the budget holds --max-sessions slots (auto falls back to hf when that leaves fewer than "
+        f"{MIN_AUTO_SLOT_TOKENS} tokens)",
+    )
+    max_batch_tokens: int = option(  # vLLM's max_num_batched_tokens
+        512,
+        "positions one scheduler tick's forward may compute: its draft blocks first, then prefill chunks of "
+        "sessions being opened (batched runner)",
+    )
+    session_ttl_s: float = option(600.0, "idle sessions are evicted after this")
+    draft_deadline_ms: float = option(
+        250.0, "past this wait for a draft block, take a target-only step instead (0 = never)"
+    )
+    batch_wait_ms: float = option(
+        3.0, "a batch waits up to this long for the other active sessions' blocks (0 = start at once) ..."
+    )
+    batch_wait_fraction: float = option(
+        0.5,
+        "... or up to this fraction of a recent batch's time, if longer: under speculation the other sessions' "
+        "blocks come only after their drafts, and one full batch costs less than two halves",
+    )
+    max_spec_len: int = option(16, f"most draft tokens one block may carry (<= {MAX_SPEC_LEN})")
+    sampler_backend: str = option(
+        "auto", "rejection sampler: triton on CUDA, torch on CPU when auto", choices=("auto", "torch", "triton")
+    )
+    seed: int | None = option(None, "seed of the shared random stream (unseeded requests)", type=int)
+    grace_period_s: float = option(10.0, "on SIGTERM, in-flight sessions get this long to finish")
+    prefill_chunk_tokens: int = option(
+        512,
+        "most prompt tokens one session prefills per forward, so a long prompt does not stall the others' blocks "
+        "(0 = no limit of its own: the tick's budget, or the whole prompt with hf)",
+    )
     attached_wait_s: float = 5.0  # a new turn waits this long for the session's previous stream to end
-    # Hard bounds against clients that open and never stream, or stream and go silent (0 = no bound):
-    attach_timeout_s: float = 30.0  # an opened turn no stream attaches to within this is released
-    stream_idle_timeout_s: float = 60.0  # a Verify stream whose client sends nothing for this is closed
-    max_cached_sessions: int = 0  # sessions held, idle ones included; 0 = the slot count (hf: 4 x max_sessions)
-    metrics_port: int = -1  # Prometheus /metrics over HTTP; -1 = not served (the CLI defaults to 9464)
+    # Hard bounds against clients that open sessions and never stream, or stream and go silent.
+    attach_timeout_s: float = option(
+        30.0, "an opened session that no Verify stream attaches to within this is released (0 = never)"
+    )
+    stream_idle_timeout_s: float = option(
+        60.0,
+        "a Verify stream whose client sends nothing for this is closed with DEADLINE_EXCEEDED and its session "
+        "released (0 = never); unlike --draft-deadline-ms, which only takes target-only steps",
+    )
+    max_cached_sessions: int = option(
+        0,
+        "sessions held, idle cached ones included (LRU-evicted beyond it, RESOURCE_EXHAUSTED when all are in "
+        "use); 0 = the KV slot count (hf runner: 4 x --max-sessions)",
+    )
+    metrics_port: int = metrics_port_option(9464)
 
     def __post_init__(self):
         if not 1 <= self.max_spec_len <= MAX_SPEC_LEN:
