@@ -33,9 +33,13 @@ class RunnerSequence(Protocol):
     token_ids: list[int]  # committed ids (a caller may append assumed or drafted ones before a forward)
     cached_ids: list[int]  # ids whose KV the sequence's cache holds, in order
 
-    def commit(self, tokens: list[int]) -> None: ...
+    def commit(self, tokens: list[int]) -> None:
+        """Append accepted `tokens` to `token_ids` (the cache catches up at the next forward)."""
+        ...
 
-    def reset_tokens(self, token_ids: list[int]) -> None: ...
+    def reset_tokens(self, token_ids: list[int]) -> None:
+        """Replace the committed tokens (a new turn); the cache keeps whatever prefix still matches."""
+        ...
 
 
 # A runner takes only the sequences it made (their caches are its own kind): the type parameter says which.
@@ -86,8 +90,8 @@ class KvAccount(Protocol[SeqT_contra]):
 
 @runtime_checkable
 class Runner(Protocol[SeqT]):
-    model: PreTrainedModel
-    device: torch.device
+    model: PreTrainedModel  # the HF model whose weights the runner serves (its config, a plain forward)
+    device: torch.device  # where its weights, caches and returned logits live
     vocab_size: int  # V: the lm_head's rows (may exceed the tokenizer's)
     prefix_tokens_reused: int  # tokens whose KV was found in a cache instead of recomputed, ever
     # Whether `step` computes its prefill chunks inside its one pass with the decode blocks (so a scheduler
