@@ -3,25 +3,24 @@ draft while it serves, new weights swap in during the run, and the output law st
 
 from concurrent.futures import ThreadPoolExecutor
 
-import torch
-
 from specmesh.v1 import common_pb2, draft_pb2
-from tests.support.models import noisy_copy, tiny_model
-from tests.support.services import draft_stub, generate, start_draft, start_verify
+from tests.support.laws import (
+    LAW_PROMPT,
+    first_two_counts,
+    law_target,
+    pooled_chisquare,
+    sampling_services,
+    two_token_law,
+)
+from tests.support.services import draft_stub, generate
 
 
 def test_sampled_law_holds_while_the_draft_learns_and_its_weights_swap(tmp_path):
-    from scipy.stats import chisquare
-
-    vocab = 8
-    target = tiny_model("llama", vocab=vocab, hidden=32, seed=21, init_range=0.5)
-    verify = start_verify(target)
-    draft = start_draft(
-        noisy_copy(target, 0.5, seed=3),
-        verify.address,
-        draft_topk=4,
-        adaptive=False,
-        speculative_num_steps=2,
+    target = law_target()
+    verify, draft = sampling_services(
+        target,
+        0.5,
+        steps=2,
         online_distill=True,
         online_distill_dir=str(tmp_path),
         online_distill_cpu_share=1.0,
@@ -30,12 +29,8 @@ def test_sampled_law_holds_while_the_draft_learns_and_its_weights_swap(tmp_path)
         online_distill_rollback_window=200,
     )
     online = draft.server.engine.online
-    prompt = [1, 2, 3]
-    with torch.inference_mode():
-        dist = lambda ids: torch.softmax(target(input_ids=torch.tensor([ids])).logits[0, -1], -1).double()
-        p1 = dist(prompt)
-        p2 = torch.stack([dist(prompt + [a]) for a in range(vocab)])
-        joint = p1[:, None] * p2
+    prompt = LAW_PROMPT
+    _, joint = two_token_law(target, prompt)
     params = common_pb2.SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True)
     asked = common_pb2.SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True, logprobs=2)
     n = 2000
@@ -61,11 +56,4 @@ def test_sampled_law_holds_while_the_draft_learns_and_its_weights_swap(tmp_path)
             assert len(logprobs) == 3 and all(len(lp.top_ids) == 2 for lp in logprobs)
         else:
             assert logprobs == []
-    c12 = torch.zeros(vocab * vocab, dtype=torch.float64)
-    for tokens, _ in runs:
-        c12[tokens[0] * vocab + tokens[1]] += 1
-    law = joint.reshape(-1)
-    big = law * n >= 5  # pool the rare cells: chi-square needs expected counts >= 5
-    obs = torch.cat([c12[big], c12[~big].sum()[None]]) if (~big).any() else c12
-    exp = (torch.cat([law[big], law[~big].sum()[None]]) if (~big).any() else law) * n
-    assert chisquare(obs.numpy(), (exp / exp.sum() * n).numpy()).pvalue > 1e-3
+    assert pooled_chisquare(first_two_counts(runs), joint, n) > 1e-3

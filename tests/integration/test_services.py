@@ -10,6 +10,16 @@ import torch
 from specmesh.engine import SpeculativeEngine
 from specmesh.sampling import SamplingParams
 from specmesh.v1 import common_pb2, draft_pb2, verify_pb2
+from tests.support.laws import (
+    LAW_PROMPT,
+    LAW_VOCAB,
+    first_two_counts,
+    law_target,
+    next_token_law,
+    pooled_chisquare,
+    sampling_services,
+    two_token_law,
+)
 from tests.support.models import noisy_copy, tiny_model
 from tests.support.services import draft_stub, generate, start_draft, start_verify, verify_stub
 from verify_service.engine import BlockIn
@@ -155,21 +165,11 @@ def test_session_turns_reuse_the_kv_cache(stack, target):
 
 def test_sampled_output_is_the_target_distribution():
     """Through both services, pipelining on: the joint law of tokens 1-2 and the law of token 3."""
-    from scipy.stats import chisquare
-
-    vocab = 8
-    target = tiny_model("llama", vocab=vocab, hidden=32, seed=21, init_range=0.5)
-    verify = start_verify(target)
-    draft = start_draft(
-        noisy_copy(target, 0.5, seed=3), verify.address, draft_topk=4, adaptive=False, speculative_num_steps=1
-    )
-    prompt = [1, 2, 3]
-    with torch.inference_mode():
-        dist = lambda ids: torch.softmax(target(input_ids=torch.tensor([ids])).logits[0, -1], -1).double()
-        p1 = dist(prompt)
-        p2 = torch.stack([dist(prompt + [a]) for a in range(vocab)])
-        joint = p1[:, None] * p2
-        p3 = sum(joint[a, b] * dist(prompt + [a, b]) for a in range(vocab) for b in range(vocab))
+    vocab, prompt = LAW_VOCAB, LAW_PROMPT
+    target = law_target()
+    verify, draft = sampling_services(target, 0.5, steps=1)
+    _, joint = two_token_law(target, prompt)
+    p3 = sum(joint[a, b] * next_token_law(target, prompt + [a, b]) for a in range(vocab) for b in range(vocab))
     params = common_pb2.SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True)
     n = 2000
     stub = draft_stub(draft)
@@ -180,25 +180,15 @@ def test_sampled_output_is_the_target_distribution():
     finally:
         draft.stop()
         verify.stop()
-    c12 = torch.zeros(vocab * vocab, dtype=torch.float64)
     c3 = torch.zeros(vocab, dtype=torch.float64)
     for tokens, _ in runs:
-        c12[tokens[0] * vocab + tokens[1]] += 1
         c3[tokens[2]] += 1
     accepted = sum(chunks[-1].finished.stats.accepted for _, chunks in runs)
     drafted = sum(chunks[-1].finished.stats.drafted for _, chunks in runs)
     assert 0.2 < accepted / drafted < 0.95
     assert info.pipelined_blocks_used > 0  # the pipelined path was exercised by the law under test
-
-    def pval(counts, law):
-        law = law.reshape(-1)
-        big = law * n >= 5  # pool the rare cells: chi-square needs expected counts >= 5
-        obs = torch.cat([counts[big], counts[~big].sum()[None]]) if (~big).any() else counts
-        exp = (torch.cat([law[big], law[~big].sum()[None]]) if (~big).any() else law) * n
-        return chisquare(obs.numpy(), (exp / exp.sum() * n).numpy()).pvalue
-
-    assert pval(c12, joint) > 1e-3
-    assert pval(c3, p3) > 1e-3
+    assert pooled_chisquare(first_two_counts(runs), joint, n) > 1e-3
+    assert pooled_chisquare(c3, p3, n) > 1e-3
 
 
 def test_seeded_sampling_replays_through_the_pair(stack):

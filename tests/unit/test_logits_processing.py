@@ -3,7 +3,6 @@ and raw log-probabilities: equal to transformers' own processors, lossless throu
 
 import pytest
 import torch
-from scipy.stats import chisquare
 from transformers import (
     MinNewTokensLengthLogitsProcessor,
     MinPLogitsWarper,
@@ -20,6 +19,7 @@ from specmesh.sampling import (
     apply_context_processing,
     process_logits,
 )
+from tests.support.laws import assert_first_two_tokens_law
 from tests.support.models import noisy_copy, tiny_model
 
 V = 16
@@ -136,7 +136,6 @@ def test_speculation_samples_the_processed_target_law(n: int = 30_000):
     q_ids = torch.arange(vocab).expand(2, vocab)
     blocks = [RejectionInput.of(d, PROCESSED, q_ids, q, context=ctx) for d in drafts]
     out = RejectionSampler("torch", seed=5)(logits.repeat(n, 1), blocks)
-    first, second = out.output_token_ids[:, 0], out.output_token_ids[:, 1]
 
     def law(row, committed):
         c = LogitsContext(committed, start, (), frozenset())
@@ -146,22 +145,9 @@ def test_speculation_samples_the_processed_target_law(n: int = 30_000):
     p0 = law(0, tokens)
     assert p0[3] == 0 and p0[6] == 0 and p0[7] == 0  # banned by bad_words, and by min_tokens (7 is a stop)
     # Joint law of (first, second) over the trials whose first token was accepted (second is then emitted
-    # from row 1, under the context + first); the first token alone over every trial.
-    # Over the trials that accepted x_1 = a (probability min(p0, q0)(a)), the token emitted at position 1 is
-    # drawn from row 1 processed under the context + a: the joint law is min(p0, q0)(a) p1(b | a).
-    reached = torch.tensor(out.num_accepted) >= 1
-    cells = first[reached] * vocab + second[reached]
-    counts = torch.bincount(cells, minlength=vocab * vocab).double()
-    accepted_law = torch.minimum(p0, q[0].double())
-    expected = torch.stack([accepted_law[a] * law(1, tokens + [a]) for a in range(vocab)]).reshape(-1)
-    assert counts[expected == 0].sum() == 0
-    big = expected * counts.sum() / expected.sum() >= 5
-    exp = expected[big] / expected[big].sum() * counts[big].sum()
-    assert chisquare(counts[big].numpy(), exp.numpy()).pvalue > 1e-3
-    c0 = torch.bincount(first, minlength=vocab).double()
-    assert c0[p0 == 0].sum() == 0
-    support = p0 > 0
-    assert chisquare(c0[support].numpy(), (p0[support] / p0[support].sum() * n).numpy()).pvalue > 1e-3
+    # from row 1, processed under the context + first): min(p0, q0)(a) p1(b | a); the first token alone
+    # over every trial.
+    c0 = assert_first_two_tokens_law(out, p0, q[0], lambda a: law(1, tokens + [a]))
     assert 0.5 * (c0 / n - p0).abs().sum() < 0.01
 
 

@@ -6,7 +6,6 @@ import json
 import llguidance
 import pytest
 import torch
-from scipy.stats import chisquare
 
 from specmesh.errors import InvalidArgument
 from specmesh.rejection import RejectionInput, RejectionSampler
@@ -20,6 +19,7 @@ from specmesh.sampling import (
     process_logits,
 )
 from specmesh.structured import GrammarCompiler, grammar_text
+from tests.support.laws import assert_first_two_tokens_law
 
 TOKENS = [b"<eos>", b"a", b"b", b"c", b"ab", b"ba", b"{", b"}"]
 V = len(TOKENS)
@@ -112,7 +112,6 @@ def test_speculation_samples_the_masked_target_law(compiler, n: int = 20_000, br
         logits = logits.masked_fill(~mask0, float("-inf"))
     blocks = [RejectionInput.of(d, PARAMS, q_ids, q, context=ctx) for d in drafts]
     out = RejectionSampler("torch", seed=5)(logits.repeat(n, 1), blocks)
-    first, second = out.output_token_ids[:, 0], out.output_token_ids[:, 1]
 
     def law(row, committed):
         fresh = compiler.grammar(REGEX)
@@ -122,19 +121,7 @@ def test_speculation_samples_the_masked_target_law(compiler, n: int = 20_000, br
 
     p0 = law(0, tokens)
     assert p0[[0, 3, 6, 7]].sum() == 0  # the grammar's first token is a, b, ab or ba
-    reached = torch.tensor(out.num_accepted) >= 1
-    cells = first[reached] * V + second[reached]
-    counts = torch.bincount(cells, minlength=V * V).double()
-    accepted_law = torch.minimum(p0, q[0].double())
-    expected = torch.stack([accepted_law[a] * law(1, tokens + [a]) for a in range(V)]).reshape(-1)
-    assert counts[expected == 0].sum() == 0
-    big = expected * counts.sum() / expected.sum() >= 5
-    exp = expected[big] / expected[big].sum() * counts[big].sum()
-    assert chisquare(counts[big].numpy(), exp.numpy()).pvalue > 1e-3
-    c0 = torch.bincount(first, minlength=V).double()
-    support = p0 > 0
-    assert c0[~support].sum() == 0
-    assert chisquare(c0[support].numpy(), (p0[support] / p0[support].sum() * n).numpy()).pvalue > 1e-3
+    assert_first_two_tokens_law(out, p0, q[0], lambda a: law(1, tokens + [a]))
 
 
 def test_a_mask_that_ignores_the_drafts_fails_the_same_check(compiler):
