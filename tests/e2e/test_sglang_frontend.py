@@ -9,16 +9,11 @@ import subprocess
 from pathlib import Path
 
 import pytest
-import torch
-from transformers import AutoTokenizer
 
-from specmesh.engine import SpeculativeEngine
-from specmesh.sampling import SamplingParams
 from tests.support import sglang_env
-from tests.support.models import noisy_copy, tiny_model
-from tests.support.services import GatewayServer, start_draft, start_verify
+from tests.support.models import ROOT, demo_target, demo_tokenizer, greedy_decoder, target_log_softmax
+from tests.support.services import speculative_gateway
 
-ROOT = Path(__file__).resolve().parents[2]
 CLIENT = ROOT / "tests" / "support" / "sglang_frontend_client.py"
 
 
@@ -43,20 +38,14 @@ def test_sglang_frontend_runs_unchanged_against_the_gateway(side_python):
         text=True,
         cwd=ROOT,
     )
-    tokenizer = AutoTokenizer.from_pretrained(ROOT / "models" / "demo" / "target")
-    target = tiny_model("llama", vocab=len(tokenizer), seed=31)
+    tokenizer = demo_tokenizer()
     # The tokenizer's EOS is the model's, as in a real checkpoint: a grammar's end is that (special) token.
-    target.config.eos_token_id = target.generation_config.eos_token_id = tokenizer.eos_token_id
-    verify = start_verify(target, tokenizer)
-    draft = start_draft(noisy_copy(target, 0.03), verify.address)
-    gw = GatewayServer([verify.address], [draft.address], tokenizer)
-    try:
-        stdout, stderr = client.communicate(gw.base_url + "\n", timeout=300)
-    finally:
-        client.kill()
-        gw.stop()
-        draft.stop()
-        verify.stop()
+    target = demo_target(tokenizer, tokenizer_eos=True)
+    with speculative_gateway(target, tokenizer) as gw:
+        try:
+            stdout, stderr = client.communicate(gw.base_url + "\n", timeout=300)
+        finally:
+            client.kill()
     assert client.returncode == 0, f"the sglang frontend program failed:\n{stderr[-4000:]}"
     out = json.loads(stdout.strip().splitlines()[-1])
     assert out["model"] == "demo"
@@ -66,8 +55,7 @@ def test_sglang_frontend_runs_unchanged_against_the_gateway(side_python):
     assert out["text"].endswith(answer + "\n") and "USER:" in out["text"]
     prompt = out["text"][: -len(answer) - 1]
     ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-    engine = SpeculativeEngine.from_models(target, tokenizer=tokenizer)
-    want = engine.generate(ids, SamplingParams(temperature=0.0, max_tokens=12), 0)
+    want = greedy_decoder(target, tokenizer)(ids, 12)
     assert answer == want.text and answer
     meta = out["answer_meta"]
     assert meta["completion_tokens"] == len(want.token_ids) and meta["prompt_tokens"] == len(ids)
@@ -86,8 +74,7 @@ def test_sglang_frontend_runs_unchanged_against_the_gateway(side_python):
     means = []
     for choice, entries in zip(sel["choices"], scores["input_token_logprobs"]):
         full = tokenizer(sel["prefix"] + choice, add_special_tokens=False)["input_ids"]
-        with torch.inference_mode():
-            ref = torch.log_softmax(target(torch.tensor([full])).logits[0].float(), dim=-1)
+        ref = target_log_softmax(target, full)
         skip = len(full) - len(entries)
         assert skip >= 1 and [e[1] for e in entries] == full[skip:]
         for j, (lp, tid, _) in enumerate(entries):

@@ -2,69 +2,17 @@
 
 import asyncio
 import json
-import urllib.error
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import grpc
 import openai
 import pytest
-from transformers import AutoTokenizer
 
-from specmesh.engine import SpeculativeEngine
 from specmesh.sampling import SamplingParams
 from specmesh.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
-from tests.support.models import noisy_copy, tiny_model
+from tests.support.models import noisy_copy
+from tests.support.rest import greedy_stream, http, stream_with_usage
 from tests.support.services import GatewayServer, start_draft, start_verify
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-class Reply:
-    def __init__(self, status, body):
-        self.status_code, self._body = status, body
-
-    def json(self):
-        return json.loads(self._body)
-
-
-def http(method, url, body: bytes | None = None, json_body=None) -> Reply:
-    """A plain HTTP call (stdlib only), for requests the openai client would never send."""
-    if json_body is not None:
-        body = json.dumps(json_body).encode()
-    req = urllib.request.Request(url, data=body, method=method, headers={"content-type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=60) as r:
-            return Reply(r.status, r.read())
-    except urllib.error.HTTPError as e:
-        return Reply(e.code, e.read())
-
-
-def streamed_with_usage(create, **kw) -> list:
-    """Every chunk of a streamed completion or chat reply that asks for usage (in its last chunk)."""
-    return list(create(stream=True, stream_options={"include_usage": True}, **kw))
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return AutoTokenizer.from_pretrained(ROOT / "models" / "demo" / "target")
-
-
-@pytest.fixture(scope="module")
-def target(tokenizer):
-    return tiny_model("llama", vocab=len(tokenizer), seed=31)
-
-
-@pytest.fixture(scope="module")
-def reference(target, tokenizer):
-    engine = SpeculativeEngine.from_models(target, tokenizer=tokenizer)
-
-    def run(prompt_ids, max_tokens=24, **kw):
-        r = engine.generate(prompt_ids, SamplingParams(temperature=0.0, max_tokens=max_tokens, **kw), 0)
-        return r.token_ids, r.text, r.finish_reason
-
-    return run
 
 
 @pytest.fixture(scope="module")
@@ -81,41 +29,41 @@ def stack(target, tokenizer):
 
 @pytest.fixture
 def client(stack):
-    return openai.OpenAI(base_url=stack[0].base_url + "/v1", api_key="unused", max_retries=0)
+    return stack[0].openai()
 
 
-def test_completions(client, tokenizer, reference):
+def test_completions(client, tokenizer, greedy):
     prompt = "def parse(text):\n"
     ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-    want_ids, want_text, _ = reference(ids)
+    want = greedy(ids, 24)
     r = client.completions.create(model="demo", prompt=prompt, max_tokens=24, temperature=0)
-    assert r.object == "text_completion" and r.choices[0].text == want_text
+    assert r.object == "text_completion" and r.choices[0].text == want.text
     assert r.choices[0].finish_reason == "length"
-    assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == len(want_ids) == 24
+    assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == len(want.token_ids) == 24
     spec = r.model_extra["specmesh"]
     assert spec["drafted"] > 0 and 0 <= spec["acceptance_rate"] <= 1 and spec["mean_accepted_length"] >= 1
     # token ids as the prompt
     r2 = client.completions.create(model="demo", prompt=ids, max_tokens=24, temperature=0)
-    assert r2.choices[0].text == want_text
+    assert r2.choices[0].text == want.text
 
 
-def test_completions_stream_with_usage(client, tokenizer, reference):
+def test_completions_stream_with_usage(client, tokenizer, greedy):
     prompt = "import os\n"
     ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-    want_ids, want_text, _ = reference(ids, 30)
-    chunks = streamed_with_usage(client.completions.create, model="demo", prompt=prompt, max_tokens=30, temperature=0)
-    assert "".join(c.choices[0].text for c in chunks if c.choices) == want_text
+    want = greedy(ids, 30)
+    chunks = list(greedy_stream(client, prompt, 30))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == want.text
     finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
     assert finishes[-1] == "length" and all(f is None for f in finishes[:-1])
-    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(want_ids)
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(want.token_ids)
     assert all(c.usage is None for c in chunks[:-1])
 
 
-def test_chat_plain_and_streaming(stack, client, reference):
+def test_chat_plain_and_streaming(stack, client, greedy):
     gw = stack[0]
     messages = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "A loop, please."}]
     ids = gw.gateway.chat_prompt(messages)
-    _, want_text, _ = reference(ids, 20)
+    want_text = greedy(ids, 20).text
     r = client.chat.completions.create(model="demo", messages=messages, max_tokens=20, temperature=0)
     assert r.object == "chat.completion" and r.choices[0].message.role == "assistant"
     assert r.choices[0].message.content == want_text
@@ -128,10 +76,10 @@ def test_chat_plain_and_streaming(stack, client, reference):
     assert chunks[-1].choices[0].finish_reason == "length"
 
 
-def test_stop_string_ends_text_before_it(client, tokenizer, reference):
+def test_stop_string_ends_text_before_it(client, tokenizer, greedy):
     prompt = "class A:\n"
     ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-    _, full, _ = reference(ids, 40)
+    full = greedy(ids, 40).text
     stop = full[len(full) // 2 : len(full) // 2 + 2]
     assert stop
     r = client.completions.create(model="demo", prompt=prompt, max_tokens=40, temperature=0, stop=[stop])
@@ -239,10 +187,10 @@ def test_api_keys_and_overload(stack, tokenizer):
         [verifies[0].address], [draft.address], tokenizer, api_keys=("sk-good",), max_concurrency=1, max_queue=0
     )
     try:
-        bad = openai.OpenAI(base_url=gw.base_url + "/v1", api_key="sk-bad", max_retries=0)
+        bad = gw.openai("sk-bad")
         with pytest.raises(openai.AuthenticationError):
             bad.models.list()
-        good = openai.OpenAI(base_url=gw.base_url + "/v1", api_key="sk-good", max_retries=0)
+        good = gw.openai("sk-good")
         stream = good.completions.create(
             model="demo", prompt="def f():", max_tokens=400, temperature=0, stream=True, extra_body={"ignore_eos": True}
         )
@@ -262,19 +210,19 @@ def test_api_keys_and_overload(stack, tokenizer):
         gw.stop()
 
 
-def test_grpc_front_unary_and_streaming(stack, tokenizer, reference):
+def test_grpc_front_unary_and_streaming(stack, tokenizer, greedy):
     gw = stack[0]
     stub = gateway_pb2_grpc.GatewayServiceStub(grpc.insecure_channel(gw.grpc_address))
     prompt = "for i in range(10):\n"
     ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-    want_ids, want_text, _ = reference(ids, 16)
+    want = greedy(ids, 16)
     params = common_pb2.SamplingParams(temperature=0.0, max_tokens=16)
     r = stub.Generate(gateway_pb2.GatewayServiceGenerateRequest(prompt=prompt, params=params))
-    assert r.text == want_text and list(r.token_ids) == want_ids
+    assert r.text == want.text and list(r.token_ids) == want.token_ids
     assert r.finish_reason == common_pb2.FINISH_REASON_LENGTH and r.usage.completion_tokens == 16
     chunks = list(stub.GenerateStream(gateway_pb2.GatewayServiceGenerateStreamRequest(prompt_ids=ids, params=params)))
     assert all(c.HasField("delta") for c in chunks[:-1]) and chunks[-1].HasField("finished")
-    assert "".join(c.delta.text + c.finished.text for c in chunks) == want_text
+    assert "".join(c.delta.text + c.finished.text for c in chunks) == want.text
     assert chunks[-1].finished.finish_reason == common_pb2.FINISH_REASON_LENGTH
     assert chunks[-1].finished.usage.completion_tokens == 16
     with pytest.raises(grpc.RpcError) as e:
@@ -285,25 +233,27 @@ def test_grpc_front_unary_and_streaming(stack, tokenizer, reference):
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
 
-def test_num_speculative_tokens_zero_is_target_only_unset_speculates(stack, client, tokenizer, reference):
+def test_num_speculative_tokens_zero_is_target_only_unset_speculates(stack, client, tokenizer, greedy):
     gw = stack[0]
     prompt = "while True:\n"
     ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-    _, want_text, _ = reference(ids, 20)
+    want_text = greedy(ids, 20).text
     r = client.completions.create(
         model="demo", prompt=prompt, max_tokens=20, temperature=0, extra_body={"num_speculative_tokens": 0}
     )
     spec = r.model_extra["specmesh"]
     assert r.choices[0].text == want_text and spec["drafted"] == 0 and spec["rounds"] == 0 and spec["target_only"]
     messages = [{"role": "user", "content": "A loop, please."}]
-    _, want_chat, _ = reference(gw.gateway.chat_prompt(messages), 12)
-    chunks = streamed_with_usage(
-        client.chat.completions.create,
-        model="demo",
-        messages=messages,
-        max_tokens=12,
-        temperature=0,
-        extra_body={"num_speculative_tokens": 0},
+    want_chat = greedy(gw.gateway.chat_prompt(messages), 12).text
+    chunks = list(
+        stream_with_usage(
+            client.chat.completions.create,
+            model="demo",
+            messages=messages,
+            max_tokens=12,
+            temperature=0,
+            extra_body={"num_speculative_tokens": 0},
+        )
     )
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want_chat
     assert chunks[-1].model_extra["specmesh"]["drafted"] == 0 and chunks[-1].model_extra["specmesh"]["target_only"]
@@ -315,7 +265,7 @@ def test_num_speculative_tokens_zero_is_target_only_unset_speculates(stack, clie
     assert len(spec["acceptance_per_pos"]) == 1  # K max 1
 
 
-def test_speculation_turns_off_past_the_batch_size(stack, tokenizer, reference):
+def test_speculation_turns_off_past_the_batch_size(stack, tokenizer, greedy):
     """--speculative-disable-by-batch-size 1 over two verify replicas: a request admitted while more than
     two generations are in flight decodes target-only (same tokens), one that sets K still speculates, and
     the first of a burst always speculates."""
@@ -324,8 +274,8 @@ def test_speculation_turns_off_past_the_batch_size(stack, tokenizer, reference):
     try:
         prompt = "for item in items:\n"
         ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-        _, want_text, _ = reference(ids, 32)
-        client = openai.OpenAI(base_url=gw.base_url + "/v1", api_key="unused", max_retries=0)
+        want_text = greedy(ids, 32).text
+        client = gw.openai()
 
         def one(extra):
             r = client.completions.create(model="demo", prompt=prompt, max_tokens=32, temperature=0, extra_body=extra)
@@ -343,18 +293,18 @@ def test_speculation_turns_off_past_the_batch_size(stack, tokenizer, reference):
         gw.stop()
 
 
-def test_grpc_front_num_speculative_tokens(stack, tokenizer, reference):
+def test_grpc_front_num_speculative_tokens(stack, tokenizer, greedy):
     stub = gateway_pb2_grpc.GatewayServiceStub(grpc.insecure_channel(stack[0].grpc_address))
     ids = tokenizer("if x:\n", add_special_tokens=False)["input_ids"]
-    want_ids, want_text, _ = reference(ids, 16)
+    want = greedy(ids, 16)
     params = common_pb2.SamplingParams(temperature=0.0, max_tokens=16)
     r = stub.Generate(
         gateway_pb2.GatewayServiceGenerateRequest(prompt_ids=ids, params=params, num_speculative_tokens=0)
     )
-    assert list(r.token_ids) == want_ids and r.text == want_text
+    assert list(r.token_ids) == want.token_ids and r.text == want.text
     assert r.target_only and r.stats.drafted == 0
     r = stub.Generate(gateway_pb2.GatewayServiceGenerateRequest(prompt_ids=ids, params=params))
-    assert list(r.token_ids) == want_ids and not r.target_only and r.stats.drafted > 0
+    assert list(r.token_ids) == want.token_ids and not r.target_only and r.stats.drafted > 0
     request = gateway_pb2.GatewayServiceGenerateStreamRequest(prompt_ids=ids, params=params, num_speculative_tokens=0)
     last = list(stub.GenerateStream(request))[-1].finished
     assert last.target_only and last.stats.drafted == 0 and last.usage.completion_tokens == 16
@@ -371,7 +321,7 @@ def test_an_error_mid_stream_is_an_event_with_its_code(target, tokenizer):
     verify = start_verify(target, tokenizer)
     gw = GatewayServer([verify.address], [], tokenizer)
     try:
-        client = openai.OpenAI(base_url=gw.base_url + "/v1", api_key="unused", max_retries=0)
+        client = gw.openai()
         stream = client.completions.create(
             model="demo", prompt="x", max_tokens=1000, temperature=0, stream=True, extra_body={"ignore_eos": True}
         )
@@ -387,7 +337,7 @@ def test_an_error_mid_stream_is_an_event_with_its_code(target, tokenizer):
         verify.stop()
 
 
-def test_session_sticks_to_its_replica_and_reuses_kv(stack, client, reference):
+def test_session_sticks_to_its_replica_and_reuses_kv(stack, client, greedy):
     gw = stack[0]
     messages = [{"role": "user", "content": "Write a function."}]
     first = client.chat.completions.create(
@@ -403,7 +353,7 @@ def test_session_sticks_to_its_replica_and_reuses_kv(stack, client, reference):
     )
     assert second.model_extra["specmesh"]["verify_replica"] == replica
     assert second.usage.prompt_tokens_details.cached_tokens > 0  # the earlier turn's KV was reused
-    _, want_text, _ = reference(gw.gateway.chat_prompt(messages), 12)
+    want_text = greedy(gw.gateway.chat_prompt(messages), 12).text
     assert second.choices[0].message.content == want_text
 
 

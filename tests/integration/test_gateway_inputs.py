@@ -11,25 +11,17 @@ import os
 import random
 import socket
 import time
-from pathlib import Path
 
 import grpc
 import pytest
-from transformers import AutoTokenizer
 
 from gateway.openai.body import DRAIN_BYTES
 from specmesh.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
-from tests.support.models import tiny_model
+from tests.support.models import demo_target
 from tests.support.services import GatewayServer, start_verify
 
-ROOT = Path(__file__).resolve().parents[2]
 MAX_BODY = 256 << 10
 FUZZ_REQUESTS = int(os.environ.get("SPECMESH_FUZZ_REQUESTS", "1000"))
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return AutoTokenizer.from_pretrained(ROOT / "models" / "demo" / "target")
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +29,7 @@ def gw(tokenizer):
     # Target-only (no draft replica) and small caps: a request the fuzzer makes valid by chance is quick.
     # The replica never leaves the pool (a 503 here would be a loaded machine's missed health checks, not
     # the input's doing).
-    verify = start_verify(tiny_model("llama", vocab=len(tokenizer), seed=5), tokenizer)
+    verify = start_verify(demo_target(tokenizer, seed=5), tokenizer)
     gw = GatewayServer(
         [verify.address],
         [],

@@ -1,62 +1,34 @@
 """The REST front's log-probabilities, echo, n > 1, lists of prompts and vLLM's sampling extras, through real
 services with the official openai client."""
 
-from pathlib import Path
-
 import grpc
 import openai
 import pytest
 import torch
-from transformers import AutoTokenizer
 
 from specmesh import wire
-from specmesh.engine import SpeculativeEngine
 from specmesh.sampling import SamplingParams
 from specmesh.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
-from tests.support.models import noisy_copy, tiny_model
-from tests.support.services import speculative_gateway, start_draft, start_verify
+from tests.support.laws import LAW_PROMPT, LAW_VOCAB, first_two_counts, law_target, pooled_chisquare, sampling_services
+from tests.support.models import target_log_softmax
 
-ROOT = Path(__file__).resolve().parents[2]
 TOL = 2e-3  # the services' batched forward against a plain HF forward, fp32
 
 
 @pytest.fixture(scope="module")
-def tokenizer():
-    return AutoTokenizer.from_pretrained(ROOT / "models" / "demo" / "target")
-
-
-@pytest.fixture(scope="module")
-def target(tokenizer):
-    return tiny_model("llama", vocab=len(tokenizer), seed=31)
-
-
-@pytest.fixture(scope="module")
-def stack(target, tokenizer):
-    with speculative_gateway(target, tokenizer) as gw:
-        yield gw
-
-
-@pytest.fixture(scope="module")
-def client(stack):
-    return openai.OpenAI(base_url=stack.base_url + "/v1", api_key="unused", max_retries=0)
-
-
-def log_softmax(target, ids: list[int]) -> torch.Tensor:
-    """[len(ids), V]: row i is the target's raw log-softmax after ids[: i + 1]."""
-    with torch.no_grad():
-        return torch.log_softmax(target(torch.tensor([ids])).logits[0].float(), -1)
+def client(demo_stack):
+    return demo_stack.openai()
 
 
 def ids_of(tokenizer, text):
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def test_completion_logprobs_are_the_target_log_softmax(client, target, tokenizer):
+def test_completion_logprobs_are_the_target_log_softmax(client, target, tokenizer, greedy):
     prompt = "def parse(text):\n"
     ids = ids_of(tokenizer, prompt)
-    engine = SpeculativeEngine.from_models(target, tokenizer=tokenizer)
-    want = engine.generate(ids, SamplingParams(temperature=0, max_tokens=12), 0).token_ids
-    rows = log_softmax(target, ids + want)[len(ids) - 1 : -1]
+    want = greedy(ids, 12).token_ids
+    rows = target_log_softmax(target, ids + want)[len(ids) - 1 : -1]
     r = client.completions.create(model="demo", prompt=prompt, max_tokens=12, temperature=0, logprobs=3)
     lp = r.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 12
@@ -79,15 +51,15 @@ def test_completion_logprobs_are_the_target_log_softmax(client, target, tokenize
     text_of = [tokenizer.decode([t]) for t in range(len(tokenizer))]
     emitted: list[int] = []
     for tok, val in zip(r.choices[0].logprobs.tokens, r.choices[0].logprobs.token_logprobs, strict=True):
-        row = log_softmax(target, ids + emitted)[-1]
+        row = target_log_softmax(target, ids + emitted)[-1]
         match = [t for t, x in enumerate(text_of) if x == tok and abs(row[t].item() - val) < TOL]
         assert match, tok
         emitted.append(match[0])
 
 
-def test_chat_logprobs_whole_and_streamed(client, stack, target):
+def test_chat_logprobs_whole_and_streamed(client, demo_stack, target):
     messages = [{"role": "user", "content": "A loop, please."}]
-    ids = stack.gateway.chat_prompt(messages)
+    ids = demo_stack.gateway.chat_prompt(messages)
     kw = dict(model="demo", messages=messages, max_tokens=10, temperature=0, logprobs=True, top_logprobs=2)
     r = client.chat.completions.create(**kw)
     content = r.choices[0].logprobs.content
@@ -98,7 +70,7 @@ def test_chat_logprobs_whole_and_streamed(client, stack, target):
     for c in content:
         assert len(c.top_logprobs) == 2 and c.top_logprobs[0].token == c.token
         assert c.bytes == list(c.token.encode()) and abs(c.logprob - c.top_logprobs[0].logprob) < 1e-6
-    rows = log_softmax(target, ids + [0])  # the first output position
+    rows = target_log_softmax(target, ids + [0])  # the first output position
     assert abs(content[0].logprob - rows[len(ids) - 1].max().item()) < TOL
     got_ids.append(int(rows[len(ids) - 1].argmax()))
     chunks = list(client.chat.completions.create(**kw, stream=True))
@@ -108,8 +80,8 @@ def test_chat_logprobs_whole_and_streamed(client, stack, target):
     assert plain.choices[0].logprobs is None and plain.choices[0].message.content == r.choices[0].message.content
 
 
-def test_grpc_front_carries_logprobs(stack, tokenizer):
-    stub = gateway_pb2_grpc.GatewayServiceStub(grpc.insecure_channel(stack.grpc_address))
+def test_grpc_front_carries_logprobs(demo_stack, tokenizer):
+    stub = gateway_pb2_grpc.GatewayServiceStub(grpc.insecure_channel(demo_stack.grpc_address))
     params = common_pb2.SamplingParams(temperature=0.0, max_tokens=6, logprobs=2)
     chunks = list(stub.GenerateStream(gateway_pb2.GatewayServiceGenerateStreamRequest(prompt="x = 1\n", params=params)))
     deltas = [c.delta for c in chunks if c.WhichOneof("chunk") == "delta"] + [chunks[-1].finished]
@@ -130,7 +102,7 @@ def test_echo_with_logprobs_scores_the_prompt(client, target, tokenizer):
     assert choice.text == prompt and r.usage.completion_tokens == 0
     lp = choice.logprobs
     assert len(lp.tokens) == len(ids) and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
-    rows = log_softmax(target, ids)
+    rows = target_log_softmax(target, ids)
     for i in range(1, len(ids)):
         assert abs(lp.token_logprobs[i] - rows[i - 1, ids[i]].item()) < TOL
     # echo with a completion after it, streamed: the prompt comes first
@@ -142,10 +114,9 @@ def test_echo_with_logprobs_scores_the_prompt(client, target, tokenizer):
         client.completions.create(model="demo", prompt=prompt, max_tokens=0, temperature=0)
 
 
-def test_n_choices_and_lists_of_prompts(client, tokenizer, target):
-    engine = SpeculativeEngine.from_models(target, tokenizer=tokenizer)
+def test_n_choices_and_lists_of_prompts(client, tokenizer, greedy):
     prompts = ["class A:\n", "for i in range(3):\n"]
-    want = [engine.generate(ids_of(tokenizer, p), SamplingParams(temperature=0, max_tokens=8), 0).text for p in prompts]
+    want = [greedy(ids_of(tokenizer, p), 8).text for p in prompts]
     r = client.completions.create(model="demo", prompt=prompts, n=2, max_tokens=8, temperature=0)
     assert [c.index for c in r.choices] == [0, 1, 2, 3]
     assert [c.text for c in r.choices] == [want[0], want[0], want[1], want[1]]  # prompt-major
@@ -165,13 +136,12 @@ def test_n_choices_and_lists_of_prompts(client, tokenizer, target):
     assert len(r.choices) == 3 and len({c.message.content for c in r.choices}) > 1
 
 
-def test_vllm_sampling_extras_are_honoured(client, tokenizer, target):
+def test_vllm_sampling_extras_are_honoured(client, tokenizer, greedy):
     """Greedy through the services (speculative) = the in-process target-only engine, parameter by parameter;
     a stop token id ends the output (its text left out, as vLLM does)."""
-    engine = SpeculativeEngine.from_models(target, tokenizer=tokenizer)
     prompt = "def f(x):\n    return x\n"
     ids = ids_of(tokenizer, prompt)
-    base = engine.generate(ids, SamplingParams(temperature=0, max_tokens=16), 0)
+    base = greedy(ids, 16)
     extras = [
         # The random model's greedy path never repeats a token: penalties that reward repeats change it.
         dict(repetition_penalty=0.2),
@@ -193,9 +163,7 @@ def test_vllm_sampling_extras_are_honoured(client, tokenizer, target):
         params = {k: v for k, v in extra.items() if k not in ("logit_bias", "bad_words")}
         if "logit_bias" in extra:
             params["logit_bias"] = ((base.token_ids[0], -100.0),)
-        want = engine.generate(
-            ids, SamplingParams(temperature=0, max_tokens=16, bad_words=tuple(set(words)), **params), 0
-        )
+        want = greedy(ids, 16, bad_words=tuple(set(words)), **params)
         assert r.choices[0].text == want.text, extra
         if "min_p" not in extra:
             assert want.token_ids != base.token_ids, extra
@@ -228,18 +196,12 @@ def test_processed_law_through_the_services():
     under penalties, logit_bias, min_p, min_tokens and bad_words is the processed target's (chi-square)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from scipy.stats import chisquare
-
     from specmesh.sampling import BatchSamplingParams, LogitsContext, apply_context_processing, process_logits
     from tests.support.services import draft_stub, generate
 
-    vocab = 8
-    target = tiny_model("llama", vocab=vocab, hidden=32, seed=21, init_range=0.5)
-    verify = start_verify(target)
-    draft = start_draft(
-        noisy_copy(target, 0.3, seed=3), verify.address, draft_topk=4, adaptive=False, speculative_num_steps=1
-    )
-    prompt = [1, 2, 3]
+    vocab, prompt = LAW_VOCAB, LAW_PROMPT
+    target = law_target()
+    verify, draft = sampling_services(target, 0.3, steps=1)
     params = SamplingParams(
         temperature=1.0,
         max_tokens=2,
@@ -271,13 +233,8 @@ def test_processed_law_through_the_services():
     finally:
         draft.stop()
         verify.stop()
-    counts = torch.zeros(vocab * vocab, dtype=torch.float64)
-    for tokens, _ in runs:
-        counts[tokens[0] * vocab + tokens[1]] += 1
+    counts = first_two_counts(runs)
     accepted = sum(chunks[-1].finished.stats.accepted for _, chunks in runs)
     assert accepted > n // 5  # the second token often came as a bonus after an accepted draft
     assert counts[joint == 0].sum() == 0
-    big = joint * n >= 5  # pool the rare cells: chi-square needs expected counts >= 5
-    obs = torch.cat([counts[big], counts[~big].sum()[None]])
-    exp = torch.cat([joint[big], joint[~big].sum()[None]]) * n
-    assert chisquare(obs.numpy(), (exp / exp.sum() * n).numpy()).pvalue > 1e-3
+    assert pooled_chisquare(counts, joint, n) > 1e-3

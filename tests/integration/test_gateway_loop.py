@@ -13,31 +13,27 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import grpc
 import pytest
 import torch
-from transformers import AutoTokenizer
 
 from specmesh.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
-from tests.support.models import noisy_copy, tiny_model
+from tests.support.models import ROOT, demo_target, noisy_copy
 from tests.support.services import GatewayServer, start_draft, start_verify
 
-ROOT = Path(__file__).resolve().parents[2]
 LIMIT_S = 0.100
 STREAMS = 2
 
 
 @pytest.fixture(scope="module")
-def stack():
+def stack(tokenizer):
     # The services run in this process, next to the gateway's tokenizer threads: with torch on both cores a
     # tokenizing thread stalls every OpenMP barrier of the forwards, and the streams' gaps measure that CPU
     # contention (a deployment runs the gateway apart), not the event loop this test is about.
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    tokenizer = AutoTokenizer.from_pretrained(ROOT / "models" / "demo" / "target")
-    target = tiny_model("llama", vocab=len(tokenizer), seed=3)
+    target = demo_target(tokenizer, seed=3)
     verify = start_verify(target, tokenizer)
     draft = start_draft(noisy_copy(target, 0.03), verify.address)
     # The default prompt cap (4,096 tokens: 266,240 characters of the demo tokenizer's, whose longest token

@@ -5,28 +5,22 @@ of a guessed prompt matched the cached one (7 against 5 cached tokens for a righ
 password), and could overwrite or block that conversation.
 """
 
-from pathlib import Path
-
 import grpc
 import openai
 import pytest
-from transformers import AutoTokenizer
 
 from gateway.server import build_grpc_server
 from specmesh.security import KeyRing, Security
 from specmesh.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
-from tests.support.models import noisy_copy, tiny_model
+from tests.support.models import noisy_copy
 from tests.support.services import GatewayServer, start_draft, start_verify
 
-ROOT = Path(__file__).resolve().parents[2]
 SECRET = "the admin password is hunter2, and the backup code is 7734"
 WRONG = "the admin password is letmein, and the backup code is 0000"
 
 
 @pytest.fixture(scope="module")
-def stack():
-    tokenizer = AutoTokenizer.from_pretrained(ROOT / "models" / "demo" / "target")
-    target = tiny_model("llama", vocab=len(tokenizer), seed=31)
+def stack(target, tokenizer):
     verify = start_verify(target, tokenizer)
     draft = start_draft(noisy_copy(target, 0.03), verify.address)
     gw = GatewayServer([verify.address], [draft.address], tokenizer, api_keys=("sk-a", "sk-b", "sk-c"))
@@ -34,10 +28,6 @@ def stack():
     gw.stop()
     draft.stop()
     verify.stop()
-
-
-def client(gw, key):
-    return openai.OpenAI(base_url=gw.base_url + "/v1", api_key=key, max_retries=0)
 
 
 def cached(c, prompt, session, **extra):
@@ -49,7 +39,7 @@ def cached(c, prompt, session, **extra):
 
 def test_another_tenant_neither_sees_nor_touches_a_session(stack):
     gw, verify = stack
-    a, b, c = client(gw, "sk-a"), client(gw, "sk-b"), client(gw, "sk-c")
+    a, b, c = gw.openai("sk-a"), gw.openai("sk-b"), gw.openai("sk-c")
     assert cached(a, SECRET, "conv") == 0
     mine = cached(a, SECRET, "conv")
     assert mine > 0  # the owner reuses its cached prompt: the cache is there to be probed
@@ -65,7 +55,7 @@ def test_another_tenant_neither_sees_nor_touches_a_session(stack):
 
 def test_another_tenant_cannot_block_a_streaming_session(stack):
     gw, _ = stack
-    a, b = client(gw, "sk-a"), client(gw, "sk-b")
+    a, b = gw.openai("sk-a"), gw.openai("sk-b")
     stream = a.completions.create(
         model="demo",
         prompt="def f():",
@@ -85,7 +75,7 @@ def test_another_tenant_cannot_block_a_streaming_session(stack):
 
 def test_a_cache_salt_opts_out_of_sharing(stack):
     gw, _ = stack
-    a = client(gw, "sk-a")
+    a = gw.openai("sk-a")
     prompt = "import os\nimport sys\n\ndef main(argv):\n"
     assert cached(a, prompt, "salted", cache_salt="s1") == 0
     assert cached(a, prompt, "salted", cache_salt="s1") > 0  # same salt: shared

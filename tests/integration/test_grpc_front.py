@@ -2,56 +2,26 @@
 template, the session id in every response, errors; health List and reflection v1 / v1alpha on a real
 server."""
 
-from pathlib import Path
-
 import grpc
 import pytest
 from google.protobuf import descriptor_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2
 from specmesh_client import SpecmeshClient
-from transformers import AutoTokenizer
 
-from specmesh.engine import SpeculativeEngine
-from specmesh.sampling import SamplingParams
-from tests.support.models import tiny_model
-from tests.support.services import speculative_gateway
-
-ROOT = Path(__file__).resolve().parents[2]
 MESSAGES = [{"role": "developer", "content": "You write Python."}, {"role": "user", "content": "A loop, please."}]
 
 
 @pytest.fixture(scope="module")
-def tokenizer():
-    return AutoTokenizer.from_pretrained(ROOT / "models" / "demo" / "target")
-
-
-@pytest.fixture(scope="module")
-def target(tokenizer):
-    return tiny_model("llama", vocab=len(tokenizer), seed=31)
-
-
-@pytest.fixture(scope="module")
-def stack(target, tokenizer):
-    with speculative_gateway(target, tokenizer) as gw:
-        yield gw
-
-
-@pytest.fixture(scope="module")
-def client(stack):
-    with SpecmeshClient(stack.grpc_address, model="demo") as c:
+def client(demo_stack):
+    with SpecmeshClient(demo_stack.grpc_address, model="demo") as c:
         yield c
 
 
-def _reference(target, tokenizer, ids, max_tokens):
-    engine = SpeculativeEngine.from_models(target, tokenizer=tokenizer)
-    return engine.generate(ids, SamplingParams(temperature=0.0, max_tokens=max_tokens), 0)
-
-
-def test_chat_messages_use_the_chat_template_like_rest(stack, client, target, tokenizer):
+def test_chat_messages_use_the_chat_template_like_rest(demo_stack, client, greedy):
     # "developer" is taken as "system", as the REST chat route does
-    ids = stack.gateway.chat_prompt([{"role": "system", "content": "You write Python."}, MESSAGES[1]])
-    want = _reference(target, tokenizer, ids, 16)
+    ids = demo_stack.gateway.chat_prompt([{"role": "system", "content": "You write Python."}, MESSAGES[1]])
+    want = greedy(ids, 16)
     r = client.generate(messages=MESSAGES, max_tokens=16, temperature=0, session_id="chat-1")
     assert r.text == want.text and list(r.token_ids) == list(want.token_ids)
     assert r.finish_reason == "length" and r.session_id == "chat-1"
@@ -81,12 +51,12 @@ def test_session_id_is_empty_without_a_session(client):
         (dict(messages=[{"role": "user", "content": "x"}, {"role": "robot", "content": "y"}]), "messages[1].role"),
     ],
 )
-def test_bad_chat_requests_are_invalid_argument(stack, kwargs, words):
-    raw = SpecmeshClient(stack.grpc_address)
+def test_bad_chat_requests_are_invalid_argument(demo_stack, kwargs, words):
+    raw = SpecmeshClient(demo_stack.grpc_address)
     if "prompt" in kwargs:  # the typed client refuses this itself; the raw request reaches the gateway
         from specmesh.v1 import gateway_pb2, gateway_pb2_grpc
 
-        stub = gateway_pb2_grpc.GatewayServiceStub(grpc.insecure_channel(stack.grpc_address))
+        stub = gateway_pb2_grpc.GatewayServiceStub(grpc.insecure_channel(demo_stack.grpc_address))
         request = gateway_pb2.GatewayServiceGenerateRequest(prompt="x")
         request.messages.add(role="user", content="x")
         with pytest.raises(grpc.RpcError) as e:
@@ -99,8 +69,8 @@ def test_bad_chat_requests_are_invalid_argument(stack, kwargs, words):
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and words in e.value.details()
 
 
-def test_health_list(stack):
-    stub = health_pb2_grpc.HealthStub(grpc.insecure_channel(stack.grpc_address))
+def test_health_list(demo_stack):
+    stub = health_pb2_grpc.HealthStub(grpc.insecure_channel(demo_stack.grpc_address))
     statuses = stub.List(health_pb2.HealthListRequest(), timeout=10).statuses
     serving = health_pb2.HealthCheckResponse.SERVING
     assert statuses[""].status == serving and statuses["specmesh.v1.GatewayService"].status == serving
@@ -119,8 +89,8 @@ def _reflect(channel, version: str, **request) -> reflection_pb2.ServerReflectio
 
 
 @pytest.mark.parametrize("version", ["v1", "v1alpha"])
-def test_reflection_v1_and_v1alpha(stack, version):
-    channel = grpc.insecure_channel(stack.grpc_address)
+def test_reflection_v1_and_v1alpha(demo_stack, version):
+    channel = grpc.insecure_channel(demo_stack.grpc_address)
     names = {s.name for s in _reflect(channel, version, list_services="").list_services_response.service}
     assert {
         "specmesh.v1.GatewayService",

@@ -17,12 +17,9 @@ import tomllib
 from pathlib import Path
 
 import pytest
-from transformers import AutoTokenizer
 
-from tests.support.models import tiny_model
-from tests.support.services import speculative_gateway
+from tests.support.models import ROOT
 
-ROOT = Path(__file__).resolve().parents[2]
 CLIENT = ROOT / "clients" / "python"
 
 pytestmark = pytest.mark.slow
@@ -75,22 +72,14 @@ def venv() -> Path:
     return python
 
 
-@pytest.fixture(scope="module")
-def gateway():
-    tokenizer = AutoTokenizer.from_pretrained(ROOT / "models" / "demo" / "target")
-    target = tiny_model("llama", vocab=len(tokenizer), seed=31)
-    with speculative_gateway(target, tokenizer) as gw:
-        yield gw
-
-
-def test_light_client_in_a_clean_venv_calls_the_real_gateway(venv, gateway):
+def test_light_client_in_a_clean_venv_calls_the_real_gateway(venv, demo_stack):
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     # outside the checkout, so nothing of the server's tree is importable from the working directory
     proc = subprocess.run(
         [venv, "-c", "import torch"], capture_output=True, text=True, cwd=venv.parents[1], env=env, timeout=60
     )
     assert proc.returncode != 0 and "No module named 'torch'" in proc.stderr, proc.stderr
-    out = _run(venv, "-c", SCRIPT, gateway.grpc_address, cwd=venv.parents[1], env=env).stdout
+    out = _run(venv, "-c", SCRIPT, demo_stack.grpc_address, cwd=venv.parents[1], env=env).stdout
     got = json.loads(out.strip().splitlines()[-1])
     assert got["absent"] == ["torch", "triton", "transformers"]
     assert str(venv.parents[1]) in got["stubs"]  # the venv's own copy, not the checkout's
@@ -98,7 +87,7 @@ def test_light_client_in_a_clean_venv_calls_the_real_gateway(venv, gateway):
     # the same answers as the gateway gives the server's own stubs, in this process
     from specmesh_client import SpecmeshClient
 
-    with SpecmeshClient(gateway.grpc_address) as here:
+    with SpecmeshClient(demo_stack.grpc_address) as here:
         whole = here.generate(
             messages=[{"role": "user", "content": "A loop, please."}], max_tokens=8, temperature=0, session_id="light"
         )

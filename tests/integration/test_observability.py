@@ -5,7 +5,6 @@ import json
 import logging
 import re
 import urllib.request
-from pathlib import Path
 
 import grpc
 import openai
@@ -13,14 +12,12 @@ import pytest
 from opentelemetry import trace
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from prometheus_client.parser import text_string_to_metric_families
-from transformers import AutoTokenizer
 
 from specmesh import telemetry
 from specmesh.v1 import common_pb2, draft_pb2, gateway_pb2, gateway_pb2_grpc
-from tests.support.models import noisy_copy, tiny_model
+from tests.support.models import ROOT, demo_target, noisy_copy
 from tests.support.services import GatewayServer, draft_stub, start_draft, start_verify
 
-ROOT = Path(__file__).resolve().parents[2]
 VLLM_SPEC = ("drafts", "draft_tokens", "accepted_tokens")
 
 
@@ -32,12 +29,11 @@ def spans():
 
 
 @pytest.fixture(scope="module")
-def stack(spans):
-    tok = AutoTokenizer.from_pretrained(ROOT / "models" / "demo" / "target")
-    target = tiny_model("llama", vocab=len(tok), seed=41)
-    verify = start_verify(target, tok, metrics_port=0)
+def stack(spans, tokenizer):
+    target = demo_target(tokenizer, seed=41)
+    verify = start_verify(target, tokenizer, metrics_port=0)
     draft = start_draft(noisy_copy(target, 0.03), verify.address, metrics_port=0)
-    gw = GatewayServer([verify.address], [draft.address], tok)
+    gw = GatewayServer([verify.address], [draft.address], tokenizer)
     yield gw, verify, draft
     gw.stop()
     draft.stop()
@@ -62,7 +58,7 @@ def total(samples, name, **labels) -> float:
 def test_one_trace_spans_all_three_services(stack, spans):
     gw, _, _ = stack
     spans.clear()
-    client = openai.OpenAI(base_url=gw.base_url + "/v1", api_key="x", max_retries=0)
+    client = gw.openai()
     r = client.chat.completions.create(
         model="demo",
         messages=[{"role": "user", "content": "hi"}],
@@ -102,7 +98,7 @@ def test_one_trace_spans_all_three_services(stack, spans):
     assert batches and all(b.attributes["specmesh.batch_size"] >= 1 for b in batches)
 
 
-def test_metrics_on_every_service_move_with_requests(stack):
+def test_metrics_on_every_service_move_with_requests(stack, tokenizer):
     gw, verify, draft = stack
     urls = {
         "gateway": gw.base_url + "/metrics",
@@ -110,7 +106,7 @@ def test_metrics_on_every_service_move_with_requests(stack):
         "draft": f"http://127.0.0.1:{draft.server.metrics_port}/metrics",
     }
     before = {k: scrape(u) for k, u in urls.items()}
-    client = openai.OpenAI(base_url=gw.base_url + "/v1", api_key="x", max_retries=0)
+    client = gw.openai()
     prompts = ("import re\n", "class Node:\n")
     finishes = []
     for prompt in prompts:
@@ -159,8 +155,7 @@ def test_metrics_on_every_service_move_with_requests(stack):
     assert moved(g, "specmesh_gateway_routing_decisions_total", pool="verify") == 2
     assert after[g]["specmesh_gateway_spec_accepted_tokens_per_pos_total"]  # per-position acceptance
     # vLLM's names, labelled with the served model name
-    tok = AutoTokenizer.from_pretrained(ROOT / "models" / "demo" / "target")
-    prompt_tokens = sum(len(tok(p, add_special_tokens=False)["input_ids"]) for p in prompts)
+    prompt_tokens = sum(len(tokenizer(p, add_special_tokens=False)["input_ids"]) for p in prompts)
     assert moved(g, "vllm:prompt_tokens_total", model_name="demo") == prompt_tokens
     assert moved(g, "vllm:generation_tokens_total", model_name="demo") == 40
     assert len(finishes) == 2
@@ -247,7 +242,7 @@ def test_every_dashboard_query_reads_live_metrics(stack):
         "vllm:prompt_tokens_total",
         "specmesh_request_errors_total",
     } <= wanted
-    client = openai.OpenAI(base_url=gw.base_url + "/v1", api_key="x", max_retries=0)
+    client = gw.openai()
     list(client.completions.create(model="demo", prompt="def f(x):\n", max_tokens=12, temperature=0, stream=True))
     with pytest.raises(openai.BadRequestError):  # so that the error counter has a sample
         client.completions.create(model="demo", prompt="x", max_tokens=-1)
@@ -266,7 +261,7 @@ def test_target_only_requests_never_reach_the_draft_service(stack):
     gw, _, draft = stack
     urls = {"gateway": gw.base_url + "/metrics", "draft": f"http://127.0.0.1:{draft.server.metrics_port}/metrics"}
     before = {k: scrape(u) for k, u in urls.items()}
-    client = openai.OpenAI(base_url=gw.base_url + "/v1", api_key="x", max_retries=0)
+    client = gw.openai()
     r = client.completions.create(
         model="demo", prompt="x = ", max_tokens=8, temperature=0, extra_body={"num_speculative_tokens": 0}
     )

@@ -12,9 +12,9 @@ import openai.types.chat.completion_create_params as chat_params
 import openai.types.completion_create_params as completion_params
 import pytest
 
-from tests.integration.test_gateway import http
-from tests.integration.test_structured_output import stack, target, tokenizer  # noqa: F401
 from tests.integration.test_tools import WEATHER
+from tests.support.rest import http
+from tests.support.structured import stack, target  # noqa: F401
 
 
 def names(typed_dict) -> list[str]:

@@ -29,7 +29,6 @@ import grpc
 import pytest
 import trustme
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from transformers import AutoTokenizer
 
 from draft_service.engine import DraftConfig
 from draft_service.server import build_server as build_draft
@@ -49,12 +48,10 @@ from specmesh.v1 import (
     verify_pb2,
     verify_pb2_grpc,
 )
-from tests.support.models import noisy_copy, tiny_model
+from tests.support.models import DEMO_TOKENIZER, ROOT, demo_target, noisy_copy
 from verify_service.engine import VerifyConfig
 from verify_service.server import build_server as build_verify
 
-ROOT = Path(__file__).resolve().parents[2]
-TOKENIZER = ROOT / "models" / "demo" / "target"
 API_KEY = "sk-" + secrets.token_hex(12)
 SERVICE_KEY = "svc-" + secrets.token_hex(12)
 GREEDY = common_pb2.SamplingParams(temperature=0.0, max_tokens=6)
@@ -100,13 +97,8 @@ def pki(tmp_path_factory) -> PKI:
 
 
 @pytest.fixture(scope="module")
-def tokenizer():
-    return AutoTokenizer.from_pretrained(TOKENIZER)
-
-
-@pytest.fixture(scope="module")
 def target(tokenizer):
-    return tiny_model("llama", vocab=len(tokenizer), seed=41)
+    return demo_target(tokenizer, seed=41)
 
 
 def _service_security(pki: PKI) -> Security:
@@ -470,7 +462,7 @@ def gateway_cli(pki, backend, tmp_path_factory):
             "--draft",
             draft.address,
             "--tokenizer-path",
-            str(TOKENIZER),
+            str(DEMO_TOKENIZER),
             "--model-name",
             "demo",
             "--health-interval-s",

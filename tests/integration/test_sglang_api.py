@@ -8,18 +8,13 @@ import math
 import re
 import urllib.error
 import urllib.request
-from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoTokenizer
 
-from specmesh.engine import SpeculativeEngine
-from specmesh.sampling import SamplingParams
-from tests.support.models import noisy_copy, tiny_model
+from tests.support.models import noisy_copy, target_log_softmax
 from tests.support.services import GatewayServer, free_port, start_draft, start_verify
 
-ROOT = Path(__file__).resolve().parents[2]
 PROMPT = "def add(a, b):\n"
 
 
@@ -43,16 +38,6 @@ def events(text: str) -> list:
 
 
 @pytest.fixture(scope="module")
-def tokenizer():
-    return AutoTokenizer.from_pretrained(ROOT / "models" / "demo" / "target")
-
-
-@pytest.fixture(scope="module")
-def target(tokenizer):
-    return tiny_model("llama", vocab=len(tokenizer), seed=31)
-
-
-@pytest.fixture(scope="module")
 def services(target, tokenizer):
     verify = start_verify(target, tokenizer)
     draft = start_draft(noisy_copy(target, 0.03), verify.address)
@@ -66,18 +51,6 @@ def url(services, tokenizer):
     gw = GatewayServer(*services, tokenizer, max_prompt_tokens=512, max_tokens_limit=256)
     yield gw.base_url
     gw.stop()
-
-
-@pytest.fixture(scope="module")
-def greedy(target, tokenizer):
-    engine = SpeculativeEngine.from_models(target, tokenizer=tokenizer)
-    return lambda ids, n, **kw: engine.generate(ids, SamplingParams(temperature=0.0, max_tokens=n, **kw), 0)
-
-
-def target_logprobs(target, ids: list[int]) -> torch.Tensor:
-    """[len(ids), V]: row i is the target's log-distribution of the token after ids[: i + 1]."""
-    with torch.inference_mode():
-        return torch.log_softmax(target(torch.tensor([ids])).logits[0].float(), dim=-1)
 
 
 def generate(url: str, body: dict):
@@ -219,7 +192,7 @@ def test_logprobs_are_the_targets_in_sglang_shape(url, target, tokenizer):
     }
     meta = generate(url, body)["meta_info"]
     out_ids = [e[1] for e in meta["output_token_logprobs"]]
-    ref = target_logprobs(target, ids + out_ids)
+    ref = target_log_softmax(target, ids + out_ids)
     prompt = meta["input_token_logprobs"]
     assert [e[1] for e in prompt] == ids and prompt[0][0] is None and meta["input_top_logprobs"][0] is None
     for p in range(1, len(ids)):

@@ -5,45 +5,13 @@ decoding (lossless), and a grammar the engine cannot build is a 400 naming the f
 
 import json
 import re
-from pathlib import Path
 
-import openai
 import pydantic
 import pytest
-from transformers import AutoTokenizer
 
-from specmesh.engine import SpeculativeEngine
-from specmesh.sampling import SamplingParams, StructuredSpec
-from tests.integration.test_gateway import http
-from tests.support.models import tiny_model
-from tests.support.services import speculative_gateway
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return AutoTokenizer.from_pretrained(ROOT / "models" / "demo" / "target")
-
-
-@pytest.fixture(scope="module")
-def target(tokenizer):
-    model = tiny_model("llama", vocab=len(tokenizer), seed=31)
-    # The tokenizer's EOS ends a turn, as in a real checkpoint: the grammar allows it once the value is whole.
-    model.config.eos_token_id = model.generation_config.eos_token_id = tokenizer.eos_token_id
-    return model
-
-
-@pytest.fixture(scope="module")
-def stack(target, tokenizer):
-    with speculative_gateway(target, tokenizer, draft_tokenizer=tokenizer) as gw:
-        yield gw
-
-
-@pytest.fixture
-def client(stack):
-    return openai.OpenAI(base_url=stack.base_url + "/v1", api_key="unused", max_retries=0)
-
+from specmesh.sampling import StructuredSpec
+from tests.support.rest import http
+from tests.support.structured import client, conforms, stack, target  # noqa: F401
 
 PERSON = {
     "type": "object",
@@ -67,42 +35,6 @@ FLAGS = {
 CHOICE = {"anyOf": [{"type": "integer", "minimum": 0, "maximum": 9}, {"type": "null"}]}
 
 
-def conforms(value, schema) -> bool:
-    """A small JSON-schema check covering the keywords these tests use."""
-    if "anyOf" in schema:
-        return any(conforms(value, s) for s in schema["anyOf"])
-    if "enum" in schema:
-        return value in schema["enum"]
-    kind = schema.get("type")
-    if kind == "object":
-        props = schema.get("properties", {})
-        return (
-            isinstance(value, dict)
-            and all(k in value for k in schema.get("required", ()))
-            and (schema.get("additionalProperties", True) is not False or set(value) <= set(props))
-            and all(conforms(value[k], s) for k, s in props.items() if k in value)
-        )
-    if kind == "array":
-        return (
-            isinstance(value, list)
-            and len(value) <= schema.get("maxItems", 1 << 30)
-            and all(conforms(v, schema["items"]) for v in value)
-        )
-    if kind == "string":
-        return isinstance(value, str) and len(value) <= schema.get("maxLength", 1 << 30)
-    if kind == "integer":
-        return (
-            isinstance(value, int)
-            and not isinstance(value, bool)
-            and schema.get("minimum", -(1 << 60)) <= value <= schema.get("maximum", 1 << 60)
-        )
-    if kind == "boolean":
-        return isinstance(value, bool)
-    if kind == "null":
-        return value is None
-    raise AssertionError(f"the test's checker lacks {schema}")
-
-
 def json_schema(schema, name="out"):
     return {"type": "json_schema", "json_schema": {"name": name, "schema": schema, "strict": True}}
 
@@ -111,7 +43,7 @@ MESSAGES = [{"role": "user", "content": "Answer in JSON."}]
 
 
 @pytest.mark.parametrize("schema", [PERSON, FLAGS, CHOICE], ids=["person", "flags", "any-of"])
-def test_chat_json_schema_always_parses(client, schema):
+def test_chat_json_schema_always_parses(client, schema):  # noqa: F811
     for kw in (dict(temperature=0), dict(temperature=1.0, seed=3), dict(temperature=1.0, seed=4)):
         r = client.chat.completions.create(
             model="demo", messages=MESSAGES, max_tokens=60, response_format=json_schema(schema), **kw
@@ -121,14 +53,13 @@ def test_chat_json_schema_always_parses(client, schema):
         assert conforms(json.loads(text), schema), text
 
 
-def test_greedy_is_the_masked_targets_own_greedy(client, stack, target, tokenizer):
+def test_greedy_is_the_masked_targets_own_greedy(client, greedy, tokenizer):  # noqa: F811
     """Lossless: speculation (the draft masked too) emits exactly what the target alone, masked by the
     grammar, decodes greedily."""
-    engine = SpeculativeEngine.from_models(target, tokenizer=tokenizer)
     prompt = "Person:"
     ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
     spec = StructuredSpec("json_schema", json.dumps(PERSON))
-    want = engine.generate(ids, SamplingParams(temperature=0.0, max_tokens=60, structured=spec), 0)
+    want = greedy(ids, 60, structured=spec)
     r = client.completions.create(
         model="demo", prompt=prompt, max_tokens=60, temperature=0, extra_body={"guided_json": PERSON}
     )
@@ -136,7 +67,7 @@ def test_greedy_is_the_masked_targets_own_greedy(client, stack, target, tokenize
     assert r.model_extra["specmesh"]["drafted"] > 0
 
 
-def test_completions_regex_choice_and_json_object(client):
+def test_completions_regex_choice_and_json_object(client):  # noqa: F811
     for kw in (dict(temperature=0), dict(temperature=1.0, seed=7)):
         r = client.completions.create(
             model="demo", prompt="Code:", max_tokens=20, extra_body={"guided_regex": r"[0-9]{3}-[a-z]{2}"}, **kw
@@ -155,7 +86,7 @@ def test_completions_regex_choice_and_json_object(client):
             assert r.choices[0].message.content.startswith("{")
 
 
-def test_streamed_chat_parses(client):
+def test_streamed_chat_parses(client):  # noqa: F811
     chunks = list(
         client.chat.completions.create(
             model="demo",
@@ -176,7 +107,7 @@ class Pet(pydantic.BaseModel):
     legs: int = pydantic.Field(ge=0, le=8)
 
 
-def test_openai_parse_and_langchain_with_structured_output(client, stack):
+def test_openai_parse_and_langchain_with_structured_output(client, stack):  # noqa: F811
     r = client.chat.completions.parse(
         model="demo", messages=MESSAGES, max_tokens=60, temperature=0, response_format=Pet
     )
@@ -203,7 +134,7 @@ def test_openai_parse_and_langchain_with_structured_output(client, stack):
         ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice"),
     ],
 )
-def test_bad_grammars_are_400s_naming_the_field(stack, extra, param):
+def test_bad_grammars_are_400s_naming_the_field(stack, extra, param):  # noqa: F811
     for path, body in (
         ("/v1/completions", {"model": "demo", "prompt": "x", "max_tokens": 4}),
         ("/v1/chat/completions", {"model": "demo", "messages": MESSAGES, "max_tokens": 4}),
@@ -214,7 +145,7 @@ def test_bad_grammars_are_400s_naming_the_field(stack, extra, param):
         assert err["param"] == param and param in err["message"], err
 
 
-def test_grpc_front_carries_the_grammar(stack):
+def test_grpc_front_carries_the_grammar(stack):  # noqa: F811
     import grpc
 
     from specmesh.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc

@@ -5,19 +5,16 @@ import copy
 import json
 import urllib.error
 import urllib.request
-from pathlib import Path
 
 import grpc
 import openai
 import pytest
-from transformers import AutoTokenizer
 
 import specmesh
 from specmesh.v1 import verify_pb2, verify_pb2_grpc
-from tests.support.models import tiny_model
+from tests.support.models import demo_target
 from tests.support.services import GatewayServer, start_verify
 
-ROOT = Path(__file__).resolve().parents[2]
 TOO_LONG = "<a text longer than the gateway's longest prompt>"
 
 
@@ -32,16 +29,11 @@ def call(method: str, url: str, body=None, raw: bytes | None = None) -> tuple[in
 
 
 @pytest.fixture(scope="module")
-def tok():
-    return AutoTokenizer.from_pretrained(ROOT / "models" / "demo" / "target")
-
-
-@pytest.fixture(scope="module")
-def stack(tok):
+def stack(tokenizer):
     # The verify service's context (512) is below the gateway's own limit (64 + 4096), so the card's
     # max_model_len shows it was asked of the replica.
-    verify = start_verify(tiny_model("llama", vocab=len(tok), seed=5), tok, max_model_len=512)
-    gw = GatewayServer([verify.address], [], tok, max_prompt_tokens=64)
+    verify = start_verify(demo_target(tokenizer, seed=5), tokenizer, max_model_len=512)
+    gw = GatewayServer([verify.address], [], tokenizer, max_prompt_tokens=64)
     info = verify_pb2_grpc.VerifyServiceStub(grpc.insecure_channel(verify.address)).Info(
         verify_pb2.VerifyServiceInfoRequest(), timeout=10
     )
@@ -52,7 +44,7 @@ def stack(tok):
 
 @pytest.fixture(scope="module")
 def client(stack):
-    return openai.OpenAI(base_url=stack[0].base_url + "/v1", api_key="x", max_retries=0)
+    return stack[0].openai()
 
 
 def test_model_card_has_vllm_fields_from_the_verify_replicas(stack, client):
@@ -78,18 +70,18 @@ def test_version(stack):
     assert call("GET", stack[0].base_url + "/version") == (200, {"version": specmesh.__version__})
 
 
-def test_tokenize_counts_what_completions_and_chat_feed_the_model(stack, client, tok):
+def test_tokenize_counts_what_completions_and_chat_feed_the_model(stack, client, tokenizer):
     gw, info, _ = stack
     prompt = "def fibonacci(n):\n    return"
     status, body = call("POST", gw.base_url + "/tokenize", {"model": "demo", "prompt": prompt})
     assert status == 200, body
-    ids = tok(prompt, add_special_tokens=False)["input_ids"]
+    ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
     assert body == {"count": len(ids), "max_model_len": info.max_context_length, "tokens": ids, "token_strs": None}
     done = client.completions.create(model="demo", prompt=prompt, max_tokens=1, temperature=0)
     assert done.usage.prompt_tokens == body["count"]
 
     status, strs = call("POST", gw.base_url + "/tokenize", {"prompt": prompt, "return_token_strs": True})
-    assert status == 200 and strs["token_strs"] == tok.convert_ids_to_tokens(ids)
+    assert status == 200 and strs["token_strs"] == tokenizer.convert_ids_to_tokens(ids)
 
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
     status, chat = call("POST", gw.base_url + "/tokenize", {"messages": messages})
@@ -99,14 +91,14 @@ def test_tokenize_counts_what_completions_and_chat_feed_the_model(stack, client,
     # without the generation prompt: the same template, without the turn it opens for the reply
     status, bare = call("POST", gw.base_url + "/tokenize", {"messages": messages, "add_generation_prompt": False})
     assert status == 200
-    assert bare["tokens"] == tok("system: be brief\nuser: hi\n", add_special_tokens=False)["input_ids"]
+    assert bare["tokens"] == tokenizer("system: be brief\nuser: hi\n", add_special_tokens=False)["input_ids"]
     assert bare["count"] < chat["count"]
 
 
-def test_detokenize_round_trips(stack, tok):
+def test_detokenize_round_trips(stack, tokenizer):
     gw, _, _ = stack
     text = "class Node:\n    pass"
-    ids = tok(text, add_special_tokens=False)["input_ids"]
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     assert call("POST", gw.base_url + "/detokenize", {"model": "demo", "tokens": ids}) == (200, {"prompt": text})
     assert call("POST", gw.base_url + "/detokenize", {"tokens": []}) == (200, {"prompt": ""})
 
@@ -180,10 +172,10 @@ def test_malformed_bodies_are_400(stack, raw):
         assert got == 400 and answer["error"]["code"] == "invalid_json", answer
 
 
-def test_chat_template_with_and_without_the_generation_prompt(stack, tok):
+def test_chat_template_with_and_without_the_generation_prompt(stack, tokenizer):
     """With a tokenizer that has a chat template (the demo's, given one): the count is what chat feeds the
     model, and without the generation prompt it is the template's own rendering without it."""
-    templated = copy.deepcopy(tok)
+    templated = copy.deepcopy(tokenizer)
     templated.chat_template = (
         "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
         "{% if add_generation_prompt %}<|assistant|>{% endif %}"
@@ -193,7 +185,7 @@ def test_chat_template_with_and_without_the_generation_prompt(stack, tok):
         messages = [{"role": "user", "content": "hello there"}]
         status, full = call("POST", gw.base_url + "/tokenize", {"model": "demo", "messages": messages})
         assert status == 200, full
-        client = openai.OpenAI(base_url=gw.base_url + "/v1", api_key="x", max_retries=0)
+        client = gw.openai()
         reply = client.chat.completions.create(model="demo", messages=messages, max_tokens=1, temperature=0)
         assert full["count"] == reply.usage.prompt_tokens
         status, bare = call("POST", gw.base_url + "/tokenize", {"messages": messages, "add_generation_prompt": False})
@@ -205,9 +197,9 @@ def test_chat_template_with_and_without_the_generation_prompt(stack, tok):
         gw.stop()
 
 
-def test_model_card_without_a_verify_replica_answering(tok):
+def test_model_card_without_a_verify_replica_answering(tokenizer):
     """No verify replica answers Info: the card says what the gateway itself admits, and names the model."""
-    gw = GatewayServer(["127.0.0.1:1"], [], tok, max_prompt_tokens=100, max_tokens_limit=20)
+    gw = GatewayServer(["127.0.0.1:1"], [], tokenizer, max_prompt_tokens=100, max_tokens_limit=20)
     try:
         status, card = call("GET", gw.base_url + "/v1/models/demo")
         assert status == 200, card

@@ -9,8 +9,8 @@ import pydantic
 import pytest
 
 from gateway.openai import tools
-from tests.integration.test_gateway import http
-from tests.integration.test_structured_output import client, conforms, stack, target, tokenizer  # noqa: F401
+from tests.support.rest import http
+from tests.support.structured import client, conforms, stack, target  # noqa: F401
 
 WEATHER = {
     "type": "function",

@@ -14,7 +14,7 @@ if not torch.cuda.is_available():
 
 import pytest
 
-from tests.support.models import noisy_copy, tiny_model
+from tests.support.models import demo_target, demo_tokenizer, greedy_decoder, noisy_copy, tiny_model
 
 # Service processes the tests start write no KV pool up front (--no-kv-cache-prefault, through the flags'
 # environment variables, which the subprocesses inherit): writing 2 GiB + 1 GiB per stack nearly doubled the
@@ -43,3 +43,34 @@ torch.set_num_threads(1)
 def tiny_pair():
     target = tiny_model("llama", seed=0)
     return target, noisy_copy(target, 0.03)
+
+
+# The demo stack's pieces, per module (as each module built them before): a module with another tokenizer
+# or target defines its own fixture of that name, which takes precedence in it.
+@pytest.fixture(scope="module")
+def tokenizer():
+    """The demo checkpoint's tokenizer."""
+    return demo_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def target(tokenizer):
+    """A tiny Llama over the demo tokenizer's vocabulary (seed 31)."""
+    return demo_target(tokenizer)
+
+
+@pytest.fixture(scope="module")
+def greedy(target, tokenizer):
+    """`greedy(prompt_ids, max_tokens, **params)`: the target's own greedy decoding (target-only, in process),
+    the answer the services must give."""
+    return greedy_decoder(target, tokenizer)
+
+
+@pytest.fixture(scope="module")
+def demo_stack(target, tokenizer):
+    """The gateway (REST and gRPC fronts) over a verify service on `target` and a draft service on a close
+    copy of it."""
+    from tests.support.services import speculative_gateway
+
+    with speculative_gateway(target, tokenizer) as gw:
+        yield gw

@@ -23,6 +23,7 @@ from draft_service.server import build_server as build_draft
 from specmesh.serving import BackgroundServer
 from specmesh.stack import free_port
 from specmesh.v1 import draft_pb2, draft_pb2_grpc, verify_pb2, verify_pb2_grpc
+from tests.support.models import ROOT, demo_target, demo_tokenizer, noisy_copy
 from verify_service.engine import VerifyConfig
 from verify_service.server import build_server as build_verify
 
@@ -117,6 +118,12 @@ class GatewayServer:
                 break
             time.sleep(0.02)
 
+    def openai(self, api_key: str = "unused", **kw):
+        """The official openai client on this gateway's REST front, without retries (`kw`: its options)."""
+        import openai
+
+        return openai.OpenAI(base_url=self.base_url + "/v1", api_key=api_key, max_retries=0, **kw)
+
     def call(self, coro):
         import asyncio
 
@@ -134,17 +141,10 @@ class GatewayServer:
         self.thread.join(10)
 
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
 def save_tiny_checkpoints(base: Path, seed: int = 8) -> tuple[Path, Path]:
     """A tiny target and a noisy-copy draft on disk, with the demo tokenizer (so text and stop strings work)."""
-    from transformers import AutoTokenizer
-
-    from tests.support.models import noisy_copy, tiny_model
-
-    tok = AutoTokenizer.from_pretrained(ROOT / "models" / "demo" / "target")
-    target = tiny_model("llama", vocab=len(tok), seed=seed)
+    tok = demo_tokenizer()
+    target = demo_target(tok, seed=seed)
     target.save_pretrained(base / "target")
     noisy_copy(target, 0.03).save_pretrained(base / "draft")
     for d in ("target", "draft"):
@@ -183,8 +183,6 @@ def spawn(module: str, args: list[str], env: dict) -> tuple[subprocess.Popen, st
 def speculative_gateway(target, tokenizer, draft_tokenizer=None) -> Iterator[GatewayServer]:
     """A verify service on `target`, a draft service on a close copy of it and a gateway in front, stopped
     in reverse order on exit. `draft_tokenizer`: the draft's own (structured output masks drafts with it)."""
-    from tests.support.models import noisy_copy
-
     verify = start_verify(target, tokenizer)
     draft = start_draft(noisy_copy(target, 0.03), verify.address, tokenizer=draft_tokenizer)
     gw = GatewayServer([verify.address], [draft.address], tokenizer)
