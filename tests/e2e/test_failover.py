@@ -4,11 +4,11 @@ client's stream completes with nothing lost, nothing repeated, and the greedy ou
 import signal
 import time
 
-import openai
 import pytest
 
 from specmesh.engine import SpeculativeEngine
 from specmesh.sampling import SamplingParams
+from tests.support.rest import greedy_stream
 from tests.support.services import GatewayServer, save_tiny_checkpoints, spawn
 
 
@@ -37,16 +37,8 @@ def cluster(tmp_path_factory):
 
 def stream_and_kill(client, prompt, max_tokens, kill, session_id=None):
     chunks, killed = [], False
-    extra = {"ignore_eos": True, **({"session_id": session_id} if session_id else {})}
-    for c in client.completions.create(
-        model="demo",
-        prompt=prompt,
-        max_tokens=max_tokens,
-        temperature=0,
-        stream=True,
-        stream_options={"include_usage": True},
-        extra_body=extra,
-    ):
+    session = {"session_id": session_id} if session_id else {}
+    for c in greedy_stream(client, prompt, max_tokens, ignore_eos=True, **session):
         chunks.append(c)
         if len(chunks) == 4 and not killed:
             kill()
@@ -58,7 +50,7 @@ def stream_and_kill(client, prompt, max_tokens, kill, session_id=None):
 
 def test_verify_then_draft_die_mid_stream(cluster):
     gw, procs, engine = cluster
-    client = openai.OpenAI(base_url=gw.base_url + "/v1", api_key="x", max_retries=0)
+    client = gw.openai()
     prompt = "def handler(event, context):\n"
     ids = engine.tokenizer(prompt, add_special_tokens=False)["input_ids"]
     n = 400

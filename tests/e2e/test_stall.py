@@ -8,11 +8,11 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-import openai
 import pytest
 
 from specmesh.engine import SpeculativeEngine
 from specmesh.sampling import SamplingParams
+from tests.support.rest import greedy_stream
 from tests.support.services import GatewayServer, save_tiny_checkpoints, spawn
 
 STREAMS = 20
@@ -52,21 +52,13 @@ def cluster(tmp_path_factory):
 
 
 def stream(client, prompt, record):
-    for c in client.completions.create(
-        model="demo",
-        prompt=prompt,
-        max_tokens=MAX_TOKENS,
-        temperature=0,
-        stream=True,
-        stream_options={"include_usage": True},
-        extra_body={"ignore_eos": True},
-    ):
+    for c in greedy_stream(client, prompt, MAX_TOKENS, ignore_eos=True):
         record.append((time.monotonic(), c))
 
 
 def test_a_stopped_draft_never_stalls_a_stream(cluster):
     gw, procs, engine = cluster
-    client = openai.OpenAI(base_url=gw.base_url + "/v1", api_key="x", max_retries=0, timeout=120)
+    client = gw.openai(timeout=120)
     greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     want = {
         p: engine.generate(engine.tokenizer(p, add_special_tokens=False)["input_ids"], greedy, 0).text for p in PROMPTS
