@@ -69,17 +69,24 @@ async def _probe(*args: str, subprocess_: bool = False) -> tuple[int, str]:
     return code, buf.getvalue()
 
 
+async def _health_server(*serving: str) -> tuple[grpc.aio.Server, int, HealthServicer]:
+    """(server, port, health): a gRPC server on loopback with the health service alone, started, the
+    `serving` service names SERVING."""
+    server = grpc.aio.server()
+    health = HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    for name in serving:
+        await health.set(name, health_pb2.HealthCheckResponse.SERVING)
+    return server, port, health
+
+
 def test_healthcheck_cli_against_real_server():
     async def scenario():
-        server = grpc.aio.server()
-        health = HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(health, server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
+        server, port, health = await _health_server("", VERIFY_NAME)
         try:
             addr = f"127.0.0.1:{port}"
-            await health.set("", health_pb2.HealthCheckResponse.SERVING)
-            await health.set(VERIFY_NAME, health_pb2.HealthCheckResponse.SERVING)
             results = [
                 await _probe(addr, subprocess_=True),
                 await _probe(addr, "--service", VERIFY_NAME),
@@ -188,15 +195,6 @@ def test_healthcheck_auto_probes_the_service_pid_1_runs(tmp_path, clean_env):
     import http.server
     import threading
 
-    async def grpc_server():
-        server = grpc.aio.server()
-        health = HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(health, server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        await health.set(DRAFT_NAME, health_pb2.HealthCheckResponse.SERVING)
-        return server, port
-
     class Ready(http.server.BaseHTTPRequestHandler):
         status = 200
 
@@ -216,7 +214,7 @@ def test_healthcheck_auto_probes_the_service_pid_1_runs(tmp_path, clean_env):
         return healthcheck.check_auto(2.0, cmdline)[0]
 
     async def scenario():
-        server, port = await grpc_server()
+        server, port, _ = await _health_server(DRAFT_NAME)
         try:
             return [
                 await asyncio.to_thread(auto, "draft_service", "--port", str(port)),
