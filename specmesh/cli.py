@@ -15,13 +15,17 @@ reason rather than ignored.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shlex
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
+from specmesh.config import EnvArgumentParser, GatewayListen, Logging, add_config_flags, option, to_argv
 from specmesh.placement import add_thread_flags
+from specmesh.stack import StackPlan, StackSecurity, serve
 
 API_KEY_ENV = "SPECMESH_API_KEY"
 
@@ -37,154 +41,161 @@ REFUSED_ALGORITHMS = {
     "model (--speculative-draft-model-path) or --speculative-algorithm ngram",
     "lookahead": "use --speculative-algorithm ngram (prompt lookup)",
 }
+ROLES = {"verify": "verify_service", "draft": "draft_service", "gateway": "gateway"}  # role -> its module
 
 
 class UsageError(Exception):
     """A flag combination specmesh refuses: shown as one line, exit code 2."""
 
 
-def _serve_parser(sub) -> argparse.ArgumentParser:
-    ap = sub.add_parser(
-        "serve",
-        help="start verify, draft and gateway as separate processes and serve until Ctrl-C",
-        description="Start the verify service(s), the draft service(s) and the gateway as separate processes, wait "
-        "until all are healthy, print the endpoints, serve until Ctrl-C / SIGTERM (which stops them all). "
-        "SGLang's launcher spellings are accepted where they mean the same thing.",
-        allow_abbrev=False,
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+# --- `specmesh serve`'s flags, a dataclass per --help group ----------------------------------------------
+@dataclass(frozen=True)
+class ServeModels:
+    """The models and speculation, in SGLang's launcher's spellings too."""
+
+    model_path: str | None = option(
+        None, "target checkpoint directory (local HF)", type=str, aliases=("--model", "--target-model")
     )
-    m = ap.add_argument_group("models")
-    m.add_argument(
-        "--model-path", "--model", "--target-model", dest="model_path", help="target checkpoint directory (local HF)"
+    draft_model_path: str | None = option(
+        None,
+        "draft checkpoint directory (same tokenizer as the target)",
+        type=str,
+        name="--speculative-draft-model-path",
+        aliases=("--speculative-draft-model", "--draft-model-path", "--draft-model"),
     )
-    m.add_argument(
-        "--speculative-draft-model-path",
-        "--speculative-draft-model",
-        "--draft-model-path",
-        "--draft-model",
-        dest="draft_model_path",
-        help="draft checkpoint directory (same tokenizer as the target)",
-    )
-    m.add_argument(
-        "--speculative-algorithm",
-        type=str.lower,
-        default=None,
-        help="standalone (a draft model; SGLang's EAGLE, EAGLE3 and STANDALONE mean this here) or ngram (prompt "
+    speculative_algorithm: str | None = option(
+        None,
+        "standalone (a draft model; SGLang's EAGLE, EAGLE3 and STANDALONE mean this here) or ngram (prompt "
         "lookup, no draft model); default: standalone when a draft model is given",
+        type=str.lower,
     )
-    m.add_argument(
-        "--speculative-num-steps", type=int, default=None, help="most draft tokens per block, K (draft's default: 4)"
+    speculative_num_steps: int | None = option(None, "most draft tokens per block, K (draft's default: 4)", type=int)
+    speculative_num_draft_tokens: int | None = option(
+        None, "SGLang's chain spelling of K + 1 (draft tokens including the verified root)", type=int
     )
-    m.add_argument(
-        "--speculative-num-draft-tokens",
-        type=int,
-        default=None,
-        help="SGLang's chain spelling of K + 1 (draft tokens including the verified root)",
-    )
-    m.add_argument(
-        "--speculative-disable-by-batch-size",
-        type=int,
-        default=None,
-        help="vLLM: new requests decode target-only while more than this many run per verify replica (0 = never; "
+    speculative_disable_by_batch_size: int | None = option(
+        None,
+        "vLLM: new requests decode target-only while more than this many run per verify replica (0 = never; "
         "default: by device, see specmesh.placement)",
+        type=int,
     )
-    m.add_argument("--speculative-eagle-topk", type=int, default=None, help="SGLang's tree width: only 1 (a chain)")
-    m.add_argument(
-        "--served-model-name", "--model-name", dest="model_name", default="", help="the model id clients send"
+    speculative_eagle_topk: int | None = option(None, "SGLang's tree width: only 1 (a chain)", type=int)
+    model_name: str = option("", "the model id clients send", name="--served-model-name", aliases=("--model-name",))
+
+
+@dataclass(frozen=True)
+class ServeNetwork(GatewayListen):
+    """The gateway's addresses (its own flags) and the keys clients must send."""
+
+    api_key_file: str = option(
+        "", f"file with the API keys clients must send (one per line or comma-separated); or set {API_KEY_ENV}"
     )
-    n = ap.add_argument_group("network")
-    n.add_argument("--host", default="127.0.0.1", help="REST and gRPC address of the gateway (0.0.0.0: all)")
-    n.add_argument("--port", type=int, default=8000, help="REST port (OpenAI-compatible API)")
-    n.add_argument("--grpc-port", type=int, default=50070, help="gateway gRPC port (-1 = off)")
-    n.add_argument(
-        "--api-key-file",
-        default="",
-        help=f"file with the API keys clients must send (one per line or comma-separated); or set {API_KEY_ENV}",
-    )
-    n.add_argument("--api-key", default=None, help=argparse.SUPPRESS)  # refused: keys never go on a command line
-    r = ap.add_argument_group("placement")
-    r.add_argument("--verify-replicas", type=int, default=None, help="verify service processes (default 1)")
-    r.add_argument("--draft-replicas", type=int, default=None, help="draft service processes (default 1)")
-    r.add_argument("--dp-size", "--dp", dest="dp_size", type=int, default=None, help="SGLang: replicas of both")
-    r.add_argument("--tp-size", "--tp", dest="tp_size", type=int, default=1, help="SGLang: tensor parallelism (only 1)")
-    r.add_argument("--device", default=None, help="torch device of the models (default: cuda when available)")
-    r.add_argument("--draft-device", default=None, help="torch device of the draft, if not --device")
-    add_thread_flags(r)
-    s = ap.add_argument_group("service settings")
-    s.add_argument(
-        "--mem-fraction-static",
+
+
+@dataclass(frozen=True)
+class ServePlacement:
+    """How many processes of each service, and on what device."""
+
+    verify_replicas: int | None = option(None, "verify service processes (default 1)", type=int)
+    draft_replicas: int | None = option(None, "draft service processes (default 1)", type=int)
+    dp_size: int | None = option(None, "SGLang: replicas of both", type=int, aliases=("--dp",))
+    tp_size: int = option(1, "SGLang: tensor parallelism (only 1)", aliases=("--tp",))
+    device: str | None = option(None, "torch device of the models (default: cuda when available)", type=str)
+    draft_device: str | None = option(None, "torch device of the draft, if not --device", type=str)
+
+
+@dataclass(frozen=True)
+class ServeSettings(Logging):
+    """Every service's logging, and SGLang's names of service settings."""
+
+    mem_fraction_static: float | None = option(
+        None,
+        "SGLang: GPU memory fraction for weights + KV cache; here the verify service's KV budget (GPU only)",
         type=float,
-        default=None,
-        help="SGLang: GPU memory fraction for weights + KV cache; here the verify service's KV budget (GPU only)",
     )
-    s.add_argument("--context-length", type=int, default=None, help="SGLang: the verify service's --max-model-len")
-    s.add_argument("--max-running-requests", type=int, default=None, help="SGLang: the gateway's --max-concurrency")
-    s.add_argument("--random-seed", type=int, default=None, help="SGLang: the verify service's --seed")
-    s.add_argument("--log-level", default=None, help="logging level of every service")
-    for role in ("verify", "draft", "gateway"):
-        s.add_argument(
-            f"--{role}-arg",
-            dest=f"{role}_args",
-            action="append",
-            default=[],
-            metavar="FLAG",
-            help=f"a flag for the {role} service, passed through (repeatable): --{role}-arg=--flag=value "
-            f"(`python -m {role}{'_service' if role != 'gateway' else ''} --help` lists them)",
-        )
-    o = ap.add_argument_group("launcher")
-    o.add_argument(
-        "--first-request",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="send one request once up and show its answer",
-    )
-    o.add_argument("--smoke", action="store_true", help="stop again after the first answer (CI)")
-    o.add_argument("--startup-timeout-s", type=float, default=600.0, help="longest a service may take to start")
-    return ap
+    context_length: int | None = option(None, "SGLang: the verify service's --max-model-len", type=int)
+    max_running_requests: int | None = option(None, "SGLang: the gateway's --max-concurrency", type=int)
+    random_seed: int | None = option(None, "SGLang: the verify service's --seed", type=int)
 
 
-def _profile_parser(sub) -> argparse.ArgumentParser:
-    ap = sub.add_parser(
-        "profile",
-        help="drive a workload through a running stack and write an optimization report",
-        description="Drive a workload through a running stack's REST API at each concurrency, read the services' "
-        "/metrics and every response's speculation stats, and write report.md and report.html (with PNG plots) "
-        "ending with ranked recommendations.",
-        allow_abbrev=False,
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    ap.add_argument("--url", default="http://127.0.0.1:8000", help="the gateway's REST address")
-    ap.add_argument(
-        "--duration", type=float, default=60.0, help="seconds of workload in all (split over the concurrencies)"
-    )
-    ap.add_argument("--concurrency", default="1,4,16", help="comma-separated numbers of concurrent streams")
-    ap.add_argument("--prompts", default="", help="prompts file: one per line, or JSONL with a 'prompt' field")
-    ap.add_argument("--out", default="profile-report", help="directory for report.md, report.html and the plots")
-    ap.add_argument("--max-tokens", type=int, default=64, help="tokens per request")
-    ap.add_argument("--model", default="", help="model id to send (default: the gateway's first model)")
-    ap.add_argument(
-        "--metrics-url",
-        action="append",
-        default=[],
-        metavar="ROLE=URL",
-        help="a service's /metrics (verify=URL, draft=URL, gateway=URL; repeatable); default: the stack's own "
-        "record when `specmesh serve` runs it on this machine",
-    )
-    ap.add_argument(
-        "--baseline",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="also measure target-only decoding (num_speculative_tokens 0) for the speedup",
-    )
-    ap.add_argument("--api-key-file", default="", help=f"file with an API key to send; or set {API_KEY_ENV}")
-    return ap
+@dataclass(frozen=True)
+class ServeLauncher:
+    """The launcher's own behaviour."""
+
+    first_request: bool = option(True, "send one request once up and show its answer")
+    smoke: bool = option(False, "stop again after the first answer (CI)")
+    startup_timeout_s: float = option(600.0, "longest a service may take to start")
+
+
+# --- `specmesh profile`'s flags ---------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ProfileFlags:
+    url: str = option("http://127.0.0.1:8000", "the gateway's REST address")
+    duration: float = option(60.0, "seconds of workload in all (split over the concurrencies)")
+    concurrency: str = option("1,4,16", "comma-separated numbers of concurrent streams")
+    prompts: str = option("", "prompts file: one per line, or JSONL with a 'prompt' field")
+    out: str = option("profile-report", "directory for report.md, report.html and the plots")
+    max_tokens: int = option(64, "tokens per request")
+    model: str = option("", "model id to send (default: the gateway's first model)")
+    baseline: bool = option(True, "also measure target-only decoding (num_speculative_tokens 0) for the speedup")
+    api_key_file: str = option("", f"file with an API key to send; or set {API_KEY_ENV}")
+
+
+def _repeatable(ap, name: str, metavar: str, help: str, dest: str | None = None) -> None:
+    """A flag given any number of times, collected in a list."""
+    ap.add_argument(name, action="append", default=[], metavar=metavar, dest=dest, help=help)
+
+
+SERVE_GROUPS = (
+    ("models", ServeModels),
+    ("network", ServeNetwork),
+    ("security", StackSecurity),
+    ("placement", ServePlacement),
+    ("service settings", ServeSettings),
+    ("launcher", ServeLauncher),
+)
+
+
+def _serve_parser(ap: EnvArgumentParser) -> None:
+    groups = {}
+    for title, flags in SERVE_GROUPS:
+        groups[title] = ap.add_argument_group(title)
+        add_config_flags(ap, flags, groups[title])
+    groups["network"].add_argument("--api-key", default=None, help=argparse.SUPPRESS)  # refused: see plan_from_args
+    add_thread_flags(groups["placement"])
+    for role, module in ROLES.items():
+        help = f"a flag for the {role} service, passed through (repeatable): --{role}-arg=--flag=value "
+        help += f"(`python -m {module} --help` lists them)"
+        _repeatable(groups["service settings"], f"--{role}-arg", "FLAG", help, dest=f"{role}_args")
 
 
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="specmesh", description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    sub = ap.add_subparsers(dest="command", required=True)
-    _serve_parser(sub)
-    _profile_parser(sub)
+    sub = ap.add_subparsers(dest="command", required=True, parser_class=EnvArgumentParser)
+    for name, help, description in (
+        (
+            "serve",
+            "start verify, draft and gateway as separate processes and serve until Ctrl-C",
+            "Start the verify service(s), the draft service(s) and the gateway as separate processes, wait until "
+            "all are healthy, print the endpoints, serve until Ctrl-C / SIGTERM (which stops them all). SGLang's "
+            "launcher spellings are accepted where they mean the same thing.",
+        ),
+        (
+            "profile",
+            "drive a workload through a running stack and write an optimization report",
+            "Drive a workload through a running stack's REST API at each concurrency, read the services' /metrics "
+            "and every response's speculation stats, and write report.md and report.html (with PNG plots) ending "
+            "with ranked recommendations.",
+        ),
+    ):
+        command = sub.add_parser(name, help=help, description=description, allow_abbrev=False, env_prefix=None)
+        if name == "serve":
+            _serve_parser(command)
+        else:
+            add_config_flags(command, ProfileFlags)
+            metrics_help = "a service's /metrics (verify=URL, draft=URL, gateway=URL; repeatable); default: the "
+            metrics_help += "stack's own record when `specmesh serve` runs it on this machine"
+            _repeatable(command, "--metrics-url", "ROLE=URL", metrics_help)
     return ap
 
 
@@ -248,10 +259,8 @@ def _kv_budget_mb(fraction: float, plan, target: str) -> int:
     return budget
 
 
-def plan_from_args(a: argparse.Namespace):
+def plan_from_args(a: argparse.Namespace) -> StackPlan:
     """The launcher's StackPlan from `serve`'s flags, SGLang's spellings mapped, the unsupported refused."""
-    from specmesh.stack import StackPlan
-
     if a.api_key is not None:
         raise UsageError(
             f"--api-key on the command line is visible to every user of this machine (ps): put the keys in a file "
@@ -259,24 +268,59 @@ def plan_from_args(a: argparse.Namespace):
         )
     if not a.model_path:
         raise UsageError("--model-path DIR (the target model) is required")
-    algorithm_name = a.speculative_algorithm or ("standalone" if a.draft_model_path else "")
-    if algorithm_name in REFUSED_ALGORITHMS:
-        raise UsageError(f"--speculative-algorithm {algorithm_name.upper()}: {REFUSED_ALGORITHMS[algorithm_name]}")
-    if algorithm_name and algorithm_name not in ALGORITHMS:
-        raise UsageError(
-            f"--speculative-algorithm {algorithm_name}: not one of {', '.join(sorted(ALGORITHMS))} (case-insensitive)"
-        )
-    algorithm = ALGORITHMS.get(algorithm_name, "")
-    if not algorithm:
-        raise UsageError("a draft is needed: --speculative-draft-model-path DIR, or --speculative-algorithm ngram")
-    if algorithm == "standalone" and a.draft_model_path:
-        _check_draft_kind(a.draft_model_path, algorithm_name)
+    algorithm = _algorithm(a)
     if a.tp_size != 1:
         raise UsageError(
             f"--tp-size {a.tp_size}: specmesh runs each model on one device; scale out with --verify-replicas N"
         )
     if a.speculative_eagle_topk not in (None, 1):
         raise UsageError(f"--speculative-eagle-topk {a.speculative_eagle_topk}: specmesh drafts a chain (topk 1)")
+    if a.speculative_disable_by_batch_size is not None and a.speculative_disable_by_batch_size < 0:
+        raise UsageError(f"--speculative-disable-by-batch-size {a.speculative_disable_by_batch_size}: must be >= 0")
+    decided = dict(
+        target=a.model_path,
+        draft=a.draft_model_path if algorithm == "standalone" else None,
+        algorithm=algorithm,
+        num_steps=_num_steps(a),
+        verify_replicas=a.verify_replicas or a.dp_size or 1,
+        draft_replicas=a.draft_replicas or a.dp_size or 1,
+        api_keys=read_api_keys(a.api_key_file),
+        security=StackSecurity(**_same_names(a, StackSecurity)),
+    )
+    plan = StackPlan(**{**_same_names(a, StackPlan), **decided, **_service_args(a)})
+    if a.mem_fraction_static is not None:
+        budget = {"kv_cache_budget_mb": _kv_budget_mb(a.mem_fraction_static, plan, a.model_path)}
+        plan.verify_args[:0] = to_argv(budget)
+    return plan
+
+
+def _same_names(a: argparse.Namespace, config_type) -> dict:
+    """The flags of `a` that are fields of `config_type` by the same name (the launcher's plan takes those as
+    given: --host, --port, --device, --smoke, ...)."""
+    return {f.name: getattr(a, f.name) for f in dataclasses.fields(config_type) if hasattr(a, f.name)}
+
+
+def _algorithm(a: argparse.Namespace) -> str:
+    """The draft service's algorithm for SGLang's name (or none: a draft model means standalone)."""
+    name = a.speculative_algorithm or ("standalone" if a.draft_model_path else "")
+    if name in REFUSED_ALGORITHMS:
+        raise UsageError(f"--speculative-algorithm {name.upper()}: {REFUSED_ALGORITHMS[name]}")
+    if name and name not in ALGORITHMS:
+        raise UsageError(
+            f"--speculative-algorithm {name}: not one of {', '.join(sorted(ALGORITHMS))} (case-insensitive)"
+        )
+    algorithm = ALGORITHMS.get(name, "")
+    if not algorithm:
+        raise UsageError("a draft is needed: --speculative-draft-model-path DIR, or --speculative-algorithm ngram")
+    if algorithm == "standalone" and a.draft_model_path:
+        _check_draft_kind(a.draft_model_path, name)
+    if algorithm == "ngram" and a.draft_model_path:
+        raise UsageError("--speculative-algorithm ngram drafts from the prompt: give no draft model")
+    return algorithm
+
+
+def _num_steps(a: argparse.Namespace) -> int | None:
+    """K, from --speculative-num-steps or SGLang's --speculative-num-draft-tokens (K + 1)."""
     k = a.speculative_num_steps
     if a.speculative_num_draft_tokens is not None:
         from_tokens = a.speculative_num_draft_tokens - 1
@@ -288,58 +332,27 @@ def plan_from_args(a: argparse.Namespace):
         k = from_tokens
     if k is not None and not 0 <= k <= 32:
         raise UsageError(f"--speculative-num-steps {k}: must be in [0, 32]")
-    verify_replicas = a.verify_replicas or a.dp_size or 1
-    draft_replicas = a.draft_replicas or a.dp_size or 1
-    verify_args, draft_args, gateway_args = _split(a.verify_args), _split(a.draft_args), _split(a.gateway_args)
-    if a.log_level:
-        for args in (verify_args, draft_args, gateway_args):
-            args[:0] = ["--log-level", a.log_level]
-    if a.context_length is not None:
-        verify_args[:0] = ["--max-model-len", str(a.context_length)]
-    if a.random_seed is not None:
-        verify_args[:0] = ["--seed", str(a.random_seed)]
-    if a.max_running_requests is not None:
-        gateway_args[:0] = ["--max-concurrency", str(a.max_running_requests)]
-    if a.speculative_disable_by_batch_size is not None:
-        if a.speculative_disable_by_batch_size < 0:
-            raise UsageError(f"--speculative-disable-by-batch-size {a.speculative_disable_by_batch_size}: must be >= 0")
-        gateway_args[:0] = ["--speculative-disable-by-batch-size", str(a.speculative_disable_by_batch_size)]
-    plan = StackPlan(
-        target=a.model_path,
-        draft=a.draft_model_path if algorithm == "standalone" else None,
-        algorithm=algorithm,
-        num_steps=k,
-        host=a.host,
-        port=a.port,
-        grpc_port=a.grpc_port,
-        verify_replicas=verify_replicas,
-        draft_replicas=draft_replicas,
-        device=a.device,
-        draft_device=a.draft_device,
-        model_name=a.model_name,
-        api_keys=read_api_keys(a.api_key_file),
-        verify_args=verify_args,
-        draft_args=draft_args,
-        gateway_args=gateway_args,
-        verify_threads=a.verify_threads,
-        draft_threads=a.draft_threads,
-        first_request=a.first_request,
-        smoke=a.smoke,
-        startup_timeout_s=a.startup_timeout_s,
-    )
-    if algorithm == "ngram" and a.draft_model_path:
-        raise UsageError("--speculative-algorithm ngram drafts from the prompt: give no draft model")
-    if a.mem_fraction_static is not None:
-        plan.verify_args[:0] = ["--kv-cache-budget-mb", str(_kv_budget_mb(a.mem_fraction_static, plan, a.model_path))]
-    return plan
+    return k
+
+
+def _service_args(a: argparse.Namespace) -> dict[str, list[str]]:
+    """Each service's flags from `serve`'s: logging for all three, SGLang's service settings under the
+    services' own names, then what --<role>-arg passes through (last, so it wins)."""
+    log = to_argv(Logging(a.log_level, a.log_format))
+    verify = {"seed": a.random_seed, "max_model_len": a.context_length}
+    gateway = {"max_concurrency": a.max_running_requests}
+    gateway["speculative_disable_by_batch_size"] = a.speculative_disable_by_batch_size
+    return {
+        "verify_args": log + to_argv(verify) + _split(a.verify_args),
+        "draft_args": log + _split(a.draft_args),
+        "gateway_args": log + to_argv(gateway) + _split(a.gateway_args),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
         if args.command == "serve":
-            from specmesh.stack import serve
-
             return serve(plan_from_args(args))
         from specmesh.profile import run_profile
 

@@ -98,13 +98,16 @@ class EnvArgumentParser(argparse.ArgumentParser):
             setattr(ns, dest, os.environ.get(env, ""))
         return ns, rest
 
-    def flag(self, name: str, *, type=str, default=None, help: str, choices=None, required: bool = False):
+    def flag(self, name: str, *, type=str, default=None, help: str, choices=None, required: bool = False, **kw):
+        """An option whose default the environment may set; `kw`: more of add_argument's (dest), `aliases`
+        (other names) and `group` (the argument group that shows it)."""
         env = _env_name(self.env_prefix, name) if self.env_prefix is not None else None
         raw = os.environ.get(env) if env else None
         help = f"{help} [env {env}]" if env else help
+        names, into = (name, *kw.pop("aliases", ())), kw.pop("group", None) or self
         if type is bool:
             value = _parse_bool(raw) if raw is not None else bool(default)
-            self.add_argument(name, action=argparse.BooleanOptionalAction, default=value, help=help)
+            into.add_argument(*names, action=argparse.BooleanOptionalAction, default=value, help=help, **kw)
             return
         if raw is not None:
             try:
@@ -112,7 +115,7 @@ class EnvArgumentParser(argparse.ArgumentParser):
             except ValueError as e:
                 raise SystemExit(f"{env}={raw!r}: {e}") from None
             required = False
-        self.add_argument(name, type=type, default=default, choices=choices, required=required, help=help)
+        into.add_argument(*names, type=type, default=default, choices=choices, required=required, help=help, **kw)
 
 
 # --- flags declared by config fields ------------------------------------------------------------------------
@@ -125,13 +128,14 @@ class Option:
     type: Callable | None = None  # what parses the flag's text; default: the type of the default
     flag_default: Any = FIELD_DEFAULT  # the flag's, where it is not the field's (code that builds the config gets that)
     required: bool = False
+    name: str = ""  # the flag's name, where it is not the field's (`--served-model-name` for model_name)
+    aliases: tuple[str, ...] = ()  # other names it is accepted by (SGLang's spellings)
 
 
-def option(default: Any, help: str, *, choices: Sequence | None = None, type: Callable | None = None,
-           flag_default: Any = FIELD_DEFAULT, required: bool = False) -> Any:  # fmt: skip
-    """A config field that is also a command-line flag (`add_config_flags`): `field = option(4, "what it is")`."""
-    meta = Option(help, tuple(choices) if choices is not None else None, type, flag_default, required)
-    return field(default=default, metadata={FLAG: meta})
+def option(default: Any, help: str, *, choices: Sequence | None = None, **kw) -> Any:
+    """A config field that is also a command-line flag (`add_config_flags`): `field = option(4, "what it is")`;
+    `kw`: the rest of Option (type, flag_default, required, name, aliases)."""
+    return field(default=default, metadata={FLAG: Option(help, tuple(choices) if choices is not None else None, **kw)})
 
 
 def flag_fields(config: Any) -> list[dataclasses.Field]:
@@ -140,7 +144,12 @@ def flag_fields(config: Any) -> list[dataclasses.Field]:
 
 
 def flag_name(field_name: str) -> str:
+    """The flag of a field by the convention every config follows (`max_sessions`: --max-sessions)."""
     return "--" + field_name.replace("_", "-")
+
+
+def _flag_of(f: dataclasses.Field) -> str:
+    return f.metadata[FLAG].name or flag_name(f.name)
 
 
 def flag_default(f: dataclasses.Field) -> Any:
@@ -148,9 +157,10 @@ def flag_default(f: dataclasses.Field) -> Any:
     return f.default if opt.flag_default is FIELD_DEFAULT else opt.flag_default
 
 
-def add_config_flags(ap: EnvArgumentParser, config_type: type) -> None:
+def add_config_flags(ap: EnvArgumentParser, config_type: type, group: argparse._ArgumentGroup | None = None) -> None:
     """A flag for every field of `config_type` that `option` declares, in field order, with the field's
-    default (or the flag's own) and that default's type. A tuple is one comma-separated flag."""
+    default (or the flag's own) and that default's type. A tuple is one comma-separated flag. `group`: the
+    argument group of `ap` that shows them."""
     for f in flag_fields(config_type):
         opt: Option = f.metadata[FLAG]
         default = flag_default(f)
@@ -158,7 +168,8 @@ def add_config_flags(ap: EnvArgumentParser, config_type: type) -> None:
         if isinstance(default, tuple):
             default = ",".join(default)  # argparse parses a string default with `parse`, as it will the flag
         choices = list(opt.choices) if opt.choices is not None else None
-        ap.flag(flag_name(f.name), type=parse, default=default, help=opt.help, choices=choices, required=opt.required)
+        kw = dict(help=opt.help, choices=choices, required=opt.required, dest=f.name, aliases=opt.aliases, group=group)
+        ap.flag(_flag_of(f), type=parse, default=default, **kw)
 
 
 def parse_config(ap: EnvArgumentParser, config_type: Callable[..., ConfigT], argv=None) -> tuple[ConfigT, dict]:
@@ -178,20 +189,20 @@ def to_argv(config: Any) -> list[str]:
     values (some of a config's fields, from a launcher that cannot import the config's class) renders
     every value but None. Booleans are `--x` / `--no-x`, tuples comma-separated."""
     if isinstance(config, Mapping):
-        items = [(name, value) for name, value in config.items() if value is not None]
+        items = [(flag_name(name), value) for name, value in config.items() if value is not None]
     else:
-        values = [(f.name, getattr(config, f.name), flag_default(f)) for f in flag_fields(config)]
+        values = [(_flag_of(f), getattr(config, f.name), flag_default(f)) for f in flag_fields(config)]
         items = [(name, value) for name, value, default in values if value != default]
     argv: list[str] = []
     for name, value in items:
         if value is None:
-            raise ValueError(f"{flag_name(name)}: None cannot be written as a flag (its default is not None)")
+            raise ValueError(f"{name}: None cannot be written as a flag (its default is not None)")
         if isinstance(value, bool):
-            argv.append(flag_name(name) if value else "--no-" + flag_name(name)[2:])
+            argv.append(name if value else "--no-" + name[2:])
         elif isinstance(value, (tuple, list)):
-            argv += [flag_name(name), ",".join(map(str, value))]
+            argv += [name, ",".join(map(str, value))]
         else:
-            argv += [flag_name(name), str(value)]
+            argv += [name, str(value)]
     return argv
 
 

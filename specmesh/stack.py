@@ -28,6 +28,7 @@ import os
 import re
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -39,8 +40,11 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import NoReturn
 
+from specmesh.config import GatewayListen, option, to_argv
 from specmesh.placement import cores, pipeline_pays, service_threads, speculation_batch_limit
+from specmesh.security import TLSConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 DEMO = ROOT / "models" / "demo"
@@ -81,6 +85,40 @@ def stack_file(port: int) -> Path:
 
 
 # --- the set-up -------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class StackSecurity:
+    """TLS and the service key on every hop of the stack: `specmesh serve`'s flags, named as each service names
+    its own. Each service gets them as docker-compose.tls.yml sets them: the draft and verify services serve
+    TLS with the certificate and present it when they dial (mTLS with --tls-client-auth), the gateway serves
+    its REST and gRPC fronts with it and dials the replicas with it (--upstream-tls-*)."""
+
+    tls_cert: str = option(
+        "",
+        "PEM certificate (chain) of every service: served on each gRPC port and on the gateway's REST port "
+        "(HTTPS), and presented as the client certificate on every hop between them",
+    )
+    tls_key: str = option("", "PEM private key of --tls-cert")
+    tls_ca: str = option("", "PEM CA bundle that verifies the services (and, with --tls-client-auth, their callers)")
+    tls_client_auth: bool = option(
+        False, "the draft and verify services require a client certificate signed by --tls-ca (mTLS)"
+    )
+    tls_server_name: str = option(
+        "",
+        "name the services' certificates must carry (default: the address dialed, 127.0.0.1)",
+    )
+    service_key_file: str = option(
+        "",
+        "file of shared service keys, one a line: the draft and verify services demand one, the gateway and the "
+        "draft present the first (or set SPECMESH_<SERVICE>_SERVICE_KEY for each)",
+    )
+
+    def check(self) -> None:
+        """ValueError naming the flag when the TLS files do not make a set-up the services would take."""
+        if self.tls_ca and not self.tls_cert:
+            raise ValueError("--tls-ca without --tls-cert: the services would serve plaintext")
+        TLSConfig(self.tls_cert, self.tls_key, self.tls_ca, self.tls_client_auth, self.tls_server_name)
+
+
 @dataclass
 class StackPlan:
     """Everything the launcher starts, decided before any process runs (specmesh.cli builds it)."""
@@ -98,6 +136,7 @@ class StackPlan:
     draft_device: str | None = None
     model_name: str = ""
     api_keys: str = ""  # comma-separated; given to the gateway in its environment, never on a command line
+    # Each service's flags beyond what the launcher decides itself, after those (so they win).
     verify_args: list[str] = field(default_factory=list)
     draft_args: list[str] = field(default_factory=list)
     gateway_args: list[str] = field(default_factory=list)
@@ -106,12 +145,17 @@ class StackPlan:
     first_request: bool = True
     smoke: bool = False
     startup_timeout_s: float = 600.0
+    security: StackSecurity = field(default_factory=StackSecurity)
 
     def public(self) -> dict:
         """The plan as recorded in the stack file and shown to the profiler (no keys)."""
         d = asdict(self)
         d["api_keys"] = bool(self.api_keys)
         return d
+
+    @property
+    def scheme(self) -> str:
+        return "https" if self.security.tls_cert else "http"
 
 
 def check_model_dir(flag: str, path: str) -> dict:
@@ -185,6 +229,10 @@ def preflight(plan: StackPlan) -> None:
         check_vocabularies(plan.target, target_config, plan.draft, draft_config)
     if plan.verify_replicas < 1 or plan.draft_replicas < 1:
         raise LaunchError("--verify-replicas and --draft-replicas must be at least 1")
+    try:
+        plan.security.check()
+    except ValueError as e:
+        raise LaunchError(str(e)) from None
     ports = [("--port", plan.port)] + ([("--grpc-port", plan.grpc_port)] if plan.grpc_port >= 0 else [])
     if plan.grpc_port == plan.port:
         raise LaunchError(f"--port and --grpc-port are both {plan.port}")
@@ -326,7 +374,34 @@ def wait_healthy(url: str, timeout: float = 60) -> None:
     raise RuntimeError(f"{url} did not become healthy")
 
 
-def replicas_healthy(base: str, expected: int, timeout: float, group: ProcessGroup) -> None:
+class Client:
+    """The launcher's own requests to its gateway: over TLS with the stack's CA and certificate when it has
+    them (the gateway may ask for a client certificate), with an API key when the stack has keys."""
+
+    def __init__(self, plan: StackPlan):
+        sec = plan.security
+        self.headers = {"authorization": f"Bearer {plan.api_keys.split(',')[0]}"} if plan.api_keys else {}
+        handlers = []
+        if sec.tls_cert:
+            context = ssl.create_default_context(cafile=sec.tls_ca or None)
+            context.load_cert_chain(sec.tls_cert, sec.tls_key)
+            # The launcher dials its gateway by address on loopback, where a certificate made for the services'
+            # name (--tls-server-name) does not match; the chain is still verified against the CA.
+            context.check_hostname = not sec.tls_server_name
+            handlers.append(urllib.request.HTTPSHandler(context=context))
+        self.opener = urllib.request.build_opener(*handlers)
+
+    def get(self, url: str, timeout: float) -> bytes:
+        with self.opener.open(urllib.request.Request(url, headers=self.headers), timeout=timeout) as r:
+            return r.read()
+
+    def post(self, url: str, body: dict, timeout: float) -> dict:
+        headers = {"content-type": "application/json", **self.headers}
+        with self.opener.open(urllib.request.Request(url, json.dumps(body).encode(), headers), timeout=timeout) as r:
+            return json.loads(r.read())
+
+
+def replicas_healthy(base: str, expected: int, timeout: float, group: ProcessGroup, client: Client) -> None:
     """Wait until the gateway counts every verify and draft replica healthy (its own health checks)."""
     end = time.monotonic() + timeout
     healthy = 0
@@ -335,8 +410,7 @@ def replicas_healthy(base: str, expected: int, timeout: float, group: ProcessGro
         if dead is not None:
             raise LaunchError(f"{dead.name} exited with code {dead.proc.returncode}: {dead.failure()}")
         try:
-            with urllib.request.urlopen(base + "/metrics", timeout=2) as r:
-                text = r.read().decode()
+            text = client.get(base + "/metrics", timeout=2).decode()
             healthy = len(re.findall(r"^specmesh_gateway_replica_healthy\{[^}]*\} 1\.0$", text, re.M))
             if healthy >= expected:
                 return
@@ -346,15 +420,13 @@ def replicas_healthy(base: str, expected: int, timeout: float, group: ProcessGro
     raise LaunchError(f"only {healthy} of {expected} replicas became healthy within {timeout:.0f} s")
 
 
-def first_request(base: str, model: str, headers: dict, tries: int = 3) -> dict:
+def first_request(base: str, model: str, client: Client, tries: int = 3) -> dict:
     """One completion. A 503 is retried: on a busy machine the very first round (one-off warm-up costs) can
     be slow enough for the gateway to take a replica out for a moment."""
-    body = json.dumps({"model": model, "prompt": "def fibonacci(n):\n", "max_tokens": 48, "temperature": 0}).encode()
-    req = urllib.request.Request(base + "/v1/completions", body, {"content-type": "application/json", **headers})
+    body = {"model": model, "prompt": "def fibonacci(n):\n", "max_tokens": 48, "temperature": 0}
     for attempt in range(tries):
         try:
-            with urllib.request.urlopen(req, timeout=300) as r:
-                return json.loads(r.read())
+            return client.post(base + "/v1/completions", body, timeout=300)
         except urllib.error.HTTPError as e:
             if e.code != 503 or attempt == tries - 1:
                 raise
@@ -362,31 +434,84 @@ def first_request(base: str, model: str, headers: dict, tries: int = 3) -> dict:
     raise AssertionError("unreachable")
 
 
-# --- the stack --------------------------------------------------------------------------------------------
-def _thread_flags(plan: StackPlan) -> tuple[list[str], list[str]]:
-    """Torch threads per process (specmesh.placement), shared out among replicas on the CPU."""
+# --- each service's command line --------------------------------------------------------------------------
+# The model services are the gateway's backends: loopback only, whatever --host opens the gateway to, on any
+# free ports (printed), so that stacks can share a machine.
+BACKEND = {"host": "127.0.0.1", "port": 0, "metrics_port": 0}
+SPECULATION_LIMIT = "--speculative-disable-by-batch-size"
+
+
+def verify_argv(plan: StackPlan) -> list[str]:
+    """A verify replica's flags: what the launcher decides, then the stack's security, then --verify-arg's."""
+    settings = {"model_path": plan.target, **BACKEND, "device": plan.device, **_threads(plan)[0]}
+    return to_argv(settings) + security_argv(plan.security, "verify") + plan.verify_args
+
+
+def draft_argv(plan: StackPlan, verify: str, verifies: list[str]) -> list[str]:
+    """Draft replica's flags, pointed at `verify` and allowed to dial every one of `verifies` (the gateway
+    names the verify replica of each session)."""
+    settings = {
+        "model_path": plan.draft,
+        "speculative_algorithm": plan.algorithm,
+        "speculative_num_steps": plan.num_steps,
+        "verify_address": verify,
+        "verify_allow": tuple(verifies),
+        **BACKEND,
+        "device": (plan.draft_device or plan.device) if plan.draft else None,
+        **_threads(plan)[1],
+        "speculative_disable_by_batch_size": None if _has(plan.draft_args, SPECULATION_LIMIT) else _limit(plan),
+    }
+    return to_argv(settings) + security_argv(plan.security, "draft") + plan.draft_args
+
+
+def gateway_argv(plan: StackPlan, verifies: list[str], drafts: list[str]) -> list[str]:
+    """The gateway's flags: where it listens, its replicas, the target's tokenizer and name."""
+    settings = {
+        **asdict(GatewayListen(plan.host, plan.port, plan.grpc_port)),
+        "verify": tuple(verifies),
+        "draft": tuple(drafts),
+        "tokenizer_path": plan.target,
+        "model_name": model_name(plan),
+        "speculative_disable_by_batch_size": None if _has(plan.gateway_args, SPECULATION_LIMIT) else _limit(plan),
+    }
+    return to_argv(settings) + security_argv(plan.security, "gateway") + plan.gateway_args
+
+
+def security_argv(security: StackSecurity, role: str) -> list[str]:
+    """A service's TLS and service-key flags, from the stack's: the gateway serves its fronts with the
+    certificate and dials the replicas with it (--upstream-tls-*); the model services serve it and present it
+    when they dial (the draft)."""
+    files = {"tls_cert": security.tls_cert, "tls_key": security.tls_key, "tls_ca": security.tls_ca}
+    if role == "gateway":
+        upstream = {f"upstream_{k}": v for k, v in files.items()}
+        settings = {**files, **upstream, "upstream_tls_server_name": security.tls_server_name}
+    else:
+        settings = {**files, "tls_client_auth": security.tls_client_auth}
+        settings["tls_server_name"] = security.tls_server_name if role == "draft" else ""  # verify dials nothing
+    settings["service_key_file"] = security.service_key_file
+    return to_argv({k: v for k, v in settings.items() if v})
+
+
+def model_name(plan: StackPlan) -> str:
+    return plan.model_name or Path(plan.target).name
+
+
+def _threads(plan: StackPlan) -> tuple[dict, dict]:
+    """Torch threads per process (specmesh.placement), shared out among replicas on the CPU; the draft's are
+    left to it, and so is pipelining, when --draft-arg gives its threads."""
     n_verify = plan.verify_threads or max(1, service_threads("verify") // plan.verify_replicas)
     n_draft = plan.draft_threads or max(1, service_threads("draft") // plan.draft_replicas)
     on_cpu = not _cuda_available(plan.device)
     busy = n_verify * plan.verify_replicas if on_cpu else 0
-    pipeline = pipeline_pays(busy, n_draft * plan.draft_replicas)
-    return ["--threads", str(n_verify)], ["--threads", str(n_draft), "--pipeline" if pipeline else "--no-pipeline"]
+    draft = {"threads": n_draft, "pipeline": pipeline_pays(busy, n_draft * plan.draft_replicas)}
+    return {"threads": n_verify}, {} if _has(plan.draft_args, "--threads") else draft
 
 
-def _speculation_limit(plan: StackPlan) -> list[str]:
-    """The gateway's --speculative-disable-by-batch-size for the verify service's device, unless given."""
-    if _has(plan.gateway_args, "--speculative-disable-by-batch-size"):
-        return []
-    return ["--speculative-disable-by-batch-size", str(speculation_batch_limit(_cuda_available(plan.device)))]
-
-
-def _draft_speculation_limit(plan: StackPlan) -> list[str]:
-    """The draft's per-round side of the same limit: the gateway's value, as given or by device."""
-    if _has(plan.draft_args, "--speculative-disable-by-batch-size"):
-        return []
-    given = _flag_value(plan.gateway_args, "--speculative-disable-by-batch-size")
-    value = given if given is not None else str(speculation_batch_limit(_cuda_available(plan.device)))
-    return ["--speculative-disable-by-batch-size", value]
+def _limit(plan: StackPlan) -> int:
+    """--speculative-disable-by-batch-size of the gateway and (per round) the draft: as given to the gateway,
+    else by the verify service's device."""
+    given = _flag_value(plan.gateway_args, SPECULATION_LIMIT)
+    return int(given) if given is not None else speculation_batch_limit(_cuda_available(plan.device))
 
 
 def _flag_value(args: list[str], flag: str) -> str | None:
@@ -414,103 +539,44 @@ def _has(args: list[str], flag: str) -> bool:
     return any(a == flag or a.startswith(flag + "=") for a in args)
 
 
-def launch(plan: StackPlan, group: ProcessGroup) -> dict:
+# --- the stack --------------------------------------------------------------------------------------------
+def launch(plan: StackPlan, group: ProcessGroup, client: Client) -> dict:
     """Start every process and wait until the stack answers; returns the stack's record (stack_file)."""
-    # The model services are the gateway's backends: loopback only, whatever --host opens the gateway to, on
-    # any free ports (printed), so that stacks can share a machine.
-    common = ["--host", "127.0.0.1", "--port", "0", "--metrics-port", "0"]
-    verify_threads, draft_threads = _thread_flags(plan)
-    device = ["--device", plan.device] if plan.device else []
-    draft_device = plan.draft_device or plan.device
-    verifies = [
-        group.spawn(
-            f"verify-{i}",
-            "verify",
-            "verify_service",
-            ["--model-path", plan.target, *common, *device, *verify_threads, *plan.verify_args],
-        )
-        for i in range(plan.verify_replicas)
-    ]
+    spawn = lambda role, i, argv, **kw: group.spawn(f"{role}-{i}", role, f"{role}_service", argv, **kw)
+    verifies = [spawn("verify", i, verify_argv(plan)) for i in range(plan.verify_replicas)]
     group.wait_ready(verifies, plan.startup_timeout_s)
-    draft_model = ["--model-path", plan.draft] if plan.draft else []
-    k = ["--speculative-num-steps", str(plan.num_steps)] if plan.num_steps is not None else []
-    threads = [] if _has(plan.draft_args, "--threads") else draft_threads
+    addresses = [v.address for v in verifies]
     drafts = [
-        group.spawn(
-            f"draft-{i}",
-            "draft",
-            "draft_service",
-            [
-                *draft_model,
-                "--speculative-algorithm",
-                plan.algorithm,
-                *k,
-                "--verify-address",
-                verifies[i % len(verifies)].address,
-                # the gateway names the replica of each session: the draft may dial every one of them
-                "--verify-allow",
-                ",".join(v.address for v in verifies),
-                *common,
-                *(["--device", draft_device] if draft_device and plan.draft else []),
-                *threads,
-                *_draft_speculation_limit(plan),
-                *plan.draft_args,
-            ],
-        )
+        spawn("draft", i, draft_argv(plan, addresses[i % len(addresses)], addresses))
         for i in range(plan.draft_replicas)
     ]
     group.wait_ready(drafts, plan.startup_timeout_s)
-    name = plan.model_name or Path(plan.target).name
     gateway_env = {"SPECMESH_GATEWAY_API_KEY": plan.api_keys} if plan.api_keys else {}
-    gateway = group.spawn(
-        "gateway",
-        "gateway",
-        "gateway",
-        [
-            "--host",
-            plan.host,
-            "--port",
-            str(plan.port),
-            "--grpc-port",
-            str(plan.grpc_port),
-            "--verify",
-            ",".join(v.address for v in verifies),
-            "--draft",
-            ",".join(d.address for d in drafts),
-            "--tokenizer-path",
-            plan.target,
-            "--model-name",
-            name,
-            *_speculation_limit(plan),
-            *plan.gateway_args,
-        ],
-        env=gateway_env,
-        pattern=r"REST listening on (\S+)",
-    )
+    argv = gateway_argv(plan, addresses, [d.address for d in drafts])
+    gateway = group.spawn("gateway", "gateway", "gateway", argv, env=gateway_env, pattern=r"REST listening on (\S+)")
     group.wait_ready([gateway], plan.startup_timeout_s)
     local = "127.0.0.1" if plan.host in ("0.0.0.0", "::") else plan.host
-    base = f"http://{local}:{plan.port}"
-    replicas_healthy(base, plan.verify_replicas + plan.draft_replicas, plan.startup_timeout_s, group)
-    metrics_host = common[1]
+    base = f"{plan.scheme}://{local}:{plan.port}"
+    replicas_healthy(base, plan.verify_replicas + plan.draft_replicas, plan.startup_timeout_s, group, client)
     return {
         "url": base,
         "grpc": f"{local}:{plan.grpc_port}" if plan.grpc_port >= 0 else None,
-        "model": name,
+        "model": model_name(plan),
         "launcher_pid": os.getpid(),
         "cores": cores(),
-        "services": [
-            {
-                "name": s.name,
-                "role": s.role,
-                "address": s.address,
-                "pid": s.proc.pid,
-                "metrics_url": f"{base}/metrics"
-                if s.role == "gateway"
-                else (f"http://{metrics_host}:{s.metrics_port}/metrics" if s.metrics_port else None),
-            }
-            for s in group.services
-        ],
+        "services": [_service_record(s, base) for s in group.services],
         "plan": plan.public(),
+    }
+
+
+def _service_record(s: Service, base: str) -> dict:
+    metrics = f"http://{BACKEND['host']}:{s.metrics_port}/metrics" if s.metrics_port else None
+    return {
+        "name": s.name,
+        "role": s.role,
+        "address": s.address,
+        "pid": s.proc.pid,
+        "metrics_url": f"{base}/metrics" if s.role == "gateway" else metrics,
     }
 
 
@@ -530,12 +596,20 @@ def banner(record: dict, answer: dict | None) -> str:
         out.append(f"  {s['name']:<10} {where:<28} metrics {s['metrics_url']}  (pid {s['pid']})")
     out.append(f"metrics: {', '.join(s['name'] + ' ' + str(s['metrics_url']) for s in record['services'])}")
     out.append(
-        "try:\n  curl -s " + base + "/v1/completions -H 'content-type: application/json' -d "
+        f"try:\n  curl -s {_curl_tls(record)}{base}/v1/completions -H 'content-type: application/json' -d "
         f'\'{{"model": "{record["model"]}", "prompt": "import os\\n", "max_tokens": 32, "temperature": 0}}\''
     )
     out.append(f"profile it: specmesh profile --url {base}  (the stack is recorded in {stack_file(_port(base))})")
     out.append("=" * 78 + "\nCtrl-C stops the stack.")
     return "\n".join(out)
+
+
+def _curl_tls(record: dict) -> str:
+    """curl's flags for the stack's TLS: its CA, and its certificate (the gateway may ask for one)."""
+    sec = record["plan"]["security"]
+    if not sec["tls_cert"]:
+        return ""
+    return f"--cacert {sec['tls_ca']} --cert {sec['tls_cert']} --key {sec['tls_key']} " if sec["tls_ca"] else ""
 
 
 def _port(base: str) -> int:
@@ -556,28 +630,14 @@ def serve(plan: StackPlan) -> int:
     previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
     group = ProcessGroup()
     record_path: Path | None = None
-    code = 0
     try:
-        record = launch(plan, group)
-        headers = {"authorization": f"Bearer {plan.api_keys.split(',')[0]}"} if plan.api_keys else {}
-        answer = first_request(record["url"], record["model"], headers) if plan.first_request else None
+        client = Client(plan)
+        record = launch(plan, group, client)
+        answer = first_request(record["url"], record["model"], client) if plan.first_request else None
         record_path = stack_file(plan.port)
         record_path.write_text(json.dumps(record, indent=2))
         print(banner(record, answer), flush=True)
-        if plan.smoke:
-            return 0
-        while True:
-            dead = group.exited()
-            if dead is not None:
-                print(
-                    f"specmesh serve: error: {dead.name} exited with code {dead.proc.returncode}: {dead.failure()}; "
-                    "stopping the stack",
-                    file=sys.stderr,
-                    flush=True,
-                )
-                code = 1
-                return code
-            time.sleep(0.5)
+        return 0 if plan.smoke else _watch(group)
     except _Stop:
         return 0
     except LaunchError as e:
@@ -595,6 +655,19 @@ def serve(plan: StackPlan) -> int:
         print("stack stopped", flush=True)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def _watch(group: ProcessGroup) -> int:
+    """Serve until a service dies (1); Ctrl-C / SIGTERM end it sooner (_Stop)."""
+    while (dead := group.exited()) is None:
+        time.sleep(0.5)
+    print(
+        f"specmesh serve: error: {dead.name} exited with code {dead.proc.returncode}: {dead.failure()}; "
+        "stopping the stack",
+        file=sys.stderr,
+        flush=True,
+    )
+    return 1
 
 
 def start(
@@ -619,10 +692,10 @@ def start(
     return service.proc, service.address
 
 
-def main(argv: list[str] | None = None) -> int:
-    """`python -m specmesh.stack`: `specmesh serve` on the demo pair (model "demo") unless told otherwise."""
-    from specmesh.cli import main as cli_main
-
+def main(argv: list[str] | None = None) -> NoReturn:
+    """`python -m specmesh.stack`: `specmesh serve` on the demo pair (model "demo") unless told otherwise, run
+    as the `specmesh` command in this process's place: the launcher stays below the command line that
+    drives it, and imports none of it."""
     argv = list(sys.argv[1:] if argv is None else argv)
     demo = []
     if not any(a.startswith(("--model-path", "--model", "--target")) for a in argv):
@@ -631,8 +704,8 @@ def main(argv: list[str] | None = None) -> int:
         demo += ["--speculative-draft-model-path", str(DEMO / "draft")]
     if not any(a.startswith("--served-model-name") for a in argv):
         demo += ["--served-model-name", "demo"]
-    return cli_main(["serve", *demo, *argv])
+    os.execv(sys.executable, [sys.executable, "-m", "specmesh", "serve", *demo, *argv])
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

@@ -21,6 +21,8 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from specmesh.stack import stack_file
+
 Sample = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
 # Code, as the demo models were trained on (the Python standard library), and a few plain-text requests.
@@ -107,8 +109,6 @@ class Endpoint:
 def discover(url: str, flags: list[str]) -> tuple[list[Endpoint], dict]:
     """The services' /metrics: from --metrics-url ROLE=URL flags, else from the record `specmesh serve` keeps
     for this REST port, else the gateway's own. Returns them and the stack's record ({} if none)."""
-    from specmesh.stack import stack_file
-
     if flags:
         endpoints = []
         for i, flag in enumerate(flags):

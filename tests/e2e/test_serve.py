@@ -6,6 +6,7 @@ import os
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import threading
@@ -13,7 +14,10 @@ import time
 import urllib.request
 from pathlib import Path
 
+import grpc
 import pytest
+import trustme
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specmesh.stack import stack_file
 from tests.support.services import ROOT, free_port
@@ -207,3 +211,39 @@ def test_unsupported_sglang_flags_are_refused_with_the_reason(args, message):
     out = run_serve("--model-path", str(DEMO / "target"), "--draft-model", str(DEMO / "draft"), *args)
     assert message in one_line_error(out)
     assert "sk-secret" not in out.stderr
+
+
+def test_serve_passes_tls_on_to_every_service(tmp_path):
+    """`specmesh serve --tls-*`: each service gets the TLS flags under its own names (mTLS and the service key
+    between them, HTTPS on the gateway's REST front), and the launcher's own checks go over it."""
+    ca = trustme.CA()
+    ca.cert_pem.write_to_path(tmp_path / "ca.pem")
+    issued = ca.issue_cert("localhost", "127.0.0.1")
+    (tmp_path / "cert.pem").write_bytes(b"".join(p.bytes() for p in issued.cert_chain_pems))
+    issued.private_key_pem.write_to_path(tmp_path / "cert.key")
+    (tmp_path / "service-key").write_text("svc-" + "k" * 24 + "\n")
+    cert, key, ca_file = (str(tmp_path / n) for n in ("cert.pem", "cert.key", "ca.pem"))
+    serve = Serve(
+        "--model-path", str(DEMO / "target"), "--speculative-algorithm", "ngram", "--served-model-name", "demo",
+        "--tls-cert", cert, "--tls-key", key, "--tls-ca", ca_file, "--tls-client-auth",
+        "--service-key-file", str(tmp_path / "service-key"),
+    )  # fmt: skip
+    try:
+        record = serve.up()
+        assert record["url"] == f"https://127.0.0.1:{serve.port}" and "first answer" in "".join(serve.lines)
+        for s in record["services"]:
+            argv = Path(f"/proc/{s['pid']}/cmdline").read_text().split("\0")
+            assert {"--tls-cert", "--tls-key", "--tls-ca", "--service-key-file"} <= set(argv), argv
+            assert ("--upstream-tls-cert" in argv) == (s["role"] == "gateway")
+            assert ("--tls-client-auth" in argv) == (s["role"] != "gateway")
+        context = ssl.create_default_context(cafile=ca_file)
+        with urllib.request.urlopen(f"{record['url']}/health", timeout=10, context=context) as r:
+            assert r.status == 200
+        with pytest.raises(OSError):  # no plain HTTP on the REST port
+            urllib.request.urlopen(f"http://127.0.0.1:{serve.port}/health", timeout=10)
+        verify = next(s["address"] for s in record["services"] if s["role"] == "verify")
+        with pytest.raises(grpc.RpcError):  # nor plaintext gRPC on the internal hops
+            stub = health_pb2_grpc.HealthStub(grpc.insecure_channel(verify))
+            stub.Check(health_pb2.HealthCheckRequest(), timeout=5)
+    finally:
+        serve.kill()

@@ -1,9 +1,16 @@
 """`specmesh serve`'s flags: SGLang's spellings map to the same launch plan, the rest is refused."""
 
+import os
+import re
+from pathlib import Path
+
 import pytest
 
 from specmesh.cli import UsageError, parser, plan_from_args
 from specmesh.profile.analysis import Acceptance, serve_command
+from specmesh.stack import draft_argv, gateway_argv, verify_argv
+
+DEMO = Path(__file__).resolve().parents[2] / "models" / "demo"
 
 
 def plan(*args: str):
@@ -37,20 +44,47 @@ def test_service_settings_map_to_service_flags():
     assert p.gateway_args == ["--max-concurrency", "32", "--max-queue=9"]
 
 
+def values(argv: list[str], flag: str) -> list[str]:
+    """Every value `flag` has in `argv` (the last one wins)."""
+    return [argv[i + 1] for i, a in enumerate(argv) if a == flag] + [
+        a.split("=", 1)[1] for a in argv if a.startswith(flag + "=")
+    ]
+
+
 def test_speculation_limit_under_load_by_device_or_flag():
     """vLLM's --speculative-disable-by-batch-size reaches the gateway; left out, the stack sets it by device
     (speculation off past one stream per verify replica on a CPU, never off on a GPU)."""
-    from specmesh.stack import _draft_speculation_limit, _speculation_limit
-
-    p = plan("--model-path", "T", "--draft-model", "D", "--speculative-disable-by-batch-size", "3")
-    assert p.gateway_args == ["--speculative-disable-by-batch-size", "3"] and _speculation_limit(p) == []
-    assert _draft_speculation_limit(p) == ["--speculative-disable-by-batch-size", "3"]  # the draft's per-round side
+    limit = "--speculative-disable-by-batch-size"
+    p = plan("--model-path", "T", "--draft-model", "D", "--speculative-disable-by-batch-size", "3", "--device", "cpu")
+    assert p.gateway_args == [limit, "3"] and values(gateway_argv(p, ["v:1"], ["d:1"]), limit) == ["3"]
+    assert values(draft_argv(p, "v:1", ["v:1"]), limit) == ["3"]  # the draft's per-round side
     cpu = plan("--model-path", "T", "--draft-model", "D", "--device", "cpu")
-    assert _speculation_limit(cpu) == _draft_speculation_limit(cpu) == ["--speculative-disable-by-batch-size", "1"]
+    assert values(gateway_argv(cpu, ["v:1"], []), limit) == values(draft_argv(cpu, "v:1", ["v:1"]), limit) == ["1"]
     gpu = plan("--model-path", "T", "--draft-model", "D", "--device", "cuda:0")
-    assert _speculation_limit(gpu) == _draft_speculation_limit(gpu) == ["--speculative-disable-by-batch-size", "0"]
+    assert values(gateway_argv(gpu, ["v:1"], []), limit) == values(draft_argv(gpu, "v:1", ["v:1"]), limit) == ["0"]
+    given = plan("--model-path", "T", "--draft-model", "D", "--device", "cpu", f"--gateway-arg={limit}=5")
+    assert values(draft_argv(given, "v:1", ["v:1"]), limit) == ["5"]  # the gateway's value, given through
     with pytest.raises(UsageError, match="speculative-disable-by-batch-size"):
         plan("--model-path", "T", "--draft-model", "D", "--speculative-disable-by-batch-size", "-1")
+
+
+def test_each_service_gets_the_settings_the_launcher_decides():
+    p = plan(
+        "--model-path", "T", "--draft-model", "D", "--device", "cpu", "--draft-threads", "2",
+        "--served-model-name", "m", "--host", "0.0.0.0", "--port", "8001", "--log-level", "DEBUG",
+        "--verify-arg=--max-batch-size 4",
+    )  # fmt: skip
+    verify = verify_argv(p)
+    assert verify[:8] == ["--model-path", "T", "--host", "127.0.0.1", "--port", "0", "--metrics-port", "0"]
+    assert verify[-4:] == ["--log-level", "DEBUG", "--max-batch-size", "4"]  # passed through last: they win
+    draft = draft_argv(p, "127.0.0.1:1", ["127.0.0.1:1", "127.0.0.1:2"])
+    assert values(draft, "--verify-address") == ["127.0.0.1:1"]
+    assert values(draft, "--verify-allow") == ["127.0.0.1:1,127.0.0.1:2"]
+    assert values(draft, "--threads") == ["2"] and values(draft, "--device") == ["cpu"]
+    gateway = gateway_argv(p, ["127.0.0.1:1"], ["127.0.0.1:3"])
+    assert gateway[:6] == ["--host", "0.0.0.0", "--port", "8001", "--grpc-port", "50070"]
+    assert values(gateway, "--model-name") == ["m"] and values(gateway, "--tokenizer-path") == ["T"]
+    assert not any(a.startswith("--tls") or a.startswith("--upstream") for a in verify + draft + gateway)
 
 
 def test_api_keys_come_from_a_file_or_the_environment(tmp_path, monkeypatch):
@@ -102,3 +136,54 @@ def test_serve_command_applies_changes_to_the_recorded_plan():
         "specmesh serve --model-path T --speculative-draft-model-path D --speculative-num-steps 4 "
         "--verify-arg=--batch-wait-ms=10"
     )
+
+
+def test_tls_and_the_service_key_reach_every_service(tmp_path, monkeypatch):
+    """`serve`'s --tls-* and --service-key-file reach each service under the names it takes them by (as
+    docker-compose.tls.yml sets them), and each service's own parser reads them back."""
+    import trustme
+
+    from draft_service.__main__ import parse_args as draft_args
+    from gateway.__main__ import parse_args as gateway_args
+    from specmesh.security import Security, TLSConfig
+    from verify_service.__main__ import parse_args as verify_args
+
+    for key in [k for k in os.environ if k.startswith("SPECMESH_")]:
+        monkeypatch.delenv(key)
+    ca = trustme.CA()
+    ca.cert_pem.write_to_path(tmp_path / "ca.pem")
+    issued = ca.issue_cert("specmesh-internal", "127.0.0.1")
+    issued.cert_chain_pems[0].write_to_path(tmp_path / "cert.pem")
+    issued.private_key_pem.write_to_path(tmp_path / "cert.key")
+    (tmp_path / "service-key").write_text("svc-key\n")
+    cert, key, ca_file, service_key = (str(tmp_path / n) for n in ("cert.pem", "cert.key", "ca.pem", "service-key"))
+    p = plan(
+        "--model-path", "T", "--draft-model", "D", "--device", "cpu", "--tls-cert", cert, "--tls-key", key,
+        "--tls-ca", ca_file, "--tls-client-auth", "--tls-server-name", "specmesh-internal",
+        "--service-key-file", service_key,
+    )  # fmt: skip
+    internal = TLSConfig(cert, key, ca_file, client_auth=True)
+    _, verify = verify_args(verify_argv(p))
+    assert Security.from_flags(verify).tls == internal and Security.from_flags(verify).key == "svc-key"
+    _, draft = draft_args(draft_argv(p, "127.0.0.1:1", ["127.0.0.1:1"]))
+    assert Security.from_flags(draft).tls == TLSConfig(cert, key, ca_file, True, "specmesh-internal")
+    _, gateway = gateway_args(gateway_argv(p, ["127.0.0.1:1"], ["127.0.0.1:2"]))
+    assert gateway.front.tls == TLSConfig(cert, key, ca_file)  # HTTPS; client certificates by --gateway-arg
+    assert gateway.upstream.tls == TLSConfig(cert, key, ca_file, False, "specmesh-internal", "--upstream-tls")
+    assert gateway.upstream.key == "svc-key"
+    assert p.scheme == "https"
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--tls-cert", "/nope.pem", "--tls-key", "/nope.key"], "--tls-cert '/nope.pem': cannot read it"),
+        (["--tls-ca", "/nope.pem"], "--tls-ca without --tls-cert"),
+    ],
+)
+def test_tls_mistakes_are_one_line_before_anything_starts(args, message, capsys):
+    from specmesh.stack import LaunchError, preflight
+
+    p = plan("--model-path", str(DEMO / "target"), "--draft-model", str(DEMO / "draft"), "--port", "0", *args)
+    with pytest.raises(LaunchError, match=re.escape(message)):
+        preflight(p)
