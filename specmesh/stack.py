@@ -9,6 +9,11 @@ gRPC ports), so a mistake ends with one line and a non-zero exit. Then the verif
 draft replicas (each pointed at a verify replica), the gateway; the launcher waits until the gateway
 reports every replica healthy, sends one request to show the stack answering and prints the endpoints.
 
+Each service's command line is composed from settings under its own config's field names (`verify_argv`,
+...), rendered by `specmesh.config.to_argv`, then the flags `--<role>-arg` passes through. The stack's TLS
+(`StackSecurity`) reaches every service under the names it takes it by: mTLS and the service key between
+the services, HTTPS on the gateway's REST port, and the launcher's own requests go over it.
+
 Stopping: Ctrl-C or SIGTERM stops the gateway first, then the drafts, then the verify replicas (each
 drains gracefully), and whatever is left of their process group is killed. The children share one process
 group of their own and each asks the kernel (PR_SET_PDEATHSIG) for SIGTERM should the launcher die, so
