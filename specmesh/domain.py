@@ -10,10 +10,26 @@ from dataclasses import dataclass, field
 import torch
 
 
+class AcceptanceRates:
+    """vLLM's definitions, for any record of speculation counts: acceptance rate = accepted / drafted; mean
+    accepted length = 1 + accepted / drafts, where drafts counts the rounds that verified a draft block."""
+
+    accepted: int
+    drafted: int
+    drafts: int
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        return 1.0 + self.accepted / self.drafts if self.drafts else 1.0
+
+
 @dataclass
-class SpecStats:
-    """vLLM's definitions: acceptance rate = accepted / drafted; mean accepted length = 1 + accepted / drafts,
-    where drafts counts the rounds that verified a draft block (rounds also counts K = 0 steps)."""
+class SpecStats(AcceptanceRates):
+    """A generation's speculation counts (`AcceptanceRates` for the rates); rounds also counts K = 0 steps."""
 
     rounds: int = 0
     drafts: int = 0
@@ -62,14 +78,6 @@ class SpecStats:
         for i, (d, a) in enumerate(zip(other.drafted_per_pos, other.accepted_per_pos, strict=False)):
             self.drafted_per_pos[i] += d
             self.accepted_per_pos[i] += a
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.accepted / self.drafted if self.drafted else 0.0
-
-    @property
-    def mean_accepted_length(self) -> float:
-        return 1.0 + self.accepted / self.drafts if self.drafts else 1.0
 
     @property
     def acceptance_per_pos(self) -> list[float]:

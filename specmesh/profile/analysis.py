@@ -16,6 +16,7 @@ import math
 import shlex
 from dataclasses import dataclass, field
 
+from specmesh.domain import AcceptanceRates
 from specmesh.loop import expected_tokens
 from specmesh.profile.collect import Endpoint, Phase, by_label, total
 
@@ -26,7 +27,7 @@ K_RANGE = range(1, 17)
 
 
 @dataclass
-class PhaseSummary:
+class PhaseSummary(AcceptanceRates):
     name: str
     concurrency: int
     speculative: bool
@@ -60,10 +61,6 @@ class PhaseSummary:
     @property
     def mean_k(self) -> float:
         return self.drafted / self.drafts if self.drafts else 0.0
-
-    @property
-    def mean_accepted_length(self) -> float:
-        return 1 + self.accepted / self.drafts if self.drafts else 1.0
 
 
 def _role_total(phase: Phase, endpoints: list[Endpoint], role: str, name: str, **labels: str) -> float:
