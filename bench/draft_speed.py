@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import platform
 import random
@@ -37,6 +36,7 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache
 
+from bench.output import write_json
 from specmesh.drafters import ModelDrafter
 from specmesh.drafters.batcher import DraftBatcher
 from specmesh.models import load_model
@@ -201,8 +201,7 @@ def main(argv: list[str] | None = None) -> dict:
         "runs": runs,
         "notes": NOTES,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=2) + "\n")
+    write_json(args.out, results)
     print(
         f"draft {args.draft.name}: {results['draft_params'] / 1e6:.1f}M params, greedy, K={args.k}, "
         f"{args.tokens} tokens x {args.trials} trials (median)"

@@ -10,7 +10,6 @@ bench/results/inprocess.json and bench/results/inprocess.png.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import time
 from pathlib import Path
@@ -18,6 +17,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from bench.output import write_json
 from bench.plots import label_bars, pyplot, save
 from specmesh.domain import SpecStats
 from specmesh.engine import SpeculativeEngine
@@ -167,8 +167,7 @@ def main(argv: list[str] | None = None) -> dict:
         "machine": platform.processor() or platform.machine(),
         "methods": methods,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=2) + "\n")
+    write_json(args.out, results)
     plot(results, args.out.with_suffix(".png"))
     width = max(map(len, methods))
     print(f"{'method':<{width}}  tok/s   speedup  accept  mean_len  equal")

@@ -60,6 +60,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+from bench.output import write_json
 from bench.plots import concurrency_axis, pyplot, save
 from specmesh.placement import add_thread_flags, cores, pipeline_pays, service_threads, speculation_batch_limit
 from specmesh.stack import free_port, start, wait_healthy
@@ -989,8 +990,7 @@ def main(argv=None) -> dict:
     }
     table = markdown(results)
     results["markdown"] = table
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=2) + "\n")
+    write_json(args.out, results)
     plot(results, args.out.with_suffix(".png"))
     print("\n" + table + "\n")
     for n in notes[3:]:

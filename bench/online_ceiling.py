@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import time
 from pathlib import Path
 
@@ -26,6 +25,7 @@ import torch
 
 from bench.load import git_info, parse_list
 from bench.online import english_prompts
+from bench.output import write_json
 from bench.services import RESULTS, ROOT
 from specmesh.models import load_model
 from specmesh.training.distill import TeacherTargets, distill_loss, teacher_targets
@@ -125,8 +125,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--out", type=Path, default=RESULTS / "online_ceiling.json")
     args = ap.parse_args(argv)
     result = run(args)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    write_json(args.out, result, indent=1)
     print(f"best agreement {result['best_agreement']} (gain {result['best_gain']:+.4f}); wrote {args.out}")
     return result
 

@@ -24,7 +24,6 @@ bench/results/runtime_service.json.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -36,6 +35,7 @@ import grpc
 import torch
 from transformers import AutoConfig
 
+from bench.output import write_json
 from specmesh.models import load_model
 from specmesh.runtime.batched import BatchedRunner
 from specmesh.runtime.hf import ModelRunner
@@ -130,8 +130,7 @@ def forward_mode(args: argparse.Namespace) -> None:
         "rows": rows,
     }
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    write_json(out, result)
     print(f"wrote {out}")
 
 
@@ -172,8 +171,7 @@ def service_mode(args: argparse.Namespace) -> None:
         "best_speedup": round(speedup, 2),
     }
     out = Path(args.out or RESULTS / "runtime_service.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    write_json(out, result)
     print(f"wrote {out}")
 
 

@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import atexit
-import json
 import os
 import platform
 import re
@@ -51,6 +50,7 @@ import transformers
 from tqdm import tqdm
 
 from bench.inprocess import decode_ms, heldout_prompts
+from bench.output import write_json
 from bench.plots import concurrency_axis, label_bars, pyplot, save
 from specmesh import wire
 from specmesh.domain import DraftBlock, SpecStats
@@ -633,8 +633,7 @@ def main(argv: list[str] | None = None) -> dict:
         raise
     finally:
         services.close()
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=2) + "\n")
+    write_json(args.out, results)
     plot(results, args.out.with_suffix(".png"))
     print_report(results)
     print(f"wrote {args.out} and {args.out.with_suffix('.png')}")

@@ -40,6 +40,7 @@ from pathlib import Path
 import torch
 
 from bench.load import git_info, parse_list
+from bench.output import write_json
 from specmesh.runtime.attention import ATTENTION_BACKENDS
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -302,8 +303,7 @@ def main(argv=None) -> dict:
     }
     table = markdown(rows)
     result["markdown"] = table
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    write_json(args.out, result)
     plot(rows, args.out.with_suffix(".png"))
     print("\n" + table + "\n")
     if profile:
