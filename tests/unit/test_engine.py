@@ -5,6 +5,7 @@ import torch
 
 from specmesh.engine import SpeculativeEngine
 from specmesh.sampling import SamplingParams
+from tests.support.laws import LAW_PROMPT, first_two_counts, law_target, pooled_chisquare, two_token_law
 from tests.support.models import noisy_copy, tiny_model
 
 GREEDY64 = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
@@ -120,30 +121,14 @@ def test_bad_input_is_a_clear_error(tiny_pair, bad, message):
 
 def test_sampled_speculative_decoding_is_the_target_distribution():
     """End to end with the model drafter (sparse q from its top-k): the joint law of two generated tokens."""
-    from scipy.stats import chisquare
-
-    vocab = 8
-    target = tiny_model("llama", vocab=vocab, hidden=32, seed=21, init_range=0.5)
+    target = law_target()
     draft = noisy_copy(target, 0.5, seed=3)
     engine = SpeculativeEngine.from_models(target, draft, draft_topk=4)  # truncated q: exactness still holds
-    prompt = [1, 2, 3]
     params = SamplingParams(temperature=1.0, max_tokens=2, ignore_eos=True)
-    with torch.inference_mode():  # the exact law: p(a) * p(b | a)
-        p1 = torch.softmax(target(input_ids=torch.tensor([prompt])).logits[0, -1], -1)
-        p2 = torch.stack(
-            [torch.softmax(target(input_ids=torch.tensor([prompt + [a]])).logits[0, -1], -1) for a in range(vocab)]
-        )
-    joint = (p1[:, None] * p2).reshape(-1).double()
+    _, joint = two_token_law(target, LAW_PROMPT)  # the exact law: p(a) * p(b | a)
     n = 3000
-    counts = torch.zeros(vocab * vocab, dtype=torch.float64)
-    accepted = 0
-    for _ in range(n):
-        r = engine.generate(prompt, params, num_speculative_tokens=1)
-        counts[r.token_ids[0] * vocab + r.token_ids[1]] += 1
-        accepted += r.stats.accepted
+    results = [engine.generate(LAW_PROMPT, params, num_speculative_tokens=1) for _ in range(n)]
+    accepted = sum(r.stats.accepted for r in results)
     assert 0.2 * n < accepted < 0.95 * n  # the draft is right often, not always: both paths ran
-    big = joint * n >= 5  # chi-square needs expected counts >= 5; the rest is pooled into one bin
-    obs = torch.cat([counts[big], counts[~big].sum()[None]])
-    exp = torch.cat([joint[big], joint[~big].sum()[None]]) * n
-    pval = chisquare(obs.numpy(), (exp / exp.sum() * n).numpy()).pvalue
-    assert pval > 1e-3, pval
+    counts = first_two_counts((r.token_ids, None) for r in results)
+    assert pooled_chisquare(counts, joint, n) > 1e-3
