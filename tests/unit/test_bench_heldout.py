@@ -3,14 +3,13 @@ the same ones, then windows further into the same files."""
 
 from __future__ import annotations
 
-from transformers import AutoTokenizer
-
-from bench.inprocess import ROOT, heldout_prompts
+from bench.inprocess import heldout_prompts
 from specmesh.training.corpus import read_text, stdlib_files
+from tests.support.models import demo_tokenizer
 
 
 def test_more_windows_per_file_keep_the_first_ones_first():
-    tok = AutoTokenizer.from_pretrained(ROOT / "models" / "demo" / "target")
+    tok = demo_tokenizer()
     first = heldout_prompts(tok, 100, 32)
     more = heldout_prompts(tok, 100, 32, per_file=3)
     assert first and more[: len(first)] == first and len(more) > len(first)

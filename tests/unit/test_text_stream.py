@@ -3,22 +3,14 @@ of the whole output: the same text, stop strings found where a full search finds
 
 import random
 from functools import partial
-from pathlib import Path
 
 import pytest
-from transformers import AutoTokenizer
 
 from gateway.core import TextStream
 from specmesh.sampling import SamplingParams, StopChecker
 from specmesh.text import IncrementalDetokenizer, find_stop
 
-ROOT = Path(__file__).resolve().parents[2]
 MULTIBYTE = "héllo wörld 中文字符 😀 ½ – naïve"
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return AutoTokenizer.from_pretrained(ROOT / "models" / "demo" / "target")
 
 
 @pytest.fixture(scope="module")
