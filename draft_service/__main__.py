@@ -10,9 +10,8 @@ import time
 
 from draft_service.engine import DraftConfig
 from draft_service.server import build_server
-from specmesh.config import EnvArgumentParser, add_config_flags, add_service_process_flags, parse_config
+from specmesh.config import parse_service_args
 from specmesh.drafters import DraftBatcher
-from specmesh.security import add_service_flags
 from specmesh.serving import run_service
 
 DEBUG_DELAY_ENV = "SPECMESH_DRAFT_DEBUG_DRAFT_DELAY_MS"
@@ -21,11 +20,9 @@ DEBUG_SLOWDOWN_ENV = "SPECMESH_DRAFT_DEBUG_DRAFT_SLOWDOWN"
 
 def parse_args(argv=None) -> tuple[DraftConfig, dict]:
     """DraftConfig from its flags (declared by its fields), and the process's flags."""
-    ap = EnvArgumentParser(prog="python -m draft_service", description=__doc__, env_prefix="SPECMESH_DRAFT_")
-    add_config_flags(ap, DraftConfig)
-    add_service_process_flags(ap)
-    add_service_flags(ap)
-    return parse_config(ap, DraftConfig, argv)
+    return parse_service_args(
+        DraftConfig, argv, prog="python -m draft_service", description=__doc__, env_prefix="SPECMESH_DRAFT_"
+    )
 
 
 def debug_draft_delay(argv=None) -> tuple[list[str], float]:

@@ -28,7 +28,15 @@ from opentelemetry import context as otel_context
 from draft_service.online import OnlineLoop, online_config
 from draft_service.remote import RemoteVerifier
 from specmesh import wire
-from specmesh.config import device_option, grpc_port_option, host_option, metrics_port_option, option
+from specmesh.config import (
+    attention_backend_option,
+    device_option,
+    grpc_port_option,
+    host_option,
+    kv_cache_prefault_option,
+    metrics_port_option,
+    option,
+)
 from specmesh.domain import Finished, GenerationEvent, Opened, SpecStats, Tokens
 from specmesh.drafters import ALGORITHMS, Algorithm, DraftBatcher, ModelDrafter, make_drafter
 from specmesh.errors import FailedPrecondition, InvalidArgument, ResourceExhausted, Unavailable
@@ -93,23 +101,13 @@ class DraftConfig:
         "preallocated cache; hf: the stock HF forward; auto: batched where the model allows it",
         choices=RUNNERS,
     )
-    attention_backend: str = option(
-        "auto",
-        "SDPA kernels the runtime may use: auto = all but cuDNN on CUDA (cuDNN builds a plan per new sequence "
-        "length, which a decode meets every forward), torch's own choice elsewhere; default = torch's own "
-        "choice; no-cudnn; math (reference, slow)",
-        choices=ATTENTION_BACKENDS,
-    )
+    attention_backend: str = attention_backend_option(ATTENTION_BACKENDS)
     max_sessions: int = option(64, "concurrent generations; more get RESOURCE_EXHAUSTED")
     max_cached_sessions: int = option(64, "per-session draft KV caches kept for later turns (LRU)")
     max_model_len: int = option(
         0, "longest sequence a session's draft KV slot holds (0 = the model's max_position_embeddings)"
     )
-    kv_cache_prefault: bool = option(
-        True,
-        "write the batched runner's whole KV pool at start, so the process's memory is resident from the start "
-        "and stays flat under load (--no-kv-cache-prefault: pages are taken as slots first fill them)",
-    )
+    kv_cache_prefault: bool = kv_cache_prefault_option()
     verify_timeout_s: float = option(60.0, "timeout of each call to the verifier")
     grace_period_s: float = option(10.0, "on SIGTERM, in-flight generations get this long to finish")
     # The predict-verify-optimize loop (draft_service.online): off by default, as it costs a share of a core

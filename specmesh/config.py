@@ -12,8 +12,9 @@ of a service with env prefix `SPECMESH_VERIFY_` can also be given as `SPECMESH_V
 command line wins over the environment, which wins over the default. `--help` shows each variable.
 
 The flags that more than one command declares live here, once: where a model service listens and runs
-(`host_option`, ...), the process flags of every service (`Logging`, `ServiceProcess`), and where the
-gateway listens (`GatewayListen`, which `specmesh serve` takes and passes on).
+(`host_option`, `attention_backend_option`, ...), the process flags of every service (`Logging`,
+`ServiceProcess`), and where the gateway listens (`GatewayListen`, which `specmesh serve` takes and passes
+on).
 """
 
 from __future__ import annotations
@@ -226,6 +227,25 @@ def metrics_port_option(flag_default: int) -> Any:
     return option(-1, "Prometheus /metrics HTTP port (-1 = off, 0 = any)", flag_default=flag_default)
 
 
+def attention_backend_option(backends: Sequence[str]) -> Any:
+    """The SDPA kernels a model service's runtime may use (`backends`: specmesh.runtime.attention's names)."""
+    return option(
+        "auto",
+        "SDPA kernels the runtime may use: auto = all but cuDNN on CUDA (cuDNN builds a plan per new sequence "
+        "length, which a decode meets every forward), torch's own choice elsewhere; default = torch's own "
+        "choice; no-cudnn; math (reference, slow)",
+        choices=backends,
+    )
+
+
+def kv_cache_prefault_option() -> Any:
+    return option(
+        True,
+        "write the batched runner's whole KV pool at start, so the process's memory is resident from the start "
+        "and stays flat under load (--no-kv-cache-prefault: pages are taken as slots first fill them)",
+    )
+
+
 @dataclass(frozen=True)
 class Logging:
     """Every service's logging flags (`specmesh serve` passes its own on to each)."""
@@ -250,7 +270,15 @@ class GatewayListen:
     grpc_port: int = option(50070, "gRPC port (specmesh.v1.GatewayService); -1 = off")
 
 
-def add_service_process_flags(ap: EnvArgumentParser) -> None:
-    """A model service's process flags, kept out of its config."""
+def parse_service_args(config_type: Callable[..., ConfigT], argv, **parser) -> tuple[ConfigT, dict]:
+    """A model service's command line (draft, verify): its config from the config's flags, and the process
+    flags (ServiceProcess, and TLS and keys: specmesh.security); `parser`: EnvArgumentParser's prog,
+    description and env_prefix."""
+    from specmesh.security import add_service_flags
+
+    ap = EnvArgumentParser(**parser)
+    add_config_flags(ap, config_type)
     with ap.process_flags():
         add_config_flags(ap, ServiceProcess)
+    add_service_flags(ap)
+    return parse_config(ap, config_type, argv)

@@ -5,8 +5,7 @@ Every flag can also be set by an environment variable SPECMESH_VERIFY_<FLAG> (e.
 
 from __future__ import annotations
 
-from specmesh.config import EnvArgumentParser, add_config_flags, add_service_process_flags, parse_config
-from specmesh.security import add_service_flags
+from specmesh.config import parse_service_args
 from specmesh.serving import run_service
 from verify_service.engine import VerifyConfig
 from verify_service.server import build_server
@@ -14,11 +13,9 @@ from verify_service.server import build_server
 
 def parse_args(argv=None) -> tuple[VerifyConfig, dict]:
     """VerifyConfig from its flags (declared by its fields), and the process's flags."""
-    ap = EnvArgumentParser(prog="python -m verify_service", description=__doc__, env_prefix="SPECMESH_VERIFY_")
-    add_config_flags(ap, VerifyConfig)
-    add_service_process_flags(ap)
-    add_service_flags(ap)
-    return parse_config(ap, VerifyConfig, argv)
+    return parse_service_args(
+        VerifyConfig, argv, prog="python -m verify_service", description=__doc__, env_prefix="SPECMESH_VERIFY_"
+    )
 
 
 def main(argv=None) -> None:

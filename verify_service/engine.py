@@ -16,7 +16,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specmesh.config import device_option, grpc_port_option, host_option, metrics_port_option, option
+from specmesh.config import (
+    attention_backend_option,
+    device_option,
+    grpc_port_option,
+    host_option,
+    kv_cache_prefault_option,
+    metrics_port_option,
+    option,
+)
 from specmesh.domain import DraftBlock, Finished, GenerationEvent, Opened, TokenLogprob, Tokens, Verdict
 from specmesh.errors import (
     Aborted,
@@ -69,24 +77,14 @@ class VerifyConfig:
         "KV cache memory for all sessions (the batched runner allocates it as slots at start); idle sessions are "
         "evicted LRU when a new one does not fit",
     )
-    kv_cache_prefault: bool = option(
-        True,
-        "write the batched runner's whole KV pool at start, so the process's memory is resident from the start "
-        "and stays flat under load (--no-kv-cache-prefault: pages are taken as slots first fill them)",
-    )
+    kv_cache_prefault: bool = kv_cache_prefault_option()
     runner: str = option(
         "auto",
         "target runtime: batched = one ragged forward over a KV slot pool (Llama family), hf = the stock HF "
         "forward (any causal LM), auto = batched when the model and budget allow it",
         choices=RUNNERS,
     )
-    attention_backend: str = option(
-        "auto",
-        "SDPA kernels the runtime may use: auto = all but cuDNN on CUDA (cuDNN builds a plan per new sequence "
-        "length, which a decode meets every forward), torch's own choice elsewhere; default = torch's own "
-        "choice; no-cudnn; math (reference, slow)",
-        choices=ATTENTION_BACKENDS,
-    )
+    attention_backend: str = attention_backend_option(ATTENTION_BACKENDS)
     max_model_len: int = option(
         0,
         "most tokens per session (prompt + max_tokens) = a KV slot's length; 0 = the model's context, capped so "

@@ -1,5 +1,5 @@
 """Flags generated from config dataclasses (specmesh.config): each service's flags come from its config's fields,
-and `to_argv` renders a config back to the flags that give it back."""
+and `flags.to_argv` renders a config back to the flags that give it back."""
 
 import os
 from dataclasses import fields
@@ -11,17 +11,7 @@ from draft_service.engine import DraftConfig
 from gateway.__main__ import GatewayProcess
 from gateway.__main__ import parse_args as gateway_args
 from gateway.core import GatewayConfig
-from specmesh.config import (
-    FLAG,
-    EnvArgumentParser,
-    GatewayListen,
-    Logging,
-    add_config_flags,
-    flag_fields,
-    option,
-    parse_config,
-    to_argv,
-)
+from specmesh import config as flags
 from verify_service.__main__ import parse_args as verify_args
 from verify_service.engine import VerifyConfig
 
@@ -34,8 +24,12 @@ def clean_env(monkeypatch):
             monkeypatch.delenv(key)
 
 
+def flag_names(config_type) -> set[str]:
+    return {f.name for f in flags.flag_fields(config_type)}
+
+
 def flag_values(obj) -> dict:
-    return {f.name: getattr(obj, f.name) for f in flag_fields(obj)}
+    return {f.name: getattr(obj, f.name) for f in flags.flag_fields(obj)}
 
 
 @pytest.mark.parametrize(
@@ -54,7 +48,7 @@ def flag_values(obj) -> dict:
 )  # fmt: skip
 def test_to_argv_round_trips_every_service_config(parse, argv):
     config, process = parse(argv)
-    rendered = to_argv(config) + (to_argv(process) if isinstance(process, GatewayProcess) else [])
+    rendered = flags.to_argv(config) + (flags.to_argv(process) if isinstance(process, GatewayProcess) else [])
     again, process_again = parse(rendered)
     assert again == config
     if isinstance(process, GatewayProcess):
@@ -63,32 +57,30 @@ def test_to_argv_round_trips_every_service_config(parse, argv):
 
 def test_to_argv_leaves_out_defaults_and_renders_each_kind():
     config, _ = verify_args(["--model-path", "m"])
-    assert to_argv(config) == ["--model-path", "m"]
+    assert flags.to_argv(config) == ["--model-path", "m"]
     # A flag's own default is what parsing gives without it: code that builds a VerifyConfig serves no metrics
     # (-1), the command line's default serves them on 9464.
-    assert to_argv(VerifyConfig(model_path="m", max_batch_size=4)) == [
+    assert flags.to_argv(VerifyConfig(model_path="m", max_batch_size=4)) == [
         "--model-path", "m", "--max-batch-size", "4", "--metrics-port", "-1",
     ]  # fmt: skip
-    assert to_argv(GatewayConfig(verify=("a:1", "b:2"), model_name="")) == ["--verify", "a:1,b:2"]
-    assert to_argv(Logging(log_format="json")) == ["--log-format", "json"]
+    assert flags.to_argv(GatewayConfig(verify=("a:1", "b:2"), model_name="")) == ["--verify", "a:1,b:2"]
+    assert flags.to_argv(flags.Logging(log_format="json")) == ["--log-format", "json"]
     # a mapping (some fields of a config a launcher cannot import): every value but None, booleans both ways
-    assert to_argv({"pipeline": False, "adaptive": True, "seed": None, "verify": ("a", "b"), "port": 0}) == [
+    assert flags.to_argv({"pipeline": False, "adaptive": True, "seed": None, "verify": ("a", "b"), "port": 0}) == [
         "--no-pipeline", "--adaptive", "--verify", "a,b", "--port", "0",
     ]  # fmt: skip
     with pytest.raises(ValueError, match="--log-level"):
-        to_argv(Logging(log_level=None))  # nothing on a command line parses to None
+        flags.to_argv(flags.Logging(log_level=None))  # nothing on a command line parses to None
 
 
 def test_every_flag_is_declared_by_a_field_with_help():
     for config_type in (VerifyConfig, DraftConfig, GatewayConfig, GatewayProcess):
-        for f in flag_fields(config_type):
-            assert f.metadata[FLAG].help, f"{config_type.__name__}.{f.name}"
-    assert {f.name for f in fields(VerifyConfig)} - {f.name for f in flag_fields(VerifyConfig)} == {"attached_wait_s"}
-    assert {f.name for f in fields(GatewayConfig)} - {f.name for f in flag_fields(GatewayConfig)} == {
-        "tokenizer_threads"
-    }
+        for f in flags.flag_fields(config_type):
+            assert f.metadata[flags.FLAG].help, f"{config_type.__name__}.{f.name}"
+    assert {f.name for f in fields(VerifyConfig)} - flag_names(VerifyConfig) == {"attached_wait_s"}
+    assert {f.name for f in fields(GatewayConfig)} - flag_names(GatewayConfig) == {"tokenizer_threads"}
     # The gateway's listen flags are the ones `specmesh serve` declares: one declaration, taken by both.
-    assert {f.name for f in flag_fields(GatewayListen)} <= {f.name for f in flag_fields(GatewayProcess)}
+    assert flag_names(flags.GatewayListen) <= flag_names(GatewayProcess)
 
 
 def test_environment_then_command_line(monkeypatch):
@@ -115,13 +107,13 @@ def test_process_flags_stay_out_of_the_config():
 
     @dataclass(frozen=True)
     class Config:
-        size: int = option(2, "how many")
-        name: str = option("x", "what", choices=("x", "y"))
+        size: int = flags.option(2, "how many")
+        name: str = flags.option("x", "what", choices=("x", "y"))
 
-    ap = EnvArgumentParser(prog="t", env_prefix=None)
-    add_config_flags(ap, Config)
+    ap = flags.EnvArgumentParser(prog="t", env_prefix=None)
+    flags.add_config_flags(ap, Config)
     with ap.process_flags():
-        add_config_flags(ap, Logging)
-    config, process = parse_config(ap, Config, ["--size", "3", "--log-level", "DEBUG"])
+        flags.add_config_flags(ap, flags.Logging)
+    config, process = flags.parse_config(ap, Config, ["--size", "3", "--log-level", "DEBUG"])
     assert config == Config(size=3) and process == {"log_level": "DEBUG", "log_format": "text"}
     assert "[env" not in ap.format_help()  # no environment without a prefix
