@@ -156,7 +156,7 @@ SERVE_GROUPS = (
 )
 
 
-def _serve_parser(ap: EnvArgumentParser) -> None:
+def _serve_flags(ap: EnvArgumentParser) -> None:
     groups = {}
     for title, flags in SERVE_GROUPS:
         groups[title] = ap.add_argument_group(title)
@@ -169,33 +169,36 @@ def _serve_parser(ap: EnvArgumentParser) -> None:
         _repeatable(groups["service settings"], f"--{role}-arg", "FLAG", help, dest=f"{role}_args")
 
 
+def _profile_flags(ap: EnvArgumentParser) -> None:
+    add_config_flags(ap, ProfileFlags)
+    help = "a service's /metrics (verify=URL, draft=URL, gateway=URL; repeatable); default: the stack's own record "
+    _repeatable(ap, "--metrics-url", "ROLE=URL", help + "when `specmesh serve` runs it on this machine")
+
+
+COMMANDS = {  # name: (help, description, its flags)
+    "serve": (
+        "start verify, draft and gateway as separate processes and serve until Ctrl-C",
+        "Start the verify service(s), the draft service(s) and the gateway as separate processes, wait until all "
+        "are healthy, print the endpoints, serve until Ctrl-C / SIGTERM (which stops them all). SGLang's launcher "
+        "spellings are accepted where they mean the same thing.",
+        _serve_flags,
+    ),
+    "profile": (
+        "drive a workload through a running stack and write an optimization report",
+        "Drive a workload through a running stack's REST API at each concurrency, read the services' /metrics and "
+        "every response's speculation stats, and write report.md and report.html (with PNG plots) ending with "
+        "ranked recommendations.",
+        _profile_flags,
+    ),
+}
+
+
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="specmesh", description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     sub = ap.add_subparsers(dest="command", required=True, parser_class=EnvArgumentParser)
-    for name, help, description in (
-        (
-            "serve",
-            "start verify, draft and gateway as separate processes and serve until Ctrl-C",
-            "Start the verify service(s), the draft service(s) and the gateway as separate processes, wait until "
-            "all are healthy, print the endpoints, serve until Ctrl-C / SIGTERM (which stops them all). SGLang's "
-            "launcher spellings are accepted where they mean the same thing.",
-        ),
-        (
-            "profile",
-            "drive a workload through a running stack and write an optimization report",
-            "Drive a workload through a running stack's REST API at each concurrency, read the services' /metrics "
-            "and every response's speculation stats, and write report.md and report.html (with PNG plots) ending "
-            "with ranked recommendations.",
-        ),
-    ):
-        command = sub.add_parser(name, help=help, description=description, allow_abbrev=False, env_prefix=None)
-        if name == "serve":
-            _serve_parser(command)
-        else:
-            add_config_flags(command, ProfileFlags)
-            metrics_help = "a service's /metrics (verify=URL, draft=URL, gateway=URL; repeatable); default: the "
-            metrics_help += "stack's own record when `specmesh serve` runs it on this machine"
-            _repeatable(command, "--metrics-url", "ROLE=URL", metrics_help)
+    for name, (help, description, add_flags) in COMMANDS.items():
+        # env_prefix None: serve's flags reach the services, which read their own SPECMESH_<SERVICE>_* variables
+        add_flags(sub.add_parser(name, help=help, description=description, allow_abbrev=False, env_prefix=None))
     return ap
 
 

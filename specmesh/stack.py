@@ -612,8 +612,6 @@ def banner(record: dict, answer: dict | None) -> str:
 def _curl_tls(record: dict) -> str:
     """curl's flags for the stack's TLS: its CA, and its certificate (the gateway may ask for one)."""
     sec = record["plan"]["security"]
-    if not sec["tls_cert"]:
-        return ""
     return f"--cacert {sec['tls_ca']} --cert {sec['tls_cert']} --key {sec['tls_key']} " if sec["tls_ca"] else ""
 
 
