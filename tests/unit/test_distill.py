@@ -112,8 +112,9 @@ def test_truncated_kl_with_the_whole_vocabulary_is_the_true_kl(tiny):
     mixed = D.distill_loss(draft, batch, targets, kl_weight=0.25)
     assert mixed.loss.item() == pytest.approx(0.25 * mixed.kl.item() + 0.75 * mixed.ce.item(), rel=1e-6)
 
-    # The cross-entropy on other labels (the target's own choices, as online distillation commits them)
-    choice = targets.ids[..., 0].long()
+    # The cross-entropy on other labels (tokens the target chose, as online distillation commits them): its
+    # second choice, which can never be the data's token wherever a trained target's argmax already is
+    choice = targets.ids[..., 1].long()
     on_choice = D.distill_loss(draft, batch, targets, kl_weight=0.25, labels=choice)
     with torch.no_grad():
         ce_choice = torch.nn.functional.cross_entropy(logq.reshape(-1, logq.size(-1)), choice.reshape(-1)).item()
