@@ -27,16 +27,8 @@ from opentelemetry import context as otel_context
 
 from draft_service.online import OnlineLoop, online_config
 from draft_service.remote import RemoteVerifier
+from specmesh import config as flags
 from specmesh import wire
-from specmesh.config import (
-    attention_backend_option,
-    device_option,
-    grpc_port_option,
-    host_option,
-    kv_cache_prefault_option,
-    metrics_port_option,
-    option,
-)
 from specmesh.domain import Finished, GenerationEvent, Opened, SpecStats, Tokens
 from specmesh.drafters import ALGORITHMS, Algorithm, DraftBatcher, ModelDrafter, make_drafter
 from specmesh.errors import FailedPrecondition, InvalidArgument, ResourceExhausted, Unavailable
@@ -61,96 +53,98 @@ class DraftConfig:
     """The draft service's settings; each field declared with `option` is also its flag (`python -m
     draft_service --help`)."""
 
-    model_path: str = option("", "local HF checkpoint directory of the draft model (standalone)")
-    host: str = host_option()
-    port: int = grpc_port_option(50062)
-    device: str | None = device_option()
-    verify_address: str = option("", "default verify replica host:port (a request may name another)")
+    model_path: str = flags.option("", "local HF checkpoint directory of the draft model (standalone)")
+    host: str = flags.host_option()
+    port: int = flags.grpc_port_option(50062)
+    device: str | None = flags.device_option()
+    verify_address: str = flags.option("", "default verify replica host:port (a request may name another)")
     # A caller chooses among the replicas the operator configured, never an address of its own.
-    verify_allow: str = option(
+    verify_allow: str = flags.option(
         "",
         "verify replicas a request's verify_address may name besides --verify-address: comma-separated "
         "host:port, the host an IP, a CIDR block (10.0.0.0/8), a DNS name (its addresses too) or a pattern "
         "(*.verify.svc.cluster.local), the port a number or *; any other address is refused (PERMISSION_DENIED)",
     )
-    speculative_algorithm: str = option(
+    speculative_algorithm: str = flags.option(
         "standalone", "standalone: a draft model; ngram: prompt lookup, no model", choices=ALGORITHMS, type=str.lower
     )
-    speculative_num_steps: int = option(4, "most draft tokens per block (K); adaptive K stays within it")
-    adaptive: bool = option(
+    speculative_num_steps: int = flags.option(4, "most draft tokens per block (K); adaptive K stays within it")
+    adaptive: bool = flags.option(
         True,
         "choose K per session for the verifier's goodput, from live acceptance, timings and the verifier's load "
         "(down to 0)",
     )
-    goodput_guard: bool = option(  # specmesh.loop.GoodputGuard
+    goodput_guard: bool = flags.option(  # specmesh.loop.GoodputGuard
         True,
         "adaptive K falls back to target-only while speculation measures fewer tokens per second than "
         "target-only steps (pooled over sessions; a few probe steps keep both sides measured)",
     )
     # The per-round side of the gateway's rule of the same name, for sessions that began speculating alone.
-    speculative_disable_by_batch_size: int = option(
+    speculative_disable_by_batch_size: int = flags.option(
         0,
         "adaptive K drafts nothing while the verifier's last batch held more sessions than this (0 = no limit; "
         "the gateway's flag of that name decides it for new requests)",
     )
-    pipeline: bool = option(True, "keep drafting the next block while one is being verified")
-    draft_topk: int = option(16, "sampled drafts: the support of the sparse draft distribution sent with each token")
-    draft_runner: str = option(
+    pipeline: bool = flags.option(True, "keep drafting the next block while one is being verified")
+    draft_topk: int = flags.option(
+        16, "sampled drafts: the support of the sparse draft distribution sent with each token"
+    )
+    draft_runner: str = flags.option(
         "auto",
         "batched: one forward advances every drafting session (Llama family); static: one session per forward, "
         "preallocated cache; hf: the stock HF forward; auto: batched where the model allows it",
         choices=RUNNERS,
     )
-    attention_backend: str = attention_backend_option(ATTENTION_BACKENDS)
-    max_sessions: int = option(64, "concurrent generations; more get RESOURCE_EXHAUSTED")
-    max_cached_sessions: int = option(64, "per-session draft KV caches kept for later turns (LRU)")
-    max_model_len: int = option(
+    attention_backend: str = flags.attention_backend_option(ATTENTION_BACKENDS)
+    max_sessions: int = flags.option(64, "concurrent generations; more get RESOURCE_EXHAUSTED")
+    max_cached_sessions: int = flags.option(64, "per-session draft KV caches kept for later turns (LRU)")
+    max_model_len: int = flags.option(
         0, "longest sequence a session's draft KV slot holds (0 = the model's max_position_embeddings)"
     )
-    kv_cache_prefault: bool = kv_cache_prefault_option()
-    verify_timeout_s: float = option(60.0, "timeout of each call to the verifier")
-    grace_period_s: float = option(10.0, "on SIGTERM, in-flight generations get this long to finish")
+    kv_cache_prefault: bool = flags.kv_cache_prefault_option()
+    verify_timeout_s: float = flags.option(60.0, "timeout of each call to the verifier")
+    grace_period_s: float = flags.option(10.0, "on SIGTERM, in-flight generations get this long to finish")
     # The predict-verify-optimize loop (draft_service.online): off by default, as it costs a share of a core
     # and the verifier's top-k on every token.
-    online_distill: bool = option(
+    online_distill: bool = flags.option(
         False,
         "distil the draft from the verifier's top-k on live traffic while serving, swapping new weights in "
         "between rounds and rolling back a version whose live acceptance is worse (see README)",
     )
-    online_distill_dir: str = option(
+    online_distill_dir: str = flags.option(
         "", "save every weight version and its live acceptance here (empty = in memory only)"
     )
-    online_distill_topk: int = option(
+    online_distill_topk: int = flags.option(
         OnlineConfig.topk, "target tokens per position the verifier returns as feedback (1-20)"
     )
-    online_distill_cpu_share: float = option(
+    online_distill_cpu_share: float = flags.option(
         OnlineConfig.cpu_share, "the trainer's share of one core's time (it sleeps the rest)"
     )
-    online_distill_buffer: int = option(
+    online_distill_buffer: int = flags.option(
         OnlineConfig.buffer_windows, "replay buffer size, in training windows of 64 tokens"
     )
-    online_distill_lr: float = option(OnlineConfig.lr, "the trainer's learning rate (AdamW)")
-    online_distill_kl_weight: float = option(
+    online_distill_lr: float = flags.option(OnlineConfig.lr, "the trainer's learning rate (AdamW)")
+    online_distill_kl_weight: float = flags.option(
         OnlineConfig.kl_weight,
         "weight of the KL to the target's top-k in the loss; the rest is cross-entropy on the committed token "
         "(1 = pure KL)",
     )
-    online_distill_steps_per_version: int = option(
+    online_distill_steps_per_version: int = flags.option(
         OnlineConfig.steps_per_version, "training steps between two weight versions"
     )
-    online_distill_rollback_window: int = option(
+    online_distill_rollback_window: int = flags.option(
         OnlineConfig.rollback_window, "draft tokens a new version is judged on against its predecessor"
     )
-    online_distill_rehearsal: str = option(
+    online_distill_rehearsal: str = flags.option(
         "auto",
         "windows of the draft's original domain with the target's top-k (python -m specmesh.training.rehearsal), "
         "mixed into every training batch so the draft keeps that domain: auto = the draft directory's "
         "rehearsal.safetensors if there is one, none = off, or a file",
     )
-    online_distill_rehearsal_share: float = option(
+    online_distill_rehearsal_share: float = flags.option(
         OnlineConfig.rehearsal_share, "the share of each training batch drawn from the rehearsal set"
     )
-    metrics_port: int = metrics_port_option(9465)
+    metrics_port: int = flags.metrics_port_option(9465)
 
     def __post_init__(self):
         if self.speculative_algorithm not in ALGORITHMS:

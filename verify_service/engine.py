@@ -16,15 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specmesh.config import (
-    attention_backend_option,
-    device_option,
-    grpc_port_option,
-    host_option,
-    kv_cache_prefault_option,
-    metrics_port_option,
-    option,
-)
+from specmesh import config as flags
 from specmesh.domain import DraftBlock, Finished, GenerationEvent, Opened, TokenLogprob, Tokens, Verdict
 from specmesh.errors import (
     Aborted,
@@ -66,75 +58,77 @@ class VerifyConfig:
     """The verify service's settings; each field declared with `option` is also its flag (`python -m
     verify_service --help`)."""
 
-    model_path: str = option("", "local HF checkpoint directory of the target model", required=True, flag_default=None)
-    host: str = host_option()
-    port: int = grpc_port_option(50061)
-    device: str | None = device_option()
-    max_batch_size: int = option(32, "most draft blocks (sessions) verified in one batched target forward")
-    max_sessions: int = option(64, "concurrent session streams and generate calls; more get RESOURCE_EXHAUSTED")
-    kv_cache_budget_mb: float = option(
+    model_path: str = flags.option(
+        "", "local HF checkpoint directory of the target model", required=True, flag_default=None
+    )
+    host: str = flags.host_option()
+    port: int = flags.grpc_port_option(50061)
+    device: str | None = flags.device_option()
+    max_batch_size: int = flags.option(32, "most draft blocks (sessions) verified in one batched target forward")
+    max_sessions: int = flags.option(64, "concurrent session streams and generate calls; more get RESOURCE_EXHAUSTED")
+    kv_cache_budget_mb: float = flags.option(
         2048.0,
         "KV cache memory for all sessions (the batched runner allocates it as slots at start); idle sessions are "
         "evicted LRU when a new one does not fit",
     )
-    kv_cache_prefault: bool = kv_cache_prefault_option()
-    runner: str = option(
+    kv_cache_prefault: bool = flags.kv_cache_prefault_option()
+    runner: str = flags.option(
         "auto",
         "target runtime: batched = one ragged forward over a KV slot pool (Llama family), hf = the stock HF "
         "forward (any causal LM), auto = batched when the model and budget allow it",
         choices=RUNNERS,
     )
-    attention_backend: str = attention_backend_option(ATTENTION_BACKENDS)
-    max_model_len: int = option(
+    attention_backend: str = flags.attention_backend_option(ATTENTION_BACKENDS)
+    max_model_len: int = flags.option(
         0,
         "most tokens per session (prompt + max_tokens) = a KV slot's length; 0 = the model's context, capped so "
         "that the budget holds --max-sessions slots (auto falls back to hf when that leaves fewer than "
         f"{MIN_AUTO_SLOT_TOKENS} tokens)",
     )
-    max_batch_tokens: int = option(  # vLLM's max_num_batched_tokens
+    max_batch_tokens: int = flags.option(  # vLLM's max_num_batched_tokens
         512,
         "positions one scheduler tick's forward may compute: its draft blocks first, then prefill chunks of "
         "sessions being opened (batched runner)",
     )
-    session_ttl_s: float = option(600.0, "idle sessions are evicted after this")
-    draft_deadline_ms: float = option(
+    session_ttl_s: float = flags.option(600.0, "idle sessions are evicted after this")
+    draft_deadline_ms: float = flags.option(
         250.0, "past this wait for a draft block, take a target-only step instead (0 = never)"
     )
-    batch_wait_ms: float = option(
+    batch_wait_ms: float = flags.option(
         3.0, "a batch waits up to this long for the other active sessions' blocks (0 = start at once) ..."
     )
-    batch_wait_fraction: float = option(
+    batch_wait_fraction: float = flags.option(
         0.5,
         "... or up to this fraction of a recent batch's time, if longer: under speculation the other sessions' "
         "blocks come only after their drafts, and one full batch costs less than two halves",
     )
-    max_spec_len: int = option(16, f"most draft tokens one block may carry (<= {MAX_SPEC_LEN})")
-    sampler_backend: str = option(
+    max_spec_len: int = flags.option(16, f"most draft tokens one block may carry (<= {MAX_SPEC_LEN})")
+    sampler_backend: str = flags.option(
         "auto", "rejection sampler: triton on CUDA, torch on CPU when auto", choices=("auto", "torch", "triton")
     )
-    seed: int | None = option(None, "seed of the shared random stream (unseeded requests)", type=int)
-    grace_period_s: float = option(10.0, "on SIGTERM, in-flight sessions get this long to finish")
-    prefill_chunk_tokens: int = option(
+    seed: int | None = flags.option(None, "seed of the shared random stream (unseeded requests)", type=int)
+    grace_period_s: float = flags.option(10.0, "on SIGTERM, in-flight sessions get this long to finish")
+    prefill_chunk_tokens: int = flags.option(
         512,
         "most prompt tokens one session prefills per forward, so a long prompt does not stall the others' blocks "
         "(0 = no limit of its own: the tick's budget, or the whole prompt with hf)",
     )
     attached_wait_s: float = 5.0  # a new turn waits this long for the session's previous stream to end
     # Hard bounds against clients that open sessions and never stream, or stream and go silent.
-    attach_timeout_s: float = option(
+    attach_timeout_s: float = flags.option(
         30.0, "an opened session that no Verify stream attaches to within this is released (0 = never)"
     )
-    stream_idle_timeout_s: float = option(
+    stream_idle_timeout_s: float = flags.option(
         60.0,
         "a Verify stream whose client sends nothing for this is closed with DEADLINE_EXCEEDED and its session "
         "released (0 = never); unlike --draft-deadline-ms, which only takes target-only steps",
     )
-    max_cached_sessions: int = option(
+    max_cached_sessions: int = flags.option(
         0,
         "sessions held, idle cached ones included (LRU-evicted beyond it, RESOURCE_EXHAUSTED when all are in "
         "use); 0 = the KV slot count (hf runner: 4 x --max-sessions)",
     )
-    metrics_port: int = metrics_port_option(9464)
+    metrics_port: int = flags.metrics_port_option(9464)
 
     def __post_init__(self):
         if not 1 <= self.max_spec_len <= MAX_SPEC_LEN:
