@@ -15,7 +15,8 @@ from pathlib import Path
 
 import uvicorn
 
-from gateway.core import Gateway, GatewayConfig
+from gateway.config import GatewayConfig
+from gateway.core import Gateway
 from gateway.http import create_app
 from gateway.server import build_grpc_server
 from gateway.telemetry import GatewayMetrics

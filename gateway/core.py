@@ -42,10 +42,9 @@ from functools import partial
 import grpc
 import jinja2
 
-from gateway.openai.tools import TOOL_CALL_PARSERS
+from gateway.config import GatewayConfig
 from gateway.router import Route, Router, RouteRequest
 from gateway.routing import Replica
-from specmesh import config as flags
 from specmesh import wire
 from specmesh.domain import TokenLogprob
 from specmesh.errors import CALLER_ERRORS, InvalidArgument, ResourceExhausted, Unavailable, from_grpc_code
@@ -57,61 +56,6 @@ from specmesh.text import IncrementalDetokenizer, find_stop
 from specmesh.v1 import draft_pb2, draft_pb2_grpc, verify_pb2, verify_pb2_grpc
 
 log = logging.getLogger("specmesh.gateway")
-
-
-@dataclass(frozen=True)
-class GatewayConfig:
-    """The gateway's settings; each field declared with `option` is also its flag (`python -m gateway --help`)."""
-
-    verify: tuple[str, ...] = flags.option(
-        (),
-        "verify replicas, comma-separated host:port; a host that resolves to several addresses (a headless "
-        "Service) gives one replica per address, re-resolved every health round",
-        required=True,
-    )
-    draft: tuple[str, ...] = flags.option((), "draft replicas, comma-separated host:port (none = target-only)")
-    model_name: str = flags.option(
-        "specmesh", "the model id clients send (default: the tokenizer directory's name)", flag_default=""
-    )
-    speculative_num_steps: int = flags.option(
-        0,
-        "draft tokens per block of requests that leave num_speculative_tokens unset (0 = the draft's default)",
-    )
-    speculative_disable_by_batch_size: int = flags.option(  # vLLM's speculative_disable_by_batch_size
-        0,
-        "requests that leave num_speculative_tokens unset decode target-only while more than this many "
-        "generations per healthy verify replica are in flight (0 = always speculate)",
-    )
-    goodput_probe_every: int = flags.option(
-        8,
-        "requests that leave num_speculative_tokens unset decode target-only, straight on the verify replica, "
-        "while the draft replica reports that speculation measures slower than target-only (its goodput "
-        "guard); every N-th of them still goes through the draft replica to keep it measuring (0 = off)",
-    )
-    max_prompt_tokens: int = flags.option(4096, "longest prompt accepted")
-    max_tokens_limit: int = flags.option(4096, "largest max_tokens accepted")
-    request_timeout_s: float = flags.option(300.0, "deadline of each generation")
-    max_concurrency: int = flags.option(64, "generations running at once")
-    max_queue: int = flags.option(256, "generations waiting for a slot; more get 429")
-    max_failovers: int = flags.option(3, "replica failovers per generation")
-    health_interval_s: float = flags.option(2.0, "replica health check period")
-    fail_threshold: int = flags.option(3, "failed checks that take a replica out")
-    success_threshold: int = flags.option(2, "good checks that bring it back")
-    load_factor: float = flags.option(1.25, "bounded-load hashing: max load / mean load")
-    stall_timeout_s: float = flags.option(
-        2.0,
-        "longest a stream may go without a token before it continues without its draft or moves to another "
-        "verify replica (0 = streams are not watched)",
-    )
-    stall_gap_multiple: float = flags.option(
-        8.0, "a stream has stalled after this many times its mean gap between tokens (at most --stall-timeout-s)"
-    )
-    tokenizer_threads: int = 2  # threads that tokenize prompts, and as many that detokenize outputs
-    tool_call_parser: str = flags.option(
-        "hermes",
-        "how chat finds tool calls in a reply with tool_choice auto (hermes: <tool_call>{json}</tool_call>)",
-        choices=TOOL_CALL_PARSERS,
-    )
 
 
 class BadInput(InvalidArgument):

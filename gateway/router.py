@@ -35,7 +35,7 @@ from gateway.routing import Pool, Replica
 from specmesh.errors import Unavailable
 
 if TYPE_CHECKING:
-    from gateway.core import GatewayConfig
+    from gateway.config import GatewayConfig
 
 
 @dataclass(frozen=True)

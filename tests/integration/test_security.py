@@ -32,7 +32,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from draft_service.engine import DraftConfig
 from draft_service.server import build_server as build_draft
-from gateway.core import Gateway, GatewayConfig
+from gateway.config import GatewayConfig
+from gateway.core import Gateway
 from gateway.http import create_app
 from gateway.telemetry import GatewayMetrics
 from specmesh.config import EnvArgumentParser

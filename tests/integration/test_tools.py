@@ -164,3 +164,7 @@ def test_tool_call_parser_flag():
     assert config.tool_call_parser == "hermes"
     with pytest.raises(SystemExit):
         parse_args(["--verify", "127.0.0.1:1", "--tool-call-parser", "nope"])
+    # the flag offers exactly the parsers the chat route has
+    from gateway.config import TOOL_CALL_PARSER_NAMES
+
+    assert set(TOOL_CALL_PARSER_NAMES) == set(tools.TOOL_CALL_PARSERS)

@@ -10,7 +10,7 @@ from draft_service.__main__ import parse_args as draft_args
 from draft_service.engine import DraftConfig
 from gateway.__main__ import GatewayProcess
 from gateway.__main__ import parse_args as gateway_args
-from gateway.core import GatewayConfig
+from gateway.config import GatewayConfig
 from specmesh import config as flags
 from verify_service.__main__ import parse_args as verify_args
 from verify_service.engine import VerifyConfig

@@ -5,7 +5,8 @@ starts unmeasured."""
 import pytest
 
 from gateway.__main__ import parse_args
-from gateway.core import Gateway, GatewayConfig, GenRequest, Outcome
+from gateway.config import GatewayConfig
+from gateway.core import Gateway, GenRequest, Outcome
 from specmesh.sampling import SamplingParams
 
 

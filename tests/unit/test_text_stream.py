@@ -220,7 +220,8 @@ def test_gateway_detokenizes_small_chunks_on_the_loop_and_large_ones_on_its_thre
     import asyncio
     import threading
 
-    from gateway.core import Gateway, GatewayConfig
+    from gateway.config import GatewayConfig
+    from gateway.core import Gateway
 
     ids = tokenizer.encode("Speculative decoding drafts a few tokens and the target verifies them in one pass. " * 8)
     gw = Gateway(GatewayConfig(), tokenizer)
