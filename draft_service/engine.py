@@ -17,7 +17,7 @@ import contextlib
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any
@@ -317,7 +317,7 @@ class DraftEngine:
         num_speculative_tokens: int | None = None,
         metadata: tuple = (),
         goodput_probe: bool = False,
-    ) -> AsyncIterator[GenerationEvent]:
+    ) -> AsyncGenerator[GenerationEvent, None]:
         """Yields Opened, then Tokens as rounds commit them, then Finished. `goodput_probe`: the caller sends
         most requests past this service while its guard says speculation loses, and this one to measure
         speculation (it takes none of the guard's target-only runs)."""
@@ -391,7 +391,7 @@ class DraftEngine:
 
 async def _target_only(
     stub, session_id: str, prompt_ids: list[int], params: SamplingParams, metadata: tuple, timeout: float
-) -> AsyncIterator[GenerationEvent]:
+) -> AsyncGenerator[GenerationEvent, None]:
     """K = 0: relay the verify replica's own target-only generation (no verify session, no round trips)."""
     call = stub.Generate(
         verify_pb2.VerifyServiceGenerateRequest(
@@ -488,7 +488,7 @@ class _Generation:
         )
         span.end(end_time=wall_ns(r.t_verdict, now))
 
-    async def run(self) -> AsyncIterator[GenerationEvent]:
+    async def run(self) -> AsyncGenerator[GenerationEvent, None]:
         task = asyncio.get_running_loop().create_task(self._loop())
         try:
             while True:

@@ -169,8 +169,17 @@ def add_config_flags(ap: EnvArgumentParser, config_type: type, group: argparse._
         if isinstance(default, tuple):
             default = ",".join(default)  # argparse parses a string default with `parse`, as it will the flag
         choices = list(opt.choices) if opt.choices is not None else None
-        kw = dict(help=opt.help, choices=choices, required=opt.required, dest=f.name, aliases=opt.aliases, group=group)
-        ap.flag(_flag_of(f), type=parse, default=default, **kw)
+        ap.flag(
+            _flag_of(f),
+            type=parse,
+            default=default,
+            help=opt.help,
+            choices=choices,
+            required=opt.required,
+            dest=f.name,
+            aliases=opt.aliases,
+            group=group,
+        )
 
 
 def parse_config(ap: EnvArgumentParser, config_type: Callable[..., ConfigT], argv=None) -> tuple[ConfigT, dict]:
@@ -270,7 +279,7 @@ class GatewayListen:
     grpc_port: int = option(50070, "gRPC port (specmesh.v1.GatewayService); -1 = off")
 
 
-def parse_service_args(config_type: Callable[..., ConfigT], argv, **parser) -> tuple[ConfigT, dict]:
+def parse_service_args(config_type: type[ConfigT], argv, **parser) -> tuple[ConfigT, dict]:
     """A model service's command line (draft, verify): its config from the config's flags, and the process
     flags (ServiceProcess, and TLS and keys: specmesh.security); `parser`: EnvArgumentParser's prog,
     description and env_prefix."""

@@ -39,7 +39,7 @@ def service_threads(role: str, requested: int = 0) -> int:
     raise ValueError(f"unknown role {role!r}")
 
 
-def add_thread_flags(ap: argparse.ArgumentParser) -> None:
+def add_thread_flags(ap: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
     """--verify-threads and --draft-threads, for a launcher that starts both model services (0: as above)."""
     for role, default in (("verify", "every core"), ("draft", "half the cores, at least one")):
         help = f"torch threads of each {role} process (0 = {default}: see specmesh.placement)"

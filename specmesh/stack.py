@@ -486,7 +486,11 @@ def security_argv(security: StackSecurity, role: str) -> list[str]:
     """A service's TLS and service-key flags, from the stack's: the gateway serves its fronts with the
     certificate and dials the replicas with it (--upstream-tls-*); the model services serve it and present it
     when they dial (the draft)."""
-    files = {"tls_cert": security.tls_cert, "tls_key": security.tls_key, "tls_ca": security.tls_ca}
+    files: dict[str, str | bool] = {
+        "tls_cert": security.tls_cert,
+        "tls_key": security.tls_key,
+        "tls_ca": security.tls_ca,
+    }
     if role == "gateway":
         upstream = {f"upstream_{k}": v for k, v in files.items()}
         settings = {**files, **upstream, "upstream_tls_server_name": security.tls_server_name}

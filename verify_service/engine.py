@@ -10,7 +10,7 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -369,7 +369,7 @@ class VerifyEngine:
         start = output_start(session.prompt_len, session.params)
         return LogitsContext(session.seq.token_ids, start, (), self.eos_token_ids, session.grammar)
 
-    async def session_stream(self, inbox: asyncio.Queue) -> AsyncIterator[Verdict]:
+    async def session_stream(self, inbox: asyncio.Queue) -> AsyncGenerator[Verdict, None]:
         """Serve one session's Verify stream: `inbox` yields BlockIn, END_OF_STREAM, or an exception to raise."""
         first = await self._receive(inbox, self._idle_s())
         if first is END_OF_STREAM:
@@ -502,7 +502,7 @@ class VerifyEngine:
 
     async def generate(
         self, session_id: str, prompt_ids: list[int], params: SamplingParams
-    ) -> AsyncIterator[GenerationEvent]:
+    ) -> AsyncGenerator[GenerationEvent, None]:
         """Target-only decoding: yields Opened, then Tokens per step, then Finished."""
         opened = await self.open(session_id, prompt_ids, params)
         session = self.sessions.get(opened.session_id)
