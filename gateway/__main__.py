@@ -170,9 +170,11 @@ async def serve(config: GatewayConfig, args: GatewayProcess) -> None:
     def stop():
         server.should_exit = True
 
+    # Ours stop both fronts (the REST server here, the others once it has returned). uvicorn (>= 0.29, which
+    # replaced install_signal_handlers with capture_signals) takes SIGTERM and SIGINT only while serve() runs,
+    # setting should_exit as ours do, then puts ours back and raises the signals it caught again.
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop)
-    server.install_signal_handlers = lambda: None  # ours stop both fronts
     print(f"gateway REST listening on {args.host}:{args.port} (model {config.model_name!r})", flush=True)
     await server.serve()
     if grpc_server is not None:

@@ -12,6 +12,7 @@ import contextlib
 from gateway.core import Gateway, GenRequest, Outcome, shown
 from gateway.tenancy import downstream_session_id, tenant_of
 from specmesh import wire
+from specmesh.domain import TokenLogprob
 from specmesh.errors import InvalidArgument, NotFound
 from specmesh.v1 import gateway_pb2, gateway_pb2_grpc
 
@@ -78,7 +79,10 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
     async def Generate(self, request, context):
         req = await self._request(request, context)
         outcome = Outcome(prompt_tokens=len(req.prompt_ids))
-        text, ids, finish, logprobs = [], [], None, []
+        text: list[str] = []
+        ids: list[int] = []
+        finish: str | None = None
+        logprobs: list[TokenLogprob] = []
         async with contextlib.aclosing(self.gateway.generate(req, outcome)) as chunks:
             async for chunk in chunks:
                 text.append(chunk.text)

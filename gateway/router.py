@@ -95,14 +95,19 @@ class Router:
     @classmethod
     def from_config(cls, config: GatewayConfig) -> Router:
         """The router of the gateway's replica pools, with its settings."""
-        pools = dict(
-            load_factor=config.load_factor,
-            fail_threshold=config.fail_threshold,
-            success_threshold=config.success_threshold,
-        )
+
+        def pool(name: str, entries: tuple[str, ...]) -> Pool:
+            return Pool(
+                name,
+                list(entries),
+                load_factor=config.load_factor,
+                fail_threshold=config.fail_threshold,
+                success_threshold=config.success_threshold,
+            )
+
         return cls(
-            Pool("verify", list(config.verify), **pools),
-            Pool("draft", list(config.draft), **pools),
+            pool("verify", config.verify),
+            pool("draft", config.draft),
             speculative_num_steps=config.speculative_num_steps,
             speculative_disable_by_batch_size=config.speculative_disable_by_batch_size,
             goodput_probe_every=config.goodput_probe_every,
@@ -134,8 +139,9 @@ class Router:
         )
         if verify is None:
             raise Unavailable("no healthy verify replica")
-        resumed = ask.stalled_session is not None and verify.address == ask.stalled_session[0]
-        session_id = ask.stalled_session[1] if resumed else ask.session_id
+        session_id = ask.session_id
+        if ask.stalled_session is not None and verify.address == ask.stalled_session[0]:
+            session_id = ask.stalled_session[1]  # resumed on the stalled stream's replica
         k = ask.k if ask.k is not None else self.speculative_num_steps or None
         target_only = Route(verify, None, session_id, k, ask.goodput)
         if ask.k == 0:

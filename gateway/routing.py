@@ -31,6 +31,7 @@ import logging
 import math
 import socket
 from collections import OrderedDict
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 
 import grpc
@@ -133,7 +134,10 @@ class Pool:
             infos = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
         except (socket.gaierror, ValueError):
             return []
-        addrs = sorted({(f"[{i[4][0]}]" if ":" in i[4][0] else i[4][0]) for i in infos})
+        ips = {info[4][0] for info in infos}
+        # typeshed also allows a sockaddr (int, bytes): an address of a family this Python was built without
+        # (IPv6), which it could not dial. Every other one starts with its host's text.
+        addrs = sorted(f"[{ip}]" if ":" in ip else ip for ip in ips if isinstance(ip, str))
         return [f"{a}:{port}" for a in addrs]
 
     async def refresh_membership(self) -> None:
@@ -180,7 +184,7 @@ class Pool:
         """Count a routing decision of this kind (the gateway's metrics show them by pool)."""
         self.decisions[kind] = self.decisions.get(kind, 0) + 1
 
-    def for_session(self, session_id: str, exclude: set[str] = frozenset()) -> Replica | None:
+    def for_session(self, session_id: str, exclude: AbstractSet[str] = frozenset()) -> Replica | None:
         """Bounded-load consistent hashing: the first healthy replica clockwise whose load is in bound."""
         if not self._ring:
             return None
@@ -205,7 +209,7 @@ class Pool:
             self.count("session_affinity")
         return first_ok
 
-    def for_prompt(self, token_ids: list[int], exclude: set[str] = frozenset()) -> Replica | None:
+    def for_prompt(self, token_ids: list[int], exclude: AbstractSet[str] = frozenset()) -> Replica | None:
         """Prefix-aware choice for requests without a session."""
         candidates = [r for r in self.healthy if r.address not in exclude]
         if not candidates:
@@ -224,7 +228,7 @@ class Pool:
         chosen.remember(blocks)
         return chosen
 
-    def least_loaded(self, exclude: set[str] = frozenset()) -> Replica | None:
+    def least_loaded(self, exclude: AbstractSet[str] = frozenset()) -> Replica | None:
         """The healthy replica with the fewest requests in flight; a draft replica whose goodput guard
         reports that speculation loses comes last (the gateway sends most requests past it, so it carries
         little load, and on load alone it would be chosen every time)."""

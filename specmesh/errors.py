@@ -19,7 +19,8 @@ class SpecmeshError(Exception):
 
 
 class InvalidArgument(SpecmeshError, ValueError):
-    code, http_status, openai_code = "INVALID_ARGUMENT", 400, None
+    code, http_status = "INVALID_ARGUMENT", 400
+    openai_code: str | None = None  # declared as the base's: a subclass may name one (gateway.core.BadInput)
 
 
 class OutOfRange(InvalidArgument):

@@ -31,6 +31,7 @@ from pydantic_core import PydanticCustomError
 
 from gateway.core import Outcome, shown
 from gateway.openai import tools
+from gateway.openai.tools import ToolPlan  # by name: in ChatCompletionRequest's body, `tools` is the field
 from specmesh import structured
 from specmesh.errors import InvalidArgument, SpecmeshError
 from specmesh.rejection.limits import MAX_SPEC_LEN
@@ -482,7 +483,7 @@ class ChatCompletionRequest(GenerationRequest, ChatInput):
     logprobs: bool = Field(False, description="a boolean")
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description=f"an integer in [0, {MAX_LOGPROBS}]")
     echo: Unsupported = None
-    tools: list | None = Field(None, description="a list of tools")  # type: ignore[assignment]
+    tools: list | None = Field(None, description="a list of tools")
     tool_choice: str | dict | None = Field(None, description="none, auto, required or a named function")
     parallel_tool_calls: bool = Field(True, description="a boolean")
 
@@ -491,7 +492,7 @@ class ChatCompletionRequest(GenerationRequest, ChatInput):
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(400, "'top_logprobs' needs 'logprobs': true", "top_logprobs", "invalid_value")
 
-    def tool_plan(self) -> tools.ToolPlan | None:
+    def tool_plan(self) -> ToolPlan | None:
         """What the tools ask for (None without tools); an APIError naming the parameter when malformed."""
         if not self.tools and not self.parallel_tool_calls:
             raise APIError(400, "'parallel_tool_calls' needs 'tools'", "parallel_tool_calls", "invalid_value")
@@ -689,20 +690,25 @@ class ChatStreamChoice(BaseModel):
 ChoiceT = TypeVar("ChoiceT", bound=BaseModel)
 
 
-class ResponseBase(BaseModel, Generic[ChoiceT]):
-    """The fields of a whole answer, in the order they are sent; each kind fixes `object` (pydantic keeps a
-    redefined field where the base put it)."""
+class AnswerBase(BaseModel, Generic[ChoiceT]):
+    """The fields a whole answer and a stream chunk start with, in the order they are sent; each kind fixes
+    `object` (pydantic keeps a redefined field where the base put it). `usage` and `specmesh` follow."""
 
     id: str
     object: str
     created: int
     model: str
     choices: list[ChoiceT]
+
+
+class ResponseBase(AnswerBase[ChoiceT], Generic[ChoiceT]):
+    """A whole answer: its choices, then the generation's usage and speculation."""
+
     usage: Usage
     specmesh: SpecmeshStats
 
 
-class StreamResponseBase(ResponseBase[ChoiceT], Generic[ChoiceT]):
+class StreamResponseBase(AnswerBase[ChoiceT], Generic[ChoiceT]):
     """One server-sent event: `usage` is there (null but the last) only when asked for."""
 
     usage: Usage | None = None
@@ -725,7 +731,7 @@ class ChatCompletionStreamResponse(StreamResponseBase[ChatStreamChoice]):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
 
 
-def stream_payload(chunk: StreamResponseBase, include_usage: bool) -> dict:
+def stream_payload(chunk: StreamResponseBase[Any], include_usage: bool) -> dict:
     """A stream chunk as its event's JSON object: `usage` only when asked for, `specmesh` only with the usage."""
     exclude = {"specmesh"} if chunk.specmesh is None else set()
     if not include_usage:

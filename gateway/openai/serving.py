@@ -14,9 +14,9 @@ import contextlib
 import dataclasses
 import time
 import uuid
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol, TypeVar
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -119,15 +119,22 @@ class Head(NamedTuple):
 
 class Api(Protocol):
     """What one route family (completions, chat) has of its own: its route, its request, the prompts it
-    makes of it, and the types and choices of its answer."""
+    makes of it, and the types and choices of its answer. Its types are read-only here (properties), and
+    `opening` a Sequence, so that a route's own subclasses match."""
 
     path: str
     name: str  # the route's name (and OpenAPI operation)
-    request_type: type[GenerationRequest]
-    response_type: type[ResponseBase]
-    chunk_type: type[StreamResponseBase]
     id_prefix: str
     span_name: str
+
+    @property
+    def request_type(self) -> type[GenerationRequest]: ...
+
+    @property
+    def response_type(self) -> type[ResponseBase[Any]]: ...
+
+    @property
+    def chunk_type(self) -> type[StreamResponseBase[Any]]: ...
 
     async def prompts(self, gateway: Gateway, body: Any) -> list[tuple[list[int], str | None]]:
         """Each prompt's token ids (tokenized off the event loop) and its text when it came as text."""
@@ -137,7 +144,7 @@ class Api(Protocol):
         """One choice of a whole answer."""
         ...
 
-    def opening(self, index: int) -> list[BaseModel]:
+    def opening(self, index: int) -> Sequence[BaseModel]:
         """The choices of a stream's first chunks for choice `index`, before any text."""
         ...
 
@@ -174,7 +181,10 @@ async def bad_word_ids(gateway: Gateway, words: list[str]) -> tuple[tuple[int, .
     return tuple(out)
 
 
-def _with_totals(model: type[ResponseBase], head: Head, choices: list, outcome: Outcome) -> ResponseBase:
+AnswerT = TypeVar("AnswerT", bound=ResponseBase[Any] | StreamResponseBase[Any])
+
+
+def _with_totals(model: type[AnswerT], head: Head, choices: list, outcome: Outcome) -> AnswerT:
     """A whole answer, or a stream's last chunk: the choices with the generation's usage and speculation."""
     return model(**head._asdict(), choices=choices, usage=Usage.of(outcome), specmesh=SpecmeshStats.of(outcome))
 
@@ -256,7 +266,7 @@ class LogprobText:
 
 
 def _choice_tokens(chunk: Chunk) -> list[tuple[int, TokenLogprob | None]]:
-    lps = chunk.logprobs or [None] * len(chunk.token_ids)
+    lps: Sequence[TokenLogprob | None] = chunk.logprobs or [None] * len(chunk.token_ids)
     return list(zip(chunk.token_ids, lps, strict=True))
 
 
@@ -363,9 +373,9 @@ async def _start(gateway: Gateway, runs: list[Run]) -> None:
     for r in runs:
         if r.req is not None:
             r.chunks = gateway.generate(r.req, r.outcome)
-    started = [r for r in runs if r.chunks is not None]
-    firsts = await asyncio.gather(*(anext(r.chunks, None) for r in started), return_exceptions=True)
-    for r, first in zip(started, firsts, strict=True):
+    started = [(r, r.chunks) for r in runs if r.chunks is not None]
+    firsts = await asyncio.gather(*(anext(chunks, None) for _, chunks in started), return_exceptions=True)
+    for (r, _), first in zip(started, firsts, strict=True):
         if isinstance(first, BaseException):
             raise first
         r.first = first

@@ -83,7 +83,7 @@ class ToolPlan:
         matching that function's parameters."""
         if not self.forced:
             return None
-        names = [self.named] if self.choice == "named" else list(self.functions)
+        names = [self.named] if self.choice == "named" and self.named is not None else list(self.functions)
         calls = [
             {
                 "type": "object",
@@ -115,7 +115,7 @@ def plan(tools: Any, tool_choice: Any, parallel: bool, parser: str = "hermes") -
     for t in tools:
         fn = t.get("function") if isinstance(t, dict) and t.get("type", "function") == "function" else None
         name = fn.get("name") if isinstance(fn, dict) else None
-        if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", name):
+        if not isinstance(fn, dict) or not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", name):
             raise ToolInputError("tools", "each tool must be {'type': 'function', 'function': {'name': ...}}")
         params = fn.get("parameters") or {}
         if not isinstance(params, dict):
