@@ -108,7 +108,6 @@ class GatewayServer:
             await self.gateway.start()
             app = create_app(self.gateway, tuple(api_keys), max_body_bytes, self.metrics)
             self.http = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
-            self.http.install_signal_handlers = lambda: None
             self.http_task = asyncio.ensure_future(self.http.serve())
             self.grpc = build_grpc_server(self.gateway, "127.0.0.1", 0, self.metrics)
             self.grpc_address = f"127.0.0.1:{await self.grpc.start()}"
