@@ -30,7 +30,7 @@ from __future__ import annotations
 import threading
 import weakref
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -89,21 +89,78 @@ class _Padded(NamedTuple):
     length: int  # L: the longest segment's end
 
 
-class _RaggedDecoder(_FastDecoder):
-    """`_FastDecoder`'s weights and ops over a flattened ragged batch and a slot pool.
+def causal_mask(start: int, n: int, group: int, dev) -> torch.Tensor:
+    """[group * n, start + n] bool: key p is visible to new query j (at position start + j) when p <= start + j.
+    With GQA a sequence's queries are laid out [n_kv, group * n] (see `fold_queries`), so the [n, end] mask
+    is tiled `group` times."""
+    end = start + n
+    m = torch.arange(end, device=dev)[None, :] <= torch.arange(start, end, device=dev)[:, None]
+    return m.repeat(group, 1) if group > 1 else m
 
-    `padded`: short segments attend in one padded SDPA call per layer instead of one call per segment
-    (None: on CUDA, where a forward over many sequences is bound by kernel launches; on CPU the per-segment
-    calls do no padded work and cost little next to the matmuls)."""
 
-    def __init__(self, model: PreTrainedModel, packed: bool | None = None, padded: bool | None = None):
-        super().__init__(model, packed)
-        self.group = self.n_heads // self.n_kv  # query heads per KV head (1 without GQA)
-        self.padded = self.embed.device.type == "cuda" if padded is None else bool(padded)
+def fold_queries(q: torch.Tensor, n_kv: int, group: int) -> torch.Tensor:
+    """One sequence's queries [n, nh, D] as SDPA's [1, heads, rows, D] against its keys [1, n_kv, L, D].
 
-    def _padded_plan(self, segments: list[tuple[int, int, int, int]], dev) -> _Padded | None:
-        if not self.padded:
-            return None
+    Query head j uses KV head j // group (HF's repeat_kv): with GQA the group is folded into the query
+    length ([1, n_kv, group * n, D]) instead of repeating the keys, so the cache is read as it is."""
+    n, _nh, hd = q.shape
+    if group > 1:
+        return q.view(n, n_kv, group, hd).permute(1, 2, 0, 3).reshape(1, n_kv, group * n, hd)
+    return q.transpose(0, 1)[None]
+
+
+def unfold_rows(a: torch.Tensor, n: int, n_kv: int, group: int) -> torch.Tensor:
+    """`fold_queries`'s inverse on SDPA's output [1, heads, rows, D]: [n, nh, D]."""
+    hd = a.shape[-1]
+    if group > 1:
+        return a.view(n_kv, group, n, hd).permute(2, 0, 1, 3).reshape(n, n_kv * group, hd)
+    return a[0].transpose(0, 1)
+
+
+class KvAttention(Protocol):
+    """The part of a layer that depends on where the KV lives: writing the batch's new keys/values and
+    attending each sequence's queries over its cache. Built once per forward (index plans and masks serve
+    every layer); `_RaggedDecoder.ragged` calls it once per layer."""
+
+    def __call__(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor, q: torch.Tensor, attn: torch.Tensor, scale: float
+    ) -> None:
+        """Write layer `layer`'s new keys `k` and values `v` [T, n_kv, D] (rotary applied), then fill
+        `attn` [T, nh, D] with the attention of the new queries `q` [T, nh, D]."""
+        ...
+
+
+class _SlotAttention:
+    """BatchedRunner's KV: per layer one K and one V tensor [num_slots, n_kv, slot_len, D]; a sequence's
+    keys are its slot's first positions.
+
+    segments: per sequence (slot, start, n, offset): its tokens are rows offset..offset+n of the batch, at
+    positions start..start+n. pos, slots: [T] position and slot of each new token."""
+
+    __slots__ = ("g", "in_plan", "k_pool", "masks", "nkv", "plan", "pos", "segments", "slots", "v_pool")
+
+    def __init__(
+        self,
+        dec: _RaggedDecoder,
+        k_pool: list[torch.Tensor],
+        v_pool: list[torch.Tensor],
+        pos: torch.Tensor,
+        slots: torch.Tensor,
+        segments: list[tuple[int, int, int, int]],
+    ):
+        self.k_pool, self.v_pool, self.pos, self.slots, self.segments = k_pool, v_pool, pos, slots, segments
+        self.nkv, self.g = dec.n_kv, dec.group
+        dev = pos.device
+        self.plan = self._padded_plan(segments, dev) if dec.padded else None
+        self.in_plan = frozenset(self.plan.rows if self.plan else ())  # segments that attend in the padded call
+        # Causal masks over each other sequence's slot prefix, built once for all layers.
+        self.masks: list[torch.Tensor | None] = [
+            None if n == 1 or i in self.in_plan else causal_mask(start, n, self.g, dev)
+            for i, (_slot, start, n, _off) in enumerate(segments)
+        ]  # None: one query sees the whole prefix (or the plan holds the mask)
+
+    @staticmethod
+    def _padded_plan(segments: list[tuple[int, int, int, int]], dev) -> _Padded | None:
         short = [i for i, (_slot, _start, n, _off) in enumerate(segments) if n <= PADDED_MAX_ROWS]
         if len(short) < 2:
             return None
@@ -125,44 +182,67 @@ class _RaggedDecoder(_FastDecoder):
         slots = as_long([segments[i][0] for i in short])
         return _Padded(short, slots, as_long(gather), as_long(scatter), as_long(real), mask, n_max, length)
 
-    def ragged(
-        self,
-        k_pool: list[torch.Tensor],
-        v_pool: list[torch.Tensor],
-        ids: torch.Tensor,
-        pos: torch.Tensor,
-        slots: torch.Tensor,
-        segments: list[tuple[int, int, int, int]],
-        rows: torch.Tensor | None,
-    ) -> torch.Tensor | None:
-        """Run every layer over all T new tokens; write their K/V into the pool; logits of `rows`.
+    def __call__(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor, q: torch.Tensor, attn: torch.Tensor, scale: float
+    ) -> None:
+        k_layer, v_layer = self.k_pool[layer], self.v_pool[layer]
+        nkv, g, plan = self.nkv, self.g, self.plan
+        # Every new key/value of the batch into its slot at its position: one index_put per tensor.
+        k_layer[self.slots, :, self.pos] = k
+        v_layer[self.slots, :, self.pos] = v
+        if plan is not None:
+            _t, nh, hd = q.shape
+            s_n = len(plan.rows)
+            qs = q.index_select(0, plan.gather).view(s_n, plan.n_max, nh, hd).transpose(1, 2)
+            keys = k_layer[plan.slots, :, : plan.length]  # [S, n_kv, L, D], gathered from the slots
+            values = v_layer[plan.slots, :, : plan.length]
+            if g > 1:  # query head j uses KV head j // group (HF's repeat_kv)
+                keys, values = keys.repeat_interleave(g, dim=1), values.repeat_interleave(g, dim=1)
+            a = F.scaled_dot_product_attention(qs, keys, values, attn_mask=plan.mask, scale=scale)
+            attn[plan.real] = a.transpose(1, 2).reshape(s_n * plan.n_max, nh, hd)[plan.scatter]
+        in_plan = self.in_plan
+        for i, ((slot, start, n, off), mask) in enumerate(zip(self.segments, self.masks, strict=True)):
+            if i in in_plan:
+                continue
+            end = start + n
+            keys = k_layer[slot, :, :end][None]  # [1, n_kv, end, D], a view of the slot
+            values = v_layer[slot, :, :end][None]
+            qs = fold_queries(q[off : off + n], nkv, g)
+            a = F.scaled_dot_product_attention(qs, keys, values, attn_mask=mask, scale=scale)
+            attn[off : off + n] = unfold_rows(a, n, nkv, g)
 
-        ids, pos, slots: [T] token id, position and slot of each new token. segments: per sequence
-        (slot, start, n, offset): its tokens are rows offset..offset+n of the batch, at positions
-        start..start+n. rows: [R] batch rows whose logits are returned ([R, V]), None for none.
+
+class _RaggedDecoder(_FastDecoder):
+    """`_FastDecoder`'s weights and ops over a flattened ragged batch; where the KV lives and how each
+    sequence attends is a `KvAttention` (`_SlotAttention` for the slot pool).
+
+    `padded`: short segments attend in one padded SDPA call per layer instead of one call per segment
+    (None: on CUDA, where a forward over many sequences is bound by kernel launches; on CPU the per-segment
+    calls do no padded work and cost little next to the matmuls)."""
+
+    def __init__(self, model: PreTrainedModel, packed: bool | None = None, padded: bool | None = None):
+        super().__init__(model, packed)
+        self.group = self.n_heads // self.n_kv  # query heads per KV head (1 without GQA)
+        self.padded = self.embed.device.type == "cuda" if padded is None else bool(padded)
+
+    def ragged(
+        self, kv: KvAttention, ids: torch.Tensor, pos: torch.Tensor, rows: torch.Tensor | None
+    ) -> torch.Tensor | None:
+        """Run every layer over all T new tokens, their K/V written and attended through `kv`; logits of
+        `rows`.
+
+        ids, pos: [T] token id and position of each new token. rows: [R] batch rows whose logits are
+        returned ([R, V]), None for none.
         """
-        hd, half, nh, nkv, g, rms = self.head_dim, self.half, self.n_heads, self.n_kv, self.group, self._rms
+        hd, half, nh, nkv, rms = self.head_dim, self.half, self.n_heads, self.n_kv, self._rms
         lin = self.linear
         nqk = nh + nkv
         t = ids.shape[0]
-        dev = ids.device
         assert self.cos is not None and self.sin is not None  # tables are built in __init__
         x = F.embedding(ids, self.embed)  # [T, hidden]
         cos, sin = self.cos[pos], self.sin[pos]  # [T, 1, D]
-        plan = self._padded_plan(segments, dev)
-        in_plan = frozenset(plan.rows if plan else ())  # segments that attend in the padded call
-        # Causal masks over each other sequence's slot prefix, built once for all layers. With GQA a sequence's
-        # queries are laid out [n_kv, group * n] (see below), so its [n, end] mask is tiled `group` times.
-        masks: list[torch.Tensor | None] = []
-        for i, (_slot, start, n, _off) in enumerate(segments):
-            if n == 1 or i in in_plan:
-                masks.append(None)  # one query sees the whole prefix (or the plan holds the mask)
-                continue
-            end = start + n
-            m = torch.arange(end, device=dev)[None, :] <= torch.arange(start, end, device=dev)[:, None]
-            masks.append(m.repeat(g, 1) if g > 1 else m)  # [group * n, end]
         attn = x.new_empty((t, nh, hd))  # [T, nh, D]
-        for k_layer, v_layer, (
+        for i, (
             ln1,
             eps1,
             wqkv,
@@ -180,7 +260,7 @@ class _RaggedDecoder(_FastDecoder):
             wd,
             bd,
             act,
-        ) in zip(k_pool, v_pool, self.layers, strict=True):
+        ) in enumerate(self.layers):
             h = rms(x, ln1, eps1)
             qkv = lin(h, wqkv, bqkv).view(t, nqk + nkv, hd)  # [T, nh + 2 n_kv, D]
             qk = qkv[:, :nqk]
@@ -190,37 +270,7 @@ class _RaggedDecoder(_FastDecoder):
                     dim=1,
                 )
             qk = qk * cos + qk.roll(half, -1) * sin  # rotary, each token at its own position
-            # Every new key/value of the batch into its slot at its position: one index_put per tensor.
-            k_layer[slots, :, pos] = qk[:, nh:]  # [T, n_kv, D]
-            v_layer[slots, :, pos] = qkv[:, nqk:]
-            q = qk[:, :nh]  # [T, nh, D]
-            if plan is not None:
-                s_n = len(plan.rows)
-                qs = q.index_select(0, plan.gather).view(s_n, plan.n_max, nh, hd).transpose(1, 2)
-                keys = k_layer[plan.slots, :, : plan.length]  # [S, n_kv, L, D], gathered from the slots
-                values = v_layer[plan.slots, :, : plan.length]
-                if g > 1:  # query head j uses KV head j // group (HF's repeat_kv)
-                    keys, values = keys.repeat_interleave(g, dim=1), values.repeat_interleave(g, dim=1)
-                a = F.scaled_dot_product_attention(qs, keys, values, attn_mask=plan.mask, scale=scale)
-                attn[plan.real] = a.transpose(1, 2).reshape(s_n * plan.n_max, nh, hd)[plan.scatter]
-            for i, ((slot, start, n, off), mask) in enumerate(zip(segments, masks, strict=True)):
-                if i in in_plan:
-                    continue
-                end = start + n
-                keys = k_layer[slot, :, :end][None]  # [1, n_kv, end, D], a view of the slot
-                values = v_layer[slot, :, :end][None]
-                qs = q[off : off + n]  # [n, nh, D]
-                if g > 1:
-                    # Query head j uses KV head j // group (HF's repeat_kv): fold the group into the query
-                    # length instead of repeating the keys, so the slot is read as it is.
-                    qs = qs.view(n, nkv, g, hd).permute(1, 2, 0, 3).reshape(1, nkv, g * n, hd)
-                    a = F.scaled_dot_product_attention(qs, keys, values, attn_mask=mask, scale=scale)
-                    attn[off : off + n] = a.view(nkv, g, n, hd).permute(2, 0, 1, 3).reshape(n, nh, hd)
-                else:
-                    a = F.scaled_dot_product_attention(
-                        qs.transpose(0, 1)[None], keys, values, attn_mask=mask, scale=scale
-                    )  # [1, nh, n, D]
-                    attn[off : off + n] = a[0].transpose(0, 1)
+            kv(i, qk[:, nh:], qkv[:, nqk:], qk[:, :nh], attn, scale)
             x = x + lin(attn.view(t, nh * hd), wo, bo)
             h = rms(x, ln2, eps2)
             gu = lin(h, wgu, bgu)
@@ -472,15 +522,8 @@ class BatchedRunner(RunnerBase):
         dec = self._dec
         dec.refresh_if_stale()
         with sdpa_context(self.attention_backend, dev):
-            out = dec.ragged(
-                self._k,
-                self._v,
-                ids,
-                pos,
-                slots,
-                segments,
-                torch.tensor(rows, dtype=torch.long, device=dev) if rows else None,
-            )
+            kv = _SlotAttention(dec, self._k, self._v, pos, slots, segments)
+            out = dec.ragged(kv, ids, pos, torch.tensor(rows, dtype=torch.long, device=dev) if rows else None)
         if out is None:
             return [_no_logits(self.vocab_size, dev) for _ in work]
         out = out.float()  # [R, V]
