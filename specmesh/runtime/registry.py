@@ -7,6 +7,9 @@ Kinds:
   `max_seq_len` tokens (None: the model's context); the Llama family only (`batched_supported`);
 * `static`: `StaticCacheRunner`, a preallocated cache per sequence, sequences one after another (the
   hand-written decoder where the architecture allows it, the HF forward otherwise);
+* `paged`: `PagedRunner`, `batched`'s forward with the KV in `num_blocks` blocks of `block_size` tokens
+  (prefix caching by block, each sequence up to the model's context capped by `max_seq_len`); the models
+  `batched` serves;
 * `hf`: `ModelRunner`, the stock HF forward, any causal LM;
 * `auto`: `batched` where the model allows it, else `hf`.
 """
@@ -20,9 +23,10 @@ from transformers import PreTrainedModel
 from specmesh.runtime import Runner
 from specmesh.runtime.batched import BatchedRunner
 from specmesh.runtime.hf import ModelRunner
+from specmesh.runtime.paged import PagedRunner
 from specmesh.runtime.static import StaticCacheRunner
 
-KINDS = ("auto", "batched", "static", "hf")
+KINDS = ("auto", "batched", "paged", "static", "hf")
 
 
 def batched_supported(model: PreTrainedModel) -> bool:
@@ -36,11 +40,14 @@ def build_runner(
     *,
     num_slots: int = 0,
     max_seq_len: int | None = None,
+    num_blocks: int = 0,
+    block_size: int = 16,
     prefault: bool = False,
     attention_backend: str = "auto",
 ) -> Runner[Any]:
     """A runner of `kind` for `model` (see the module docstring); ValueError for an unknown kind or a model
-    the kind cannot serve. `num_slots`, `max_seq_len` and `prefault` size the batched runner's pool;
+    the kind cannot serve. `num_slots`, `max_seq_len` and `prefault` size the batched runner's pool
+    (`num_blocks`, `block_size`, `max_seq_len` and `prefault` the paged runner's);
     `attention_backend` (`specmesh.runtime.attention`) applies to the hand-written decoders."""
     if kind not in KINDS:
         raise ValueError(f"runner kind must be one of {', '.join(KINDS)}, not {kind!r}")
@@ -48,6 +55,10 @@ def build_runner(
         kind = "batched" if batched_supported(model) else "hf"
     if kind == "batched":
         return BatchedRunner(model, num_slots, max_seq_len, prefault=prefault, attention_backend=attention_backend)
+    if kind == "paged":
+        return PagedRunner(
+            model, num_blocks, block_size, max_seq_len, prefault=prefault, attention_backend=attention_backend
+        )
     if kind == "static":
         return StaticCacheRunner(model, attention_backend=attention_backend)
     return ModelRunner(model)

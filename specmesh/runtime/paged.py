@@ -1,0 +1,531 @@
+"""`PagedRunner`: `BatchedRunner`'s runner (one ragged forward per batch, the same `Runner` protocol and
+sequence semantics) with the KV in fixed-size blocks from a `BlockManager` instead of one fixed slot per
+sequence, so a sequence holds only the blocks its tokens need and full blocks of a shared prompt prefix are
+computed once and shared (prefix caching, scoped by tenant).
+
+* KV arena: per layer one K and one V tensor [n_kv, num_blocks * block_size, D], token-addressed (the
+  physical slot of position i is block * block_size + offset). A run of physically consecutive blocks is
+  the strided view `k[:, s:e]`, laid out as `BatchedRunner`'s slot view, so a sequence whose blocks form one
+  run attends exactly as there: one SDPA call over a view, no copy.
+* A sequence with several runs (a shared prefix elsewhere in the pool, or fragmentation) attends on CPU
+  run by run with the flash kernel, which also returns each row's log-sum-exp, and the runs are merged:
+  lse = logaddexp over the pieces, out = sum of out_r * exp(lse_r - lse). The pieces are the runs covering
+  the cached prefix (visible to every new query, no mask) and the new tokens' own keys straight from the
+  batch (causal among themselves), so the new tokens may span runs. Where that kernel is not available (CUDA)
+  the sequence's keys and values are gathered through `index_select` on its slots: correct, not fast (a
+  block-table attention kernel is later work).
+* A step: per sequence, sync (keep the longest valid prefix; the table is truncated to it, and a kept
+  partial block that is shared or registered is given back, so the cached prefix may shrink to a block
+  boundary), reserve blocks for everything fed (OutOfBlocks, a ResourceExhausted, is raised before anything
+  is written, every sequence left as it was), write every new key/value with one index_put per tensor,
+  attend, and only once the pass succeeded mark the positions written and register the full blocks of
+  committed tokens (draft tokens fed as `extra` are cached but not committed: their blocks stay private).
+* `new_sequence(token_ids, scope)` opens the table with the cached full blocks of the prompt's prefix in
+  that scope; the next forward computes only the rest (`prefix_cache_hit_tokens` counts those tokens).
+
+The decoder is `batched._RaggedDecoder` with a `KvAttention` of its own; the runner checks it against the
+stock HF forward on a probe (a chunked prefill, a decode block with a rollback, a shared prefix, a sequence
+of several runs) when built and refuses models it cannot reproduce.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from transformers import PreTrainedModel
+
+from specmesh.errors import InvalidArgument
+from specmesh.runtime import PrefillChunk, StepResult
+from specmesh.runtime.attention import check_attention_backend, sdpa_context
+from specmesh.runtime.base import RunnerBase, logits_wanted
+from specmesh.runtime.batched import BatchedRunner, _RaggedDecoder, causal_mask, fold_queries, unfold_rows
+from specmesh.runtime.blocks import BlockManager, BlockPool, BlockTable, OutOfBlocks
+from specmesh.runtime.static import TrackedSequence, logits_agree
+
+_flash_lse = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+class PagedSequence(TrackedSequence):
+    """One sequence: committed ids, the ids whose KV its table's positions [0, len) hold, and the table
+    (`freed` once given back)."""
+
+    __slots__ = ("__weakref__", "_release", "_runner", "freed", "table")
+
+    def __init__(self, token_ids: list[int], runner: PagedRunner, table: BlockTable):
+        super().__init__(token_ids)
+        self.table = table
+        self.freed = False
+        self._runner = runner
+        # Gives the blocks back when the sequence is freed or garbage-collected, whichever comes first.
+        self._release = weakref.finalize(self, runner._release_table, table)
+
+
+class _Work(NamedTuple):
+    """One sequence's part of a forward, planned before anything is written."""
+
+    seq: PagedSequence
+    start: int  # cached tokens kept = the position of feed[0]
+    feed: list[int]  # token ids fed this forward
+    num_logits: int  # logits rows wanted: the last num_logits of feed
+
+
+class _Segment(NamedTuple):
+    """How one sequence attends in a forward."""
+
+    start: int  # its first new token's position
+    n: int  # new tokens
+    off: int  # their first row in the batch
+    view: tuple[int, int] | None  # one run: the physical token range [s, e) of positions [0, start + n)
+    prefix: list[tuple[int, int]]  # several runs: the physical ranges of positions [0, start)
+    gather: torch.Tensor | None  # no flash kernel: the slots of positions [0, start + n)
+    mask: torch.Tensor | None  # view / gather: the causal mask over [0, start + n); runs: over the new keys
+
+
+def physical_ranges(table: BlockTable, end: int) -> list[tuple[int, int]]:
+    """The physical token ranges [s, e) holding positions [0, end) of `table`, in logical order."""
+    out: list[tuple[int, int]] = []
+    bs, left = table.block_size, end
+    for first, count in table.runs():
+        if left <= 0:
+            break
+        n = min(count * bs, left)
+        out.append((first * bs, first * bs + n))
+        left -= n
+    return out
+
+
+class _BlockAttention:
+    """The block arena's KV write and attention (see the module docstring). slots: [T] the physical slot of
+    each new token."""
+
+    __slots__ = ("g", "k_pool", "nkv", "segments", "slots", "v_pool")
+
+    def __init__(
+        self,
+        dec: _RaggedDecoder,
+        k_pool: list[torch.Tensor],
+        v_pool: list[torch.Tensor],
+        slots: torch.Tensor,
+        segments: list[_Segment],
+    ):
+        self.k_pool, self.v_pool, self.slots, self.segments = k_pool, v_pool, slots, segments
+        self.nkv, self.g = dec.n_kv, dec.group
+
+    def __call__(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor, q: torch.Tensor, attn: torch.Tensor, scale: float
+    ) -> None:
+        k_layer, v_layer = self.k_pool[layer], self.v_pool[layer]
+        nkv, g = self.nkv, self.g
+        # Every new key/value of the batch at its physical slot: one index_put per tensor.
+        k_layer[:, self.slots] = k.transpose(0, 1)
+        v_layer[:, self.slots] = v.transpose(0, 1)
+        for seg in self.segments:
+            n, off = seg.n, seg.off
+            qs = fold_queries(q[off : off + n], nkv, g)
+            if seg.view is not None:
+                s, e = seg.view
+                keys, values = k_layer[:, s:e][None], v_layer[:, s:e][None]  # [1, n_kv, end, D], a view
+                a = F.scaled_dot_product_attention(qs, keys, values, attn_mask=seg.mask, scale=scale)
+            elif seg.gather is not None:
+                keys = k_layer.index_select(1, seg.gather)[None]  # [1, n_kv, end, D], gathered
+                values = v_layer.index_select(1, seg.gather)[None]
+                a = F.scaled_dot_product_attention(qs, keys, values, attn_mask=seg.mask, scale=scale)
+            else:
+                a = self._runs(seg, qs, k[off : off + n], v[off : off + n], k_layer, v_layer, scale)
+            attn[off : off + n] = unfold_rows(a, n, nkv, g)
+
+    def _runs(
+        self,
+        seg: _Segment,
+        qs: torch.Tensor,
+        k_new: torch.Tensor,
+        v_new: torch.Tensor,
+        k_layer: torch.Tensor,
+        v_layer: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        """Attention over several pieces merged by their log-sum-exp: the prefix runs (fully visible) and
+        the new keys [n, n_kv, D] (causal among the new queries)."""
+        assert _flash_lse is not None  # segments plan runs only where the kernel exists
+        outs, lses = [], []
+        for s, e in seg.prefix:  # every new query sees the whole cached prefix
+            o, lse = _flash_lse(qs, k_layer[:, s:e][None], v_layer[:, s:e][None], 0.0, False, scale=scale)
+            outs.append(o)
+            lses.append(lse.float())
+        # The new keys: causal among the new queries (square, so is_causal is exact; a GQA fold needs the mask).
+        causal = seg.mask is None and seg.n > 1
+        k_new, v_new = k_new.transpose(0, 1)[None], v_new.transpose(0, 1)[None]
+        o, lse = _flash_lse(qs, k_new, v_new, 0.0, causal, attn_mask=seg.mask, scale=scale)
+        outs.append(o)
+        lses.append(lse.float())
+        lse_all = torch.stack(lses).logsumexp(0)  # [1, H, R]
+        out = sum(o.float() * (lr - lse_all).exp()[..., None] for o, lr in zip(outs, lses, strict=True))
+        assert isinstance(out, torch.Tensor)
+        return out.to(qs.dtype)
+
+
+class PagedRunner(RunnerBase):
+    """`BatchedRunner`'s interface and semantics with the KV in `num_blocks` blocks of `block_size` tokens.
+
+    A sequence may reach the model's `max_position_embeddings`, capped by `max_model_len` (and by the pool).
+    `check`, `packed`, `prefault` and `attention_backend` as in `BatchedRunner`.
+    """
+
+    chunked_prefill = True  # `step` runs its prefill chunks in the same pass as its decode blocks
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        num_blocks: int,
+        block_size: int = 16,
+        max_model_len: int | None = None,
+        check: bool = True,
+        packed: bool | None = None,
+        prefault: bool = False,
+        attention_backend: str = "auto",
+    ):
+        if not self.supports(model):
+            raise ValueError(f"PagedRunner has no decoder for {type(model).__name__} with this config; use ModelRunner")
+        super().__init__(model)
+        self.attention_backend = check_attention_backend(attention_backend)
+        limit = self.model_len
+        if max_model_len is not None:
+            limit = min(limit, int(max_model_len)) if limit else int(max_model_len)
+        if limit < 2:
+            raise ValueError("PagedRunner needs max_model_len >= 2 (or a model max_position_embeddings)")
+        self.max_len = limit
+        self._dec = _RaggedDecoder(model, packed, padded=False)
+        self._dec.reserve(self.max_len)
+        self.num_layers = len(self._dec.layers)
+        self._prefault = prefault
+        # Whether multi-run sequences attend run by run (the CPU flash kernel returns the log-sum-exp the
+        # merge needs); otherwise their keys are gathered.
+        self.merge_runs = _flash_lse is not None and self.device.type == "cpu"
+        self._lock = threading.Lock()  # tables are opened/freed on the event loop, used on the model thread
+        self.prefix_cache_hit_tokens = 0  # prompt tokens whose KV new_sequence found in the block cache
+        self._alloc(BlockPool(num_blocks, block_size))
+        self.block_bytes = 2 * self.num_layers * self._dec.n_kv * block_size * self._dec.head_dim * self._elem
+        if check and not self._matches_hf():
+            raise ValueError(
+                f"PagedRunner's decoder disagrees with the HF forward for {type(model).__name__}; use ModelRunner"
+            )
+
+    def _alloc(self, pool: BlockPool) -> None:
+        d = self._dec
+        self.pool = pool
+        self._blocks = BlockManager(pool)
+        shape = (d.n_kv, pool.num_blocks * pool.block_size, d.head_dim)
+        # Attention reads only written positions, so the arena needs no zeroing (prefault: resident at once).
+        alloc = torch.zeros if self._prefault else torch.empty
+        self._k = [alloc(shape, dtype=d.dtype, device=self.device) for _ in range(self.num_layers)]
+        self._v = [alloc(shape, dtype=d.dtype, device=self.device) for _ in range(self.num_layers)]
+        self._elem = self._k[0].element_size()
+
+    @staticmethod
+    def supports(model: PreTrainedModel) -> bool:
+        """Whether this runner can serve `model` (what `BatchedRunner` serves)."""
+        return BatchedRunner.supports(model)
+
+    # blocks ---------------------------------------------------------------------------------------
+    @property
+    def block_size(self) -> int:
+        return self.pool.block_size
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def blocks_used(self) -> int:
+        return self.pool.num_used
+
+    @property
+    def blocks_free(self) -> int:
+        """Blocks an allocation may take (free and evictable cached ones)."""
+        return self.pool.num_free
+
+    @property
+    def blocks_shared(self) -> int:
+        return self.pool.num_shared
+
+    @property
+    def blocks_cached(self) -> int:
+        """Blocks held by no sequence but kept for their content (evicted when needed)."""
+        return self.pool.num_cached
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks in use (vLLM's kv_cache_usage_perc, as a fraction)."""
+        return self.pool.usage
+
+    @property
+    def evictions(self) -> int:
+        return self.pool.evictions
+
+    @property
+    def prefix_hits(self) -> int:
+        """Blocks found in the prefix cache, ever."""
+        return self.pool.prefix_hits
+
+    @property
+    def pool_bytes(self) -> int:
+        return self.pool.num_blocks * self.block_bytes
+
+    def kv_account(self, bytes_per_token: int | None = None) -> BlockAccount:
+        """`Runner.kv_account`: whole blocks (`bytes_per_token` does not apply)."""
+        return BlockAccount(self)
+
+    def context_limit(self, max_model_len: int = 0) -> int:
+        """`Runner.context_limit`: the model's context capped by `max_model_len` (the runner's and this one)
+        and by the pool."""
+        limit = min(self.max_len, self.pool.num_blocks * self.pool.block_size)
+        return limit if not max_model_len else min(limit, max_model_len)
+
+    def new_sequence(self, token_ids: list[int], scope: bytes = b"") -> PagedSequence:
+        """A sequence of `token_ids` holding the cached full blocks of their prefix in `scope`
+        (`blocks.scope_of`): the next forward computes only the rest."""
+        if not token_ids:
+            raise InvalidArgument("a sequence needs at least one token")
+        self._check_len(len(token_ids))
+        with self._lock:
+            table, hit = self._blocks.open(token_ids, scope)
+        seq = PagedSequence(list(token_ids), self, table)
+        seq.cached_ids = list(token_ids[:hit])
+        self.prefix_cache_hit_tokens += hit
+        return seq
+
+    def free(self, seq: PagedSequence) -> None:
+        """Give the sequence's blocks back now (full committed ones stay cached for other sequences); the
+        sequence can no longer be run. Idempotent."""
+        self._own(seq, allow_freed=True)
+        seq.freed = True
+        seq.cached_ids = []
+        seq._release()  # runs _release_table once, and never again at garbage collection
+
+    def _release_table(self, table: BlockTable) -> None:
+        with self._lock:
+            self._blocks.free(table)
+
+    def _own(self, seq, allow_freed: bool = False) -> None:
+        if not isinstance(seq, PagedSequence) or seq._runner is not self:
+            raise InvalidArgument("the sequence does not belong to this runner")
+        if seq.freed and not allow_freed:
+            raise InvalidArgument("the sequence was freed")
+
+    def _check_len(self, n: int) -> None:
+        if n > self.max_len:
+            raise InvalidArgument(
+                f"a sequence of {n} tokens exceeds this runner's limit of {self.max_len} tokens per sequence"
+            )
+
+    # forward --------------------------------------------------------------------------------------
+    def _sync(self, seq: PagedSequence) -> int:
+        """Cut the cache back to the prefix still valid for token_ids (>= 1 token left to feed); the table
+        may keep fewer positions (a kept partial block that is shared or registered is never rewritten)."""
+        keep = seq.sync()
+        with self._lock:
+            valid = self._blocks.truncate(seq.table, keep)
+        if valid < keep:
+            del seq.cached_ids[valid:]
+        return valid
+
+    @torch.inference_mode()
+    def prefill(self, seq: PagedSequence, max_tokens: int | None = None, count_reuse: bool = True) -> int:
+        """`Runner.prefill`, chunked: one `step` with this sequence's chunk and no decode blocks."""
+        return self.step([], prefill=[PrefillChunk(seq, max_tokens, count_reuse)]).prefill_left[0]
+
+    @torch.inference_mode()
+    def forward(
+        self, seqs: list[PagedSequence], extra: list[list[int]] | None = None, num_logits: list[int] | None = None
+    ) -> list[torch.Tensor]:
+        """`Runner.forward` (as `BatchedRunner.forward`), in one pass."""
+        return self.step(seqs, extra, num_logits).logits
+
+    @torch.inference_mode()
+    def step(
+        self,
+        seqs: list[PagedSequence],
+        extra: list[list[int]] | None = None,
+        num_logits: list[int] | None = None,
+        prefill: Sequence[PrefillChunk[PagedSequence]] = (),
+    ) -> StepResult:
+        """`forward` over `seqs` and `prefill` chunks of other sequences, in ONE pass of the model.
+
+        OutOfBlocks before anything is written when the pool cannot hold what is fed. Nothing is counted,
+        marked cached or registered unless the whole pass succeeds; if it raises, the blocks reserved for it
+        are given back and every sequence's cache is its kept prefix."""
+        chunks = [PrefillChunk(*c) for c in prefill]
+        wanted = logits_wanted(len(seqs), extra, num_logits)
+        everyone = [*seqs, *(c.seq for c in chunks)]
+        for seq in everyone:
+            self._own(seq)
+        if len({id(s) for s in everyone}) != len(everyone):
+            raise InvalidArgument("a sequence appears twice in one forward")
+        work: list[_Work] = []
+        for i, seq in enumerate(seqs):
+            ext = list(extra[i]) if extra is not None else []
+            self._check_len(len(seq.token_ids) + len(ext))
+            keep = self._sync(seq)
+            work.append(_Work(seq, keep, seq.token_ids[keep:] + ext, wanted[i]))
+        reused, left = [], []
+        for c in chunks:
+            if c.max_tokens is not None and c.max_tokens < 0:
+                raise InvalidArgument("max_tokens must be >= 0")
+            self._check_len(len(c.seq.token_ids))
+            keep = self._sync(c.seq)
+            todo = c.seq.token_ids[keep:-1]
+            now = todo if c.max_tokens is None else todo[: c.max_tokens]
+            reused.append(keep if c.count_reuse else 0)
+            left.append(len(todo) - len(now))
+            if now:
+                work.append(_Work(c.seq, keep, now, 0))
+        self._reserve(work)
+        try:
+            logits = self._run(work) if work else []
+        except BaseException:
+            with self._lock:
+                for w in work:  # the reserved blocks go back; the written prefix stays
+                    self._blocks.truncate(w.seq.table, w.seq.table.num_tokens)
+            raise
+        # The pass succeeded: only now do its tokens count as cached, and full committed blocks as content.
+        with self._lock:
+            for w in work:
+                table = w.seq.table
+                table.mark_written(w.start + len(w.feed))
+                w.seq.cached_ids.extend(w.feed)
+                self._blocks.commit(table, w.seq.token_ids)
+        self.prefix_tokens_reused += sum(reused)
+        return StepResult(logits[: len(seqs)], left, reused, sum(len(w.feed) for w in work))
+
+    def _reserve(self, work: list[_Work]) -> None:
+        """Blocks for everything fed, all or none (OutOfBlocks with no table changed)."""
+        with self._lock:
+            blocks = self._blocks
+            need = sum(blocks.blocks_needed(w.seq.table, w.start + len(w.feed)) for w in work)
+            if need > self.pool.num_free:
+                raise OutOfBlocks(
+                    f"KV cache out of blocks: {need} needed, {self.pool.num_free} of {self.pool.num_blocks} free"
+                )
+            for w in work:
+                blocks.reserve(w.seq.table, w.start + len(w.feed))
+
+    def _run(self, work: list[_Work]) -> list[torch.Tensor]:
+        """One forward over every sequence's feed; per work item float32 logits [num_logits, V]."""
+        flat_ids: list[int] = []
+        flat_pos: list[int] = []
+        flat_slot: list[int] = []
+        rows: list[int] = []
+        for w in work:
+            off, n = len(flat_ids), len(w.feed)
+            flat_ids += w.feed
+            flat_pos += range(w.start, w.start + n)
+            flat_slot += w.seq.table.slots(w.start, w.start + n)
+            rows += range(off + n - w.num_logits, off + n)
+        lo, hi = min(flat_ids), max(flat_ids)
+        if lo < 0 or hi >= self.vocab_size:
+            raise InvalidArgument(f"token id {lo if lo < 0 else hi} is outside the vocabulary [0, {self.vocab_size})")
+        dev = self.device
+        ids = torch.tensor(flat_ids, dtype=torch.long, device=dev)  # [T]
+        pos = torch.tensor(flat_pos, dtype=torch.long, device=dev)  # [T]
+        slots = torch.tensor(flat_slot, dtype=torch.long, device=dev)  # [T]
+        segments = self._segments(work)
+        dec = self._dec
+        dec.refresh_if_stale()
+        with sdpa_context(self.attention_backend, dev):
+            kv = _BlockAttention(dec, self._k, self._v, slots, segments)
+            out = dec.ragged(kv, ids, pos, torch.tensor(rows, dtype=torch.long, device=dev) if rows else None)
+        if out is None:
+            return [torch.empty((0, self.vocab_size), dtype=torch.float32, device=dev) for _ in work]
+        return list(out.float().split([w.num_logits for w in work]))
+
+    def _segments(self, work: list[_Work]) -> list[_Segment]:
+        """How each sequence attends: over one view, run by run, or gathered (see the module docstring)."""
+        dev, g, off = self.device, self._dec.group, 0
+        out = []
+        for w in work:
+            start, n = w.start, len(w.feed)
+            end = start + n
+            table = w.seq.table
+            ranges = physical_ranges(table, end)
+            if len(ranges) == 1 or not self.merge_runs:
+                mask = causal_mask(start, n, g, dev) if n > 1 else None
+                if len(ranges) == 1:
+                    out.append(_Segment(start, n, off, ranges[0], [], None, mask))
+                else:
+                    gather = torch.tensor(table.slots(0, end), dtype=torch.long, device=dev)
+                    out.append(_Segment(start, n, off, None, [], gather, mask))
+            else:
+                mask = None
+                if n > 1 and g > 1:
+                    # The new keys among themselves: causal, additive (the flash kernel takes the query's dtype).
+                    vis = causal_mask(0, n, g, dev)
+                    mask = torch.zeros(vis.shape, dtype=self._dec.dtype, device=dev).masked_fill_(~vis, float("-inf"))
+                out.append(_Segment(start, n, off, None, physical_ranges(table, start), None, mask))
+            off += n
+        return out
+
+    def _matches_hf(self) -> bool:
+        """A probe against the stock HF forward, on a pool of its own (the runner's stays untouched): a
+        chunked prefill, a decode block with drafts and a rollback, a second sequence sharing the first's
+        prefix blocks whose own block lies elsewhere (several runs)."""
+        saved = (self.pool, self._blocks, self._k, self._v)
+        bs = self.pool.block_size
+        ids = [(7 * i + 3) % self.vocab_size for i in range(2 * bs + 9)]
+        p = 2 * bs + 3  # the first prompt: two full blocks and a partial one
+        seqs: list[PagedSequence] = []
+        try:
+            self._alloc(BlockPool(max(16, 4 * (-(-(len(ids) + 4) // bs))), bs))
+            with torch.inference_mode():
+                a = self.new_sequence(ids[:p])
+                seqs.append(a)
+                self.prefill(a, max_tokens=bs)
+                got = self.forward([a], [ids[p : p + 3]])
+                fed = [ids[: p + 3]]
+                a.commit(ids[p : p + 1])  # rejects the rest: the next pass recomputes from there
+                other = (ids[p + 1] + 1) % self.vocab_size
+                b = self.new_sequence([*ids[: 2 * bs], other, *ids[2 * bs + 1 : p]])
+                seqs.append(b)
+                got += self.forward([a, b], [[ids[p + 2], ids[p + 3]], [ids[1], ids[2]]])
+                fed += [ids[: p + 1] + [ids[p + 2], ids[p + 3]], [*b.token_ids, ids[1], ids[2]]]
+                if len(b.table.runs()) < 2 or b.cached_ids[: 2 * bs] != ids[: 2 * bs]:
+                    return False  # the probe did not exercise what it is for
+                for logits, f in zip(got, fed, strict=True):
+                    with sdpa_context(self.attention_backend, self.device):
+                        out = self.model(input_ids=torch.tensor([f], device=self.device))
+                    if not logits_agree(out.logits[0, -len(logits) :].float(), logits, self._dec.dtype):
+                        return False
+            return True
+        finally:
+            for seq in seqs:  # into the probe's pool, before the runner's comes back
+                self.free(seq)
+            self.pool, self._blocks, self._k, self._v = saved
+            self.prefix_tokens_reused = 0
+            self.prefix_cache_hit_tokens = 0
+
+
+class BlockAccount:
+    """`PagedRunner`'s KV accounting: a sequence holds whole blocks (a shared block counts for each
+    sequence holding it); the blocks, not a count of sequences, cap what is open."""
+
+    max_sequences: int | None = None
+
+    def __init__(self, runner: PagedRunner):
+        self.runner = runner
+
+    @property
+    def pool_bytes(self) -> int:
+        return self.runner.pool_bytes
+
+    def held(self, seq: PagedSequence) -> int:
+        return 0 if seq.freed else len(seq.table.blocks) * self.runner.block_bytes
+
+    def needed(self, seq: PagedSequence | None, tokens: int) -> int:
+        r = self.runner
+        if seq is None or seq.freed:
+            return -(-tokens // r.block_size) * r.block_bytes
+        return r._blocks.blocks_needed(seq.table, tokens) * r.block_bytes
