@@ -1,0 +1,220 @@
+"""PagedRunner: BatchedRunner's logits and sequence semantics with the KV in blocks (prefix sharing by scope,
+sequences of several physical runs, out of blocks, freeing)."""
+
+import gc
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from specmesh.errors import ResourceExhausted
+from specmesh.runtime import PrefillChunk, Runner
+from specmesh.runtime.batched import BatchedRunner
+from specmesh.runtime.blocks import OutOfBlocks, scope_of
+from specmesh.runtime.paged import PagedRunner
+from specmesh.runtime.registry import build_runner
+from tests.support.models import ROOT, tiny_llama_mha, tiny_model, tiny_qwen3
+
+MODELS = {
+    "llama-gqa": lambda: tiny_model("llama", seed=5),
+    "qwen2-gqa": lambda: tiny_model("qwen2", seed=6),
+    "llama-mha": lambda: tiny_llama_mha(max_position_embeddings=512),
+    "qwen3": lambda: tiny_qwen3(max_position_embeddings=512),
+}
+
+
+@pytest.fixture(scope="module", params=list(MODELS))
+def model(request):
+    return MODELS[request.param]()
+
+
+@pytest.fixture(scope="module")
+def gqa():
+    return MODELS["llama-gqa"]()
+
+
+def close(got: torch.Tensor, ref: torch.Tensor) -> None:
+    """Within 1e-4 of the largest logit, and the same greedy choice on every row (BatchedRunner's bound)."""
+    assert got.dtype == torch.float32 and got.shape == ref.shape
+    tol = 1e-4 * max(1.0, float(ref.abs().max()))
+    torch.testing.assert_close(got, ref, atol=tol, rtol=0)
+    if ref.numel():
+        assert torch.equal(got.argmax(-1), ref.argmax(-1))
+
+
+def full_logits(model, ids: list[int], rows: int) -> torch.Tensor:
+    with torch.inference_mode():
+        return model(input_ids=torch.tensor([ids])).logits[0, len(ids) - rows :].float()
+
+
+def ids_of(n: int, seed: int = 0, vocab: int = 127) -> list[int]:
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.mark.parametrize("merge_runs", [True, False])
+def test_prefill_chunks_drafts_and_rollbacks_match_hf(model, merge_runs):
+    """Chunked prefill, decode blocks with drafts, a rollback inside a block and one across a block
+    boundary: every row as the HF forward over the whole sequence (GQA and not; runs merged or gathered)."""
+    r = PagedRunner(model, 32, 4)
+    r.merge_runs = merge_runs and r.merge_runs
+    ids = ids_of(40, seed=1)
+    seq = r.new_sequence(ids[:11])
+    assert r.prefill(seq, max_tokens=3) == 7 and r.prefill(seq, max_tokens=4) == 3 and r.prefill(seq) == 0
+    assert seq.cached_ids == ids[:10]
+    got = r.forward([seq], [ids[11:14]])[0]
+    close(got, full_logits(model, ids[:14], 4))
+    seq.commit(ids[11:12])  # positions 12, 13 rolled back inside block 3
+    got = r.forward([seq], [ids[20:25]])[0]
+    close(got, full_logits(model, ids[:12] + ids[20:25], 6))
+    assert seq.cached_ids == ids[:12] + ids[20:25] and len(seq.table.blocks) == 5
+    seq.commit(ids[20:21])  # block 4 (positions 16..) is given back: the rollback crosses a boundary
+    assert r.forward([seq], [[]])[0].shape[0] == 1
+    assert len(seq.table.blocks) == 4 and seq.table.num_tokens == 13
+    close(r.forward([seq], [ids[30:33]])[0], full_logits(model, [*ids[:12], ids[20], *ids[30:33]], 4))
+
+
+def test_forward_batch_and_step_with_prefill_chunks(gqa):
+    """Several sequences and a prefill chunk in one pass: each as HF; a chunk asks for no logits."""
+    r = PagedRunner(gqa, 64, 4)
+    prompts = [ids_of(n, seed=n) for n in (1, 9, 6, 17)]
+    seqs = [r.new_sequence(p) for p in prompts]
+    extra = [ids_of(k, seed=50 + k) for k in (0, 3, 1, 4)]
+    late = r.new_sequence(ids_of(13, seed=99))
+    res = r.step(seqs, extra, prefill=[PrefillChunk(late, 5)])
+    assert res.prefill_left == [7] and res.tokens == sum(len(p) + len(e) for p, e in zip(prompts, extra)) + 5
+    for seq, p, e, got in zip(seqs, prompts, extra, res.logits, strict=True):
+        close(got, full_logits(gqa, p + e, len(e) + 1))
+    close(r.forward([late])[0], full_logits(gqa, late.token_ids, 1))
+
+
+def test_shared_prefix_computes_only_the_suffix_and_scope_isolates(gqa):
+    bs = 4
+    r = PagedRunner(gqa, 64, bs)
+    prompt = ids_of(11, seed=3)  # two full blocks and a partial one
+    a = r.new_sequence(prompt)
+    close(r.forward([a])[0], full_logits(gqa, prompt, 1))
+    assert r.prefix_cache_hit_tokens == 0 and r.blocks_shared == 0
+    b_ids = [*prompt[:9], 5, 6, 7]
+    b = r.new_sequence(b_ids)
+    assert r.prefix_cache_hit_tokens == 2 * bs and b.cached_ids == prompt[: 2 * bs]
+    assert r.blocks_shared == 2 and b.table.blocks[:2] == a.table.blocks[:2]
+    res = r.step([b])
+    assert res.tokens == len(b_ids) - 2 * bs  # only the suffix is computed
+    close(res.logits[0], full_logits(gqa, b_ids, 1))
+    assert len(b.table.runs()) >= 2  # its own block lies past a's
+    # Another tenant's scope finds nothing, though the ids are the same.
+    c = r.new_sequence(prompt, scope=scope_of("other"))
+    assert r.prefix_cache_hit_tokens == 2 * bs and c.cached_ids == []
+    close(r.forward([c])[0], full_logits(gqa, prompt, 1))
+    # Freed, the prefix stays cached for a later sequence of the same scope.
+    r.free(a)
+    r.free(b)
+    d = r.new_sequence(prompt + [1])
+    assert d.cached_ids == prompt[:8] and r.prefix_cache_hit_tokens == 4 * bs
+    close(r.forward([d])[0], full_logits(gqa, prompt + [1], 1))
+
+
+def test_drafts_are_cached_but_not_registered(gqa):
+    r = PagedRunner(gqa, 32, 4)
+    ids = ids_of(20, seed=4)
+    seq = r.new_sequence(ids[:3])
+    r.forward([seq], [ids[3:9]])  # positions 0..8: block 0 holds 3 committed ids and a draft
+    assert seq.table.num_tokens == 9
+    assert all(r.pool.hash_of(b) is None for b in seq.table.blocks)
+    seq.commit(ids[3:8])
+    r.forward([seq], [[]])  # block 0 and 1 now hold committed ids only
+    assert [r.pool.hash_of(b) is not None for b in seq.table.blocks] == [True, True]
+
+
+def squat(r: PagedRunner, seq) -> list[int]:
+    """Take the block right after the sequence's last one, so its next block lands elsewhere."""
+    return r.pool.allocate(1, after=seq.table.blocks[-1])
+
+
+@pytest.mark.parametrize("merge_runs", [True, False])
+def test_fragmented_sequence_equals_one_run(model, merge_runs):
+    ids = ids_of(30, seed=7)
+    one = PagedRunner(model, 64, 2, check=False)
+    frag = PagedRunner(model, 64, 2, check=False)
+    frag.merge_runs = merge_runs and frag.merge_runs
+    a, b = one.new_sequence(ids[:3]), frag.new_sequence(ids[:3])
+    for step in range(8):
+        if b.table.blocks and step % 2 == 0:
+            squat(frag, b)
+        n = len(a.token_ids)
+        la, lb = one.forward([a], [ids[n : n + 2]])[0], frag.forward([b], [ids[n : n + 2]])[0]
+        close(lb, la)
+        close(lb, full_logits(model, ids[: n + 2], 3))
+        a.commit(ids[n : n + 1 + step % 2])
+        b.commit(ids[n : n + 1 + step % 2])
+    assert len(a.table.runs()) == 1 and len(b.table.runs()) >= 3
+
+
+def test_out_of_blocks_leaves_sequences_intact(gqa):
+    r = PagedRunner(gqa, 6, 4)
+    ids = ids_of(30, seed=8)
+    a, b = r.new_sequence(ids[:9]), r.new_sequence(ids[10:17])
+    r.forward([a, b])  # a: 3 blocks, b: 2
+    a.commit([ids[9]])
+    b.commit([ids[17]])
+    before = [(list(s.cached_ids), list(s.table.blocks), s.table.num_tokens) for s in (a, b)]
+    used = r.blocks_used
+    with pytest.raises(OutOfBlocks) as e:
+        r.forward([a, b], [ids[20:25], ids[20:22]])  # a needs 2 more, b 0: 1 free
+    assert isinstance(e.value, ResourceExhausted)
+    assert [(s.cached_ids, s.table.blocks, s.table.num_tokens) for s in (a, b)] == before
+    assert r.blocks_used == used
+    r.free(b)
+    close(r.forward([a], [ids[20:25]])[0], full_logits(gqa, ids[:10] + ids[20:25], 6))
+
+
+def test_free_returns_blocks_and_accounts(gqa):
+    r = PagedRunner(gqa, 16, 4)
+    acct = r.kv_account()
+    assert acct.max_sequences is None and acct.pool_bytes == 16 * r.block_bytes == r.pool_bytes
+    seq = r.new_sequence(ids_of(10, seed=9))
+    assert acct.held(seq) == 0 and acct.needed(seq, 10) == 3 * r.block_bytes
+    assert acct.needed(None, 17) == 5 * r.block_bytes
+    r.forward([seq])
+    assert r.blocks_used == 3 and acct.held(seq) == 3 * r.block_bytes and acct.needed(seq, 12) == 0
+    r.free(seq)
+    r.free(seq)  # idempotent
+    assert r.blocks_used == 0 and r.blocks_free == 16 and r.blocks_cached == 2  # the two full blocks stay cached
+    assert acct.held(seq) == 0 and r.usage == 0.0
+    other = r.new_sequence(ids_of(5, seed=10))
+    r.forward([other])
+    del other
+    gc.collect()
+    assert r.blocks_used == 0
+    assert r.context_limit() == min(gqa.config.max_position_embeddings, 64) and r.context_limit(10) == 10
+
+
+def test_registry_builds_paged(gqa):
+    r = build_runner(gqa, "paged", num_blocks=8, block_size=8, max_seq_len=32)
+    assert isinstance(r, PagedRunner) and isinstance(r, Runner)
+    assert (r.num_blocks, r.block_size, r.context_limit()) == (8, 8, 32) and r.chunked_prefill
+
+
+def test_greedy_on_demo_target_equals_batched():
+    """64 greedy tokens through `forward`, token for token as BatchedRunner's, on the demo checkpoint."""
+    target = AutoModelForCausalLM.from_pretrained(ROOT / "models" / "demo" / "target", dtype=torch.float32).eval()
+    prompt = ids_of(21, seed=11, vocab=target.config.vocab_size)
+    out = []
+    for runner in (BatchedRunner(target, 1, 128), PagedRunner(target, 12, 16, max_model_len=128)):
+        seq = runner.new_sequence(prompt)
+        toks = []
+        for _ in range(64):
+            t = int(runner.forward([seq])[0][-1].argmax())
+            seq.commit([t])
+            toks.append(t)
+        out.append(toks)
+    assert out[0] == out[1]
+
+
+def test_probe_refuses_a_decoder_that_disagrees(gqa, monkeypatch):
+    """The probe covers sequences of several runs: a broken run merge is caught when the runner is built."""
+    from specmesh.runtime import paged
+
+    monkeypatch.setattr(paged._BlockAttention, "_runs", lambda self, seg, qs, *a: torch.zeros_like(qs))
+    with pytest.raises(ValueError, match="disagrees"):
+        PagedRunner(gqa, 16, 4)
