@@ -204,8 +204,8 @@ class PagedRunner(RunnerBase):
         self.num_layers = len(self._dec.layers)
         self._prefault = prefault
         # Whether multi-run sequences attend run by run (the CPU flash kernel returns the log-sum-exp the
-        # merge needs); otherwise their keys are gathered.
-        self.merge_runs = _flash_lse is not None and self.device.type == "cpu"
+        # merge needs); otherwise their keys are gathered. "math" asks for the reference kernel everywhere.
+        self.merge_runs = _flash_lse is not None and self.device.type == "cpu" and attention_backend != "math"
         self._lock = threading.Lock()  # tables are opened/freed on the event loop, used on the model thread
         self.prefix_cache_hit_tokens = 0  # prompt tokens whose KV new_sequence found in the block cache
         self._alloc(BlockPool(num_blocks, block_size))

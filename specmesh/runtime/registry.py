@@ -56,6 +56,8 @@ def build_runner(
     if kind == "batched":
         return BatchedRunner(model, num_slots, max_seq_len, prefault=prefault, attention_backend=attention_backend)
     if kind == "paged":
+        if not PagedRunner.supports(model):
+            raise ValueError(f"runner kind 'paged' has no decoder for {type(model).__name__}; use 'hf' (ModelRunner)")
         return PagedRunner(
             model, num_blocks, block_size, max_seq_len, prefault=prefault, attention_backend=attention_backend
         )

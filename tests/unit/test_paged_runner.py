@@ -5,7 +5,7 @@ import gc
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
 
 from specmesh.errors import ResourceExhausted
 from specmesh.runtime import PrefillChunk, Runner
@@ -193,6 +193,9 @@ def test_registry_builds_paged(gqa):
     r = build_runner(gqa, "paged", num_blocks=8, block_size=8, max_seq_len=32)
     assert isinstance(r, PagedRunner) and isinstance(r, Runner)
     assert (r.num_blocks, r.block_size, r.context_limit()) == (8, 8, 32) and r.chunked_prefill
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=128, n_embd=32, n_layer=1, n_head=2, n_positions=64)).eval()
+    with pytest.raises(ValueError, match="'paged' has no decoder for GPT2LMHeadModel"):
+        build_runner(gpt2, "paged", num_blocks=8)
 
 
 def test_greedy_on_demo_target_equals_batched():
