@@ -7,8 +7,9 @@ computed once and shared (prefix caching, scoped by tenant).
   physical slot of position i is block * block_size + offset). A run of physically consecutive blocks is
   the strided view `k[:, s:e]`, laid out as `BatchedRunner`'s slot view, so a sequence whose blocks form one
   run attends exactly as there: one SDPA call over a view, no copy.
-* A sequence with several runs (a shared prefix elsewhere in the pool, or fragmentation) attends on CPU
-  run by run with the flash kernel, which also returns each row's log-sum-exp, and the runs are merged:
+* A sequence with several runs (a shared prefix elsewhere in the pool, or fragmentation) attends on CPU,
+  past a short context (`gather_max_tokens`, below which a gather is cheaper), run by run with the flash
+  kernel, which also returns each row's log-sum-exp, and the runs are merged:
   lse = logaddexp over the pieces, out = sum of out_r * exp(lse_r - lse). The pieces are the runs covering
   the cached prefix (visible to every new query, no mask) and the new tokens' own keys straight from the
   batch (causal among themselves), so the new tokens may span runs. Where that kernel is not available (CUDA)
@@ -48,6 +49,7 @@ from specmesh.runtime.blocks import BlockManager, BlockPool, BlockTable, OutOfBl
 from specmesh.runtime.static import TrackedSequence, logits_agree
 
 _flash_lse = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+GATHER_MAX_TOKENS = 256  # see PagedRunner.gather_max_tokens
 
 
 class PagedSequence(TrackedSequence):
@@ -206,6 +208,10 @@ class PagedRunner(RunnerBase):
         # Whether multi-run sequences attend run by run (the CPU flash kernel returns the log-sum-exp the
         # merge needs); otherwise their keys are gathered. "math" asks for the reference kernel everywhere.
         self.merge_runs = _flash_lse is not None and self.device.type == "cpu" and attention_backend != "math"
+        # Up to this context a multi-run sequence is gathered even so: a merge costs a kernel call and a few
+        # small ops per run and layer, a gather a copy of the context (on the demo target, 2 threads: gather
+        # ahead at 200 tokens, even at ~400, the merge ahead at 900).
+        self.gather_max_tokens = GATHER_MAX_TOKENS
         self._lock = threading.Lock()  # tables are opened/freed on the event loop, used on the model thread
         self.prefix_cache_hit_tokens = 0  # prompt tokens whose KV new_sequence found in the block cache
         self._alloc(BlockPool(num_blocks, block_size))
@@ -452,7 +458,7 @@ class PagedRunner(RunnerBase):
             end = start + n
             table = w.seq.table
             ranges = physical_ranges(table, end)
-            if len(ranges) == 1 or not self.merge_runs:
+            if len(ranges) == 1 or not self.merge_runs or end <= self.gather_max_tokens:
                 mask = causal_mask(start, n, g, dev) if n > 1 else None
                 if len(ranges) == 1:
                     out.append(_Segment(start, n, off, ranges[0], [], None, mask))
@@ -478,6 +484,8 @@ class PagedRunner(RunnerBase):
         ids = [(7 * i + 3) % self.vocab_size for i in range(2 * bs + 9)]
         p = 2 * bs + 3  # the first prompt: two full blocks and a partial one
         seqs: list[PagedSequence] = []
+        gather_max = self.gather_max_tokens
+        self.gather_max_tokens = 0  # the probe's sequences are short: check the merge wherever it may run
         try:
             self._alloc(BlockPool(max(16, 4 * (-(-(len(ids) + 4) // bs))), bs))
             with torch.inference_mode():
@@ -504,6 +512,7 @@ class PagedRunner(RunnerBase):
             for seq in seqs:  # into the probe's pool, before the runner's comes back
                 self.free(seq)
             self.pool, self._blocks, self._k, self._v = saved
+            self.gather_max_tokens = gather_max
             self.prefix_tokens_reused = 0
             self.prefix_cache_hit_tokens = 0
 

@@ -57,6 +57,7 @@ def test_prefill_chunks_drafts_and_rollbacks_match_hf(model, merge_runs):
     boundary: every row as the HF forward over the whole sequence (GQA and not; runs merged or gathered)."""
     r = PagedRunner(model, 32, 4)
     r.merge_runs = merge_runs and r.merge_runs
+    r.gather_max_tokens = 0  # short sequences: merge wherever the runs allow
     ids = ids_of(40, seed=1)
     seq = r.new_sequence(ids[:11])
     assert r.prefill(seq, max_tokens=3) == 7 and r.prefill(seq, max_tokens=4) == 3 and r.prefill(seq) == 0
@@ -137,6 +138,7 @@ def test_fragmented_sequence_equals_one_run(model, merge_runs):
     one = PagedRunner(model, 64, 2, check=False)
     frag = PagedRunner(model, 64, 2, check=False)
     frag.merge_runs = merge_runs and frag.merge_runs
+    frag.gather_max_tokens = 0
     a, b = one.new_sequence(ids[:3]), frag.new_sequence(ids[:3])
     for step in range(8):
         if b.table.blocks and step % 2 == 0:
