@@ -341,8 +341,10 @@ def test_unsupported_models_are_refused():
     with pytest.raises(ValueError, match="ModelRunner"):
         BatchedRunner(gpt2, num_slots=1)
     assert isinstance(build_runner(gpt2, "auto"), ModelRunner)
-    with pytest.raises(ValueError, match="kind"):
+    with pytest.raises(ValueError, match="has no decoder for GPT2LMHeadModel"):
         build_runner(gpt2, "paged")
+    with pytest.raises(ValueError, match="runner kind must be one of"):
+        build_runner(gpt2, "nope")
 
 
 def test_the_registry_builds_every_kind_behind_one_protocol(model):
