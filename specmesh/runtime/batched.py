@@ -30,7 +30,7 @@ from __future__ import annotations
 import threading
 import weakref
 from collections.abc import Sequence
-from typing import NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -65,7 +65,7 @@ class SlotSequence(TrackedSequence):
 class _Work(NamedTuple):
     """One sequence's part of a forward, planned before anything is written."""
 
-    seq: SlotSequence
+    seq: Any  # the runner's own sequence kind (SlotSequence, PagedSequence)
     start: int  # cached tokens kept = the position of feed[0]
     feed: list[int]  # token ids fed this forward
     num_logits: int  # logits rows wanted: the last num_logits of feed
@@ -281,7 +281,109 @@ class _RaggedDecoder(_FastDecoder):
         return lin(x, self.lm_w, self.lm_b)  # [R, V]
 
 
-class BatchedRunner(RunnerBase):
+class _RaggedRunner(RunnerBase):
+    """What the runners with one ragged forward per batch share (`BatchedRunner`, `paged.PagedRunner`): prefill
+    and forward as a `step`, the step's plan, checked before anything is written, and the flattened batch.
+    Subclasses give `_own`, `_check_len` and `_sync` (their sequences' bookkeeping) and `step` (the pass)."""
+
+    chunked_prefill = True  # `step` runs its prefill chunks in the same pass as its decode blocks
+
+    def _own(self, seq, allow_freed: bool = False) -> None:
+        raise NotImplementedError
+
+    def _check_len(self, n: int) -> None:
+        raise NotImplementedError
+
+    def _sync(self, seq) -> int:
+        raise NotImplementedError
+
+    def step(self, seqs, extra=None, num_logits=None, prefill=()) -> StepResult:
+        raise NotImplementedError
+
+    @staticmethod
+    def _limit(model_len: int, cap: int | None, name: str) -> int:
+        """Most tokens a sequence may reach: the model's context capped by `cap` (the runner's `name` flag)."""
+        limit = model_len
+        if cap is not None:
+            limit = min(limit, int(cap)) if limit else int(cap)
+        if limit < 2:
+            raise ValueError(f"this runner needs {name} >= 2 (or a model max_position_embeddings)")
+        return limit
+
+    @torch.inference_mode()
+    def prefill(self, seq, max_tokens: int | None = None, count_reuse: bool = True) -> int:
+        """`Runner.prefill`, chunked: one `step` with this sequence's chunk and no decode blocks."""
+        return self.step([], prefill=[PrefillChunk(seq, max_tokens, count_reuse)]).prefill_left[0]
+
+    @torch.inference_mode()
+    def forward(self, seqs, extra: list[list[int]] | None = None, num_logits: list[int] | None = None):
+        """Feed each sequence its uncached committed tokens plus `extra[i]` (draft tokens), all in one pass.
+
+        Returns, per sequence, float32 logits [num_logits[i], V], by default [len(extra[i]) + 1, V]: row j
+        predicts the token after the j-th of (last committed token, extra...); a smaller num_logits keeps
+        the last rows only. Afterwards the cache holds everything fed; the next forward drops what was not
+        committed."""
+        return self.step(seqs, extra, num_logits).logits
+
+    def _plan(
+        self, seqs, extra, num_logits, prefill: Sequence[PrefillChunk]
+    ) -> tuple[list[_Work], list[int], list[int]]:
+        """A step's work (decode blocks first, then the prefill chunks that have tokens to compute), and per
+        chunk the cached prefix it found (0 unless count_reuse) and the tokens it leaves to prefill."""
+        chunks = [PrefillChunk(*c) for c in prefill]
+        wanted = logits_wanted(len(seqs), extra, num_logits)
+        everyone = [*seqs, *(c.seq for c in chunks)]
+        for seq in everyone:
+            self._own(seq)
+        if len({id(s) for s in everyone}) != len(everyone):
+            raise InvalidArgument("a sequence appears twice in one forward")
+        work: list[_Work] = []
+        for i, seq in enumerate(seqs):
+            ext = list(extra[i]) if extra is not None else []
+            self._check_len(len(seq.token_ids) + len(ext))
+            keep = self._sync(seq)
+            work.append(_Work(seq, keep, seq.token_ids[keep:] + ext, wanted[i]))
+        reused, left = [], []
+        for c in chunks:
+            if c.max_tokens is not None and c.max_tokens < 0:
+                raise InvalidArgument("max_tokens must be >= 0")
+            self._check_len(len(c.seq.token_ids))
+            keep = self._sync(c.seq)
+            todo = c.seq.token_ids[keep:-1]
+            now = todo if c.max_tokens is None else todo[: c.max_tokens]
+            reused.append(keep if c.count_reuse else 0)
+            left.append(len(todo) - len(now))
+            if now:
+                work.append(_Work(c.seq, keep, now, 0))
+        return work, reused, left
+
+    def _batch(self, work: list[_Work]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The flattened batch: token ids [T], positions [T] and the rows whose logits are wanted [R] (None
+        for none); token ids outside the vocabulary are refused here, before anything is written."""
+        flat_ids: list[int] = []
+        flat_pos: list[int] = []
+        rows: list[int] = []
+        for w in work:
+            off, n = len(flat_ids), len(w.feed)
+            flat_ids += w.feed
+            flat_pos += range(w.start, w.start + n)
+            rows += range(off + n - w.num_logits, off + n)
+        lo, hi = min(flat_ids), max(flat_ids)
+        if lo < 0 or hi >= self.vocab_size:
+            raise InvalidArgument(f"token id {lo if lo < 0 else hi} is outside the vocabulary [0, {self.vocab_size})")
+        dev = self.device
+        ids = torch.tensor(flat_ids, dtype=torch.long, device=dev)
+        pos = torch.tensor(flat_pos, dtype=torch.long, device=dev)
+        return ids, pos, torch.tensor(rows, dtype=torch.long, device=dev) if rows else None
+
+    def _logits(self, out: torch.Tensor | None, work: list[_Work]) -> list[torch.Tensor]:
+        """Per work item float32 logits [num_logits, V] from the pass's [R, V]."""
+        if out is None:
+            return [_no_logits(self.vocab_size, self.device) for _ in work]
+        return list(out.float().split([w.num_logits for w in work]))
+
+
+class BatchedRunner(_RaggedRunner):
     """ModelRunner's interface and semantics over a shared slot KV pool, with one ragged forward per batch.
 
     `num_slots` sequences can be open at once, each up to `slot_len` tokens: `max_seq_len`, or the model's
@@ -294,8 +396,6 @@ class BatchedRunner(RunnerBase):
     `padded_attention`: decode blocks attend in one padded call per layer (None: on CUDA; see
     `_RaggedDecoder`).
     """
-
-    chunked_prefill = True  # `step` runs its prefill chunks in the same pass as its decode blocks
 
     def __init__(
         self,
@@ -316,12 +416,7 @@ class BatchedRunner(RunnerBase):
             raise ValueError("num_slots must be >= 1")
         super().__init__(model)
         self.attention_backend = check_attention_backend(attention_backend)
-        limit = self.model_len
-        if max_seq_len is not None:
-            limit = min(limit, int(max_seq_len)) if limit else int(max_seq_len)
-        if limit < 2:
-            raise ValueError("BatchedRunner needs max_seq_len >= 2 (or a model max_position_embeddings)")
-        self.slot_len = limit
+        self.slot_len = self._limit(self.model_len, max_seq_len, "max_seq_len")
         self._dec = _RaggedDecoder(model, packed, padded_attention)
         self._dec.reserve(self.slot_len)
         d = self._dec
@@ -438,23 +533,6 @@ class BatchedRunner(RunnerBase):
         return seq.sync()
 
     @torch.inference_mode()
-    def prefill(self, seq: SlotSequence, max_tokens: int | None = None, count_reuse: bool = True) -> int:
-        """`Runner.prefill`, chunked: one `step` with this sequence's chunk and no decode blocks."""
-        return self.step([], prefill=[PrefillChunk(seq, max_tokens, count_reuse)]).prefill_left[0]
-
-    @torch.inference_mode()
-    def forward(
-        self, seqs: list[SlotSequence], extra: list[list[int]] | None = None, num_logits: list[int] | None = None
-    ) -> list[torch.Tensor]:
-        """Feed each sequence its uncached committed tokens plus `extra[i]` (draft tokens), all in one pass.
-
-        Returns, per sequence, float32 logits [num_logits[i], V], by default [len(extra[i]) + 1, V]: row j
-        predicts the token after the j-th of (last committed token, extra...); a smaller num_logits keeps
-        the last rows only. Afterwards the slot holds everything fed; the next forward drops what was not
-        committed."""
-        return self.step(seqs, extra, num_logits).logits
-
-    @torch.inference_mode()
     def step(
         self,
         seqs: list[SlotSequence],
@@ -466,31 +544,7 @@ class BatchedRunner(RunnerBase):
 
         Nothing is counted or marked cached unless the whole pass succeeds; if it raises, every sequence's
         cache is its kept prefix (what its committed tokens still match), whatever was half written."""
-        chunks = [PrefillChunk(*c) for c in prefill]
-        wanted = logits_wanted(len(seqs), extra, num_logits)
-        everyone = [*seqs, *(c.seq for c in chunks)]
-        for seq in everyone:
-            self._own(seq)
-        if len({id(s) for s in everyone}) != len(everyone):
-            raise InvalidArgument("a sequence appears twice in one forward")
-        work: list[_Work] = []
-        for i, seq in enumerate(seqs):
-            ext = list(extra[i]) if extra is not None else []
-            self._check_len(len(seq.token_ids) + len(ext))
-            keep = self._sync(seq)
-            work.append(_Work(seq, keep, seq.token_ids[keep:] + ext, wanted[i]))
-        reused, left = [], []
-        for c in chunks:
-            if c.max_tokens is not None and c.max_tokens < 0:
-                raise InvalidArgument("max_tokens must be >= 0")
-            self._check_len(len(c.seq.token_ids))
-            keep = self._sync(c.seq)
-            todo = c.seq.token_ids[keep:-1]
-            now = todo if c.max_tokens is None else todo[: c.max_tokens]
-            reused.append(keep if c.count_reuse else 0)
-            left.append(len(todo) - len(now))
-            if now:
-                work.append(_Work(c.seq, keep, now, 0))
+        work, reused, left = self._plan(seqs, extra, num_logits, prefill)
         logits = self._run(work) if work else []
         # The pass succeeded: only now do its tokens count as cached.
         for w in work:
@@ -500,34 +554,23 @@ class BatchedRunner(RunnerBase):
 
     def _run(self, work: list[_Work]) -> list[torch.Tensor]:
         """One forward over every sequence's feed; per work item float32 logits [num_logits, V]."""
-        flat_ids: list[int] = []
-        flat_pos: list[int] = []
+        ids, pos, rows = self._batch(work)
         flat_slot: list[int] = []
-        rows: list[int] = []
         segments = []
+        off = 0
         for w in work:
-            off, n = len(flat_ids), len(w.feed)
-            flat_ids += w.feed
-            flat_pos += range(w.start, w.start + n)
+            n = len(w.feed)
             flat_slot += [w.seq.slot] * n
-            rows += range(off + n - w.num_logits, off + n)
             segments.append((w.seq.slot, w.start, n, off))
-        lo, hi = min(flat_ids), max(flat_ids)
-        if lo < 0 or hi >= self.vocab_size:
-            raise InvalidArgument(f"token id {lo if lo < 0 else hi} is outside the vocabulary [0, {self.vocab_size})")
+            off += n
         dev = self.device
-        ids = torch.tensor(flat_ids, dtype=torch.long, device=dev)  # [T]
-        pos = torch.tensor(flat_pos, dtype=torch.long, device=dev)  # [T]
         slots = torch.tensor(flat_slot, dtype=torch.long, device=dev)  # [T]
         dec = self._dec
         dec.refresh_if_stale()
         with sdpa_context(self.attention_backend, dev):
             kv = _SlotAttention(dec, self._k, self._v, pos, slots, segments)
-            out = dec.ragged(kv, ids, pos, torch.tensor(rows, dtype=torch.long, device=dev) if rows else None)
-        if out is None:
-            return [_no_logits(self.vocab_size, dev) for _ in work]
-        out = out.float()  # [R, V]
-        return list(out.split([w.num_logits for w in work]))
+            out = dec.ragged(kv, ids, pos, rows)
+        return self._logits(out, work)
 
     def _matches_hf(self) -> bool:
         """A ragged probe (two sequences, a chunked prefill, a decode block, a rollback) against the stock

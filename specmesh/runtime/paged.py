@@ -43,8 +43,15 @@ from transformers import PreTrainedModel
 from specmesh.errors import InvalidArgument
 from specmesh.runtime import PrefillChunk, StepResult
 from specmesh.runtime.attention import check_attention_backend, sdpa_context
-from specmesh.runtime.base import RunnerBase, logits_wanted
-from specmesh.runtime.batched import BatchedRunner, _RaggedDecoder, causal_mask, fold_queries, unfold_rows
+from specmesh.runtime.batched import (
+    BatchedRunner,
+    _RaggedDecoder,
+    _RaggedRunner,
+    _Work,
+    causal_mask,
+    fold_queries,
+    unfold_rows,
+)
 from specmesh.runtime.blocks import BlockManager, BlockPool, BlockTable, OutOfBlocks
 from specmesh.runtime.static import TrackedSequence, logits_agree
 
@@ -65,15 +72,6 @@ class PagedSequence(TrackedSequence):
         self._runner = runner
         # Gives the blocks back when the sequence is freed or garbage-collected, whichever comes first.
         self._release = weakref.finalize(self, runner._release_table, table)
-
-
-class _Work(NamedTuple):
-    """One sequence's part of a forward, planned before anything is written."""
-
-    seq: PagedSequence
-    start: int  # cached tokens kept = the position of feed[0]
-    feed: list[int]  # token ids fed this forward
-    num_logits: int  # logits rows wanted: the last num_logits of feed
 
 
 class _Segment(NamedTuple):
@@ -171,14 +169,12 @@ class _BlockAttention:
         return out.to(qs.dtype)
 
 
-class PagedRunner(RunnerBase):
+class PagedRunner(_RaggedRunner):
     """`BatchedRunner`'s interface and semantics with the KV in `num_blocks` blocks of `block_size` tokens.
 
     A sequence may reach the model's `max_position_embeddings`, capped by `max_model_len` (and by the pool).
     `check`, `packed`, `prefault` and `attention_backend` as in `BatchedRunner`.
     """
-
-    chunked_prefill = True  # `step` runs its prefill chunks in the same pass as its decode blocks
 
     def __init__(
         self,
@@ -195,12 +191,7 @@ class PagedRunner(RunnerBase):
             raise ValueError(f"PagedRunner has no decoder for {type(model).__name__} with this config; use ModelRunner")
         super().__init__(model)
         self.attention_backend = check_attention_backend(attention_backend)
-        limit = self.model_len
-        if max_model_len is not None:
-            limit = min(limit, int(max_model_len)) if limit else int(max_model_len)
-        if limit < 2:
-            raise ValueError("PagedRunner needs max_model_len >= 2 (or a model max_position_embeddings)")
-        self.max_len = limit
+        self.max_len = self._limit(self.model_len, max_model_len, "max_model_len")
         self._dec = _RaggedDecoder(model, packed, padded=False)
         self._dec.reserve(self.max_len)
         self.num_layers = len(self._dec.layers)
@@ -341,18 +332,6 @@ class PagedRunner(RunnerBase):
         return valid
 
     @torch.inference_mode()
-    def prefill(self, seq: PagedSequence, max_tokens: int | None = None, count_reuse: bool = True) -> int:
-        """`Runner.prefill`, chunked: one `step` with this sequence's chunk and no decode blocks."""
-        return self.step([], prefill=[PrefillChunk(seq, max_tokens, count_reuse)]).prefill_left[0]
-
-    @torch.inference_mode()
-    def forward(
-        self, seqs: list[PagedSequence], extra: list[list[int]] | None = None, num_logits: list[int] | None = None
-    ) -> list[torch.Tensor]:
-        """`Runner.forward` (as `BatchedRunner.forward`), in one pass."""
-        return self.step(seqs, extra, num_logits).logits
-
-    @torch.inference_mode()
     def step(
         self,
         seqs: list[PagedSequence],
@@ -365,31 +344,7 @@ class PagedRunner(RunnerBase):
         OutOfBlocks before anything is written when the pool cannot hold what is fed. Nothing is counted,
         marked cached or registered unless the whole pass succeeds; if it raises, the blocks reserved for it
         are given back and every sequence's cache is its kept prefix."""
-        chunks = [PrefillChunk(*c) for c in prefill]
-        wanted = logits_wanted(len(seqs), extra, num_logits)
-        everyone = [*seqs, *(c.seq for c in chunks)]
-        for seq in everyone:
-            self._own(seq)
-        if len({id(s) for s in everyone}) != len(everyone):
-            raise InvalidArgument("a sequence appears twice in one forward")
-        work: list[_Work] = []
-        for i, seq in enumerate(seqs):
-            ext = list(extra[i]) if extra is not None else []
-            self._check_len(len(seq.token_ids) + len(ext))
-            keep = self._sync(seq)
-            work.append(_Work(seq, keep, seq.token_ids[keep:] + ext, wanted[i]))
-        reused, left = [], []
-        for c in chunks:
-            if c.max_tokens is not None and c.max_tokens < 0:
-                raise InvalidArgument("max_tokens must be >= 0")
-            self._check_len(len(c.seq.token_ids))
-            keep = self._sync(c.seq)
-            todo = c.seq.token_ids[keep:-1]
-            now = todo if c.max_tokens is None else todo[: c.max_tokens]
-            reused.append(keep if c.count_reuse else 0)
-            left.append(len(todo) - len(now))
-            if now:
-                work.append(_Work(c.seq, keep, now, 0))
+        work, reused, left = self._plan(seqs, extra, num_logits, prefill)
         self._reserve(work)
         try:
             logits = self._run(work) if work else []
@@ -422,32 +377,19 @@ class PagedRunner(RunnerBase):
 
     def _run(self, work: list[_Work]) -> list[torch.Tensor]:
         """One forward over every sequence's feed; per work item float32 logits [num_logits, V]."""
-        flat_ids: list[int] = []
-        flat_pos: list[int] = []
+        ids, pos, rows = self._batch(work)
         flat_slot: list[int] = []
-        rows: list[int] = []
         for w in work:
-            off, n = len(flat_ids), len(w.feed)
-            flat_ids += w.feed
-            flat_pos += range(w.start, w.start + n)
-            flat_slot += w.seq.table.slots(w.start, w.start + n)
-            rows += range(off + n - w.num_logits, off + n)
-        lo, hi = min(flat_ids), max(flat_ids)
-        if lo < 0 or hi >= self.vocab_size:
-            raise InvalidArgument(f"token id {lo if lo < 0 else hi} is outside the vocabulary [0, {self.vocab_size})")
+            flat_slot += w.seq.table.slots(w.start, w.start + len(w.feed))
         dev = self.device
-        ids = torch.tensor(flat_ids, dtype=torch.long, device=dev)  # [T]
-        pos = torch.tensor(flat_pos, dtype=torch.long, device=dev)  # [T]
         slots = torch.tensor(flat_slot, dtype=torch.long, device=dev)  # [T]
         segments = self._segments(work)
         dec = self._dec
         dec.refresh_if_stale()
         with sdpa_context(self.attention_backend, dev):
             kv = _BlockAttention(dec, self._k, self._v, slots, segments)
-            out = dec.ragged(kv, ids, pos, torch.tensor(rows, dtype=torch.long, device=dev) if rows else None)
-        if out is None:
-            return [torch.empty((0, self.vocab_size), dtype=torch.float32, device=dev) for _ in work]
-        return list(out.float().split([w.num_logits for w in work]))
+            out = dec.ragged(kv, ids, pos, rows)
+        return self._logits(out, work)
 
     def _segments(self, work: list[_Work]) -> list[_Segment]:
         """How each sequence attends: over one view, run by run, or gathered (see the module docstring)."""

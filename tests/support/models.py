@@ -105,3 +105,19 @@ def target_log_softmax(target, ids: list[int]) -> torch.Tensor:
     """[len(ids), V]: row i is the target's raw log-softmax (no processing) after ids[: i + 1], in fp32."""
     with torch.no_grad():
         return torch.log_softmax(target(torch.tensor([ids])).logits[0].float(), -1)
+
+
+def close_logits(got: torch.Tensor, ref: torch.Tensor) -> None:
+    """A runner's logits against the HF forward's: within 1e-4 of the largest logit, and the same greedy choice
+    on every row."""
+    assert got.dtype == torch.float32 and got.shape == ref.shape
+    tol = 1e-4 * max(1.0, float(ref.abs().max()))
+    torch.testing.assert_close(got, ref, atol=tol, rtol=0)
+    if ref.numel():
+        assert torch.equal(got.argmax(-1), ref.argmax(-1))
+
+
+def full_logits(model, ids: list[int], rows: int) -> torch.Tensor:
+    """The HF forward over the whole sequence, no cache: the last `rows` rows."""
+    with torch.inference_mode():
+        return model(input_ids=torch.tensor([ids])).logits[0, len(ids) - rows :].float()

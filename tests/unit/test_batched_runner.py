@@ -16,7 +16,7 @@ from specmesh.runtime.batched import BatchedRunner, PrefillChunk
 from specmesh.runtime.hf import ModelRunner
 from specmesh.runtime.registry import build_runner
 from specmesh.runtime.static import StaticCacheRunner, _can_pack
-from tests.support.models import tiny_llama_mha, tiny_model, tiny_qwen3
+from tests.support.models import close_logits, full_logits, tiny_llama_mha, tiny_model, tiny_qwen3
 
 MODELS = {
     "llama": lambda: tiny_model("llama", seed=5),
@@ -30,21 +30,6 @@ MODELS = {
 @pytest.fixture(scope="module", params=["llama", "qwen2"])
 def model(request):
     return MODELS[request.param]()
-
-
-def close(got: torch.Tensor, ref: torch.Tensor) -> None:
-    """Within 1e-4 of the largest logit, and the same greedy choice on every row."""
-    assert got.dtype == torch.float32 and got.shape == ref.shape
-    tol = 1e-4 * max(1.0, float(ref.abs().max()))
-    torch.testing.assert_close(got, ref, atol=tol, rtol=0)
-    if ref.numel():
-        assert torch.equal(got.argmax(-1), ref.argmax(-1))
-
-
-def full_logits(model, ids: list[int], rows: int) -> torch.Tensor:
-    """The HF forward over the whole sequence, no cache: the last `rows` rows."""
-    with torch.inference_mode():
-        return model(input_ids=torch.tensor([ids])).logits[0, len(ids) - rows :].float()
 
 
 def prompts(n: int, seed: int = 0) -> list[list[int]]:
@@ -76,7 +61,7 @@ def test_ragged_batches_match_model_runner(arch, batch, packed):
         want = ref.forward(a, extra)
         got = run.forward(b, extra)
         for i in range(batch):
-            close(got[i], want[i])
+            close_logits(got[i], want[i])
             # Accept a varying prefix of the drafts plus the target's greedy token (rollback of the rest).
             k = (i + step) % (len(extra[i]) + 1)
             tokens = [*extra[i][:k], int(want[i][k].argmax())]
@@ -103,7 +88,7 @@ def test_rollback_is_only_a_length(model):
     assert run.longest_cached_prefix(seq) == 5
     got = run.forward([seq], [[41]])
     assert seq.cached_ids == [5, 6, 7, 8, 9, 40, 41]
-    close(got[0], full_logits(model, [5, 6, 7, 8, 9, 40, 41], 2))
+    close_logits(got[0], full_logits(model, [5, 6, 7, 8, 9, 40, 41], 2))
     assert [t.data_ptr() for t in run._k + run._v] == pools  # written in place, never reallocated
 
 
@@ -120,7 +105,7 @@ def test_prefix_reuse_across_turns(model):
     run.prefill(seq)
     assert run.prefix_tokens_reused == 6
     assert seq.cached_ids == turn2[:-1]
-    close(run.forward([seq])[0], full_logits(model, turn2, 1))
+    close_logits(run.forward([seq])[0], full_logits(model, turn2, 1))
 
 
 def test_chunked_prefill_equals_one_shot(model):
@@ -133,8 +118,8 @@ def test_chunked_prefill_equals_one_shot(model):
     assert chunked.cached_ids == one.cached_ids == prompt[:-1]
     assert run.prefix_tokens_reused == 0  # chunks are not reuse
     x, y = run.forward([one, chunked], [[7, 8], [7, 8]])
-    close(y, x)
-    close(x, full_logits(model, [*prompt, 7, 8], 3))
+    close_logits(y, x)
+    close_logits(x, full_logits(model, [*prompt, 7, 8], 3))
 
 
 def test_prefill_chunk_and_decode_blocks_in_one_forward(model):
@@ -155,13 +140,13 @@ def test_prefill_chunk_and_decode_blocks_in_one_forward(model):
     want = apart.forward(decode2, extra)
     assert apart.prefill(fresh2, max_tokens=12) == 17
     for g, w in zip(out.logits, want, strict=True):
-        close(g, w)
+        close_logits(g, w)
     # The chunk can also ask for no logits while decode blocks ask for fewer rows than they feed.
     out = mixed.step(decode, extra, num_logits=[1, 0, 2], prefill=[(fresh, None, False)])
     assert [t.shape[0] for t in out.logits] == [1, 0, 2] and out.prefill_left == [0]
     assert fresh.cached_ids == long_prompt[:-1]
-    close(out.logits[2], want[2][-2:])
-    close(mixed.forward([fresh])[0], full_logits(model, long_prompt, 1))
+    close_logits(out.logits[2], want[2][-2:])
+    close_logits(mixed.forward([fresh])[0], full_logits(model, long_prompt, 1))
 
 
 def test_greedy_decoding_equals_generate(model):
@@ -255,8 +240,8 @@ def test_slot_exhaustion_and_reuse(model):
     run.prefill(b)
     run.prefill(c)
     x, y = run.forward([b, c], [[9], []])
-    close(x, full_logits(model, [3, 4, 9], 2))
-    close(y, full_logits(model, [6, 7, 8], 1))
+    close_logits(x, full_logits(model, [3, 4, 9], 2))
+    close_logits(y, full_logits(model, [6, 7, 8], 1))
     with pytest.raises(InvalidArgument, match="freed"):
         run.forward([a])
 
@@ -296,7 +281,7 @@ def test_bad_requests_are_refused_before_anything_runs(model):
     with pytest.raises(InvalidArgument, match="belong"):
         run.forward([a, other])
     assert a.cached_ids == [] and b.cached_ids == []
-    close(run.forward([a, b], [[6], []])[0], full_logits(model, [1, 2, 3, 6], 2))
+    close_logits(run.forward([a, b], [[6], []])[0], full_logits(model, [1, 2, 3, 6], 2))
 
 
 def test_a_failed_forward_leaves_only_the_kept_prefix(model):
@@ -318,8 +303,8 @@ def test_a_failed_forward_leaves_only_the_kept_prefix(model):
     assert a.cached_ids == [1, 2, 3, 4] and b.cached_ids == [5, 6, 9]
     run._dec.layers = layers
     x, y = run.forward([a, b], [[11, 12], [13]])
-    close(x, full_logits(model, [1, 2, 3, 4, 7, 11, 12], 3))
-    close(y, full_logits(model, [5, 6, 9, 10, 13], 2))
+    close_logits(x, full_logits(model, [1, 2, 3, 4, 7, 11, 12], 3))
+    close_logits(y, full_logits(model, [5, 6, 9, 10, 13], 2))
 
 
 def test_longest_cached_prefix_over_open_sequences(model):

@@ -13,7 +13,7 @@ from specmesh.runtime.batched import BatchedRunner
 from specmesh.runtime.blocks import OutOfBlocks, scope_of
 from specmesh.runtime.paged import PagedRunner
 from specmesh.runtime.registry import build_runner
-from tests.support.models import ROOT, tiny_llama_mha, tiny_model, tiny_qwen3
+from tests.support.models import ROOT, close_logits, full_logits, tiny_llama_mha, tiny_model, tiny_qwen3
 
 MODELS = {
     "llama-gqa": lambda: tiny_model("llama", seed=5),
@@ -33,20 +33,6 @@ def gqa():
     return MODELS["llama-gqa"]()
 
 
-def close(got: torch.Tensor, ref: torch.Tensor) -> None:
-    """Within 1e-4 of the largest logit, and the same greedy choice on every row (BatchedRunner's bound)."""
-    assert got.dtype == torch.float32 and got.shape == ref.shape
-    tol = 1e-4 * max(1.0, float(ref.abs().max()))
-    torch.testing.assert_close(got, ref, atol=tol, rtol=0)
-    if ref.numel():
-        assert torch.equal(got.argmax(-1), ref.argmax(-1))
-
-
-def full_logits(model, ids: list[int], rows: int) -> torch.Tensor:
-    with torch.inference_mode():
-        return model(input_ids=torch.tensor([ids])).logits[0, len(ids) - rows :].float()
-
-
 def ids_of(n: int, seed: int = 0, vocab: int = 127) -> list[int]:
     return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
@@ -63,15 +49,15 @@ def test_prefill_chunks_drafts_and_rollbacks_match_hf(model, merge_runs):
     assert r.prefill(seq, max_tokens=3) == 7 and r.prefill(seq, max_tokens=4) == 3 and r.prefill(seq) == 0
     assert seq.cached_ids == ids[:10]
     got = r.forward([seq], [ids[11:14]])[0]
-    close(got, full_logits(model, ids[:14], 4))
+    close_logits(got, full_logits(model, ids[:14], 4))
     seq.commit(ids[11:12])  # positions 12, 13 rolled back inside block 3
     got = r.forward([seq], [ids[20:25]])[0]
-    close(got, full_logits(model, ids[:12] + ids[20:25], 6))
+    close_logits(got, full_logits(model, ids[:12] + ids[20:25], 6))
     assert seq.cached_ids == ids[:12] + ids[20:25] and len(seq.table.blocks) == 5
     seq.commit(ids[20:21])  # block 4 (positions 16..) is given back: the rollback crosses a boundary
     assert r.forward([seq], [[]])[0].shape[0] == 1
     assert len(seq.table.blocks) == 4 and seq.table.num_tokens == 13
-    close(r.forward([seq], [ids[30:33]])[0], full_logits(model, [*ids[:12], ids[20], *ids[30:33]], 4))
+    close_logits(r.forward([seq], [ids[30:33]])[0], full_logits(model, [*ids[:12], ids[20], *ids[30:33]], 4))
 
 
 def test_forward_batch_and_step_with_prefill_chunks(gqa):
@@ -84,8 +70,8 @@ def test_forward_batch_and_step_with_prefill_chunks(gqa):
     res = r.step(seqs, extra, prefill=[PrefillChunk(late, 5)])
     assert res.prefill_left == [7] and res.tokens == sum(len(p) + len(e) for p, e in zip(prompts, extra)) + 5
     for seq, p, e, got in zip(seqs, prompts, extra, res.logits, strict=True):
-        close(got, full_logits(gqa, p + e, len(e) + 1))
-    close(r.forward([late])[0], full_logits(gqa, late.token_ids, 1))
+        close_logits(got, full_logits(gqa, p + e, len(e) + 1))
+    close_logits(r.forward([late])[0], full_logits(gqa, late.token_ids, 1))
 
 
 def test_shared_prefix_computes_only_the_suffix_and_scope_isolates(gqa):
@@ -93,7 +79,7 @@ def test_shared_prefix_computes_only_the_suffix_and_scope_isolates(gqa):
     r = PagedRunner(gqa, 64, bs)
     prompt = ids_of(11, seed=3)  # two full blocks and a partial one
     a = r.new_sequence(prompt)
-    close(r.forward([a])[0], full_logits(gqa, prompt, 1))
+    close_logits(r.forward([a])[0], full_logits(gqa, prompt, 1))
     assert r.prefix_cache_hit_tokens == 0 and r.blocks_shared == 0
     b_ids = [*prompt[:9], 5, 6, 7]
     b = r.new_sequence(b_ids)
@@ -101,18 +87,18 @@ def test_shared_prefix_computes_only_the_suffix_and_scope_isolates(gqa):
     assert r.blocks_shared == 2 and b.table.blocks[:2] == a.table.blocks[:2]
     res = r.step([b])
     assert res.tokens == len(b_ids) - 2 * bs  # only the suffix is computed
-    close(res.logits[0], full_logits(gqa, b_ids, 1))
+    close_logits(res.logits[0], full_logits(gqa, b_ids, 1))
     assert len(b.table.runs()) >= 2  # its own block lies past a's
     # Another tenant's scope finds nothing, though the ids are the same.
     c = r.new_sequence(prompt, scope=scope_of("other"))
     assert r.prefix_cache_hit_tokens == 2 * bs and c.cached_ids == []
-    close(r.forward([c])[0], full_logits(gqa, prompt, 1))
+    close_logits(r.forward([c])[0], full_logits(gqa, prompt, 1))
     # Freed, the prefix stays cached for a later sequence of the same scope.
     r.free(a)
     r.free(b)
     d = r.new_sequence(prompt + [1])
     assert d.cached_ids == prompt[:8] and r.prefix_cache_hit_tokens == 4 * bs
-    close(r.forward([d])[0], full_logits(gqa, prompt + [1], 1))
+    close_logits(r.forward([d])[0], full_logits(gqa, prompt + [1], 1))
 
 
 def test_drafts_are_cached_but_not_registered(gqa):
@@ -145,8 +131,8 @@ def test_fragmented_sequence_equals_one_run(model, merge_runs):
             squat(frag, b)
         n = len(a.token_ids)
         la, lb = one.forward([a], [ids[n : n + 2]])[0], frag.forward([b], [ids[n : n + 2]])[0]
-        close(lb, la)
-        close(lb, full_logits(model, ids[: n + 2], 3))
+        close_logits(lb, la)
+        close_logits(lb, full_logits(model, ids[: n + 2], 3))
         a.commit(ids[n : n + 1 + step % 2])
         b.commit(ids[n : n + 1 + step % 2])
     assert len(a.table.runs()) == 1 and len(b.table.runs()) >= 3
@@ -167,7 +153,7 @@ def test_out_of_blocks_leaves_sequences_intact(gqa):
     assert [(s.cached_ids, s.table.blocks, s.table.num_tokens) for s in (a, b)] == before
     assert r.blocks_used == used
     r.free(b)
-    close(r.forward([a], [ids[20:25]])[0], full_logits(gqa, ids[:10] + ids[20:25], 6))
+    close_logits(r.forward([a], [ids[20:25]])[0], full_logits(gqa, ids[:10] + ids[20:25], 6))
 
 
 def test_free_returns_blocks_and_accounts(gqa):
