@@ -229,45 +229,10 @@ class PagedRunner(_RaggedRunner):
         return BatchedRunner.supports(model)
 
     # blocks ---------------------------------------------------------------------------------------
+    # What metrics read (blocks used / free / shared / cached, usage, evictions, prefix hits) is `self.pool`'s.
     @property
     def block_size(self) -> int:
         return self.pool.block_size
-
-    @property
-    def num_blocks(self) -> int:
-        return self.pool.num_blocks
-
-    @property
-    def blocks_used(self) -> int:
-        return self.pool.num_used
-
-    @property
-    def blocks_free(self) -> int:
-        """Blocks an allocation may take (free and evictable cached ones)."""
-        return self.pool.num_free
-
-    @property
-    def blocks_shared(self) -> int:
-        return self.pool.num_shared
-
-    @property
-    def blocks_cached(self) -> int:
-        """Blocks held by no sequence but kept for their content (evicted when needed)."""
-        return self.pool.num_cached
-
-    @property
-    def usage(self) -> float:
-        """Fraction of blocks in use (vLLM's kv_cache_usage_perc, as a fraction)."""
-        return self.pool.usage
-
-    @property
-    def evictions(self) -> int:
-        return self.pool.evictions
-
-    @property
-    def prefix_hits(self) -> int:
-        """Blocks found in the prefix cache, ever."""
-        return self.pool.prefix_hits
 
     @property
     def pool_bytes(self) -> int:

@@ -80,11 +80,11 @@ def test_shared_prefix_computes_only_the_suffix_and_scope_isolates(gqa):
     prompt = ids_of(11, seed=3)  # two full blocks and a partial one
     a = r.new_sequence(prompt)
     close_logits(r.forward([a])[0], full_logits(gqa, prompt, 1))
-    assert r.prefix_cache_hit_tokens == 0 and r.blocks_shared == 0
+    assert r.prefix_cache_hit_tokens == 0 and r.pool.num_shared == 0
     b_ids = [*prompt[:9], 5, 6, 7]
     b = r.new_sequence(b_ids)
     assert r.prefix_cache_hit_tokens == 2 * bs and b.cached_ids == prompt[: 2 * bs]
-    assert r.blocks_shared == 2 and b.table.blocks[:2] == a.table.blocks[:2]
+    assert r.pool.num_shared == 2 and b.table.blocks[:2] == a.table.blocks[:2]
     res = r.step([b])
     assert res.tokens == len(b_ids) - 2 * bs  # only the suffix is computed
     close_logits(res.logits[0], full_logits(gqa, b_ids, 1))
@@ -146,12 +146,12 @@ def test_out_of_blocks_leaves_sequences_intact(gqa):
     a.commit([ids[9]])
     b.commit([ids[17]])
     before = [(list(s.cached_ids), list(s.table.blocks), s.table.num_tokens) for s in (a, b)]
-    used = r.blocks_used
+    used = r.pool.num_used
     with pytest.raises(OutOfBlocks) as e:
         r.forward([a, b], [ids[20:25], ids[20:22]])  # a needs 2 more, b 0: 1 free
     assert isinstance(e.value, ResourceExhausted)
     assert [(s.cached_ids, s.table.blocks, s.table.num_tokens) for s in (a, b)] == before
-    assert r.blocks_used == used
+    assert r.pool.num_used == used
     r.free(b)
     close_logits(r.forward([a], [ids[20:25]])[0], full_logits(gqa, ids[:10] + ids[20:25], 6))
 
@@ -164,23 +164,23 @@ def test_free_returns_blocks_and_accounts(gqa):
     assert acct.held(seq) == 0 and acct.needed(seq, 10) == 3 * r.block_bytes
     assert acct.needed(None, 17) == 5 * r.block_bytes
     r.forward([seq])
-    assert r.blocks_used == 3 and acct.held(seq) == 3 * r.block_bytes and acct.needed(seq, 12) == 0
+    assert r.pool.num_used == 3 and acct.held(seq) == 3 * r.block_bytes and acct.needed(seq, 12) == 0
     r.free(seq)
     r.free(seq)  # idempotent
-    assert r.blocks_used == 0 and r.blocks_free == 16 and r.blocks_cached == 2  # the two full blocks stay cached
-    assert acct.held(seq) == 0 and r.usage == 0.0
+    assert r.pool.num_used == 0 and r.pool.num_free == 16 and r.pool.num_cached == 2  # the two full blocks stay cached
+    assert acct.held(seq) == 0 and r.pool.usage == 0.0
     other = r.new_sequence(ids_of(5, seed=10))
     r.forward([other])
     del other
     gc.collect()
-    assert r.blocks_used == 0
+    assert r.pool.num_used == 0
     assert r.context_limit() == min(gqa.config.max_position_embeddings, 64) and r.context_limit(10) == 10
 
 
 def test_registry_builds_paged(gqa):
     r = build_runner(gqa, "paged", num_blocks=8, block_size=8, max_seq_len=32)
     assert isinstance(r, PagedRunner) and isinstance(r, Runner)
-    assert (r.num_blocks, r.block_size, r.context_limit()) == (8, 8, 32) and r.chunked_prefill
+    assert (r.pool.num_blocks, r.block_size, r.context_limit()) == (8, 8, 32) and r.chunked_prefill
     gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=128, n_embd=32, n_layer=1, n_head=2, n_positions=64)).eval()
     with pytest.raises(ValueError, match="'paged' has no decoder for GPT2LMHeadModel"):
         build_runner(gpt2, "paged", num_blocks=8)
