@@ -317,10 +317,12 @@ class DraftEngine:
         num_speculative_tokens: int | None = None,
         metadata: tuple = (),
         goodput_probe: bool = False,
+        cache_scope: str = "",
     ) -> AsyncGenerator[GenerationEvent, None]:
         """Yields Opened, then Tokens as rounds commit them, then Finished. `goodput_probe`: the caller sends
         most requests past this service while its guard says speculation loses, and this one to measure
-        speculation (it takes none of the guard's target-only runs)."""
+        speculation (it takes none of the guard's target-only runs). `cache_scope`: the verify replica's
+        prefix-cache scope for the request, passed on as it came."""
         k_max = self.check(prompt_ids, params, num_speculative_tokens)
         self._admit(session_id)
         stub, max_spec_len = await self._stub(verify_address or self.config.verify_address)
@@ -341,9 +343,12 @@ class DraftEngine:
 
         try:
             if k_max == 0:  # target-only: the verify service decodes alone, nothing to draft
-                events = _target_only(stub, session_id, prompt_ids, params, metadata, self.config.verify_timeout_s)
+                timeout = self.config.verify_timeout_s
+                events = _target_only(stub, session_id, prompt_ids, params, metadata, timeout, cache_scope)
             else:
-                gen = _Generation(self, stub, session_id, prompt_ids, params, k_max, metadata, goodput_probe)
+                gen = _Generation(
+                    self, stub, session_id, prompt_ids, params, k_max, metadata, goodput_probe, cache_scope
+                )
                 events = gen.run()
             timer = self.stream_metrics.timer() if self.stream_metrics is not None else None
             async with contextlib.aclosing(events):
@@ -390,12 +395,18 @@ class DraftEngine:
 
 
 async def _target_only(
-    stub, session_id: str, prompt_ids: list[int], params: SamplingParams, metadata: tuple, timeout: float
+    stub,
+    session_id: str,
+    prompt_ids: list[int],
+    params: SamplingParams,
+    metadata: tuple,
+    timeout: float,
+    cache_scope: str,
 ) -> AsyncGenerator[GenerationEvent, None]:
     """K = 0: relay the verify replica's own target-only generation (no verify session, no round trips)."""
     call = stub.Generate(
         verify_pb2.VerifyServiceGenerateRequest(
-            session_id=session_id, prompt_ids=prompt_ids, params=wire.params_to_pb(params)
+            session_id=session_id, prompt_ids=prompt_ids, params=wire.params_to_pb(params), cache_scope=cache_scope
         ),
         timeout=timeout,
         metadata=metadata,
@@ -424,11 +435,17 @@ class _Generation:
         k_max: int,
         metadata: tuple,
         goodput_probe: bool = False,
+        cache_scope: str = "",
     ):
         self.engine, self.session_id, self.prompt_ids, self.params = engine, session_id, prompt_ids, params
         self.queue: asyncio.Queue[GenerationEvent | _Failed] = asyncio.Queue()
         self.remote = RemoteVerifier(
-            stub, session_id, engine.config.verify_timeout_s, metadata=metadata, on_open=self._opened
+            stub,
+            session_id,
+            engine.config.verify_timeout_s,
+            metadata=metadata,
+            on_open=self._opened,
+            cache_scope=cache_scope,
         )
         self.drafter = engine._drafter(session_id)
         # A seeded request must replay exactly: its random draws may not depend on timing, so it gets a

@@ -40,6 +40,7 @@ class RemoteVerifier:
     timeout: float
     on_open: Callable[[verify_pb2.OpenSessionResponse], None] | None = None
     metadata: tuple = ()
+    cache_scope: str = ""  # the prefix-cache scope the session is opened in ("": the shared one)
     call: Any = field(default=None, init=False)  # the Verify stream, from start()
     epoch: int = field(default=0, init=False)
     position: int = field(default=0, init=False)
@@ -52,7 +53,10 @@ class RemoteVerifier:
     async def start(self, prompt_ids: list[int], params: SamplingParams) -> None:
         resp = await self.stub.OpenSession(
             verify_pb2.OpenSessionRequest(
-                session_id=self.session_id, prompt_ids=prompt_ids, params=wire.params_to_pb(params)
+                session_id=self.session_id,
+                prompt_ids=prompt_ids,
+                params=wire.params_to_pb(params),
+                cache_scope=self.cache_scope,
             ),
             timeout=self.timeout,
             metadata=self.metadata,

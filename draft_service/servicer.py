@@ -22,6 +22,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             request.verify_address,
             wire.spec_len_from_pb(request),
             goodput_probe=request.goodput_probe,
+            cache_scope=request.cache_scope,
         )
         async with contextlib.aclosing(events):
             async for event in events:

@@ -101,6 +101,9 @@ class GenRequest:
     # tokens per block.
     num_speculative_tokens: int | None = None
     metadata: tuple = ()  # gRPC metadata for downstream calls (trace context, request id)
+    # The verify service shares cached prompt blocks only among requests of one scope (gateway.tenancy's
+    # prefix_scope): "" is the shared scope.
+    cache_scope: str = ""
 
 
 @dataclass
@@ -568,6 +571,7 @@ class Gateway:
                         verify_address=verify.address,
                         num_speculative_tokens=route.k,
                         goodput_probe=route.goodput_probe,
+                        cache_scope=req.cache_scope,
                     ),
                     timeout=timeout,
                     metadata=req.metadata,
@@ -575,7 +579,7 @@ class Gateway:
             else:
                 call = verify_pb2_grpc.VerifyServiceStub(self.verify_pool.channel(verify)).Generate(
                     verify_pb2.VerifyServiceGenerateRequest(
-                        session_id=route.session_id, prompt_ids=prompt, params=pb_params
+                        session_id=route.session_id, prompt_ids=prompt, params=pb_params, cache_scope=req.cache_scope
                     ),
                     timeout=timeout,
                     metadata=req.metadata,

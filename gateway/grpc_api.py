@@ -2,7 +2,8 @@
 
 Bad input is INVALID_ARGUMENT, never INTERNAL: a request that does not parse (a string that is not UTF-8)
 reaches the servicer as None (see gateway.server), texts are measured before they are tokenized, and the
-session id sent downstream is scoped to the caller's API key and cache_salt (gateway.tenancy).
+session id and prefix-cache scope sent downstream are scoped to the caller's API key and cache_salt
+(gateway.tenancy).
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import contextlib
 
 from gateway.core import Gateway, GenRequest, Outcome, shown
-from gateway.tenancy import downstream_session_id, tenant_of
+from gateway.tenancy import downstream_session_id, prefix_scope, tenant_of
 from specmesh import wire
 from specmesh.domain import TokenLogprob
 from specmesh.errors import InvalidArgument, NotFound
@@ -52,7 +53,13 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             ids = list(request.prompt_ids) or await self.gateway.tokenize(request.prompt)
         tenant = tenant_of(_authorization(context), self.keyed_tenants)
         session_id = downstream_session_id(tenant, request.cache_salt, request.session_id)
-        return GenRequest(ids, wire.params_from_pb(request.params), session_id, wire.spec_len_from_pb(request))
+        return GenRequest(
+            ids,
+            wire.params_from_pb(request.params),
+            session_id,
+            wire.spec_len_from_pb(request),
+            cache_scope=prefix_scope(tenant, request.cache_salt),
+        )
 
     @staticmethod
     def _message(i: int, message) -> dict:

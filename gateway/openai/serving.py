@@ -38,7 +38,7 @@ from gateway.openai.protocol import (
     parse_request,
     stream_payload,
 )
-from gateway.tenancy import downstream_session_id, tenant_of
+from gateway.tenancy import downstream_session_id, prefix_scope, tenant_of
 from specmesh import telemetry
 from specmesh.domain import TokenLogprob
 from specmesh.errors import SpecmeshError, Unavailable
@@ -99,14 +99,17 @@ class Front:
 
     def gen_request(self, request: Request, body: GenerationRequest, prompt_ids: list[int]) -> GenRequest:
         """The generation a validated request asks for. The session comes from the body or X-Session-Id;
-        the id sent downstream is scoped to the caller's tenant and cache_salt (gateway.tenancy)."""
+        the id sent downstream and the prefix-cache scope are scoped to the caller's tenant and cache_salt
+        (gateway.tenancy)."""
         session_id = body.session_id or request.headers.get("x-session-id", "")
         if len(session_id) > SESSION_ID_MAX:
             raise APIError(
                 400, f"'session_id' must be at most {SESSION_ID_MAX} characters", "session_id", "invalid_value"
             )
-        scoped = downstream_session_id(self.tenant(request), body.cache_salt or "", session_id)
-        return GenRequest(prompt_ids, body.to_sampling_params(), scoped, body.num_speculative_tokens)
+        tenant, salt = self.tenant(request), body.cache_salt or ""
+        scoped = downstream_session_id(tenant, salt, session_id)
+        scope = prefix_scope(tenant, salt)
+        return GenRequest(prompt_ids, body.to_sampling_params(), scoped, body.num_speculative_tokens, cache_scope=scope)
 
 
 class Head(NamedTuple):

@@ -40,7 +40,7 @@ from gateway.openai import sse
 from gateway.openai.protocol import APIError, SpecmeshStats
 from gateway.openai.serving import Front, RequestSpan
 from gateway.sglang.protocol import GenerateRequest, Item, parse_generate
-from gateway.tenancy import downstream_session_id
+from gateway.tenancy import downstream_session_id, prefix_scope
 from specmesh.domain import TokenLogprob
 from specmesh.errors import SpecmeshError, Unavailable
 from specmesh.sampling import SamplingParams
@@ -67,6 +67,7 @@ class Run:
         prompt_lps: list[TokenLogprob | None] | None,
         rid: str,
         session_id: str,
+        cache_scope: str,
         t0: float,
         request: Request,
         return_prompt_ids: bool = False,
@@ -93,7 +94,8 @@ class Run:
             params = item.params
             if item.logprobs is not None:
                 params = replace(params, logprobs=item.logprobs.top)
-            req = GenRequest(prompt_ids, params, session_id, metadata=self.span.outgoing_metadata())
+            metadata = self.span.outgoing_metadata()
+            req = GenRequest(prompt_ids, params, session_id, metadata=metadata, cache_scope=cache_scope)
             self.gen = front.gateway.generate(req, self.outcome)
         # skip_special_tokens false: the output's text is decoded again with its special tokens (the
         # gateway's own text leaves them out), stop strings applied to that text.
@@ -261,7 +263,9 @@ async def _start(front: Front, request: Request, req: GenerateRequest, t0: float
     """A Run per generation, each started up to its first answer, so that whatever fails before any output
     (bad input, overload, no replica) is an HTTP status rather than a stream event."""
     gateway = front.gateway
-    session = downstream_session_id(front.tenant(request), "", req.session_id)
+    tenant = front.tenant(request)
+    session = downstream_session_id(tenant, "", req.session_id)
+    scope = prefix_scope(tenant, "")  # SGLang's /generate has no cache_salt
 
     async def prepare(item: Item) -> tuple[list[int], list[TokenLogprob | None] | None]:
         ids = await _prompt_ids(front, item)
@@ -283,7 +287,7 @@ async def _start(front: Front, request: Request, req: GenerateRequest, t0: float
     for item in req.items:
         ids, lps = prompts[item.prompt_param]
         rid = item.rid or (f"{base}-{item.index}" if req.batch else base)
-        runs.append(Run(front, item, ids, lps, rid, session, t0, request, req.return_prompt_token_ids))
+        runs.append(Run(front, item, ids, lps, rid, session, scope, t0, request, req.return_prompt_token_ids))
     return runs
 
 

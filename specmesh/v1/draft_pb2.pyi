@@ -8,20 +8,22 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class DraftServiceGenerateRequest(_message.Message):
-    __slots__ = ("session_id", "prompt_ids", "params", "verify_address", "num_speculative_tokens", "goodput_probe")
+    __slots__ = ("session_id", "prompt_ids", "params", "verify_address", "num_speculative_tokens", "goodput_probe", "cache_scope")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     VERIFY_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     GOODPUT_PROBE_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SCOPE_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
     params: _common_pb2.SamplingParams
     verify_address: str
     num_speculative_tokens: int
     goodput_probe: bool
-    def __init__(self, session_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., verify_address: _Optional[str] = ..., num_speculative_tokens: _Optional[int] = ..., goodput_probe: _Optional[bool] = ...) -> None: ...
+    cache_scope: str
+    def __init__(self, session_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., verify_address: _Optional[str] = ..., num_speculative_tokens: _Optional[int] = ..., goodput_probe: _Optional[bool] = ..., cache_scope: _Optional[str] = ...) -> None: ...
 
 class DraftServiceGenerateResponse(_message.Message):
     __slots__ = ("opened", "tokens", "finished")
