@@ -1,7 +1,10 @@
 """The verify service's Prometheus metrics: requests (RpcMetrics), batches, queue, KV cache, sessions,
 and the speculation counters over every verified block, also under vLLM's spec-decode names with its
 `model_name` label: the service sees every block verified, whichever gateway or client sent it, so the
-vLLM-named counters are exported here alone (never summed twice across services)."""
+vLLM-named counters are exported here alone (never summed twice across services).
+
+With a runner that keeps the KV in blocks (it has a `pool`, a `BlockPool`) the pool's state is exported
+too: the blocks by state, the block size, evictions, and vLLM's prefix-cache counters."""
 
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from specmesh.telemetry import LATENCY_BUCKETS, FnCollector, RpcMetrics, spec_families, vllm_spec_decode_families
 
 if TYPE_CHECKING:
+    from specmesh.runtime.blocks import BlockPool
     from verify_service.engine import VerifyEngine
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -67,15 +71,32 @@ class VerifyMetrics:
         sessions = g("specmesh_verify_sessions", "Sessions by state (cached = holding a KV cache)", labels=["state"])
         sessions.add_metric(["cached"], len(e.sessions))
         sessions.add_metric(["active"], e.sessions.attached)
-        usage = g("vllm:kv_cache_usage_perc", "KV cache held / its budget (1 = full)", labels=["model_name"])
-        usage.add_metric(
-            [self.label(e)], e.sessions.kv_bytes() / e.sessions.budget_bytes if e.sessions.budget_bytes else 0.0
+        pool: BlockPool | None = getattr(e.runner, "pool", None)
+        # vLLM's gauge is a fraction despite its name. With blocks: blocks held by sequences / all blocks, as
+        # vLLM counts it (cached blocks nobody holds are free to take). Otherwise the bytes the sessions hold
+        # of the budget (a slot pool: whole slots; growing caches: what they have grown to).
+        usage = g("vllm:kv_cache_usage_perc", "KV cache in use, as a fraction (1 = full)", labels=["model_name"])
+        if pool is not None:
+            usage.add_metric([self.label(e)], pool.usage)
+        else:
+            usage.add_metric(
+                [self.label(e)], e.sessions.kv_bytes() / e.sessions.budget_bytes if e.sessions.budget_bytes else 0.0
+            )
+        # Present whatever the runner, as vLLM's is: 0 where the KV is not in blocks (a slot or a growing
+        # cache is never taken back from a running session, so nothing is preempted).
+        preempted = c(
+            "vllm:num_preemptions",
+            "Sessions preempted (blocks taken back, recomputed on resume)",
+            labels=["model_name"],
         )
-        out: list[Metric] = [queue, kv, budget, sessions, usage]
+        preempted.add_metric([self.label(e)], getattr(st, "preemptions", 0))
+        out: list[Metric] = [queue, kv, budget, sessions, usage, preempted]
         for name, doc, value in self.counters(e):
             f = c(name, doc)
             f.add_metric([], value)
             out.append(f)
+        if pool is not None:
+            out += block_families(pool, self.label(e))
         return out + spec_families("specmesh_verify", st.spec) + vllm_spec_decode_families(st.spec, self.label(e))
 
     @staticmethod
@@ -125,3 +146,42 @@ class VerifyMetrics:
     def label(self, e: VerifyEngine) -> str:
         """The `model_name` of the vLLM-named families."""
         return self.model_name or e.config.model_path or "specmesh"
+
+
+def block_families(pool: BlockPool, model_name: str) -> list[Metric]:
+    """A block pool's families. Absent, not zero, with a runner that has no pool: a pool of 0 blocks would read
+    as a service with no KV at all, and a prefix-cache hit rate of 0/0 as a cache that never hits.
+
+    `specmesh_verify_kv_blocks{state}`: used (held by a sequence, shared ones included), free (holding nothing)
+    and cached (held by no sequence, still findable by its content hash, taken LRU when no free block is
+    left) add up to the pool; shared (held by two sequences or more) is a part of used. The pool's own
+    `num_free` is free + cached: what an allocation may take.
+
+    vLLM's prefix-cache counters are in tokens: the pool counts blocks looked up and found, times the block
+    size here. vLLM's queries are every prompt token of a request; ours only the full blocks before a prompt's
+    last token (the rest can never hit), so for a like workload our hit rate is a little above vLLM's."""
+    g, c = GaugeMetricFamily, CounterMetricFamily
+    blocks = g(
+        "specmesh_verify_kv_blocks",
+        "KV blocks by state: used + free + cached = all; shared (held by several sessions) is part of used",
+        labels=["state"],
+    )
+    blocks.add_metric(["used"], pool.num_used)
+    blocks.add_metric(["free"], pool.num_free - pool.num_cached)
+    blocks.add_metric(["cached"], pool.num_cached)
+    blocks.add_metric(["shared"], pool.num_shared)
+    size = g("specmesh_verify_kv_block_size", "Tokens per KV block", value=pool.block_size)
+    evictions = c(
+        "specmesh_verify_kv_block_evictions",
+        "Cached blocks taken for new KV (their prefix is lost)",
+        value=pool.evictions,
+    )
+    out: list[Metric] = [blocks, size, evictions]
+    for name, doc, value in (
+        ("queries", "Prompt tokens looked up in the prefix cache", pool.prefix_queries),
+        ("hits", "Prompt tokens whose KV the prefix cache held", pool.prefix_hits),
+    ):
+        f = c(f"vllm:prefix_cache_{name}", doc, labels=["model_name"])
+        f.add_metric([model_name], value * pool.block_size)
+        out.append(f)
+    return out
