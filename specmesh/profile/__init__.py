@@ -6,7 +6,8 @@
 A short target-only phase (num_speculative_tokens 0: the baseline every speedup is measured against),
 then one speculative phase per concurrency, with the services' /metrics read around each (collect.py).
 analysis.py turns the numbers into a round's time budget, acceptance per position, α and the cost ratio,
-the speedup model against K, utilisation, the bottleneck and ranked recommendations; report.py writes
+the speedup model against K, utilisation, the KV cache (with the paged runner's block pool: blocks in use,
+preemptions, the prefix cache's hits), the bottleneck and ranked recommendations; report.py writes
 report.md, report.html, report.json and the PNG plots. The profiler should have the stack to itself while
 it runs: other traffic would count as the phases' own.
 """
@@ -70,7 +71,7 @@ def run_profile(args: argparse.Namespace, api_key: str = "") -> int:
         if not phase.results:
             print(f"specmesh profile: error: no request of phase {phase.name!r} succeeded", file=sys.stderr)
             return 1
-    findings = analyze(plan, endpoints, record)
+    findings = analyze(plan, endpoints, record, prompts)
     files = write(findings, Path(args.out))
     print(f"\nbottleneck: {findings.bottleneck} — {findings.bottleneck_text}")
     for i, r in enumerate(findings.recommendations[:5], 1):

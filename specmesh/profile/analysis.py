@@ -8,11 +8,18 @@ target-only baseline and the speculative run), and o what a round costs besides 
 sampling). A request of N tokens also pays a fixed cost outside its rounds (prefill, gateway). So one
 stream makes N / ((N / E(K))·round(K) + fixed) tokens per second; target-only decoding is measured.
 Every recommendation's gain comes from this model with measured inputs, or from measured utilisation.
+
+The KV cache is read apart from the model, where the verify runner keeps it in blocks: blocks in use (their
+peak, sampled during each phase), preemptions, and the prefix cache's hit rate against what the phase's own
+prompts could hit (the profiler knows what it sent: prompts repeat as it cycles them, and may share a prefix).
+Its advice carries no gain estimate.
 """
 
 from __future__ import annotations
 
+import bisect
 import math
+import os
 import shlex
 from dataclasses import dataclass, field
 
@@ -24,6 +31,9 @@ BUDGET_PARTS = ("drafting", "network", "verify queue", "verify forward", "sampli
 BUSY = 0.85  # a service this busy (fraction of wall time) is saturated: more load only queues
 DRAFT_CEILING = 1.5  # a draft whose cost alone caps speculation below 1.5x target-only is the bottleneck
 K_RANGE = range(1, 17)
+KV_FULL = 0.95  # blocks this full at a phase's peak: a little more load and sessions are preempted
+KV_SHARED = 0.2  # a workload whose prompts could hit the prefix cache for at least this share of their tokens ...
+KV_SHORT = 0.5  # ... and hits under half of that is losing its prefixes
 
 
 @dataclass
@@ -57,10 +67,89 @@ class PhaseSummary(AcceptanceRates):
     # --speculative-disable-by-batch-size, a draft replica that reports speculation loses, no healthy draft
     # replica, or the rest of a stream after a stalled draft
     target_only_requests: int = 0
+    kv: KvState | None = None  # None: no verify replica reported a block pool
 
     @property
     def mean_k(self) -> float:
         return self.drafted / self.drafts if self.drafts else 0.0
+
+
+@dataclass
+class KvState:
+    """A phase's KV blocks over the verify replicas that keep them in a block pool: blocks and counters summed
+    over replicas, usage the fullest replica's; peaks as sampled during the phase (collect.PEAK_INTERVAL_S)."""
+
+    replicas: int
+    num_blocks: float
+    block_size: int
+    used_peak: float  # held by sessions (shared ones once)
+    shared_peak: float  # held by two sessions or more (part of used)
+    cached: float  # at the phase's end: held by none, still findable by content (evictable)
+    free: float  # at the phase's end
+    usage_peak: float  # vllm:kv_cache_usage_perc, a fraction
+    preemptions: float
+    prefix_queries: float  # prompt tokens looked up in the prefix cache (whole blocks)
+    prefix_hits: float  # ... and found
+    evictions: float  # cached blocks taken for new KV
+    budget_bytes: float  # the largest replica's KV budget
+    expected_hit_rate: float | None = None  # what the phase's own prompts could hit (`prompt_sharing`)
+
+    @property
+    def hit_rate(self) -> float | None:
+        return self.prefix_hits / self.prefix_queries if self.prefix_queries else None
+
+
+def kv_state(phase: Phase, endpoints: list[Endpoint]) -> KvState | None:
+    """The phase's KV blocks from the verify replicas' block metrics; None where none exports them (a slot
+    pool or the HF runner)."""
+    pooled = [
+        e
+        for e in endpoints
+        if e.role == "verify" and total(phase.after.get(e.name, {}), "specmesh_verify_kv_block_size")
+    ]
+    if not pooled:
+        return None
+    end = lambda name, **lab: sum(total(phase.after[e.name], name, **lab) for e in pooled)
+    peak = lambda name, **lab: sum(total(phase.highest(e.name), name, **lab) for e in pooled)
+    moved = lambda name: sum(total(phase.delta(e.name), name) for e in pooled)
+    blocks = "specmesh_verify_kv_blocks"
+    return KvState(
+        replicas=len(pooled),
+        num_blocks=sum(end(blocks, state=state) for state in ("used", "free", "cached")),
+        block_size=int(max(total(phase.after[e.name], "specmesh_verify_kv_block_size") for e in pooled)),
+        used_peak=peak(blocks, state="used"),
+        shared_peak=peak(blocks, state="shared"),
+        cached=end(blocks, state="cached"),
+        free=end(blocks, state="free"),
+        usage_peak=max(total(phase.highest(e.name), "vllm:kv_cache_usage_perc") for e in pooled),
+        preemptions=moved("vllm:num_preemptions_total"),
+        prefix_queries=moved("vllm:prefix_cache_queries_total"),
+        prefix_hits=moved("vllm:prefix_cache_hits_total"),
+        evictions=moved("specmesh_verify_kv_block_evictions_total"),
+        budget_bytes=max(total(phase.after[e.name], "specmesh_verify_kv_cache_budget_bytes") for e in pooled),
+    )
+
+
+def prompt_sharing(prompts: list[str], phases: list[Phase]) -> list[float | None]:
+    """Per phase, the share of its prompts' characters that begin a prompt sent before it (in the phase, an
+    earlier one, or the warm-up request of prompts[0]): what a prefix cache that kept everything could serve.
+    Each phase cycles the prompts from the first (collect.run_phase); characters stand in for tokens."""
+    if not prompts:
+        return [None for _ in phases]
+    seen = [prompts[0]]  # sorted: a string's longest common prefix with a set is with a neighbour in order
+    out: list[float | None] = []
+    for ph in phases:
+        shared = chars = 0
+        for i in range(ph.sent):
+            p = prompts[i % len(prompts)]
+            j = bisect.bisect_left(seen, p)
+            near = (seen[k] for k in (j - 1, j) if 0 <= k < len(seen))
+            shared += max(len(os.path.commonprefix([p, q])) for q in near)  # noqa: RUF071 (text, not paths)
+            chars += len(p)
+            if j == len(seen) or seen[j] != p:
+                seen.insert(j, p)
+        out.append(shared / chars if chars else None)
+    return out
 
 
 def _role_total(phase: Phase, endpoints: list[Endpoint], role: str, name: str, **labels: str) -> float:
@@ -87,6 +176,7 @@ def summarize(phase: Phase, endpoints: list[Endpoint]) -> PhaseSummary:
         drafted=sum(int(r.stats.get("drafted", 0)) for r in res),
         accepted=sum(int(r.stats.get("accepted", 0)) for r in res),
         target_only_requests=sum(bool(r.stats.get("target_only")) for r in res) if phase.speculative else 0,
+        kv=kv_state(phase, endpoints),
     )
     t = lambda role, name, **lab: _role_total(phase, endpoints, role, name, **lab)
     steps = t("verify", "specmesh_verify_steps_total")
@@ -390,8 +480,12 @@ def serve_command(record: dict, **changes) -> str:
     return " ".join(args)
 
 
-def analyze(phases: list[Phase], endpoints: list[Endpoint], record: dict) -> Findings:
+def analyze(phases: list[Phase], endpoints: list[Endpoint], record: dict, prompts: list[str] | None = None) -> Findings:
+    """`prompts`: what the phases sent (cycled from the first), for the prefix cache's expected hit rate."""
     summaries = [summarize(p, endpoints) for p in phases]
+    for s, share in zip(summaries, prompt_sharing(prompts or [], phases), strict=True):
+        if s.kv is not None:
+            s.kv.expected_hit_rate = share
     spec = [s for s in summaries if s.speculative and s.requests]
     baseline = next((s for s in summaries if not s.speculative and s.requests), None)
     acc = acceptance(phases, endpoints, summaries)
@@ -496,6 +590,13 @@ def analyze(phases: list[Phase], endpoints: list[Endpoint], record: dict) -> Fin
     recs += _contention_advice(spec)
     recs += _load_advice(spec, record, summaries, cores, model)
     recs += _deadline_advice(spec, record)
+    recs += _kv_advice(summaries, record)
+    verify_seen = any(ph.after.get(e.name) for ph in phases for e in endpoints if e.role == "verify")
+    if verify_seen and not any(s.kv for s in summaries):
+        notes.append(
+            "the verify service exports no KV block metrics (its runner keeps no block pool: --runner batched or "
+            "hf), so the report has no KV section"
+        )
     for s in summaries:
         if s.errors:
             notes.append(f"{s.name}: {s.errors} request(s) failed; their numbers are missing")
@@ -698,3 +799,79 @@ def _deadline_advice(spec, record) -> list[Recommendation]:
             "deadline",
         )
     ]
+
+
+def _kv_advice(summaries: list[PhaseSummary], record: dict) -> list[Recommendation]:
+    recs: list[Recommendation] = []
+    kv = [(s, s.kv) for s in summaries if s.kv is not None]
+    if not kv:
+        return recs
+    budget = max(k.budget_bytes for _, k in kv)
+    raise_budget = serve_command(record, verify_arg=f"--kv-cache-budget-mb={math.ceil(2 * budget / 2**20)}")
+    preempted = [(s, k) for s, k in kv if k.preemptions > 0]
+    if preempted:
+        s, k = max(preempted, key=lambda sk: sk[1].preemptions)
+        recs.append(
+            Recommendation(
+                f"{k.preemptions:.0f} session(s) preempted at {s.concurrency} stream(s): the KV budget is too small "
+                "for the load — raise --kv-cache-budget-mb or lower --max-sessions",
+                f"the verify service ran out of KV blocks ({k.usage_peak * 100:.0f} % of {k.num_blocks:.0f} blocks of "
+                f"{k.block_size} tokens in use at the peak) and took running sessions' blocks back; each resumes by "
+                "recomputing its prompt and output so far, so its stream stalls and that prefill is paid twice",
+                raise_budget if budget else serve_command(record, verify_arg="--max-sessions=N"),
+                None,
+                "kv",
+            )
+        )
+    losing = [
+        (s, k)
+        for s, k in kv
+        if k.hit_rate is not None
+        and k.expected_hit_rate is not None
+        and k.expected_hit_rate >= KV_SHARED
+        and k.hit_rate < KV_SHORT * k.expected_hit_rate
+    ]
+    if losing:
+        s, k = max(losing, key=lambda sk: sk[1].prefix_queries)
+        hit, expected = k.hit_rate or 0.0, k.expected_hit_rate or 0.0
+        where = (
+            f"the prefix cache served {hit * 100:.0f} % of the prompt tokens looked up at {s.concurrency} "
+            f"stream(s), where this workload's prompts repeat or share about {expected * 100:.0f} %"
+        )
+        if k.replicas > 1:
+            recs.append(
+                Recommendation(
+                    f"{where}: route requests that share a prefix to one verify replica (session / prefix affinity)",
+                    f"each of the {k.replicas} verify replicas keeps a prefix cache of its own, so a prefix computed "
+                    "on one is computed again on the others. The gateway sends a request without a session_id to the "
+                    "replica that has seen the longest part of its prompt (when that covers over 30 % of it, within "
+                    "the load bound), and one with a session_id by the session's hash",
+                    "clients: send one-shot requests that share a system prompt without a session_id (routed by "
+                    "prefix), and one session_id per conversation (its turns stay on its replica)",
+                    None,
+                    "kv",
+                )
+            )
+        elif k.evictions > 0:
+            recs.append(
+                Recommendation(
+                    f"{where}: cached prefix blocks are evicted before they are reused — raise --kv-cache-budget-mb",
+                    f"{k.evictions:.0f} cached blocks were taken for new KV during the phase: with no free block left, "
+                    "the pool gives up the least recently released prefixes first",
+                    raise_budget,
+                    None,
+                    "kv",
+                )
+            )
+        else:
+            recs.append(
+                Recommendation(
+                    f"{where}: check the requests' tenants and cache_salt",
+                    "blocks are shared only within one tenant (API key) and cache_salt, and with one verify replica "
+                    "and no eviction nothing else keeps a prefix from being found",
+                    "send requests that should share a prefix with one tenant's key and the same cache_salt (or none)",
+                    None,
+                    "kv",
+                )
+            )
+    return recs

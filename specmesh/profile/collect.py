@@ -3,7 +3,9 @@
 Each phase runs `concurrency` client threads for a set time, each sending completions back to back; every
 response's `specmesh` object (rounds, drafted, accepted) is kept. Every service's /metrics is scraped just
 before and just after the phase (after its last request has finished), so counter differences belong to
-the phase alone: that is why the profiler wants the stack to itself while it runs.
+the phase alone: that is why the profiler wants the stack to itself while it runs. The verify services'
+are also read every `PEAK_INTERVAL_S` during the phase, for the highest value each gauge reached (KV blocks
+in use fall back once the phase's requests have ended).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from specmesh.stack import stack_file
 
 Sample = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+PEAK_INTERVAL_S = 0.5
 
 # Code, as the demo models were trained on (the Python standard library), and a few plain-text requests.
 BUILTIN_PROMPTS = [
@@ -171,9 +174,18 @@ class Phase:
     errors: list[str] = field(default_factory=list)
     before: dict[str, Sample] = field(default_factory=dict)
     after: dict[str, Sample] = field(default_factory=dict)
+    peak: dict[str, Sample] = field(default_factory=dict)  # the verify services' highest values in the phase
+    sent: int = 0  # requests sent: the prompts cycled from the first, in order (what prefix caching saw)
 
     def delta(self, name: str) -> Sample:
         return diff(self.after.get(name, {}), self.before.get(name, {}))
+
+    def highest(self, name: str) -> Sample:
+        """Endpoint `name`'s highest value of each series: sampled during the phase, and at its end."""
+        out = dict(self.after.get(name, {}))
+        for k, v in self.peak.get(name, {}).items():
+            out[k] = max(v, out.get(k, v))
+        return out
 
 
 class Client:
@@ -228,6 +240,7 @@ def run_phase(
             first = False
             with lock:
                 prompt = next(cycle)
+                phase.sent += 1
             try:
                 result = client.complete(prompt, max_tokens, k)
             except (OSError, KeyError, ValueError) as e:
@@ -239,13 +252,31 @@ def run_phase(
             with lock:
                 phase.results.append(result)
 
+    done = threading.Event()
+
+    def sample_peaks() -> None:
+        while not done.wait(PEAK_INTERVAL_S):
+            for e in endpoints:
+                if e.role != "verify":
+                    continue
+                try:
+                    sample = scrape(e.url)
+                except OSError:
+                    continue
+                peak = phase.peak.setdefault(e.name, {})
+                for k, v in sample.items():
+                    peak[k] = max(v, peak.get(k, v))
+
     phase.before = scrape_all(endpoints)
     t0 = time.perf_counter()
     threads = [threading.Thread(target=worker, daemon=True) for _ in range(phase.concurrency)]
-    for t in threads:
+    sampler = threading.Thread(target=sample_peaks, daemon=True)
+    for t in [*threads, sampler]:
         t.start()
     for t in threads:
         t.join()
     phase.wall = time.perf_counter() - t0
+    done.set()
+    sampler.join()
     phase.after = scrape_all(endpoints)
     return phase

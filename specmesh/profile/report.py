@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import html
 import json
+from dataclasses import asdict
 from pathlib import Path
 
-from specmesh.profile.analysis import BUDGET_PARTS, K_RANGE, Findings
+from specmesh.profile.analysis import BUDGET_PARTS, K_RANGE, KV_FULL, Findings
 
 COLORS = {
     "drafting": "#e4803a",
@@ -279,6 +280,9 @@ def sections(f: Findings, plots: dict[str, str]) -> list[tuple[str, list[str], s
     out.append(("Batches and utilisation per concurrency", rows, plots.get("batch_sizes.png")))
     out.append(("", [], plots.get("utilization.png")))
     out.append(("", [], plots.get("throughput.png")))
+    kv = kv_lines(f)
+    if kv:
+        out.append(("KV cache", kv, None))
     method = [
         "Each phase ran its streams back to back for its share of --duration; every service's /metrics was read "
         "just before and after it, so each number is that phase's own. Model busy: the share of wall time a "
@@ -288,6 +292,44 @@ def sections(f: Findings, plots: dict[str, str]) -> list[tuple[str, list[str], s
     ]
     out.append(("Method", method, None))
     return out
+
+
+def kv_lines(f: Findings) -> list[str]:
+    """The KV section: the verify replicas' block pool per phase (none without one)."""
+    rows = [(s, s.kv) for s in f.summaries if s.kv is not None]
+    if not rows:
+        return []
+    lines = [
+        "| phase | blocks used (peak) | shared (peak) | cached / free (end) | usage (peak) | preemptions "
+        "| prefix-cache hits | the prompts could hit | evictions |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for s, k in rows:
+        hit = f"{k.hit_rate * 100:.0f} % of {k.prefix_queries:.0f} tokens" if k.hit_rate is not None else "-"
+        could = f"{k.expected_hit_rate * 100:.0f} %" if k.expected_hit_rate is not None else "-"
+        lines.append(
+            f"| {s.name} | {k.used_peak:.0f} of {k.num_blocks:.0f} | {k.shared_peak:.0f} "
+            f"| {k.cached:.0f} / {k.free:.0f} | {k.usage_peak * 100:.0f} % | {k.preemptions:.0f} | {hit} | {could} "
+            f"| {k.evictions:.0f} |"
+        )
+    k = rows[0][1]
+    lines.append("")
+    lines.append(
+        f"Blocks of {k.block_size} tokens over {k.replicas} verify replica(s). used: held by sessions (shared ones "
+        "once); shared: held by two sessions or more (a prefix computed once); cached: held by none but findable "
+        "by content, taken when no free block is left (an eviction); peaks as sampled during the phase. "
+        "Preemptions: sessions whose blocks were taken back when none was left, to be recomputed. Prefix-cache "
+        "hits: prompt tokens (whole blocks) whose KV was found; the prompts could hit: the share of the phase's "
+        "prompt text that a prompt sent before it began with too (a repeat, or a shared prefix), in characters."
+    )
+    full = [(s, k) for s, k in rows if k.usage_peak >= KV_FULL and not k.preemptions]
+    if full:
+        s, k = full[-1]
+        lines.append(
+            f"- at {s.concurrency} stream(s) the blocks were {k.usage_peak * 100:.0f} % in use at the peak with no "
+            "preemption yet: more load will preempt sessions"
+        )
+    return lines
 
 
 def write(f: Findings, out: Path) -> dict[str, Path]:
@@ -334,6 +376,7 @@ def write(f: Findings, out: Path) -> dict[str, Path]:
                 "draft_batch": s.draft_batch,
                 "busy": s.busy,
                 "cpu": s.cpu,
+                "kv": None if s.kv is None else {**asdict(s.kv), "hit_rate": s.kv.hit_rate},
             }
             for s in f.summaries
         ],
