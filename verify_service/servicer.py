@@ -25,7 +25,9 @@ class VerifyServicer(verify_pb2_grpc.VerifyServiceServicer):
         return wire.params_from_pb(pb, self.engine.vocab_size)
 
     async def OpenSession(self, request, context):
-        opened = await self.engine.open(request.session_id, list(request.prompt_ids), self._params(request.params))
+        opened = await self.engine.open(
+            request.session_id, list(request.prompt_ids), self._params(request.params), scope=request.cache_scope
+        )
         return verify_pb2.OpenSessionResponse(
             session_id=opened.session_id,
             epoch=opened.epoch,
@@ -66,7 +68,9 @@ class VerifyServicer(verify_pb2_grpc.VerifyServiceServicer):
             reader.cancel()
 
     async def Generate(self, request, context):
-        events = self.engine.generate(request.session_id, list(request.prompt_ids), self._params(request.params))
+        events = self.engine.generate(
+            request.session_id, list(request.prompt_ids), self._params(request.params), scope=request.cache_scope
+        )
         async with contextlib.aclosing(events):
             async for event in events:
                 yield wire.event_to_pb(event, verify_pb2.VerifyServiceGenerateResponse)

@@ -97,6 +97,27 @@ def test_a_cache_salt_opts_out_of_sharing(stack):
     assert e.value.body["param"] == "cache_salt"
 
 
+def test_cached_prompt_blocks_are_shared_only_within_a_tenant_and_salt(stack):
+    """The verify service shares a prompt's full KV blocks with any later request whose prompt starts the same,
+    sessions or none: within one tenant and cache_salt only, or a hit would tell a caller whether someone
+    else had sent a guessed prefix."""
+    gw, _ = stack
+    a, b = gw.openai("sk-a"), gw.openai("sk-b")
+    prompt = [100 + (i * 37) % 1000 for i in range(200)]  # 12 full blocks of 16 tokens, and then some
+
+    def cached(c, **extra):
+        r = c.completions.create(model="demo", prompt=prompt, max_tokens=2, temperature=0, extra_body=extra)
+        return r.usage.prompt_tokens_details.cached_tokens
+
+    assert cached(a) == 0
+    assert cached(a) > 0  # no session named: the hit is the block cache's
+    assert cached(b) == 0  # the same prompt, another key
+    assert cached(a, cache_salt="s1") == 0  # the same key, another salt
+    # Target-only requests go to the verify service with no draft service between: scoped alike
+    assert cached(a, num_speculative_tokens=0) > 0
+    assert cached(b, cache_salt="s2", num_speculative_tokens=0) == 0
+
+
 def test_the_grpc_front_scopes_sessions_by_key_too(stack):
     gw, _ = stack
 
@@ -110,7 +131,9 @@ def test_the_grpc_front_scopes_sessions_by_key_too(stack):
         params = common_pb2.SamplingParams(temperature=0.0, max_tokens=2)
 
         def grpc_cached(key):
-            request = gateway_pb2.GatewayServiceGenerateRequest(prompt=SECRET, params=params, session_id="grpc-conv")
+            # not SECRET itself: sk-a's blocks of it, cached by the REST test, would serve a new session too
+            prompt = "over gRPC: " + SECRET
+            request = gateway_pb2.GatewayServiceGenerateRequest(prompt=prompt, params=params, session_id="grpc-conv")
             r = stub.Generate(request, metadata=(("authorization", f"Bearer {key}"),))
             return r.usage.cached_prompt_tokens
 
