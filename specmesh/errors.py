@@ -94,3 +94,8 @@ def from_grpc_code(code_name: str, details: str = "") -> SpecmeshError:
 def grpc_code_name(exc: BaseException) -> str:
     """The gRPC status name an exception is answered with: its own for a domain error, INTERNAL otherwise."""
     return exc.code if isinstance(exc, SpecmeshError) else "INTERNAL"
+
+
+class ConfigError(ValueError):
+    """Settings that cannot work together, found only once a service knows its model (a KV budget too small
+    for its context): the service exits 2 with the message, as for a bad flag. Not a request's error."""

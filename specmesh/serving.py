@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import logging
 import signal
+import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -29,7 +30,7 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health_pb2
 from opentelemetry import trace
 
-from specmesh.errors import InvalidArgument, grpc_code_name
+from specmesh.errors import ConfigError, InvalidArgument, grpc_code_name
 from specmesh.grpc_std import add_standard_services
 from specmesh.security import Security, bind
 from specmesh.telemetry import incoming_context, serve_metrics, setup_logging, setup_tracing, tracer
@@ -364,7 +365,11 @@ def run_service(service: str, build: Callable[..., Awaitable[GrpcServer]], confi
         torch.set_num_threads(process["threads"])
 
     async def serve() -> None:
-        server = await build(config, security=security)
+        try:
+            server = await build(config, security=security)
+        except ConfigError as e:
+            print(f"{service}: error: {e}", file=sys.stderr, flush=True)
+            raise SystemExit(2) from None
         port = await server.start()
         print(f"{service} listening on {config.host}:{port} (metrics port {server.metrics_port})", flush=True)
         await server.serve_forever()

@@ -29,6 +29,7 @@ from specmesh.errors import (
 from specmesh.models import eos_token_ids, load_model
 from specmesh.rejection import MAX_SPEC_LEN, RejectionInput, RejectionSampler, token_logprobs, validate_block
 from specmesh.runtime.attention import ATTENTION_BACKENDS, check_attention_backend
+from specmesh.runtime.blocks import MAX_BLOCK_SIZE, check_block_size
 from specmesh.sampling import (
     MAX_LOGPROBS,
     LogitsContext,
@@ -68,22 +69,24 @@ class VerifyConfig:
     max_sessions: int = flags.option(64, "concurrent session streams and generate calls; more get RESOURCE_EXHAUSTED")
     kv_cache_budget_mb: float = flags.option(
         2048.0,
-        "KV cache memory for all sessions (the batched runner allocates it as slots at start); idle sessions are "
-        "evicted LRU when a new one does not fit",
+        "KV cache memory for all sessions, allocated at start as blocks of --block-size tokens that sessions take "
+        "as their tokens need them; when they run out, idle sessions are evicted (LRU), then running ones "
+        "preempted and later resumed by recomputing",
     )
+    block_size: int = flags.option(16, f"tokens per KV block (a power of two, at most {MAX_BLOCK_SIZE})")
     kv_cache_prefault: bool = flags.kv_cache_prefault_option()
     runner: str = flags.option(
         "auto",
-        "target runtime: batched = one ragged forward over a KV slot pool (Llama family), hf = the stock HF "
-        "forward (any causal LM), auto = batched when the model and budget allow it",
+        "target runtime: paged = one ragged forward, the KV in blocks shared by all sessions with prefix "
+        "caching (Llama family); batched = the same forward over one KV slot per session; hf = the stock HF "
+        "forward (any causal LM); auto = paged where the model allows it, else hf",
         choices=RUNNERS,
     )
     attention_backend: str = flags.attention_backend_option(ATTENTION_BACKENDS)
     max_model_len: int = flags.option(
         0,
-        "most tokens per session (prompt + max_tokens) = a KV slot's length; 0 = the model's context, capped so "
-        "that the budget holds --max-sessions slots (auto falls back to hf when that leaves fewer than "
-        f"{MIN_AUTO_SLOT_TOKENS} tokens)",
+        "most tokens per session (prompt + max_tokens); 0 = the model's context (runner batched: capped so that "
+        f"the budget holds --max-sessions slots, and refused below {MIN_AUTO_SLOT_TOKENS} tokens)",
     )
     max_batch_tokens: int = flags.option(  # vLLM's max_num_batched_tokens
         512,
@@ -126,7 +129,7 @@ class VerifyConfig:
     max_cached_sessions: int = flags.option(
         0,
         "sessions held, idle cached ones included (LRU-evicted beyond it, RESOURCE_EXHAUSTED when all are in "
-        "use); 0 = the KV slot count (hf runner: 4 x --max-sessions)",
+        "use); 0 = 4 x --max-sessions (runner batched: the KV slot count)",
     )
     metrics_port: int = flags.metrics_port_option(9464)
 
@@ -138,6 +141,10 @@ class VerifyConfig:
         if self.runner not in RUNNERS:
             raise ValueError(f"runner must be one of {', '.join(RUNNERS)}")
         check_attention_backend(self.attention_backend)
+        try:
+            check_block_size(self.block_size)
+        except ValueError as e:
+            raise ValueError(f"--block-size: {e}") from None
         if self.max_model_len < 0 or self.prefill_chunk_tokens < 0:
             raise ValueError("max_model_len and prefill_chunk_tokens must be >= 0")
         if min(self.attach_timeout_s, self.stream_idle_timeout_s, self.max_cached_sessions) < 0:
@@ -180,7 +187,7 @@ class VerifyEngine:
         # made every batched forward ~40% slower on the 2-core dev machine.
         model_thread = model_thread or ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
         args = (model, config.runner, budget, config.max_sessions, config.max_model_len, config.kv_cache_prefault)
-        self.runner = model_thread.submit(build_runner, *args, config.attention_backend).result()
+        self.runner = model_thread.submit(build_runner, *args, config.attention_backend, config.block_size).result()
         self.tokenizer = tokenizer
         self.vocab_size = self.runner.vocab_size
         self.eos_token_ids = eos_token_ids(model)
@@ -188,7 +195,7 @@ class VerifyEngine:
         self._grammars_lock = threading.Lock()
         self.max_context = self.runner.context_limit(config.max_model_len)
         self.sampler = RejectionSampler(config.sampler_backend, seed=config.seed, device=self.runner.device)
-        # A slot pool already caps the sessions; caches that grow token by token need a count of their own.
+        # A slot pool already caps the sessions; blocks and caches that grow token by token need a count.
         pooled = self.runner.kv_account().max_sequences is not None
         cap = config.max_cached_sessions or (None if pooled else 4 * config.max_sessions)
         self.sessions = SessionStore(self.runner, budget, config.session_ttl_s, max_count=cap)
@@ -203,7 +210,10 @@ class VerifyEngine:
             max_batch_tokens=config.max_batch_tokens,
             prefill_chunk_tokens=config.prefill_chunk_tokens,
             model_thread=model_thread,
+            running=self.sessions.busy_sessions,
+            reclaim=self.sessions.reclaim,
         )
+        self.sessions.on_free = self.scheduler.kick
         self.tracer = tracer("verify")
         self.counters = Counters()
         self.shutting_down = False
@@ -255,8 +265,9 @@ class VerifyEngine:
                 f"{params.structured.field_name}: structured output needs a tokenizer, and this model has none"
             )
 
-    async def open(self, session_id: str, prompt_ids: list[int], params: SamplingParams) -> Opened:
-        """Start a turn: create or continue the session and prefill what its cache lacks."""
+    async def open(self, session_id: str, prompt_ids: list[int], params: SamplingParams, scope: str = "") -> Opened:
+        """Start a turn: create or continue the session and prefill what its cache lacks. `scope`: the
+        prefix-cache scope (sessions share cached prompt blocks only within one)."""
         if self.shutting_down:
             raise Unavailable("the verify service is shutting down")
         params.validate(self.vocab_size)
@@ -273,7 +284,7 @@ class VerifyEngine:
             raise ResourceExhausted(
                 f"the verify service is at its limit of {self.config.max_sessions} concurrent sessions; retry later"
             )
-        session = self.sessions.open(session_id, prompt_ids)
+        session = self.sessions.open(session_id, prompt_ids, scope)
         session.opening = True
         t0 = time.perf_counter()
         try:
@@ -336,7 +347,11 @@ class VerifyEngine:
         session.attached = False
         session.inbox = None
         if not keep and (session.ephemeral or failed) and self.sessions.remove(session):
-            self.scheduler.after_pass(session, lambda: self.runner.free(session.seq))
+            self.scheduler.after_pass(session, lambda: self._free(session))
+
+    def _free(self, session: Session) -> None:
+        self.runner.free(session.seq)
+        self.scheduler.kick()  # KV went back: what waits for blocks may go on
 
     def _to_verify(self, session: Session, block: DraftBlock) -> RejectionInput:
         validate_block(block, self.vocab_size, self.config.max_spec_len)
@@ -501,10 +516,10 @@ class VerifyEngine:
         span.end()
 
     async def generate(
-        self, session_id: str, prompt_ids: list[int], params: SamplingParams
+        self, session_id: str, prompt_ids: list[int], params: SamplingParams, scope: str = ""
     ) -> AsyncGenerator[GenerationEvent, None]:
         """Target-only decoding: yields Opened, then Tokens per step, then Finished."""
-        opened = await self.open(session_id, prompt_ids, params)
+        opened = await self.open(session_id, prompt_ids, params, scope)
         session = self.sessions.get(opened.session_id)
         self._attach(session)
         failed = True

@@ -1,21 +1,20 @@
-"""Which runner serves the target model, and how the KV slot pool is sized.
+"""Which runner serves the target model, and how its KV memory is laid out.
 
-`--runner auto` (the default) takes `BatchedRunner` (one ragged forward over a preallocated slot pool)
+`--runner auto` (the default) takes `PagedRunner` (one ragged forward, the KV in blocks of one shared pool)
 when it has a decoder for the model, and `ModelRunner` (the stock HF forward, any causal LM) otherwise;
-`batched` insists on the former, `hf` takes the latter (also the way to measure the old runtime).
+`paged` insists on the former, `hf` takes the latter, `batched` is the slot pool the blocks replaced (kept
+to measure against).
 
-Sizing the pool. A slot holds one session's whole KV up to `slot_len` tokens, so the pool is
-`num_slots x slot_len` tokens of the KV budget (`--kv-cache-budget-mb`). Every admitted session
-(`--max-sessions`) must be sure of a slot, so the budget has to hold at least `max_sessions` slots:
+Sizing the block pool. The KV budget (`--kv-cache-budget-mb`) is cut into blocks of `--block-size` tokens
+that every session draws on as its tokens need them, so a session may reach the model's whole context
+(`max_model_len`: the model's `max_position_embeddings`, capped by `--max-model-len`), and how many run at
+once is bounded by the tokens they hold, not by a slot each. A budget that cannot hold one sequence of
+`max_model_len` tokens is a configuration error (`BudgetError`: the service exits 2 naming the flags).
 
-* `--max-model-len N` given: `slot_len = min(N, the model's context)`; a budget that holds fewer than
-  `max_sessions` such slots is a configuration error.
-* not given (0): the model's context, capped to `budget / (max_sessions x bytes per token)` so that it
-  does. Slots beyond `max_sessions` keep idle sessions' caches for their next turn (evicted LRU).
-
-A budget that leaves `auto` slots shorter than `MIN_AUTO_SLOT_TOKENS` (or than the model's context, if
-that is shorter) is too small for a slot pool to be useful: `auto` then serves with `ModelRunner`, whose
-caches grow token by token under the same budget; `batched` refuses to start.
+Sizing the slot pool (`batched`). A slot holds one session's whole KV up to `slot_len` tokens, so the pool
+is `num_slots x slot_len` tokens of the budget, and every admitted session (`--max-sessions`) must be sure
+of a slot: with `--max-model-len N`, `slot_len = min(N, the model's context)`; without, the model's
+context capped to `budget / (max_sessions x bytes per token)`, refused below `MIN_AUTO_SLOT_TOKENS`.
 """
 
 from __future__ import annotations
@@ -26,13 +25,18 @@ from typing import Any
 
 from transformers import PreTrainedModel
 
+from specmesh.errors import ConfigError
 from specmesh.runtime import Runner, registry
 from specmesh.runtime.base import kv_bytes_per_token
 
 log = logging.getLogger("specmesh.verify")
 
-RUNNERS = ("auto", "batched", "hf")
+RUNNERS = ("auto", "paged", "batched", "hf")
 MIN_AUTO_SLOT_TOKENS = 256
+
+
+class BudgetError(ConfigError):
+    """The KV budget and the lengths asked for do not fit together: a configuration error (exit 2)."""
 
 
 @dataclass(frozen=True)
@@ -41,11 +45,46 @@ class SlotPlan:
     num_slots: int  # sessions whose caches the pool holds at once, busy or idle
 
 
+@dataclass(frozen=True)
+class BlockPlan:
+    num_blocks: int
+    block_size: int
+    max_model_len: int  # most tokens one session holds
+
+    @property
+    def tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    def describe(self) -> str:
+        return (
+            f"KV: {self.num_blocks} blocks of {self.block_size} tokens = {self.tokens} tokens; "
+            f"max_model_len {self.max_model_len}"
+        )
+
+
+def plan_blocks(
+    model_len: int, bytes_per_token: int, budget_bytes: int, block_size: int, max_model_len: int = 0
+) -> BlockPlan:
+    """The block pool for a model of context `model_len` (0 = unknown); BudgetError when the budget cannot
+    hold one sequence of the longest length a session may reach."""
+    length = min(max_model_len, model_len) if max_model_len and model_len else (max_model_len or model_len)
+    if not length:
+        raise BudgetError("the model's config does not give its context length: set --max-model-len")
+    num_blocks = budget_bytes // (bytes_per_token * block_size)
+    if num_blocks * block_size < length:
+        raise BudgetError(
+            f"a KV budget of {budget_bytes / 2**20:.1f} MiB holds {num_blocks} blocks of {block_size} tokens "
+            f"({num_blocks * block_size} tokens), fewer than one sequence of max_model_len {length}: raise "
+            f"--kv-cache-budget-mb to at least {-(-length * bytes_per_token // 2**20)} or lower --max-model-len"
+        )
+    return BlockPlan(num_blocks, block_size, length)
+
+
 def plan_slots(
     model_len: int, bytes_per_token: int, budget_bytes: int, max_sessions: int, max_model_len: int = 0
 ) -> SlotPlan:
-    """The pool for a model of context `model_len` (0 = unknown); ValueError when the budget cannot hold
-    `max_sessions` useful slots (see the module docstring)."""
+    """The slot pool for a model of context `model_len` (0 = unknown); BudgetError when the budget cannot
+    hold `max_sessions` useful slots (see the module docstring)."""
     if max_model_len:
         slot_len = min(max_model_len, model_len) if model_len else max_model_len
     else:
@@ -53,13 +92,13 @@ def plan_slots(
         slot_len = min(model_len, fit) if model_len else fit
         floor = min(MIN_AUTO_SLOT_TOKENS, model_len) if model_len else MIN_AUTO_SLOT_TOKENS
         if slot_len < floor:
-            raise ValueError(
+            raise BudgetError(
                 f"a KV budget of {budget_bytes / 2**20:.1f} MiB gives each of --max-sessions "
                 f"{max_sessions} sessions {slot_len} tokens, fewer than {floor}"
             )
     num_slots = budget_bytes // (max(slot_len, 1) * bytes_per_token)
     if slot_len < 2 or num_slots < max_sessions:
-        raise ValueError(
+        raise BudgetError(
             f"a KV budget of {budget_bytes / 2**20:.1f} MiB holds {num_slots} slots of {slot_len} "
             f"tokens, fewer than --max-sessions {max_sessions}: raise --kv-cache-budget-mb or lower "
             f"--max-model-len or --max-sessions"
@@ -75,34 +114,43 @@ def build_runner(
     max_model_len: int = 0,
     prefault: bool = False,
     attention_backend: str = "auto",
+    block_size: int = 16,
 ) -> Runner[Any]:
-    """The runner `--runner` asks for (see the module docstring); ValueError when it cannot be had."""
+    """The runner `--runner` asks for (see the module docstring); BudgetError when the budget does not fit,
+    ValueError when the runner cannot serve the model."""
     if runner not in RUNNERS:
         raise ValueError(f"runner must be one of {', '.join(RUNNERS)}, not {runner!r}")
     if runner == "hf":
         return registry.build_runner(model, "hf")
     if not registry.batched_supported(model):
-        if runner == "batched":
-            raise ValueError(f"--runner batched has no decoder for {type(model).__name__}; use auto or hf")
+        if runner != "auto":
+            raise ValueError(f"--runner {runner} has no decoder for {type(model).__name__}; use auto or hf")
         log.info("no batched decoder for %s: serving with the HF runner", type(model).__name__)
         return registry.build_runner(model, "hf")
     model_len = int(getattr(model.config, "max_position_embeddings", 0) or 0)
     bpt = kv_bytes_per_token(model.config, next(model.parameters()).dtype)
-    try:
+    if runner == "batched":
         plan = plan_slots(model_len, bpt, budget_bytes, max_sessions, max_model_len)
-    except ValueError as e:
-        if runner == "batched":
-            raise
-        log.warning("%s: serving with the HF runner, whose caches grow token by token", e)
-        return registry.build_runner(model, "hf")
-    batched = registry.build_runner(
+        batched = registry.build_runner(
+            model,
+            "batched",
+            num_slots=plan.num_slots,
+            max_seq_len=plan.slot_len,
+            prefault=prefault,
+            attention_backend=attention_backend,
+        )
+        pool = batched.kv_account().pool_bytes or 0
+        log.info("batched runner: %d KV slots of %d tokens (%.1f MiB)", plan.num_slots, plan.slot_len, pool / 2**20)
+        return batched
+    blocks = plan_blocks(model_len, bpt, budget_bytes, block_size, max_model_len)
+    paged = registry.build_runner(
         model,
-        "batched",
-        num_slots=plan.num_slots,
-        max_seq_len=plan.slot_len,
+        "paged",
+        num_blocks=blocks.num_blocks,
+        block_size=blocks.block_size,
+        max_seq_len=blocks.max_model_len,
         prefault=prefault,
         attention_backend=attention_backend,
     )
-    pool = batched.kv_account().pool_bytes or 0
-    log.info("batched runner: %d KV slots of %d tokens (%.1f MiB)", plan.num_slots, plan.slot_len, pool / 2**20)
-    return batched
+    log.info("%s (%.1f MiB)", blocks.describe(), (paged.kv_account().pool_bytes or 0) / 2**20)
+    return paged

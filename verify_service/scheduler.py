@@ -24,9 +24,10 @@ import asyncio
 import contextlib
 import functools
 import logging
+import math
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,6 +38,7 @@ from specmesh.domain import BatchLoad, SpecStats, Verdict
 from specmesh.errors import Unavailable
 from specmesh.rejection import RejectionInput, RejectionSampler
 from specmesh.runtime import PrefillChunk, Runner, RunnerSequence
+from specmesh.runtime.blocks import OutOfBlocks
 from specmesh.telemetry import tracer, wall_ns
 from specmesh.verifier import sample_and_commit
 from verify_service.sessions import Session
@@ -55,13 +57,24 @@ class _Step:
 
 @dataclass
 class _Prefill:
-    """A session being opened: its committed tokens are cached chunk by chunk, inside the ticks' passes."""
+    """A session being opened, or a preempted one being recomputed (`future` None): its committed tokens
+    are cached chunk by chunk, inside the ticks' passes."""
 
     session: Session
-    future: asyncio.Future  # -> (cached prefix reused, chunks run)
+    future: asyncio.Future | None  # -> (cached prefix reused, chunks run); None for a resume
     left: int  # tokens still to prefill
     reused: int = 0
     chunks: int = 0
+
+    @property
+    def gone(self) -> bool:
+        """Nobody waits for it any more: its open was cancelled, or a preempted session's stream ended."""
+        return self.future.done() if self.future is not None else not self.session.attached
+
+
+class _Retry:
+    """A pass that found fewer free blocks than planned (a session opened meanwhile took cached ones):
+    nothing was written, and its steps go back to the queue's front for the next tick."""
 
 
 @dataclass
@@ -91,6 +104,13 @@ class SchedulerStats:
     step_sample_seconds: float = 0.0  # its batch's rejection sampling and commit
     batch_tokens: int = 0  # positions the batches verified (K + 1 per step)
     busy_seconds: float = 0.0  # the model thread's time in passes (prefill-only passes too)
+    preemptions: int = 0  # sessions whose KV blocks were taken back for older sessions (vLLM's num_preemptions)
+    recomputed_tokens: int = 0  # positions prefilled again for preempted sessions
+
+
+def _rank(session: Session) -> float:
+    """Admission order (a session not yet admitted ranks after every admitted one)."""
+    return session.admitted or math.inf
 
 
 def uncached(seq: RunnerSequence) -> int:
@@ -120,6 +140,9 @@ class Scheduler:
         max_batch_tokens: int = 512,
         prefill_chunk_tokens: int = 0,
         model_thread: ThreadPoolExecutor | None = None,
+        running: Callable[[], Iterable[Session]] | None = None,
+        reclaim: Callable[[int], int] | None = None,
+        watermark: float = 0.01,
     ):
         if max_batch_size < 1 or max_batch_tokens < 1:
             raise ValueError("max_batch_size and max_batch_tokens must be >= 1")
@@ -152,6 +175,19 @@ class Scheduler:
         self._after_pass: list[tuple[int, Callable[[], None]]] = []
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
+        # KV in blocks (`Runner.blocks`): each pass takes only what its blocks cover (see `_fit_blocks`).
+        # `running()`: the sessions that may hold blocks (busy ones; idle ones are `reclaim(n)`'s, which
+        # evicts them LRU until n blocks are free and returns how many it freed). A new session is admitted
+        # while its prompt plus `watermark` of the pool is free (vLLM's watermark: room for the running
+        # sessions to grow before anyone is preempted).
+        self.blocks = runner.blocks
+        self.running = running or (lambda: ())
+        self.reclaim = reclaim
+        self.watermark = 0 if self.blocks is None else max(1, int(watermark * self.blocks.num_blocks))
+        self._admissions = 0
+        self._free = 0  # blocks the pass being planned leaves free (_fit_blocks, then each chunk planned)
+        self._resuming: dict[int, _Prefill] = {}  # id(session) -> its recompute, for preempted sessions
+        self._parked: dict[int, _Step] = {}  # id(session) -> its step, waiting for its recompute
 
     @property
     def queue_depth(self) -> int:
@@ -165,11 +201,14 @@ class Scheduler:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
-        for future in [*(s.future for s in self._waiting), *(p.future for p in self._opening)]:
-            if not future.done():
+        parked = [s.future for s in self._parked.values()]
+        for future in [*(s.future for s in self._waiting), *(p.future for p in self._opening), *parked]:
+            if future is not None and not future.done():
                 future.set_exception(Unavailable("the verify service is shutting down"))
         self._waiting.clear()
         self._opening.clear()
+        self._parked.clear()
+        self._resuming.clear()
         self.model_thread.shutdown(wait=True)
 
     async def run_on_model(self, fn, *args):
@@ -180,11 +219,17 @@ class Scheduler:
         from opentelemetry import trace
 
         future = asyncio.get_running_loop().create_future()
-        self._waiting.append(
-            _Step(session, block, time.perf_counter(), future, trace.get_current_span().get_span_context())
-        )
+        step = _Step(session, block, time.perf_counter(), future, trace.get_current_span().get_span_context())
+        if id(session) in self._resuming:  # preempted: its step waits for its cache to be recomputed
+            self._parked[id(session)] = step
+        else:
+            self._waiting.append(step)
         self._wake.set()
         return await future
+
+    def kick(self) -> None:
+        """Something the ticks may wait for changed (KV blocks were given back): plan again."""
+        self._wake.set()
 
     async def prefill(self, session: Session) -> tuple[int, int]:
         """Cache the session's committed tokens but the last, reusing its cached prefix; returns (prefix
@@ -250,9 +295,11 @@ class Scheduler:
             while self._waiting or self._opening:
                 await self._gather_window()
                 batch = self._take_steps()
+                if self.blocks is not None:
+                    batch = self._fit_blocks(batch)
                 plan = self._plan_prefill(batch)
                 if not batch and not plan:
-                    continue
+                    break  # what waits needs KV blocks that are in use: a release or a new step wakes us
                 ids = self._pass_begins([s.session for s in batch] + [p.session for p, _ in plan])
                 try:
                     results = await loop.run_in_executor(
@@ -275,33 +322,188 @@ class Scheduler:
 
     def _plan_prefill(self, batch: list[_Step]) -> list[tuple[_Prefill, int]]:
         """The chunks that join this tick's pass: (opening session, most tokens it may prefill), oldest
-        opening first, in what the decode blocks leave of the token budget."""
-        for p in [p for p in self._opening if p.future.done()]:  # its open went away (cancelled)
-            self._opening.remove(p)
+        opening first (preempted sessions' recomputes before them), in what the decode blocks leave of the
+        token budget and, with KV blocks, of the free blocks."""
+        for p in [p for p in self._opening if p.gone]:
+            self._drop_prefill(p)
         if not self._opening:
             return []
         decode = sum(s.block.k + 1 for s in batch)
         budget = max(self.max_batch_tokens - decode, max(1, self.max_batch_tokens // 4))
         plan = []
-        for p in self._opening:
+        kept = {id(s.session) for s in batch}
+        # Admitted sessions (recomputes of preempted ones among them) in admission order, then new ones in
+        # arrival order (a stable sort: the latter all rank last).
+        for p in sorted(self._opening, key=lambda p: _rank(p.session)):
             if budget <= 0:
                 break
             n = min(budget, self.prefill_chunk_tokens or budget)
+            if self.blocks is not None:
+                fit = self._fit_chunk(p, n, kept)
+                if fit is None and p.session.admitted:
+                    continue  # it waits for older sessions' blocks; the next may need fewer
+                if fit is None:
+                    break  # first come, first served: no new session overtakes one that waits for blocks
+                n = fit
+                kept.add(id(p.session))
             plan.append((p, n))
             budget -= min(n, p.left)
         return plan
 
+    def _drop_prefill(self, p: _Prefill) -> None:
+        self._opening.remove(p)
+        if p.future is None:  # a preempted session whose stream ended: its step went with it
+            self._resuming.pop(id(p.session), None)
+            self._parked.pop(id(p.session), None)
+
+    # KV blocks -------------------------------------------------------------------------------------
+    # A pass takes only what the free blocks cover. Steps go first, oldest session first; one that does not
+    # fit takes blocks from idle sessions (evicted LRU), then from the newest running sessions (preempted:
+    # their blocks go back, their steps wait, and their caches are recomputed by prefill chunks before
+    # their next step, vLLM's recompute preemption). A session never takes blocks from an older one, so the
+    # oldest always progresses: it fits alone, since no session is admitted past the pool. An opening
+    # session is admitted once its whole prompt and the watermark fit, and never preempts anyone for it.
+
+    def _fit_blocks(self, batch: list[_Step]) -> list[_Step]:
+        """The steps of `batch` whose blocks this pass can have (the rest parked behind their session's
+        recompute, or back at the queue's front), preempting newer sessions where an older one needs it."""
+        blocks = self.blocks
+        assert blocks is not None
+        need = {}
+        for s in batch:
+            seq = s.session.seq
+            blocks.cached(seq)  # rolls back rejected drafts first: their blocks go back
+            need[id(s)] = blocks.needed(seq, len(seq.token_ids) + s.block.k)
+        short = sum(need.values()) - blocks.free_blocks()
+        if short > 0 and self.reclaim is not None:
+            self.reclaim(short)
+        free = blocks.free_blocks()
+        kept: list[_Step] = []
+        taken: set[int] = set()
+        for s in sorted(batch, key=lambda s: s.session.admitted):
+            if id(s.session) in self._resuming:  # preempted for an older step of this tick
+                self._parked[id(s.session)] = s
+                continue
+            free = self._make_room(need[id(s)], free, s.session, taken)
+            if need[id(s)] <= free and id(s.session) not in self._resuming:
+                kept.append(s)
+                taken.add(id(s.session))
+                free -= need[id(s)]
+            else:  # it was the newest: it preempted itself
+                self._parked[id(s.session)] = s
+        self._free = free
+        order = {id(s): i for i, s in enumerate(batch)}
+        return sorted(kept, key=lambda s: order[id(s)])
+
+    def _make_room(self, need: int, free: int, session: Session, taken: set[int]) -> int:
+        """Preempt running sessions newer than `session` (newest first; `session` itself when it is the
+        newest) until `need` blocks are free; returns the blocks free then."""
+        blocks = self.blocks
+        assert blocks is not None
+        while need > free:
+            # Anyone newer holding blocks, a session being recomputed too (it starts over).
+            victims = [v for v in self.running() if id(v) not in taken and blocks.held(v.seq)]
+            if not victims:
+                return free
+            victim = max(victims, key=_rank)
+            if _rank(victim) < _rank(session):
+                return free  # only older sessions hold what it needs: it waits for them
+            free += self._preempt(victim)
+            if victim is session:
+                return free
+        return free
+
+    def _preempt(self, session: Session) -> int:
+        """Take `session`'s blocks back; its cache is recomputed before its next step."""
+        assert self.blocks is not None
+        freed = self.blocks.preempt(session.seq)
+        self.stats.preemptions += 1
+        log.info("preempted session %s (%d blocks): out of KV blocks", session.session_id, freed)
+        opening = next((p for p in self._opening if p.session is session), None)
+        if opening is not None:  # still being opened: its chunks start over
+            opening.left = uncached(session.seq)
+            return freed
+        resume = _Prefill(session, None, uncached(session.seq))
+        self._resuming[id(session)] = resume
+        self._opening.appendleft(resume)
+        for step in [s for s in self._waiting if s.session is session]:
+            self._waiting.remove(step)
+            self._parked[id(session)] = step
+        return freed
+
+    def _fit_chunk(self, p: _Prefill, n: int, taken: set[int]) -> int | None:
+        """How many tokens (at most `n`) of `p` this pass may prefill given the free blocks; None: it
+        waits, and so does every opening behind it (first come, first served)."""
+        blocks = self.blocks
+        assert blocks is not None
+        seq, session = p.session.seq, p.session
+        before = blocks.free_blocks()
+        valid = blocks.cached(seq)
+        self._free += blocks.free_blocks() - before  # cached blocks it took (its prompt's), or rolled back
+        if self._free < 0:
+            # Those cached blocks are what this pass's steps count on: give them back (they stay cached).
+            self._free += blocks.preempt(seq)
+            p.left = uncached(seq)
+            return None
+        p.left = len(seq.token_ids) - 1 - valid
+        if p.future is not None and p.chunks == 0 and not session.admitted and not self._admit(session):
+            return None
+        if p.left <= 0:
+            return 1  # nothing to compute (its whole prompt was cached): the chunk only reports it done
+        n = min(n, p.left)
+        bs = blocks.block_size
+        if n < p.left and (valid + n) // bs * bs > valid:
+            # A chunk that ends on a block boundary keeps the table extendable: a prompt prefix that an
+            # older session is computing right now is found in the cache by the next chunk instead.
+            n = (valid + n) // bs * bs - valid
+        held = blocks.held(seq)
+        self._free = self._make_room(blocks.needed(seq, valid + n), self._free, session, taken)
+        if blocks.held(seq) < held:
+            return None  # it was the newest, and preempted itself: it starts over once blocks are free
+        if blocks.needed(seq, valid + n) > self._free:
+            n = min(n, (held + self._free) * bs - valid)
+            if n <= 0:
+                return None
+        self._free -= blocks.needed(seq, valid + n)
+        if p.future is None:
+            self.stats.recomputed_tokens += n
+        return n
+
+    def _admit(self, session: Session) -> bool:
+        """Admit an opening session if its whole prompt and the watermark fit in the free blocks (idle
+        sessions evicted for it); with nobody else holding blocks, the prompt alone must fit."""
+        blocks = self.blocks
+        assert blocks is not None
+        seq = session.seq
+        whole = blocks.needed(seq, len(seq.token_ids))
+        alone = not any(blocks.held(v.seq) for v in self.running() if v is not session)
+        want = whole + (0 if alone else self.watermark)
+        if want > self._free and self.reclaim is not None:
+            self._free += self.reclaim(want - self._free)
+        if want > self._free:
+            return False
+        self._admissions += 1
+        session.admitted = self._admissions
+        return True
+
     def _resolve(self, batch: list[_Step], plan: list[tuple[_Prefill, int]], results: Sequence[Any]) -> None:
+        retry = [step for step, r in zip(batch, results, strict=False) if isinstance(r, _Retry)]
+        self._waiting.extendleft(reversed(retry))  # back to the front, in their order
         for step, result in zip(batch, results[: len(batch)], strict=True):
-            if step.future.done():
+            if step.future.done() or isinstance(result, _Retry):
                 continue
             if isinstance(result, BaseException):
                 step.future.set_exception(result)
             else:
                 step.future.set_result(result)
         for (p, _n), done in zip(plan, results[len(batch) :], strict=True):
-            if isinstance(done, BaseException) or p.future.done() or done.left == 0:
+            if isinstance(done, _Retry) or p not in self._opening:
+                continue
+            if isinstance(done, BaseException) or p.gone or done.left == 0:
                 self._opening.remove(p)
+            if p.future is None:
+                self._resumed(p, done)
+                continue
             if p.future.done():
                 continue
             if isinstance(done, BaseException):
@@ -311,6 +513,22 @@ class Scheduler:
             if done.left == 0:
                 p.future.set_result((p.reused, p.chunks))
 
+    def _resumed(self, p: _Prefill, done: _ChunkDone | BaseException) -> None:
+        """A chunk of a preempted session's recompute ran: once it is whole (or failed), the session's
+        parked step goes on (or fails)."""
+        key = id(p.session)
+        if not isinstance(done, BaseException) and done.left and not p.gone:
+            p.left, p.chunks = done.left, p.chunks + 1
+            return
+        self._resuming.pop(key, None)
+        step = self._parked.pop(key, None)
+        if step is None or step.future.done():
+            return
+        if isinstance(done, BaseException):
+            step.future.set_exception(done)
+        else:
+            self._waiting.appendleft(step)
+
     async def _gather_window(self) -> None:
         """Wait up to the window for the other attached sessions' steps (never when all are here)."""
         window = max(self.batch_wait_s, self.batch_wait_fraction * self.recent_batch_s)
@@ -318,7 +536,7 @@ class Scheduler:
             return
         loop = asyncio.get_running_loop()
         end = loop.time() + window
-        while len(self._waiting) < min(self.expected(), self.max_batch_size):
+        while len(self._waiting) < min(self.expected() - len(self._resuming), self.max_batch_size):
             remaining = end - loop.time()
             if remaining <= 0:
                 return
@@ -342,7 +560,7 @@ class Scheduler:
 
     def _execute(
         self, batch: list[_Step], plan: list[tuple[_Prefill, int]], queue_depth: int = 0
-    ) -> list[Verdict | _ChunkDone | BaseException]:
+    ) -> list[Verdict | _ChunkDone | _Retry | BaseException]:
         start = time.perf_counter()
         try:
             with torch.inference_mode():
@@ -351,6 +569,9 @@ class Scheduler:
                 verdicts = sample_and_commit(
                     self.sampler, logits, [s.session.seq for s in batch], [s.block for s in batch]
                 )
+        except OutOfBlocks:
+            # Raised before anything was written (the runner reserves first): plan again next tick.
+            return [_Retry()] * (len(batch) + len(plan))
         except Exception:  # isolate: rerun each step and each chunk alone
             if len(batch) + len(plan) == 1:
                 log.exception("verify step failed" if batch else "prefill chunk failed")
@@ -370,7 +591,7 @@ class Scheduler:
         self._time_steps(batch, start, forwarded, end)
         self._trace_batch(batch, start, end)
         load = dict(batch_seconds=end - start, batch_size=len(batch), batch_tokens=tokens, queue_depth=queue_depth)
-        results: list[Verdict | _ChunkDone | BaseException] = [
+        results: list[Verdict | _ChunkDone | _Retry | BaseException] = [
             self._commit(step, v, start, load) for step, v in zip(batch, verdicts, strict=True)
         ]
         for step, r in zip(batch, results, strict=True):

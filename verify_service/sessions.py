@@ -53,6 +53,7 @@ class Session:
     prompt_len: int = 0
     epoch: int = 0  # verdicts produced this turn
     run_steps: int = 0  # target-only steps still to take of a run the client asked for
+    admitted: int = 0  # KV blocks: this turn's place in the admission order (0: not yet admitted)
     # Bookkeeping:
     attached: bool = False  # a Verify stream or a Generate call is using it
     opening: bool = False  # its turn is being prefilled: its cache is being written
@@ -103,6 +104,7 @@ class SessionStore:
         self.max_count = max_count or 2**62
         self._sessions: OrderedDict[str, Session] = OrderedDict()  # LRU order: oldest first
         self.evicted = 0
+        self.on_free: Callable[[], None] | None = None  # told whenever a session's KV goes back
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -110,6 +112,10 @@ class SessionStore:
     @property
     def attached(self) -> int:
         return sum(s.attached for s in self._sessions.values())
+
+    def busy_sessions(self) -> list[Session]:
+        """The sessions attached or being prefilled."""
+        return [s for s in self._sessions.values() if s.busy]
 
     @property
     def busy(self) -> int:
@@ -131,8 +137,9 @@ class SessionStore:
         session.last_used = self.clock()
         return session
 
-    def open(self, session_id: str, prompt_ids: list[int]) -> Session:
-        """The session for a new turn (created if needed); the caller prefills it."""
+    def open(self, session_id: str, prompt_ids: list[int], scope: str = "") -> Session:
+        """The session for a new turn (created if needed); the caller prefills it. `scope`: the prefix-cache
+        scope a new session's cache is shared in (the gateway's per tenant and cache_salt)."""
         session = self._sessions.get(session_id) if session_id else None
         if session is not None and session.busy:
             raise FailedPrecondition(f"session {session_id!r} is in use by another stream")
@@ -144,12 +151,13 @@ class SessionStore:
             # that generation) stays ephemeral when its session is gone: nobody would release it otherwise.
             session = Session(
                 session_id or f"{EPHEMERAL_PREFIX}{uuid.uuid4().hex}",
-                self.runner.new_sequence(prompt_ids),
+                self.runner.new_sequence(prompt_ids, scope.encode()),
                 ephemeral=not session_id or session_id.startswith(EPHEMERAL_PREFIX),
             )
             self._sessions[session.session_id] = session
         else:
             session.seq.reset_tokens(prompt_ids)
+            session.admitted = 0
         self._sessions.move_to_end(session.session_id)
         session.last_used = self.clock()
         return session
@@ -187,7 +195,24 @@ class SessionStore:
         if session is None:
             return False
         self.runner.free(session.seq)
+        if self.on_free is not None:
+            self.on_free()
         return True
+
+    def reclaim(self, blocks: int) -> int:
+        """KV in blocks: evict idle sessions holding blocks, least recently used first, until `blocks` more
+        are free or none is left; returns how many became free."""
+        budget = self.runner.blocks
+        if budget is None:
+            return 0
+        before = budget.free_blocks()
+        for sid, s in list(self._sessions.items()):
+            if budget.free_blocks() - before >= blocks:
+                break
+            # An opened turn that its stream has yet to attach to is about to run: not idle.
+            if not s.busy and s.attach_by is None and budget.held(s.seq):
+                self._drop(sid)
+        return budget.free_blocks() - before
 
     def remove(self, session: Session) -> bool:
         """Forget `session` (if it is still the one under its id) without freeing its KV: the caller frees

@@ -88,6 +88,37 @@ class KvAccount(Protocol[SeqT_contra]):
         ...
 
 
+class BlockBudget(Protocol[SeqT_contra]):
+    """A runner's KV in blocks of one pool that every sequence draws on: what a scheduler plans a pass by
+    (the blocks its steps and chunks need), evicts idle sequences for, and preempts running ones by."""
+
+    block_size: int
+    num_blocks: int
+
+    def free_blocks(self) -> int:
+        """Blocks an allocation may take now (free, or cached and evictable)."""
+        ...
+
+    def cached(self, seq: SeqT_contra) -> int:
+        """Roll `seq`'s cache back to the prefix still valid for its committed tokens (taking the pool's
+        cached blocks of its prompt where it can) and return how many positions that prefix holds."""
+        ...
+
+    def needed(self, seq: SeqT_contra, positions: int) -> int:
+        """More blocks `seq` needs for its cache to cover `positions` (after `cached`)."""
+        ...
+
+    def held(self, seq: SeqT_contra) -> int:
+        """Blocks `seq` holds (a shared block counts for each sequence holding it)."""
+        ...
+
+    def preempt(self, seq: SeqT_contra) -> int:
+        """Give `seq`'s blocks back, keeping the sequence: its next forward recomputes what its cache lacks
+        (vLLM's recompute preemption; committed full blocks stay findable in the pool until evicted).
+        Returns the blocks that became free or evictable."""
+        ...
+
+
 @runtime_checkable
 class Runner(Protocol[SeqT]):
     model: PreTrainedModel  # the HF model whose weights the runner serves (its config, a plain forward)
@@ -98,8 +129,14 @@ class Runner(Protocol[SeqT]):
     # can fill a pass up to a token budget), rather than each in a pass of its own before it.
     chunked_prefill: bool
 
-    def new_sequence(self, token_ids: list[int]) -> SeqT:
-        """A sequence of the committed `token_ids` (>= 1), nothing cached yet."""
+    # The KV held in blocks of a shared pool, which a scheduler admits and preempts by (None: a slot per
+    # sequence, or caches that grow on demand).
+    blocks: BlockBudget[SeqT] | None
+
+    def new_sequence(self, token_ids: list[int], scope: bytes = b"") -> SeqT:
+        """A sequence of the committed `token_ids` (>= 1). Nothing cached yet, except where the runner shares
+        KV across sequences: then whatever of their prefix is cached in `scope` (`blocks.scope_of`: one
+        tenant's prompts are never another's hits)."""
         ...
 
     def free(self, seq: SeqT) -> None:

@@ -11,7 +11,7 @@ pays.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Generic, NamedTuple
+from typing import Any, Generic, NamedTuple
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
@@ -39,6 +39,8 @@ def plain_full_attention(config) -> bool:
 
 class RunnerBase:
     """The setup every runner takes from its model."""
+
+    blocks: Any = None  # `Runner.blocks`: a runner whose KV lives in a shared block pool sets it
 
     def __init__(self, model: PreTrainedModel):
         self.model = model

@@ -476,7 +476,8 @@ class BatchedRunner(_RaggedRunner):
         `max_seq_len` the runner was built with)."""
         return self.slot_len if not max_model_len else min(self.slot_len, max_model_len)
 
-    def new_sequence(self, token_ids: list[int]) -> SlotSequence:
+    def new_sequence(self, token_ids: list[int], scope: bytes = b"") -> SlotSequence:
+        """`Runner.new_sequence`; `scope` does not apply (a slot is one sequence's alone)."""
         if not token_ids:
             raise InvalidArgument("a sequence needs at least one token")
         self._check_len(len(token_ids))

@@ -483,6 +483,37 @@ class BlockManager:
             table.num_tokens = len(table.blocks) << self._shift
         return table, table.num_tokens
 
+    def extend(self, table: BlockTable, token_ids: Sequence[int]) -> int:
+        """Take the cached blocks of `token_ids`' next full blocks past the table's end, as `open` does at
+        the start: for a prompt whose prefix another sequence finished computing after this one was opened
+        (sessions admitted together behind one system prompt), or a preempted sequence coming back. Only a
+        table that ends at a block boundary with every block committed can grow this way; the lookup stops
+        at the first miss. Returns the positions gained (their KV is written: `num_tokens` moves too).
+
+        Misses count no query (`open` counted those blocks already); hits count a hit."""
+        n = len(table.blocks)
+        shift = self._shift
+        hashes = table._hashes  # may run past the table's blocks: `open` hashes the whole prompt
+        if table.num_tokens != n << shift or table._registered != n or len(hashes) < n:
+            return 0
+        full = max(len(token_ids) - 1, 0) >> shift  # never the last token, as in open
+        pool, got = self.pool, 0
+        for i in range(n, full):
+            if i == len(hashes):
+                parent = hashes[-1] if hashes else None
+                more = token_ids[i << shift : (i + 1) << shift]
+                hashes.append(block_hashes(more, self.block_size, table.scope, parent)[0])
+            b = pool.lookup(hashes[i])
+            if b is None:
+                break
+            pool.incref((b,))
+            pool.prefix_hits += 1
+            table.blocks.append(b)
+            got += 1
+        table._registered += got
+        table.num_tokens += got << shift
+        return got << shift
+
     def blocks_needed(self, table: BlockTable, num_tokens: int) -> int:
         """Blocks `reserve(table, num_tokens)` would allocate."""
         return max(0, ((num_tokens + self._mask) >> self._shift) - len(table.blocks))

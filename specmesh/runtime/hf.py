@@ -40,7 +40,8 @@ class ModelRunner(SequentialRunner[Sequence]):
             # Sliding-window layers keep only the window: cropping and padded batching assume full caches.
             raise ValueError("models with sliding-window attention layers are not supported yet")
 
-    def new_sequence(self, token_ids: list[int]) -> Sequence:
+    def new_sequence(self, token_ids: list[int], scope: bytes = b"") -> Sequence:
+        """`Runner.new_sequence`; `scope` does not apply (no sequence shares another's cache)."""
         if not token_ids:
             raise ValueError("a sequence needs at least one token")
         return Sequence(list(token_ids), DynamicCache(config=self.config))

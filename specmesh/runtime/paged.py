@@ -206,6 +206,7 @@ class PagedRunner(_RaggedRunner):
         self._lock = threading.Lock()  # tables are opened/freed on the event loop, used on the model thread
         self.prefix_cache_hit_tokens = 0  # prompt tokens whose KV new_sequence found in the block cache
         self._alloc(BlockPool(num_blocks, block_size))
+        self.blocks = PagedBlocks(self)
         self.block_bytes = 2 * self.num_layers * self._dec.n_kv * block_size * self._dec.head_dim * self._elem
         if check and not self._matches_hf():
             raise ValueError(
@@ -288,13 +289,23 @@ class PagedRunner(_RaggedRunner):
     # forward --------------------------------------------------------------------------------------
     def _sync(self, seq: PagedSequence) -> int:
         """Cut the cache back to the prefix still valid for token_ids (>= 1 token left to feed); the table
-        may keep fewer positions (a kept partial block that is shared or registered is never rewritten)."""
+        may keep fewer positions (a kept partial block that is shared or registered is never rewritten).
+        Where that prefix ends at a block boundary short of the prompt, the pool's cached blocks of the
+        prompt's next full blocks join it (`BlockManager.extend`)."""
         keep = seq.sync()
+        ids = seq.token_ids
         with self._lock:
             valid = self._blocks.truncate(seq.table, keep)
+            if valid + self.pool.block_size < len(ids) and not valid & (self.pool.block_size - 1):
+                gained = self._blocks.extend(seq.table, ids)
+            else:
+                gained = 0
         if valid < keep:
             del seq.cached_ids[valid:]
-        return valid
+        if gained:
+            seq.cached_ids.extend(ids[valid : valid + gained])
+            self.prefix_cache_hit_tokens += gained
+        return valid + gained
 
     @torch.inference_mode()
     def step(
@@ -391,8 +402,10 @@ class PagedRunner(_RaggedRunner):
         ids = [(7 * i + 3) % self.vocab_size for i in range(2 * bs + 9)]
         p = 2 * bs + 3  # the first prompt: two full blocks and a partial one
         seqs: list[PagedSequence] = []
-        gather_max = self.gather_max_tokens
+        gather_max, max_len = self.gather_max_tokens, self.max_len
         self.gather_max_tokens = 0  # the probe's sequences are short: check the merge wherever it may run
+        self.max_len = max(max_len, len(ids) + 4)  # a session cap shorter than the probe does not apply to it
+        self._dec.reserve(self.max_len)
         try:
             self._alloc(BlockPool(max(16, 4 * (-(-(len(ids) + 4) // bs))), bs))
             with torch.inference_mode():
@@ -419,9 +432,42 @@ class PagedRunner(_RaggedRunner):
             for seq in seqs:  # into the probe's pool, before the runner's comes back
                 self.free(seq)
             self.pool, self._blocks, self._k, self._v = saved
-            self.gather_max_tokens = gather_max
+            self.gather_max_tokens, self.max_len = gather_max, max_len
             self.prefix_tokens_reused = 0
             self.prefix_cache_hit_tokens = 0
+
+
+class PagedBlocks:
+    """`Runner.blocks` of a `PagedRunner` (see `specmesh.runtime.BlockBudget`). Called on the event loop
+    between passes; the runner's lock keeps it off a table the model thread is changing."""
+
+    def __init__(self, runner: PagedRunner):
+        self.runner = runner
+        self.block_size = runner.pool.block_size
+        self.num_blocks = runner.pool.num_blocks
+
+    def free_blocks(self) -> int:
+        return self.runner.pool.num_free
+
+    def cached(self, seq: PagedSequence) -> int:
+        return 0 if seq.freed else self.runner._sync(seq)
+
+    def needed(self, seq: PagedSequence, positions: int) -> int:
+        r = self.runner
+        with r._lock:
+            return r._blocks.blocks_needed(seq.table, positions)
+
+    def held(self, seq: PagedSequence) -> int:
+        return 0 if seq.freed else len(seq.table.blocks)
+
+    def preempt(self, seq: PagedSequence) -> int:
+        r = self.runner
+        r._own(seq)
+        with r._lock:
+            before = r.pool.num_free
+            r._blocks.free(seq.table)
+            seq.cached_ids = []
+            return r.pool.num_free - before
 
 
 class BlockAccount:
@@ -441,7 +487,6 @@ class BlockAccount:
         return 0 if seq.freed else len(seq.table.blocks) * self.runner.block_bytes
 
     def needed(self, seq: PagedSequence | None, tokens: int) -> int:
-        r = self.runner
-        if seq is None or seq.freed:
-            return -(-tokens // r.block_size) * r.block_bytes
-        return r._blocks.blocks_needed(seq.table, tokens) * r.block_bytes
+        """None up front: blocks are taken as a sequence's passes need them, and a scheduler admits and
+        preempts by the free blocks (`PagedBlocks`) rather than a store reserving bytes at open."""
+        return 0

@@ -577,7 +577,8 @@ class StaticCacheRunner(SequentialRunner[FastSequence]):
                 layer.allocate(1, f.n_kv, f.head_dim, f.head_dim, f.dtype, self.device)
         return cache
 
-    def new_sequence(self, token_ids: list[int]) -> FastSequence:
+    def new_sequence(self, token_ids: list[int], scope: bytes = b"") -> FastSequence:
+        """`Runner.new_sequence`; `scope` does not apply (no sequence shares another's cache)."""
         if not token_ids:
             raise ValueError("a sequence needs at least one token")
         return FastSequence(list(token_ids), self._new_cache(len(token_ids) + 16))

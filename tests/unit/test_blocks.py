@@ -642,3 +642,35 @@ def test_random_workload_keeps_every_invariant():
     live.clear()
     check()
     assert pool.num_used == 0 and pool.num_free == pool.num_blocks
+
+
+def test_extend_takes_the_blocks_another_table_committed_after_this_one_was_opened():
+    mgr = manager()
+    pool = mgr.pool
+    prompt = list(range(100, 100 + 4 * BS + 2))  # four full blocks and two tokens
+    late, cached = mgr.open(prompt, b"t")  # opened before anyone computed the prefix: nothing to share
+    assert cached == 0 and mgr.extend(late, prompt) == 0
+    first, _ = written(mgr, prompt[: 3 * BS], b"t")  # another table computes three of the four blocks
+    other, _ = mgr.open(prompt, b"u")
+    assert mgr.extend(other, prompt) == 0  # another scope: no hit
+    assert mgr.extend(late, prompt) == 3 * BS and late.blocks == first.blocks and late.num_tokens == 3 * BS
+    assert all(pool.ref_count(b) == 2 for b in first.blocks)
+    # It goes on where it stopped: the fourth block, once committed, is found too.
+    fourth, _ = written(mgr, prompt[: 4 * BS + 1], b"t")
+    assert mgr.extend(late, prompt) == BS and late.num_tokens == 4 * BS
+    assert mgr.extend(late, prompt) == 0  # never the block holding the last token
+    assert_pool_consistent(pool, [first, late, other, fourth])
+
+
+def test_extend_does_nothing_for_a_table_with_a_partial_or_uncommitted_block():
+    mgr = manager()
+    prompt = list(range(7, 7 + 3 * BS))
+    written(mgr, prompt, b"")
+    partial, _ = mgr.open(prompt[:2], b"")
+    mgr.reserve(partial, 2)
+    partial.mark_written(2)
+    assert mgr.extend(partial, prompt) == 0  # ends inside a block
+    private, _ = mgr.open([1] * BS, b"")
+    mgr.reserve(private, BS)
+    private.mark_written(BS)  # a full block of KV, not committed: what follows it is unknown
+    assert mgr.extend(private, [1] * BS + prompt) == 0

@@ -161,10 +161,18 @@ def test_free_returns_blocks_and_accounts(gqa):
     acct = r.kv_account()
     assert acct.max_sequences is None and acct.pool_bytes == 16 * r.block_bytes == r.pool_bytes
     seq = r.new_sequence(ids_of(10, seed=9))
-    assert acct.held(seq) == 0 and acct.needed(seq, 10) == 3 * r.block_bytes
-    assert acct.needed(None, 17) == 5 * r.block_bytes
+    blocks = r.blocks
+    assert blocks is not None and blocks.block_size == 4 and blocks.num_blocks == 16
+    # bytes are never reserved up front (a scheduler admits by blocks); the blocks a pass needs are counted
+    assert acct.held(seq) == 0 and acct.needed(seq, 10) == acct.needed(None, 17) == 0
+    assert blocks.cached(seq) == 0 and blocks.needed(seq, 10) == 3 and blocks.held(seq) == 0
     r.forward([seq])
-    assert r.pool.num_used == 3 and acct.held(seq) == 3 * r.block_bytes and acct.needed(seq, 12) == 0
+    assert r.pool.num_used == 3 and acct.held(seq) == 3 * r.block_bytes and blocks.held(seq) == 3
+    assert blocks.cached(seq) == 9 and blocks.needed(seq, 12) == 0 and blocks.needed(seq, 13) == 1
+    free = blocks.free_blocks()
+    assert blocks.preempt(seq) == 3 and blocks.free_blocks() == free + 3 and blocks.held(seq) == 0
+    assert seq.cached_ids == [] and blocks.cached(seq) == 8  # its two full blocks come back from the cache
+    r.forward([seq])
     r.free(seq)
     r.free(seq)  # idempotent
     assert r.pool.num_used == 0 and r.pool.num_free == 16 and r.pool.num_cached == 2  # the two full blocks stay cached

@@ -1,5 +1,6 @@
-"""VerifyEngine on its runners, without gRPC: the runner choice and the slot pool's size, every session's
-slot coming back, eviction by slots, and draft blocks cut to fit a slot."""
+"""VerifyEngine on its runners, without gRPC: the runner choice, the block pool's and the slot pool's sizes,
+every session's slot coming back, eviction by slots, and draft blocks cut to fit a session's context.
+(Sessions on the block pool: test_verify_blocks.py.)"""
 
 import asyncio
 
@@ -11,10 +12,11 @@ from specmesh.domain import DraftBlock, Finished
 from specmesh.errors import InvalidArgument, NotFound, ResourceExhausted
 from specmesh.runtime.batched import BatchedRunner
 from specmesh.runtime.hf import ModelRunner
+from specmesh.runtime.paged import PagedRunner
 from specmesh.sampling import SamplingParams
 from tests.support.models import tiny_model
 from verify_service.engine import END_OF_STREAM, BlockIn, VerifyConfig, VerifyEngine
-from verify_service.runner import SlotPlan, build_runner, plan_slots
+from verify_service.runner import BlockPlan, BudgetError, SlotPlan, build_runner, plan_blocks, plan_slots
 
 VOCAB = 128
 BPT = 512  # KV bytes per token of tiny_model: 2 layers x 2 KV heads x 16 dims x (K, V) x fp32
@@ -89,12 +91,42 @@ def test_a_budget_too_small_for_the_slots_is_refused(args, message):
         plan_slots(*args)
 
 
-def test_auto_takes_the_batched_runner_for_the_llama_family(model):
+@pytest.mark.parametrize(
+    "args,plan",
+    [
+        # the README's defaults on the demo target: the model's whole context, 52k tokens shared by all
+        ((2048, DEMO_BPT, 2048 * MiB, 16), BlockPlan(3276, 16, 2048)),
+        ((2048, DEMO_BPT, 2048 * MiB, 16, 512), BlockPlan(3276, 16, 512)),  # --max-model-len caps a session
+        ((2048, DEMO_BPT, 2048 * MiB, 16, 4096), BlockPlan(3276, 16, 2048)),  # never past the model's context
+        ((1024, BPT, 1024 * BPT, 256), BlockPlan(4, 256, 1024)),  # exactly one whole sequence
+    ],
+)
+def test_the_block_pool_is_the_budget_in_blocks_and_a_session_the_models_whole_context(args, plan):
+    assert plan_blocks(*args) == plan
+    assert plan.describe() == (
+        f"KV: {plan.num_blocks} blocks of {plan.block_size} tokens = {plan.tokens} tokens; "
+        f"max_model_len {plan.max_model_len}"
+    )
+
+
+def test_a_budget_below_one_sequence_is_a_configuration_error():
+    with pytest.raises(BudgetError, match=r"holds 3 blocks of 256 tokens \(768 tokens\), fewer than one sequence"):
+        plan_blocks(1024, BPT, 1024 * BPT - 1, 256)
+    with pytest.raises(BudgetError, match="set --max-model-len"):
+        plan_blocks(0, BPT, MiB, 16)
+
+
+def test_auto_takes_the_paged_runner_for_the_llama_family(model):
     engine = make_engine(model, kv_cache_budget_mb=64)
-    assert isinstance(engine.runner, BatchedRunner)
-    assert engine.runner.slot_len == engine.max_context == 1024  # the model's context: the budget allows it
-    assert engine.runner.num_slots == 64 * MiB // (1024 * BPT) == 128
-    assert engine.sessions.budget_bytes == engine.runner.pool_bytes == 64 * MiB
+    assert isinstance(engine.runner, PagedRunner) and engine.runner.blocks is not None
+    assert engine.max_context == 1024  # the model's context, for every session
+    assert engine.runner.pool.num_blocks == 64 * MiB // (16 * BPT) and engine.runner.block_size == 16
+    assert engine.info()["max_context_length"] == 1024
+    batched = make_engine(model, runner="batched", kv_cache_budget_mb=64)
+    assert isinstance(batched.runner, BatchedRunner) and batched.runner.blocks is None
+    assert batched.runner.slot_len == batched.max_context == 1024  # the model's context: the budget allows it
+    assert batched.runner.num_slots == 64 * MiB // (1024 * BPT) == 128
+    assert batched.sessions.budget_bytes == batched.runner.pool_bytes == 64 * MiB
     hf = make_engine(model, runner="hf", kv_cache_budget_mb=64, max_model_len=300)
     assert isinstance(hf.runner, ModelRunner) and hf.max_context == 300
 
@@ -106,10 +138,10 @@ def test_auto_falls_back_to_the_hf_runner_and_batched_refuses():
     with pytest.raises(ValueError, match="no decoder for GPT2LMHeadModel"):
         build_runner(gpt2, "batched")
     llama = tiny_model("llama", vocab=VOCAB)
-    tiny_budget = dict(budget_bytes=12 * 1024, max_sessions=64)  # slots of 0 tokens: no pool to be had
-    assert isinstance(build_runner(llama, "auto", **tiny_budget), ModelRunner)
-    with pytest.raises(ValueError, match="fewer than"):
-        build_runner(llama, "batched", **tiny_budget)
+    tiny_budget = dict(budget_bytes=12 * 1024, max_sessions=64)  # not one whole sequence, nor one slot each
+    for kind in ("auto", "paged", "batched"):
+        with pytest.raises(BudgetError, match="fewer than"):
+            build_runner(llama, kind, **tiny_budget)
     with pytest.raises(ValueError, match="runner must be one of"):
         VerifyConfig(runner="fast")
 
@@ -119,7 +151,9 @@ def test_auto_falls_back_to_the_hf_runner_and_batched_refuses():
 
 def test_a_thousand_sessions_opened_and_released_leave_every_slot_free(model):
     # 32 slots of 64 tokens for at most 8 busy sessions: the 1,000 sessions reuse them over and over
-    engine = make_engine(model, max_sessions=8, max_model_len=64, kv_cache_budget_mb=32 * 64 * BPT / MiB)
+    engine = make_engine(
+        model, runner="batched", max_sessions=8, max_model_len=64, kv_cache_budget_mb=32 * 64 * BPT / MiB
+    )
     runner = engine.runner
     assert isinstance(runner, BatchedRunner) and runner.num_slots == 32
 
@@ -157,7 +191,9 @@ def test_a_thousand_sessions_opened_and_released_leave_every_slot_free(model):
 
 
 def test_idle_sessions_are_evicted_by_slots_and_busy_ones_never(model):
-    engine = make_engine(model, max_sessions=3, max_model_len=64, kv_cache_budget_mb=3 * 64 * BPT / MiB)
+    engine = make_engine(
+        model, runner="batched", max_sessions=3, max_model_len=64, kv_cache_budget_mb=3 * 64 * BPT / MiB
+    )
     runner = engine.runner
     assert isinstance(runner, BatchedRunner) and runner.num_slots == 3
 
