@@ -528,6 +528,29 @@ class BlockManager:
         if need > 0:
             table.blocks += self.pool.allocate(need, table.blocks[-1] if table.blocks else None)
 
+    def fork(self, table: BlockTable, num_tokens: int) -> tuple[int, int] | None:
+        """Copy on write, before `truncate(table, num_tokens)`: where the block holding position `num_tokens`
+        is shared or registered (so truncate would give it back, and its first positions would be computed
+        again), a private block takes its place in the table. Returns (old block, new block): the caller copies
+        the first `num_tokens % block_size` positions' KV across before anything else allocates. None when
+        there is nothing to fork, or no block to fork into."""
+        valid = min(num_tokens, table.num_tokens)
+        k = valid >> self._shift
+        if not valid & self._mask or k >= len(table.blocks):
+            return None
+        old = table.blocks[k]
+        if self.pool.ref_count(old) == 1 and self.pool.hash_of(old) is None:
+            return None
+        try:
+            new = self.pool.allocate(1, table.blocks[k - 1] if k else None)[0]
+        except OutOfBlocks:
+            return None
+        table.blocks[k] = new
+        self.pool.release((old,))  # still referenced or cached: its KV stays put for the copy
+        del table._hashes[k:]
+        table._registered = min(table._registered, k)
+        return old, new
+
     def truncate(self, table: BlockTable, num_tokens: int) -> int:
         """Keep the KV of the first `num_tokens` positions only (rejected drafts, a prompt that diverges) and
         give back the blocks wholly past them. Returns how many positions still hold valid KV.

@@ -31,9 +31,11 @@ of several runs) when built and refuses models it cannot reproduce.
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import threading
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import NamedTuple
 
 import torch
@@ -204,6 +206,7 @@ class PagedRunner(_RaggedRunner):
         # ahead at 200 tokens, even at ~400, the merge ahead at 900).
         self.gather_max_tokens = GATHER_MAX_TOKENS
         self._lock = threading.Lock()  # tables are opened/freed on the event loop, used on the model thread
+        self._orphans: collections.deque[BlockTable] = collections.deque()  # given back, not yet freed
         self.prefix_cache_hit_tokens = 0  # prompt tokens whose KV new_sequence found in the block cache
         self._alloc(BlockPool(num_blocks, block_size))
         self.blocks = PagedBlocks(self)
@@ -255,7 +258,7 @@ class PagedRunner(_RaggedRunner):
         if not token_ids:
             raise InvalidArgument("a sequence needs at least one token")
         self._check_len(len(token_ids))
-        with self._lock:
+        with self._locked():
             table, hit = self._blocks.open(token_ids, scope)
         seq = PagedSequence(list(token_ids), self, table)
         seq.cached_ids = list(token_ids[:hit])
@@ -271,8 +274,26 @@ class PagedRunner(_RaggedRunner):
         seq._release()  # runs _release_table once, and never again at garbage collection
 
     def _release_table(self, table: BlockTable) -> None:
+        """Give a table's blocks back. Also a finalizer, which the garbage collector may run at any point of
+        any thread, inside a section that holds the lock too: so it only queues the table, and frees it at
+        once only where it can take the lock without waiting; `_locked` frees what is queued."""
+        self._orphans.append(table)
+        if self._lock.acquire(blocking=False):
+            try:
+                self._free_orphans()
+            finally:
+                self._lock.release()
+
+    def _free_orphans(self) -> None:
+        while self._orphans:
+            self._blocks.free(self._orphans.popleft())
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        """The lock, with the tables given back meanwhile freed first."""
         with self._lock:
-            self._blocks.free(table)
+            self._free_orphans()
+            yield
 
     def _own(self, seq, allow_freed: bool = False) -> None:
         if not isinstance(seq, PagedSequence) or seq._runner is not self:
@@ -294,7 +315,10 @@ class PagedRunner(_RaggedRunner):
         prompt's next full blocks join it (`BlockManager.extend`)."""
         keep = seq.sync()
         ids = seq.token_ids
-        with self._lock:
+        with self._locked():
+            fork = self._blocks.fork(seq.table, keep)
+            if fork is not None:  # the kept part of a shared or cached block: copied, not recomputed
+                self._copy_block(*fork, keep & (self.pool.block_size - 1))
             valid = self._blocks.truncate(seq.table, keep)
             if valid + self.pool.block_size < len(ids) and not valid & (self.pool.block_size - 1):
                 gained = self._blocks.extend(seq.table, ids)
@@ -306,6 +330,13 @@ class PagedRunner(_RaggedRunner):
             seq.cached_ids.extend(ids[valid : valid + gained])
             self.prefix_cache_hit_tokens += gained
         return valid + gained
+
+    @torch.no_grad()
+    def _copy_block(self, src: int, dst: int, n: int) -> None:
+        """The first `n` positions' keys and values of block `src` into block `dst`, in every layer."""
+        bs = self.pool.block_size
+        for t in (*self._k, *self._v):
+            t[:, dst * bs : dst * bs + n] = t[:, src * bs : src * bs + n]
 
     @torch.inference_mode()
     def step(
@@ -325,12 +356,12 @@ class PagedRunner(_RaggedRunner):
         try:
             logits = self._run(work) if work else []
         except BaseException:
-            with self._lock:
+            with self._locked():
                 for w in work:  # the reserved blocks go back; the written prefix stays
                     self._blocks.truncate(w.seq.table, w.seq.table.num_tokens)
             raise
         # The pass succeeded: only now do its tokens count as cached, and full committed blocks as content.
-        with self._lock:
+        with self._locked():
             for w in work:
                 table = w.seq.table
                 table.mark_written(w.start + len(w.feed))
@@ -341,7 +372,7 @@ class PagedRunner(_RaggedRunner):
 
     def _reserve(self, work: list[_Work]) -> None:
         """Blocks for everything fed, all or none (OutOfBlocks with no table changed)."""
-        with self._lock:
+        with self._locked():
             blocks = self._blocks
             need = sum(blocks.blocks_needed(w.seq.table, w.start + len(w.feed)) for w in work)
             if need > self.pool.num_free:
@@ -447,14 +478,15 @@ class PagedBlocks:
         self.num_blocks = runner.pool.num_blocks
 
     def free_blocks(self) -> int:
-        return self.runner.pool.num_free
+        with self.runner._locked():
+            return self.runner.pool.num_free
 
     def cached(self, seq: PagedSequence) -> int:
         return 0 if seq.freed else self.runner._sync(seq)
 
     def needed(self, seq: PagedSequence, positions: int) -> int:
         r = self.runner
-        with r._lock:
+        with r._locked():
             return r._blocks.blocks_needed(seq.table, positions)
 
     def held(self, seq: PagedSequence) -> int:
@@ -463,7 +495,7 @@ class PagedBlocks:
     def preempt(self, seq: PagedSequence) -> int:
         r = self.runner
         r._own(seq)
-        with r._lock:
+        with r._locked():
             before = r.pool.num_free
             r._blocks.free(seq.table)
             seq.cached_ids = []

@@ -674,3 +674,22 @@ def test_extend_does_nothing_for_a_table_with_a_partial_or_uncommitted_block():
     mgr.reserve(private, BS)
     private.mark_written(BS)  # a full block of KV, not committed: what follows it is unknown
     assert mgr.extend(private, [1] * BS + prompt) == 0
+
+
+def test_fork_puts_a_private_block_in_place_of_a_shared_one_before_a_truncate_inside_it():
+    mgr = manager(num_blocks=8)
+    pool = mgr.pool
+    tokens = list(range(3 * BS))
+    a, _ = written(mgr, tokens)
+    b, _ = written(mgr, tokens)  # shares all three (the last one's hash names a's)
+    assert b.blocks[:2] == a.blocks[:2] and pool.num_shared == 2
+    old, new = mgr.fork(b, BS + 1)
+    assert old == a.blocks[1] and b.blocks[1] == new != old
+    assert pool.ref_count(old) == 1 and pool.ref_count(new) == 1 and pool.hash_of(new) is None
+    assert mgr.truncate(b, BS + 1) == BS + 1  # the kept position survives: the caller copied it
+    assert mgr.fork(b, BS + 1) is None  # private now: nothing to fork
+    assert mgr.fork(b, 2 * BS) is None  # a block boundary: nothing kept of a block
+    assert_pool_consistent(pool, [a, b])
+    full = manager(num_blocks=3)
+    c, _ = written(full, tokens)
+    assert full.fork(c, BS + 1) is None and c.blocks[1] == 1  # no free block: truncate gives it back instead

@@ -217,3 +217,36 @@ def test_probe_refuses_a_decoder_that_disagrees(gqa, monkeypatch):
     monkeypatch.setattr(paged._BlockAttention, "_runs", lambda self, seg, qs, *a: torch.zeros_like(qs))
     with pytest.raises(ValueError, match="disagrees"):
         PagedRunner(gqa, 16, 4)
+
+
+def test_a_sequence_collected_while_the_runner_holds_its_lock_frees_its_blocks_later(gqa):
+    """The garbage collector may finalize a forgotten sequence inside any locked section (the event loop's
+    open, the model thread's pass): its blocks are queued, not freed under the lock, which would deadlock."""
+    import gc
+
+    r = PagedRunner(gqa, 16, 4)
+    seq = r.new_sequence(ids_of(10, seed=9))
+    r.forward([seq])
+    assert r.pool.num_used == 3
+    with r._lock:  # as if a pass held it
+        del seq
+        gc.collect()
+        assert r.pool.num_used == 3  # queued
+    assert r.blocks is not None and r.blocks.free_blocks() == 16 and r.pool.num_used == 0
+
+
+def test_a_turn_diverging_inside_a_shared_block_copies_its_kept_part_instead_of_recomputing_it(gqa):
+    r = PagedRunner(gqa, 32, 4)
+    ids = ids_of(20, seed=11)
+    a = r.new_sequence(ids[:18])
+    r.forward([a])  # 17 positions: blocks 0-3 full (registered), block 4 partial
+    b = r.new_sequence(ids[:18])  # shares a's 4 full blocks
+    assert b.cached_ids == ids[:16] and r.pool.num_shared == 4
+    # b's next turn keeps 10 tokens: position 10 lies in shared, registered block 2, whose first two positions
+    # it keeps. A private copy of that block takes its place: 10 positions stay cached, not 8.
+    b.reset_tokens(ids[:10] + [5, 6, 7])
+    assert r.step([], prefill=[PrefillChunk(b)]).prefill_reused == [10]
+    got = r.forward([b], [[8, 9]])[0]
+    close_logits(got, full_logits(gqa, ids[:10] + [5, 6, 7, 8, 9], 3))
+    assert r.pool.num_shared == 2  # blocks 0-1 still shared; a keeps blocks 2-4 to itself
+    close_logits(r.forward([a], [ids[18:20]])[0], full_logits(gqa, ids[:20], 3))  # a's KV untouched
