@@ -400,6 +400,8 @@ class Scheduler:
         newest) until `need` blocks are free; returns the blocks free then."""
         blocks = self.blocks
         assert blocks is not None
+        if need > free and self.reclaim is not None:  # idle sessions' blocks first
+            free += self.reclaim(need - free)
         while need > free:
             # Anyone newer holding blocks, a session being recomputed too (it starts over).
             victims = [v for v in self.running() if id(v) not in taken and blocks.held(v.seq)]

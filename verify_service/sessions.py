@@ -123,6 +123,9 @@ class SessionStore:
         return sum(s.busy for s in self._sessions.values())
 
     def kv_bytes(self) -> int:
+        blocks, pool = self.runner.blocks, self.account.pool_bytes
+        if blocks is not None and pool is not None:  # blocks in use, a shared one once
+            return pool * (blocks.num_blocks - blocks.free_blocks()) // blocks.num_blocks
         return sum(self.account.held(s.seq) for s in self._sessions.values())
 
     def peek(self, session_id: str) -> Session | None:
