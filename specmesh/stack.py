@@ -586,6 +586,9 @@ def _service_record(s: Service, base: str) -> dict:
         "address": s.address,
         "pid": s.proc.pid,
         "metrics_url": f"{base}/metrics" if s.role == "gateway" else metrics,
+        # The verify service's KV layout, as it logged it at start ("KV: N blocks of 16 tokens = T tokens;
+        # max_model_len L"), for the banner.
+        "kv": next((m.group(0) for line in s.lines if (m := re.search(r"KV: .*max_model_len \d+", line))), None),
     }
 
 
@@ -603,6 +606,8 @@ def banner(record: dict, answer: dict | None) -> str:
     for s in record["services"]:
         where = f"gRPC {s['address']}" if s["role"] != "gateway" else f"REST {base}"
         out.append(f"  {s['name']:<10} {where:<28} metrics {s['metrics_url']}  (pid {s['pid']})")
+        if s.get("kv"):
+            out.append(f"  {'':<10} {s['kv']}")
     out.append(f"metrics: {', '.join(s['name'] + ' ' + str(s['metrics_url']) for s in record['services'])}")
     out.append(
         f"try:\n  curl -s {_curl_tls(record)}{base}/v1/completions -H 'content-type: application/json' -d "

@@ -37,6 +37,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 
 from gateway.core import Chunk, GenRequest, Outcome, TextStream, shown
 from gateway.openai import sse
+from gateway.openai.models import model_limits
 from gateway.openai.protocol import APIError, SpecmeshStats
 from gateway.openai.serving import Front, RequestSpan
 from gateway.sglang.protocol import GenerateRequest, Item, parse_generate
@@ -374,9 +375,12 @@ def _stream(runs: list[Run], firsts: list[dict], batch: bool) -> StreamingRespon
     )
 
 
-def _model_info(front: Front) -> dict:
+def _model_info(front: Front, max_model_len: int) -> dict:
     return {
         "model_path": front.model_name,
+        # Not in SGLang's reply (its server args carry context_length): the longest prompt + output a request
+        # may span here, as /v1/models' max_model_len.
+        "max_model_len": max_model_len,
         "served_model_name": front.model_name,
         "tokenizer_path": None,
         "is_generation": True,
@@ -472,7 +476,7 @@ def router(front: Front) -> APIRouter:
     @routes.get("/get_model_info")
     @routes.get("/model_info")
     async def model_info() -> dict:
-        return _model_info(front)
+        return _model_info(front, (await model_limits(front.gateway)).max_model_len)
 
     @routes.get("/get_server_info")
     @routes.get("/server_info")

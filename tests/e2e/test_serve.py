@@ -3,6 +3,7 @@ stops cleanly; set-up mistakes end with one line and a non-zero exit, before any
 
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -112,6 +113,8 @@ def test_serve_answers_and_stops_on_sigterm():
                 assert b"specmesh_requests_total" in r.read() or s["role"] != "gateway"
         banner = "".join(serve.lines)
         assert f"REST at http://127.0.0.1:{serve.port}/v1" in banner and "metrics http://" in banner
+        # The verify service's KV: the budget in blocks, and every session the model's whole context.
+        assert re.search(r"KV: \d+ blocks of 16 tokens = \d+ tokens; max_model_len 2048", banner), banner
         serve.proc.send_signal(signal.SIGTERM)
         assert serve.proc.wait(90) == 0, "".join(serve.lines[-30:])
         assert wait_gone(pids, 10) == []

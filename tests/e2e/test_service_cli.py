@@ -144,3 +144,24 @@ def test_sigterm_drains_in_flight_work(processes):
     assert result["chunks"][-1].finished.finish_reason == common_pb2.FINISH_REASON_LENGTH
     assert sum(len(c.tokens.token_ids) for c in result["chunks"]) == 600  # the in-flight generation finished
     assert verify.wait(60) == 0
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--block-size", "24"], "--block-size: block_size must be a power of two in [1, 256], not 24"),
+        # the demo target's whole context (2,048 tokens) takes 80 MiB of KV in fp32: 10 MiB holds 256 tokens
+        (["--kv-cache-budget-mb", "10"], "fewer than one sequence of max_model_len 2048: raise --kv-cache-budget-mb"),
+    ],
+)
+def test_bad_kv_settings_are_a_clear_error_at_start_and_exit_2(args, message):
+    target = ROOT / "models" / "demo" / "target"
+    bad = subprocess.run(
+        [sys.executable, "-m", "verify_service", "--model-path", str(target), "--port", "0", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert bad.returncode == 2, bad.stderr[-2000:]
+    assert message in bad.stderr and "Traceback" not in bad.stderr

@@ -41,6 +41,8 @@ def test_sglang_frontend_runs_unchanged_against_the_gateway(side_python):
     tokenizer = demo_tokenizer()
     # The tokenizer's EOS is the model's, as in a real checkpoint: a grammar's end is that (special) token.
     target = demo_target(tokenizer, tokenizer_eos=True)
+    # The design document's program asks for ~130 + 1,024 tokens: a context as long as the demo target's.
+    target.config.max_position_embeddings = 2048
     with speculative_gateway(target, tokenizer) as gw:
         try:
             stdout, stderr = client.communicate(gw.base_url + "\n", timeout=300)
@@ -64,6 +66,13 @@ def test_sglang_frontend_runs_unchanged_against_the_gateway(side_python):
     # Streaming through text_iter: the same answer (how many pieces it comes in depends on how fast the
     # frontend's reader thread keeps up; that the events are incremental is checked in test_sglang_api).
     assert "".join(out["stream_pieces"]) == out["stream_answer"] == answer
+
+    # The design document's program: ~130 prompt tokens + up to 1,024 new ones, blocking and streaming (the
+    # model's whole context is every session's, so it is no longer refused).
+    meta = out["analysis_meta"]
+    assert out["analysis"] and meta["prompt_tokens"] > 120, meta
+    assert 0 < meta["completion_tokens"] <= 1024 and meta["finish_reason"]["type"] in ("length", "stop")
+    assert out["analysis_stream"] and "".join(out["analysis_stream_pieces"]) == out["analysis_stream"]
 
     # sgl.gen with dtype=int and with a regex: the output is in the grammar.
     assert re.fullmatch(r"[-+]?[0-9]+[ \n]*", out["number"]), out["number"]

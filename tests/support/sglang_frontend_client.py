@@ -19,6 +19,27 @@ def chat(s, question):
 
 
 @sgl.function
+def analysis(s, question):
+    # The design document's program: a long answer (up to 1,024 tokens) to a prompt of ~130 tokens, which
+    # needs a context longer than a KV slot per session ever gave.
+    s += sgl.user(question)
+    s += sgl.assistant(sgl.gen("analysis", max_tokens=1024, temperature=0.1))
+
+
+ANALYSIS_QUESTION = (
+    "Analyse the following Python function step by step. Explain what it computes, what its time and memory "
+    "costs are, which inputs make it fail, and how you would rewrite it to be faster and clearer:\n\n"
+    "def pairs(xs, target):\n"
+    "    out = []\n"
+    "    for i in range(len(xs)):\n"
+    "        for j in range(len(xs)):\n"
+    "            if i != j and xs[i] + xs[j] == target and (xs[j], xs[i]) not in out:\n"
+    "                out.append((xs[i], xs[j]))\n"
+    "    return sorted(out)\n"
+)
+
+
+@sgl.function
 def constrained(s):
     s += "x = " + sgl.gen("number", dtype=int, max_tokens=6, temperature=0)
     s += "\nok = " + sgl.gen("flag", regex="(yes|no)", max_tokens=4, temperature=0)
@@ -42,6 +63,13 @@ def main(url: str) -> None:
     streamed = chat.run(question="Write a function that adds two numbers.", stream=True)
     out["stream_pieces"] = list(streamed.text_iter("answer"))
     out["stream_answer"] = streamed["answer"]
+
+    state = analysis.run(question=ANALYSIS_QUESTION)
+    out["analysis"] = state["analysis"]
+    out["analysis_meta"] = state.get_meta_info("analysis")
+    streamed = analysis.run(question=ANALYSIS_QUESTION, stream=True)
+    out["analysis_stream_pieces"] = list(streamed.text_iter("analysis"))
+    out["analysis_stream"] = streamed["analysis"]
 
     state = constrained.run()
     out["number"], out["flag"] = state["number"], state["flag"]
