@@ -1,0 +1,47 @@
+"""KV by blocks through the real services: a verify service whose block pool holds a few of 32 concurrent
+streams preempts and recomputes, and every REST client still gets the target's own greedy output, with no
+failed request; the preemptions are counted where vLLM counts them."""
+
+import re
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+from tests.support.models import noisy_copy
+from tests.support.services import GatewayServer, start_draft, start_verify
+
+BPT = 512  # KV bytes per token of the suite's tiny target: 2 layers x 2 KV heads x 16 dims x (K, V) x fp32
+
+
+def test_32_streams_through_a_pool_for_a_few_all_succeed_with_the_targets_output(target, tokenizer, greedy):
+    # 24 blocks of 16 tokens = 384 tokens for 32 streams of 70 to 110 tokens: a few fit at once
+    verify = start_verify(
+        target, tokenizer, kv_cache_budget_mb=24 * 16 * BPT / 2**20, max_model_len=160, metrics_port=0
+    )
+    draft = start_draft(noisy_copy(target, 0.03), verify.address)
+    gw = GatewayServer([verify.address], [draft.address], tokenizer)
+    prompts = [f"def f{i}(x):\n" + "    y = x + 1\n" * (1 + i % 6) for i in range(32)]
+    try:
+        client = gw.openai(timeout=240)
+
+        def one(prompt: str) -> str:
+            reply = client.completions.create(
+                model="demo", prompt=prompt, max_tokens=40, temperature=0, extra_body={"ignore_eos": True}
+            )
+            return reply.choices[0].text
+
+        with ThreadPoolExecutor(32) as pool:
+            texts = list(pool.map(one, prompts))  # a failed request raises here
+        for prompt, text in zip(prompts, texts, strict=True):
+            ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+            assert text == greedy(ids, 40, ignore_eos=True).text, prompt
+        engine = verify.server.engine
+        assert engine.scheduler.stats.preemptions > 0
+        with urllib.request.urlopen(f"http://127.0.0.1:{verify.server.metrics_port}/metrics", timeout=10) as r:
+            page = r.read().decode()
+        counted = re.search(r"^vllm:num_preemptions_total\{[^}]*\} (\S+)$", page, re.M)
+        assert counted is not None and float(counted.group(1)) == engine.scheduler.stats.preemptions
+        assert engine.runner.pool.num_used == 0  # every block came back
+    finally:
+        gw.stop()
+        draft.stop()
+        verify.stop()
