@@ -10,23 +10,16 @@ import pytest
 import torch
 
 from specmesh.domain import DraftBlock, Finished, Opened, Tokens
-from specmesh.sampling import SamplingParams
+from tests.support.engines import BLOCK, greedy, make_engine, run
 from tests.support.models import tiny_model
-from verify_service.engine import END_OF_STREAM, BlockIn, VerifyConfig, VerifyEngine
+from verify_service.engine import END_OF_STREAM, BlockIn, VerifyEngine
 
 VOCAB = 128
-BPT = 512  # KV bytes per token of tiny_model: 2 layers x 2 KV heads x 16 dims x (K, V) x fp32
-BLOCK = 16
-MiB = 2**20
 
 
 @pytest.fixture(scope="module")
 def model():
     return tiny_model("llama", vocab=VOCAB, seed=5)
-
-
-def greedy(n: int) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
 
 
 def reference(model, prompt: list[int], n: int) -> list[int]:
@@ -38,25 +31,6 @@ def reference(model, prompt: list[int], n: int) -> list[int]:
             out.append(int(step.logits[0, -1].argmax()))
             step = model(input_ids=torch.tensor([out[-1:]]), past_key_values=step.past_key_values, use_cache=True)
     return out
-
-
-def make_engine(model, blocks: int | None = None, **kw) -> VerifyEngine:
-    kw.setdefault("batch_wait_ms", 0)
-    if blocks is not None:
-        kw["kv_cache_budget_mb"] = blocks * BLOCK * BPT / MiB
-    return VerifyEngine(VerifyConfig(model_path="(in-memory)", **kw), model)
-
-
-def run(engine: VerifyEngine, body):
-    async def main():
-        await engine.start()
-        try:
-            async with asyncio.timeout(120):  # a stalled batch fails the test instead of hanging it
-                return await body(engine)
-        finally:
-            await engine.close()
-
-    return asyncio.run(main())
 
 
 async def generate(engine: VerifyEngine, prompt: list[int], n: int, session_id: str = "", scope: str = ""):

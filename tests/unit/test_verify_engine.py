@@ -13,23 +13,17 @@ from specmesh.errors import InvalidArgument, NotFound, ResourceExhausted
 from specmesh.runtime.batched import BatchedRunner
 from specmesh.runtime.hf import ModelRunner
 from specmesh.runtime.paged import PagedRunner
-from specmesh.sampling import SamplingParams
+from tests.support.engines import BPT, MiB, greedy, make_engine, run
 from tests.support.models import tiny_model
 from verify_service.engine import END_OF_STREAM, BlockIn, VerifyConfig, VerifyEngine
 from verify_service.runner import BlockPlan, BudgetError, SlotPlan, build_runner, plan_blocks, plan_slots
 
 VOCAB = 128
-BPT = 512  # KV bytes per token of tiny_model: 2 layers x 2 KV heads x 16 dims x (K, V) x fp32
-MiB = 2**20
 
 
 @pytest.fixture(scope="module")
 def model():
     return tiny_model("llama", vocab=VOCAB, seed=5)
-
-
-def greedy(n: int) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
 
 
 def reference(model, prompt: list[int], n: int) -> list[int]:
@@ -38,23 +32,6 @@ def reference(model, prompt: list[int], n: int) -> list[int]:
         for _ in range(n):
             ids.append(int(model(input_ids=torch.tensor([ids])).logits[0, -1].argmax()))
     return ids[len(prompt) :]
-
-
-def make_engine(model, **kw) -> VerifyEngine:
-    kw.setdefault("batch_wait_ms", 0)
-    kw.setdefault("kv_cache_prefault", False)
-    return VerifyEngine(VerifyConfig(model_path="(in-memory)", **kw), model)
-
-
-def run(engine: VerifyEngine, body):
-    async def main():
-        await engine.start()
-        try:
-            return await body(engine)
-        finally:
-            await engine.close()
-
-    return asyncio.run(main())
 
 
 # sizing and choice -----------------------------------------------------------------------------------
