@@ -48,7 +48,6 @@ import asyncio
 import atexit
 import json
 import os
-import platform
 import signal
 import subprocess
 import sys
@@ -60,7 +59,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from bench.output import write_json
+from bench.output import machine, write_json
 from bench.plots import concurrency_axis, pyplot, save
 from specmesh.placement import add_thread_flags, cores, pipeline_pays, service_threads, speculation_batch_limit
 from specmesh.stack import free_port, start, wait_healthy
@@ -926,9 +925,6 @@ def main(argv=None) -> dict:
         lv["spec_vs_hf_assisted"] = round(s / peer, 3) if s and peer else None
         lv["target_only_vs_hf_assisted"] = round(t / peer, 3) if t and peer else None
 
-    import torch
-    import transformers
-
     notes = [
         "aggregate tokens/s = completion tokens of the level / wall time of the level (closed loop)",
         "ITL = gaps between streamed text chunks (vLLM's definition); a speculative chunk can carry several "
@@ -944,18 +940,7 @@ def main(argv=None) -> dict:
         "bench": "load",
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "git": git_info(),
-        "machine": {
-            "cores": cores(),
-            "cpu_count": os.cpu_count(),
-            "processor": platform.processor() or platform.machine(),
-            "platform": platform.platform(),
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            "transformers": transformers.__version__,
-            "device": args.device,
-            "gpu": torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else None,
-            "loadavg_1m_start_end": [round(load_start[0], 2), round(os.getloadavg()[0], 2)],
-        },
+        "machine": machine(args.device, load_start, cores()),
         "settings": {
             "target": str(args.target),
             "draft": str(args.draft),

@@ -30,7 +30,6 @@ import argparse
 import asyncio
 import atexit
 import os
-import platform
 import signal
 import sys
 import threading
@@ -42,7 +41,7 @@ from pathlib import Path
 import numpy as np
 
 from bench.load import MODEL_NAME, Stack, git_info
-from bench.output import write_json
+from bench.output import machine, write_json
 from bench.plots import pyplot, save
 from specmesh.placement import add_thread_flags, cores, service_threads, speculation_batch_limit
 from specmesh.profile.collect import Sample, diff, parse_metrics, total
@@ -375,24 +374,11 @@ def main(argv=None) -> dict:
     finally:
         stack.close()
 
-    import torch
-    import transformers
-
     results = {
         "bench": "prefix_share",
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "git": git_info(),
-        "machine": {
-            "cores": cores(),
-            "processor": platform.processor() or platform.machine(),
-            "platform": platform.platform(),
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            "transformers": transformers.__version__,
-            "device": args.device,
-            "gpu": torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else None,
-            "loadavg_1m_start_end": [round(load_start[0], 2), round(os.getloadavg()[0], 2)],
-        },
+        "machine": machine(args.device, load_start, cores()),
         "settings": {
             "target": str(args.target),
             "draft": None if args.target_only else str(args.draft),
