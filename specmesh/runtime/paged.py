@@ -12,9 +12,11 @@ computed once and shared (prefix caching, scoped by tenant).
   kernel, which also returns each row's log-sum-exp, and the runs are merged:
   lse = logaddexp over the pieces, out = sum of out_r * exp(lse_r - lse). The pieces are the runs covering
   the cached prefix (visible to every new query, no mask) and the new tokens' own keys straight from the
-  batch (causal among themselves), so the new tokens may span runs. Where that kernel is not available (CUDA)
-  the sequence's keys and values are gathered through `index_select` on its slots: correct, not fast (a
-  block-table attention kernel is later work).
+  batch (causal among themselves), so the new tokens may span runs.
+* On CUDA every sequence of the batch attends through the block-table Triton kernel
+  (`specmesh.runtime.block_attention`): one launch per layer, the KV read where it lies, whatever the runs.
+  Without it (`block_kernel=False`, or `attention_backend="math"`) a multi-run sequence's keys and values are
+  gathered through `index_select` on its slots: correct, not fast.
 * A step: per sequence, sync (keep the longest valid prefix; the table is truncated to it, and a kept
   partial block that is shared or registered is given back, so the cached prefix may shrink to a block
   boundary), reserve blocks for everything fed (OutOfBlocks, a ResourceExhausted, is raised before anything
@@ -33,6 +35,8 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import logging
+import os
 import threading
 import weakref
 from collections.abc import Iterator, Sequence
@@ -44,6 +48,7 @@ from transformers import PreTrainedModel
 
 from specmesh.errors import InvalidArgument
 from specmesh.runtime import PrefillChunk, StepResult
+from specmesh.runtime import block_attention as kernel
 from specmesh.runtime.attention import check_attention_backend, sdpa_context
 from specmesh.runtime.batched import (
     BatchedRunner,
@@ -57,6 +62,7 @@ from specmesh.runtime.batched import (
 from specmesh.runtime.blocks import BlockManager, BlockPool, BlockTable, OutOfBlocks
 from specmesh.runtime.static import TrackedSequence, logits_agree
 
+log = logging.getLogger(__name__)
 _flash_lse = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 GATHER_MAX_TOKENS = 256  # see PagedRunner.gather_max_tokens
 
@@ -105,7 +111,7 @@ class _BlockAttention:
     """The block arena's KV write and attention (see the module docstring). slots: [T] the physical slot of
     each new token."""
 
-    __slots__ = ("g", "k_pool", "nkv", "segments", "slots", "v_pool")
+    __slots__ = ("block_size", "g", "k_pool", "nkv", "plan", "segments", "slots", "v_pool")
 
     def __init__(
         self,
@@ -114,9 +120,12 @@ class _BlockAttention:
         v_pool: list[torch.Tensor],
         slots: torch.Tensor,
         segments: list[_Segment],
+        plan: tuple[torch.Tensor, torch.Tensor] | None = None,
+        block_size: int = 0,
     ):
         self.k_pool, self.v_pool, self.slots, self.segments = k_pool, v_pool, slots, segments
         self.nkv, self.g = dec.n_kv, dec.group
+        self.plan, self.block_size = plan, block_size  # the kernel's (block tables, programs), if it runs
 
     def __call__(
         self, layer: int, k: torch.Tensor, v: torch.Tensor, q: torch.Tensor, attn: torch.Tensor, scale: float
@@ -126,6 +135,9 @@ class _BlockAttention:
         # Every new key/value of the batch at its physical slot: one index_put per tensor.
         k_layer[:, self.slots] = k.transpose(0, 1)
         v_layer[:, self.slots] = v.transpose(0, 1)
+        if self.plan is not None:
+            kernel.block_attention(attn, q, k_layer, v_layer, *self.plan, self.block_size, scale)
+            return
         for seg in self.segments:
             n, off = seg.n, seg.off
             qs = fold_queries(q[off : off + n], nkv, g)
@@ -188,6 +200,7 @@ class PagedRunner(_RaggedRunner):
         packed: bool | None = None,
         prefault: bool = False,
         attention_backend: str = "auto",
+        block_kernel: bool | None = None,
     ):
         if not self.supports(model):
             raise ValueError(f"PagedRunner has no decoder for {type(model).__name__} with this config; use ModelRunner")
@@ -205,12 +218,23 @@ class PagedRunner(_RaggedRunner):
         # small ops per run and layer, a gather a copy of the context (on the demo target, 2 threads: gather
         # ahead at 200 tokens, even at ~400, the merge ahead at 900).
         self.gather_max_tokens = GATHER_MAX_TOKENS
+        # The block-table kernel: by default wherever Triton compiles (CUDA); elsewhere only when asked (tests,
+        # under TRITON_INTERPRET=1). "math" keeps the reference SDPA kernel everywhere.
+        if block_kernel is None:
+            block_kernel = self.device.type == "cuda" and attention_backend != "math"
+        self.block_kernel = bool(block_kernel)
+        if self.block_kernel and self.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError(f"block_kernel: Triton runs on CUDA, or on {self.device.type} under TRITON_INTERPRET=1")
         self._lock = threading.Lock()  # tables are opened/freed on the event loop, used on the model thread
         self._orphans: collections.deque[BlockTable] = collections.deque()  # given back, not yet freed
         self.prefix_cache_hit_tokens = 0  # prompt tokens whose KV new_sequence found in the block cache
         self._alloc(BlockPool(num_blocks, block_size))
         self.blocks = PagedBlocks(self)
         self.block_bytes = 2 * self.num_layers * self._dec.n_kv * block_size * self._dec.head_dim * self._elem
+        if check and self.block_kernel and not self._matches_hf():
+            # Never serve a kernel that disagrees with the model: the SDPA path is slower, not wrong.
+            log.warning("the block-table attention kernel disagrees with the HF forward here; attending by SDPA")
+            self.block_kernel = False
         if check and not self._matches_hf():
             raise ValueError(
                 f"PagedRunner's decoder disagrees with the HF forward for {type(model).__name__}; use ModelRunner"
@@ -390,13 +414,27 @@ class PagedRunner(_RaggedRunner):
             flat_slot += w.seq.table.slots(w.start, w.start + len(w.feed))
         dev = self.device
         slots = torch.tensor(flat_slot, dtype=torch.long, device=dev)  # [T]
-        segments = self._segments(work)
         dec = self._dec
+        if self.block_kernel:
+            segments: list[_Segment] = []
+            plan: tuple[torch.Tensor, torch.Tensor] | None = self._kernel_plan(work)
+        else:
+            segments, plan = self._segments(work), None
         dec.refresh_if_stale()
         with sdpa_context(self.attention_backend, dev):
-            kv = _BlockAttention(dec, self._k, self._v, slots, segments)
+            kv = _BlockAttention(dec, self._k, self._v, slots, segments, plan, self.pool.block_size)
             out = dec.ragged(kv, ids, pos, rows)
         return self._logits(out, work)
+
+    def _kernel_plan(self, work: list[_Work]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The block-table kernel's inputs for this forward, built once for every layer: the sequences'
+        block tables and the programs (`block_attention.plan`)."""
+        spans, off = [], 0
+        for w in work:
+            spans.append((off, len(w.feed), w.start))
+            off += len(w.feed)
+        tables = kernel.block_tables([w.seq.table.blocks for w in work], self.device)
+        return tables, kernel.plan(spans, self._dec.group, self.device)
 
     def _segments(self, work: list[_Work]) -> list[_Segment]:
         """How each sequence attends: over one view, run by run, or gathered (see the module docstring)."""

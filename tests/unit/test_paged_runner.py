@@ -37,13 +37,24 @@ def ids_of(n: int, seed: int = 0, vocab: int = 127) -> list[int]:
     return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-@pytest.mark.parametrize("merge_runs", [True, False])
-def test_prefill_chunks_drafts_and_rollbacks_match_hf(model, merge_runs):
-    """Chunked prefill, decode blocks with drafts, a rollback inside a block and one across a block
-    boundary: every row as the HF forward over the whole sequence (GQA and not; runs merged or gathered)."""
-    r = PagedRunner(model, 32, 4)
-    r.merge_runs = merge_runs and r.merge_runs
+# How a sequence of several runs attends: runs merged by log-sum-exp (CPU), gathered, or the block-table
+# Triton kernel (CUDA's path; here in the interpreter, which the suite's plugin turns on).
+ATTEND = ["merge", "gather", "kernel"]
+
+
+def attending(r: PagedRunner, attend: str) -> PagedRunner:
+    r.merge_runs = attend == "merge" and r.merge_runs
     r.gather_max_tokens = 0  # short sequences: merge wherever the runs allow
+    return r
+
+
+@pytest.mark.parametrize("attend", ATTEND)
+def test_prefill_chunks_drafts_and_rollbacks_match_hf(model, attend):
+    """Chunked prefill, decode blocks with drafts, a rollback inside a block and one across a block
+    boundary: every row as the HF forward over the whole sequence (GQA and not; runs merged, gathered or
+    through the kernel)."""
+    r = attending(PagedRunner(model, 32, 4, block_kernel=attend == "kernel"), attend)
+    assert r.block_kernel == (attend == "kernel")  # the probe passed with it
     ids = ids_of(40, seed=1)
     seq = r.new_sequence(ids[:11])
     assert r.prefill(seq, max_tokens=3) == 7 and r.prefill(seq, max_tokens=4) == 3 and r.prefill(seq) == 0
@@ -118,13 +129,11 @@ def squat(r: PagedRunner, seq) -> list[int]:
     return r.pool.allocate(1, after=seq.table.blocks[-1])
 
 
-@pytest.mark.parametrize("merge_runs", [True, False])
-def test_fragmented_sequence_equals_one_run(model, merge_runs):
+@pytest.mark.parametrize("attend", ATTEND)
+def test_fragmented_sequence_equals_one_run(model, attend):
     ids = ids_of(30, seed=7)
     one = PagedRunner(model, 64, 2, check=False)
-    frag = PagedRunner(model, 64, 2, check=False)
-    frag.merge_runs = merge_runs and frag.merge_runs
-    frag.gather_max_tokens = 0
+    frag = attending(PagedRunner(model, 64, 2, check=False, block_kernel=attend == "kernel"), attend)
     a, b = one.new_sequence(ids[:3]), frag.new_sequence(ids[:3])
     for step in range(8):
         if b.table.blocks and step % 2 == 0:
@@ -217,6 +226,24 @@ def test_probe_refuses_a_decoder_that_disagrees(gqa, monkeypatch):
     monkeypatch.setattr(paged._BlockAttention, "_runs", lambda self, seg, qs, *a: torch.zeros_like(qs))
     with pytest.raises(ValueError, match="disagrees"):
         PagedRunner(gqa, 16, 4)
+
+
+def test_a_kernel_that_disagrees_is_not_served(gqa, monkeypatch):
+    """A block-table kernel that disagrees with the HF forward on the probe is turned off, and the runner
+    attends by SDPA instead (slower, never wrong)."""
+    from specmesh.runtime import block_attention
+
+    monkeypatch.setattr(block_attention, "block_attention", lambda out, q, *a: out.copy_(q))
+    r = PagedRunner(gqa, 16, 4, block_kernel=True)
+    assert not r.block_kernel
+    seq = r.new_sequence(ids_of(9, seed=2))
+    close_logits(r.forward([seq])[0], full_logits(gqa, seq.token_ids, 1))
+
+
+def test_the_kernel_off_cuda_needs_the_interpreter(gqa, monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="TRITON_INTERPRET"):
+        PagedRunner(gqa, 16, 4, block_kernel=True)
 
 
 def test_a_sequence_collected_while_the_runner_holds_its_lock_frees_its_blocks_later(gqa):
