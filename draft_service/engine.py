@@ -57,6 +57,7 @@ class DraftConfig:
     host: str = flags.host_option()
     port: int = flags.grpc_port_option(50062)
     device: str | None = flags.device_option()
+    dtype: str = flags.dtype_option()
     verify_address: str = flags.option("", "default verify replica host:port (a request may name another)")
     # A caller chooses among the replicas the operator configured, never an address of its own.
     verify_allow: str = flags.option(
@@ -236,7 +237,7 @@ class DraftEngine:
         model_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="draft-model")
         model = tokenizer = None
         if config.algorithm.needs_model:
-            model, tokenizer = model_thread.submit(load_model, config.model_path, config.device).result()
+            model, tokenizer = model_thread.submit(load_model, config.model_path, config.device, config.dtype).result()
         return cls(config, model, stream_metrics, on_batch, model_thread, tokenizer)
 
     async def _on_model(self, fn, *args):

@@ -102,6 +102,12 @@ class ServePlacement:
     tp_size: int = option(1, "SGLang: tensor parallelism (only 1)", aliases=("--tp",))
     device: str | None = option(None, "torch device of the models (default: cuda when available)", type=str)
     draft_device: str | None = option(None, "torch device of the draft, if not --device", type=str)
+    dtype: str = option(
+        "auto",
+        "vLLM's --dtype for both models: auto (bfloat16 on CUDA and on CPUs with native bf16, else float32), "
+        "float32, bfloat16, float16",
+        choices=("auto", "float32", "float", "bfloat16", "float16", "half"),
+    )
 
 
 @dataclass(frozen=True)

@@ -230,6 +230,17 @@ def device_option() -> Any:
     return option(None, "torch device; default cuda when available, else cpu", type=str)
 
 
+def dtype_option() -> Any:
+    """A model service's weights and KV dtype (vLLM's --dtype and its names)."""
+    return option(
+        "auto",
+        "weights and KV cache dtype: auto = bfloat16 on CUDA and on a CPU with native bf16 (AVX-512 BF16, AMX), "
+        "else float32; float32 (float), bfloat16, float16 (half). Greedy output is the target's token for token "
+        "in float32; in 16 bits a verify and a one-token step may round near-ties apart (see the README)",
+        choices=("auto", "float32", "float", "bfloat16", "float16", "half"),
+    )
+
+
 def metrics_port_option(flag_default: int) -> Any:
     """A model service's metrics port: off for code that builds its config, `flag_default` on the command
     line (it differs per service, so that the services can share a host with their defaults)."""

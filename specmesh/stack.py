@@ -139,6 +139,7 @@ class StackPlan:
     draft_replicas: int = 1
     device: str | None = None
     draft_device: str | None = None
+    dtype: str = "auto"
     model_name: str = ""
     api_keys: str = ""  # comma-separated; given to the gateway in its environment, never on a command line
     # Each service's flags beyond what the launcher decides itself, after those (so they win).
@@ -448,7 +449,7 @@ SPECULATION_LIMIT = "--speculative-disable-by-batch-size"
 
 def verify_argv(plan: StackPlan) -> list[str]:
     """A verify replica's flags: what the launcher decides, then the stack's security, then --verify-arg's."""
-    settings = {"model_path": plan.target, **BACKEND, "device": plan.device, **_threads(plan)[0]}
+    settings = {"model_path": plan.target, **BACKEND, "device": plan.device, "dtype": plan.dtype, **_threads(plan)[0]}
     return to_argv(settings) + security_argv(plan.security, "verify") + plan.verify_args
 
 
@@ -463,6 +464,7 @@ def draft_argv(plan: StackPlan, verify: str, verifies: list[str]) -> list[str]:
         "verify_allow": tuple(verifies),
         **BACKEND,
         "device": (plan.draft_device or plan.device) if plan.draft else None,
+        "dtype": plan.dtype if plan.draft else None,
         **_threads(plan)[1],
         "speculative_disable_by_batch_size": None if _has(plan.draft_args, SPECULATION_LIMIT) else _limit(plan),
     }

@@ -65,6 +65,7 @@ class VerifyConfig:
     host: str = flags.host_option()
     port: int = flags.grpc_port_option(50061)
     device: str | None = flags.device_option()
+    dtype: str = flags.dtype_option()
     max_batch_size: int = flags.option(32, "most draft blocks (sessions) verified in one batched target forward")
     max_sessions: int = flags.option(64, "concurrent session streams and generate calls; more get RESOURCE_EXHAUSTED")
     kv_cache_budget_mb: float = flags.option(
@@ -222,7 +223,7 @@ class VerifyEngine:
     @classmethod
     def from_config(cls, config: VerifyConfig, on_batch=None) -> VerifyEngine:
         model_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
-        model, tokenizer = model_thread.submit(load_model, config.model_path, config.device).result()
+        model, tokenizer = model_thread.submit(load_model, config.model_path, config.device, config.dtype).result()
         return cls(config, model, tokenizer, on_batch, model_thread)
 
     # lifecycle ------------------------------------------------------------------------------------

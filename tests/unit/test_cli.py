@@ -87,6 +87,14 @@ def test_each_service_gets_the_settings_the_launcher_decides():
     assert not any(a.startswith("--tls") or a.startswith("--upstream") for a in verify + draft + gateway)
 
 
+def test_dtype_reaches_both_model_services_and_is_checked():
+    p = plan("--model-path", "T", "--draft-model", "D", "--dtype", "bfloat16")
+    assert values(verify_argv(p), "--dtype") == values(draft_argv(p, "v:1", ["v:1"]), "--dtype") == ["bfloat16"]
+    assert values(verify_argv(plan("--model-path", "T", "--draft-model", "D")), "--dtype") == ["auto"]
+    with pytest.raises(SystemExit):
+        plan("--model-path", "T", "--draft-model", "D", "--dtype", "int8")
+
+
 def test_api_keys_come_from_a_file_or_the_environment(tmp_path, monkeypatch):
     keys = tmp_path / "keys"
     keys.write_text("sk-one\nsk-two, sk-three\n")

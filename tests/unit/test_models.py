@@ -124,3 +124,26 @@ def test_a_forward_without_the_cache_argument_is_refused():
 
     with pytest.raises(RuntimeError, match=r"transformers >= 5\.24"):
         check_cache_argument(OldForward())
+
+
+def test_dtype_names_resolve_as_vllm_s(monkeypatch):
+    from specmesh import models
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert models.resolve_dtype("float", cpu) is torch.float32 and models.resolve_dtype("half", cpu) is torch.float16
+    assert models.resolve_dtype("bfloat16", cpu) is torch.bfloat16
+    assert models.resolve_dtype(None, cuda) is torch.bfloat16
+    monkeypatch.setattr(models, "cpu_has_native_bf16", lambda: False)
+    assert models.resolve_dtype("auto", cpu) is torch.float32
+    monkeypatch.setattr(models, "cpu_has_native_bf16", lambda: True)
+    assert models.resolve_dtype("auto", cpu) is torch.bfloat16
+    with pytest.raises(ValueError, match="--dtype must be one of"):
+        models.resolve_dtype("int8", cpu)
+
+
+def test_a_model_loads_in_the_dtype_asked():
+    from specmesh.models import load_model
+    from tests.support.models import ROOT
+
+    model, _ = load_model(ROOT / "models" / "demo" / "draft", "cpu", "bfloat16")
+    assert next(model.parameters()).dtype is torch.bfloat16
