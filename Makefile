@@ -39,7 +39,7 @@ proto: venv
 bench: venv
 	$(PY) -m bench.inprocess
 	$(PY) -m bench.services
-	$(PY) -m bench.load
+	$(PY) -m bench.load --llamacpp
 	$(PY) -m bench.prefix_share
 
 # The chaos and soak suite, kept out of `make test`: real processes on loopback, services killed, hung and

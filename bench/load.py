@@ -25,6 +25,20 @@ batch, so its aggregate tokens/s at any concurrency is its sequential rate), on 
 prompts with the same max tokens, torch threads = this machine's cores. It runs after the stack is torn
 down so the two never share the CPU.
 
+`--llamacpp` adds llama.cpp's own server as a second peer, also after the stack is torn down (and after the HF
+peer): `llama-server` built from the `llama-cpp-python` sdist's vendored llama.cpp and the demo pair converted to
+GGUF f32 on first use (bench/llamacpp.py; cached outside git). At each `--llamacpp-concurrency` level (default
+1 and 16) and slot count (`-np`, default as many as streams; `--llamacpp-parallel 4,8,16` tries several), one
+server decoding plain and one per `--llamacpp-draft-n` (default 2,4,8: `-md draft --spec-type draft-simple
+--spec-draft-n-max N`) run side by side, idle but for the one being measured, in alternating order as above;
+each gets the same prompts as token ids through its native streamed `POST /completion` (`n_predict` +
+`ignore_eos`, greedy, penalties off), the same closed loop and request counts. Reported like ours (tokens/s,
+TTFT, ITL, TPOT, CPU per 1,000 tokens), with its acceptance (per-request timings) and mean accepted length
+(verification rounds from its `/metrics`), and greedy agreement: every output's token ids against our stack's
+greedy output for that prompt (the gateway's `POST /generate`, collected before teardown; the HF target's
+greedy `generate` if the gateway has no such route). Ratios per greedy level: ours speculative / llama.cpp's
+best speculative setting, ours target-only / llama.cpp plain, ours / llama.cpp's best setting of all.
+
 Per (mode, sampling, concurrency): aggregate tokens/s (completion tokens / wall time of the level), TTFT
 p50/p99, ITL p50/p99 (gaps between streamed chunks, vLLM's definition: under speculation one chunk can carry
 several tokens, so TPOT, (end - first token) / (tokens - 1) per request, is reported too), acceptance, and
@@ -37,7 +51,8 @@ the work is scheduled). Ratios speculative / target-only and speculative / HF as
 Speculation forced on at every level (what the 16-stream analysis in the README ran):
 `--concurrency 16 --speculative-disable-by-batch-size 0 --num-speculative-tokens 4 --draft-arg=--no-adaptive`.
 
-Writes bench/results/load.json and bench/results/load.png and prints a markdown table for the README.
+Writes bench/results/load.json and bench/results/load.png (`--out` elsewhere) and prints a markdown table for the
+README.
 `--quick` is a smoke run (concurrency 1,4, four requests per level, 16 tokens, 2 HF prompts).
 """
 
@@ -223,11 +238,13 @@ def wait_draft_healthy(base: str, timeout: float = 60) -> None:
 
 def scrape(port: str | None) -> dict | None:
     """{sample name: value summed over labels} and {family name: type} from a Prometheus /metrics page."""
-    if not port:
-        return None
+    return scrape_url(f"http://127.0.0.1:{port}/metrics") if port else None
+
+
+def scrape_url(url: str) -> dict:
     from prometheus_client.parser import text_string_to_metric_families
 
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+    with urllib.request.urlopen(url, timeout=10) as r:
         text = r.read().decode()
     samples: dict[str, float] = {}
     types: dict[str, str] = {}
@@ -347,18 +364,28 @@ async def run_level(
     bar=None,
 ) -> tuple[list[dict], float]:
     """Closed loop: `concurrency` clients, each sending its next request when its last one ended."""
+
+    def send(i: int):
+        return one_request(client, prompts[i % len(prompts)], max_tokens, temperature, k, timeout)
+
+    return await closed_loop(send, n_requests, concurrency, bar)
+
+
+async def closed_loop(send, n_requests: int, concurrency: int, bar=None) -> tuple[list[dict], float]:
+    """`concurrency` workers, each awaiting `send(i)` for the next request index i when its last one ended;
+    the records in request order and the wall time."""
     results: list[dict | None] = [None] * n_requests
     indices = iter(range(n_requests))  # shared by the workers: each request is sent once
 
     async def worker():
         for i in indices:
-            results[i] = await one_request(client, prompts[i % len(prompts)], max_tokens, temperature, k, timeout)
+            results[i] = await send(i)
             if bar is not None:
                 bar.update()
 
     t0 = time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(min(concurrency, n_requests))))
-    return results, time.perf_counter() - t0
+    return [r for r in results if r is not None], time.perf_counter() - t0
 
 
 def pct_ms(values: list[float]) -> dict | None:
@@ -478,6 +505,337 @@ def hf_assisted(
 
 
 # ---------------------------------------------------------------------------------------------------------
+# the llama.cpp server peer
+
+LLAMACPP_PLAIN = "plain"
+
+
+def llamacpp_mode(draft_n: int | None) -> str:
+    return LLAMACPP_PLAIN if draft_n is None else f"draft n_max={draft_n}"
+
+
+async def llamacpp_request(http, base: str, prompt: list[int], max_tokens: int, timeout: float) -> dict:
+    """One streamed greedy completion from llama-server's native `/completion`: the prompt as token ids, exactly
+    `max_tokens` tokens (`ignore_eos`), with the ids it generated (`return_tokens`) and its timings."""
+    body = {
+        "prompt": prompt,
+        "n_predict": max_tokens,
+        "ignore_eos": True,
+        "temperature": 0.0,
+        # every penalty at its neutral value, whatever this version's defaults are
+        "repeat_penalty": 1.0,
+        "presence_penalty": 0.0,
+        "frequency_penalty": 0.0,
+        "dry_multiplier": 0.0,
+        "stream": True,
+        "return_tokens": True,
+    }
+    rec: dict = {"ttft": None, "itl": [], "e2e": None, "completion_tokens": None, "specmesh": None, "error": None}
+    rec["output_ids"], rec["cached_prompt_tokens"] = [], None
+    t0 = time.perf_counter()
+    last = None
+    try:
+        async with http.stream("POST", base + "/completion", json=body, timeout=timeout) as resp:
+            if resp.status_code != 200:
+                raise RuntimeError(f"HTTP {resp.status_code}: {(await resp.aread())[:300]!r}")
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                data = json.loads(line[6:])
+                if "error" in data:
+                    raise RuntimeError(str(data["error"])[:300])
+                now = time.perf_counter()
+                if data.get("tokens"):
+                    if last is None:
+                        rec["ttft"] = now - t0
+                    else:
+                        rec["itl"].append(now - last)
+                    last = now
+                    rec["output_ids"] += data["tokens"]
+                if data.get("stop"):
+                    rec["completion_tokens"] = data.get("tokens_predicted")
+                    timings = data.get("timings") or {}
+                    rec["cached_prompt_tokens"] = timings.get("cache_n")
+                    if "draft_n" in timings:
+                        rec["specmesh"] = {
+                            "drafted": timings["draft_n"],
+                            "accepted": timings.get("draft_n_accepted", 0),
+                        }
+        rec["e2e"] = time.perf_counter() - t0
+    except Exception as e:  # noqa: BLE001 — as one_request: recorded, the level goes on
+        rec["error"] = f"{type(e).__name__}: {e}"
+    return rec
+
+
+def metric_delta(before: dict, after: dict, suffix: str) -> float | None:
+    """The increase of the sample whose name ends with `suffix` (llama.cpp prefixes its names `llamacpp:`)."""
+    names = [n for n in after["samples"] if n.endswith(suffix)]
+    return after["samples"][names[0]] - before["samples"].get(names[0], 0.0) if names else None
+
+
+def metric_total(runs: list[tuple], suffix: str) -> int | None:
+    """metric_delta summed over passes of (records, wall, before, after, ...); None if a scrape lacks it."""
+    deltas = [metric_delta(run[2], run[3], suffix) for run in runs]
+    return None if any(d is None for d in deltas) else int(sum(d or 0 for d in deltas))
+
+
+def greedy_agreement(runs: list[list[dict]], reference: list[list[int]] | None, n_prompts: int) -> dict | None:
+    """How many outputs equal the reference greedy output of their prompt (request i of a pass used prompt
+    i % n_prompts), and how many leading tokens matched on average."""
+    if reference is None:
+        return None
+    compared = exact = 0
+    matched = []
+    for records in runs:
+        for i, rec in enumerate(records):
+            if rec["error"] is not None:
+                continue
+            out, ref = rec["output_ids"], reference[i % n_prompts]
+            n = next((j for j, (a, b) in enumerate(zip(out, ref, strict=False)) if a != b), min(len(out), len(ref)))
+            compared += 1
+            exact += out == ref
+            matched.append(n)
+    return {
+        "compared": compared,
+        "exact": exact,
+        "rate": round(exact / compared, 4) if compared else None,
+        "mean_matching_prefix_tokens": round(float(np.mean(matched)), 2) if matched else None,
+        "min_matching_prefix_tokens": min(matched) if matched else None,
+    }
+
+
+async def our_greedy_outputs(base: str, prompts: list[list[int]], max_tokens: int, timeout: float) -> list | None:
+    """Our stack's greedy output ids for every prompt (the gateway's SGLang-native `POST /generate`, which
+    answers with `output_ids`), the reference llama.cpp's outputs are checked against; None if the gateway
+    has no such route."""
+    import httpx
+
+    body = {
+        "input_ids": prompts,
+        "sampling_params": {"max_new_tokens": max_tokens, "temperature": 0, "ignore_eos": True},
+    }
+    try:
+        async with httpx.AsyncClient(timeout=timeout) as http:
+            r = await http.post(base + "/generate", json=body)
+            r.raise_for_status()
+            outs = [o["output_ids"] for o in r.json()]
+    except (httpx.HTTPError, KeyError, TypeError, ValueError) as e:
+        tqdm.write(f"no greedy reference from the gateway's /generate ({type(e).__name__}: {e}); HF generate instead")
+        return None
+    return outs if len(outs) == len(prompts) and all(len(o) == max_tokens for o in outs) else None
+
+
+def hf_greedy_outputs(target_path: Path, prompts: list[list[int]], max_tokens: int, threads: int, device: str):
+    """The HF target's greedy `generate` output ids for every prompt (the reference when the gateway gave none)."""
+    import torch
+
+    from specmesh.models import load_model
+
+    torch.set_num_threads(threads)
+    target, _ = load_model(target_path, device)
+    outs = []
+    with torch.inference_mode():
+        for p in tqdm(prompts, desc="HF greedy reference", unit="prompt", leave=False):
+            ids = torch.tensor([p], device=device)
+            kw = dict(max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False, pad_token_id=0)
+            outs.append(target.generate(ids, attention_mask=torch.ones_like(ids), **kw)[0, len(p) :].tolist())
+    return outs
+
+
+async def tokenizer_agreement(http, base: str, texts: list[str], ids: list[list[int]]) -> dict:
+    """llama.cpp's tokenization of `texts` (its `POST /tokenize`, no special tokens added) against ours (`ids`):
+    with the GGUF's pre-tokenizer right, the same ids for every text."""
+    same = 0
+    first_diff = None
+    for text, want in zip(texts, ids, strict=True):
+        r = await http.post(base + "/tokenize", json={"content": text, "add_special": False, "parse_special": False})
+        r.raise_for_status()
+        got = r.json()["tokens"]
+        same += got == want
+        if got != want and first_diff is None:
+            first_diff = {"text": text[:200], "ours": want[:40], "llama_cpp": got[:40]}
+    return {"texts": len(texts), "same_ids": same, "first_difference": first_diff}
+
+
+def measure_llamacpp(
+    args, prompts: list[list[int]], reference: list[list[int]] | None, tokenizer_texts: tuple[list, list]
+) -> dict:
+    """llama.cpp's server on the same prompts, greedy: at each concurrency and slot count (`-np`), one server
+    decoding plain and one per draft length with the draft model, all started together and measured in
+    alternating order (A B C C B A ...) as the stack's modes are. `tokenizer_texts`: texts and our token ids of
+    them, checked against llama.cpp's tokenizer once."""
+    import contextlib
+
+    import httpx
+
+    from bench import llamacpp as lc
+
+    binary = lc.ensure_server()
+    target, draft = lc.convert(args.target), lc.convert(args.draft)
+    draft_ns = args.llamacpp_draft_n
+    # each slot holds a prompt, its completion and a draft beyond it
+    ctx_per_slot = args.prompt_len + args.max_tokens + max(draft_ns, default=0) + 16
+    threads = args.llamacpp_threads or cores()
+    timeout = args.request_timeout_s
+    modes = {llamacpp_mode(n): n for n in [None, *draft_ns]}
+    groups = [(c, p) for c in args.llamacpp_concurrency for p in llamacpp_parallel(args.llamacpp_parallel, c)]
+    n_req = {c: max(args.min_requests, args.requests_factor * c) for c in args.llamacpp_concurrency}
+    levels = []
+    commands: dict[str, list[str]] = {}
+    tokenizer: dict = {}
+
+    async def group(c: int, parallel: int, bar) -> dict:
+        with contextlib.ExitStack() as servers_open:
+            servers = {}
+            for mode, n in modes.items():
+                srv = lc.LlamaServer(
+                    target,
+                    parallel,
+                    ctx_per_slot,
+                    draft if n is not None else None,
+                    n,
+                    threads=threads,
+                    binary=binary,
+                    extra=["--metrics", *args.llamacpp_arg],
+                )
+                servers[mode] = servers_open.enter_context(srv)
+                commands.setdefault(mode, srv.cmd)
+            # a connection per request: llama-server may close a kept-alive connection after a streamed response,
+            # and a request sent on it fails without reaching the server
+            limits = httpx.Limits(max_connections=c + 4, max_keepalive_connections=0)
+            async with httpx.AsyncClient(limits=limits) as http:
+
+                def sender(mode: str, max_tokens: int):
+                    base = servers[mode].base
+                    return lambda i: llamacpp_request(http, base, prompts[i % len(prompts)], max_tokens, timeout)
+
+                if not tokenizer:
+                    try:
+                        base = servers[LLAMACPP_PLAIN].base
+                        tokenizer.update(await tokenizer_agreement(http, base, *tokenizer_texts))
+                    except (httpx.HTTPError, KeyError, ValueError) as e:
+                        tokenizer["error"] = f"{type(e).__name__}: {e}"
+                for mode in modes:  # an untimed wave at this concurrency first, as for the stack
+                    await closed_loop(sender(mode, 16), c, c)
+                passes: dict[str, list] = {mode: [] for mode in modes}
+                for r in range(args.repeats):
+                    for mode in list(modes) if r % 2 == 0 else list(modes)[::-1]:
+                        bar.set_postfix_str(f"llama.cpp {mode}, concurrency {c}, -np {parallel}, pass {r + 1}")
+                        srv = servers[mode]
+                        procs = [("llama-server", srv.proc)]
+                        before, cpu_before = scrape_url(srv.base + "/metrics"), process_cpu_seconds(procs)
+                        records, wall = await closed_loop(sender(mode, args.max_tokens), n_req[c], c, bar)
+                        after, cpu_after = scrape_url(srv.base + "/metrics"), process_cpu_seconds(procs)
+                        if srv.proc.poll() is not None:
+                            raise RuntimeError(f"llama-server ({mode}) exited:\n{srv.log_tail()}")
+                        passes[mode].append((records, wall, before, after, (cpu_before, cpu_after)))
+        out = {}
+        for mode, runs in passes.items():
+            records = [rec for run in runs for rec in run[0]]
+            m = summarize(records, sum(run[1] for run in runs), args.max_tokens)
+            if m["errors"]:
+                failed = f"{m['errors']} of {m['requests']} requests failed: {m['error_examples']}"
+                tqdm.write(f"llama.cpp {mode}, concurrency {c}: {failed}")
+            m["passes"] = len(runs)
+            m["pass_tokens_per_s"] = [summarize(run[0], run[1], args.max_tokens)["tokens_per_s"] for run in runs]
+            # verification rounds from its /metrics (its per-request timings count drafted and accepted tokens only)
+            drafts = metric_total(runs, "spec_decode_num_drafts_total")
+            if modes[mode] is not None and drafts:
+                m["drafts"] = drafts
+                m["mean_accepted_length"] = round(1 + m["accepted"] / drafts, 4)
+            m["llama_decode_calls"] = metric_total(runs, "n_decode_total")
+            cached = [r["cached_prompt_tokens"] for r in records if r["cached_prompt_tokens"] is not None]
+            m["mean_cached_prompt_tokens"] = round(float(np.mean(cached)), 2) if cached else None
+            m["cpu_s_per_1k_tokens"] = cpu_per_1k_tokens([run[4] for run in runs], m["completion_tokens"])
+            m["greedy_agreement"] = greedy_agreement([run[0] for run in runs], reference, len(prompts))
+            m["draft_n_max"] = modes[mode]
+            out[mode] = m
+        return out
+
+    async def run_all() -> None:
+        total = sum(n_req[c] * args.repeats * len(modes) for c, _ in groups)
+        with tqdm(total=total, desc="llama.cpp", unit="req") as bar:
+            for c, parallel in groups:
+                levels.append({"concurrency": c, "parallel": parallel, "modes": await group(c, parallel, bar)})
+
+    asyncio.run(run_all())
+    every = [lv["modes"][m]["greedy_agreement"] for lv in levels for m in lv["modes"]]
+    every = [a for a in every if a]
+    compared = sum(a["compared"] for a in every)
+    exact = sum(a["exact"] for a in every)
+    return {
+        "llama_cpp_python_sdist": lc.version(),
+        "cmake_flags": list(lc.CMAKE_FLAGS),
+        "binary": str(binary),
+        "gguf": {"target": target.name, "draft": draft.name, "type": "f32"},
+        "commands": {mode: [Path(cmd[0]).name, *cmd[1:]] for mode, cmd in commands.items()},
+        "threads": threads,
+        "draft_n_max": draft_ns,
+        "concurrency": args.llamacpp_concurrency,
+        "requests_per_level": {str(c): n for c, n in n_req.items()},
+        "sampling": "greedy",
+        "api": "POST /completion (native), streaming, token-id prompts, n_predict + ignore_eos, return_tokens",
+        "levels": levels,
+        "best": llamacpp_best(levels),
+        "tokenizer_agreement": tokenizer,
+        "greedy_agreement": {
+            "reference": args.greedy_reference_source,
+            "compared": compared,
+            "exact": exact,
+            "rate": round(exact / compared, 4) if compared else None,
+        },
+    }
+
+
+def llamacpp_parallel(spec: list[int] | None, concurrency: int) -> list[int]:
+    """The slot counts (`-np`) tried at a concurrency: as many slots as streams unless a list is given (then
+    each listed count, capped at the concurrency: more slots than streams would idle)."""
+    return [concurrency] if not spec else sorted({min(p, concurrency) for p in spec})
+
+
+def llamacpp_best(levels: list[dict]) -> dict:
+    """Per concurrency, llama.cpp's fastest plain setting, its fastest speculative one (over draft lengths and
+    slot counts) and the fastest of all."""
+    best: dict[str, dict] = {}
+    for lv in levels:
+        b = best.setdefault(str(lv["concurrency"]), {})
+        for mode, m in lv["modes"].items():
+            entry = {
+                "tokens_per_s": m["tokens_per_s"],
+                "mode": mode,
+                "draft_n_max": m["draft_n_max"],
+                "parallel": lv["parallel"],
+            }
+            for kind in ("plain" if m["draft_n_max"] is None else "speculative", "any"):
+                if m["tokens_per_s"] and (kind not in b or m["tokens_per_s"] > b[kind]["tokens_per_s"]):
+                    b[kind] = entry
+    return best
+
+
+def vs_llamacpp(lv: dict, best: dict) -> dict | None:
+    """Our figures at a greedy level against llama.cpp's best at the same concurrency."""
+    b = best.get(str(lv["concurrency"]))
+    if lv["temperature"] != 0 or not b:
+        return None
+    s, t = lv[SPEC]["tokens_per_s"], lv[TARGET_ONLY]["tokens_per_s"]
+
+    def ratio(ours, kind):
+        theirs = (b.get(kind) or {}).get("tokens_per_s")
+        return round(ours / theirs, 3) if ours and theirs else None
+
+    return {
+        "llamacpp_plain_tokens_per_s": (b.get("plain") or {}).get("tokens_per_s"),
+        "llamacpp_speculative_tokens_per_s": (b.get("speculative") or {}).get("tokens_per_s"),
+        "llamacpp_best_tokens_per_s": (b.get("any") or {}).get("tokens_per_s"),
+        "llamacpp_best": b.get("any"),
+        "spec_vs_llamacpp_spec": ratio(s, "speculative"),
+        "target_only_vs_llamacpp_plain": ratio(t, "plain"),
+        "spec_vs_llamacpp_best": ratio(s, "any"),
+        "ours_best_vs_llamacpp_best": ratio(max(s or 0, t or 0), "any"),
+    }
+
+
+# ---------------------------------------------------------------------------------------------------------
 # report
 
 
@@ -527,7 +885,61 @@ def markdown(r: dict) -> str:
             for o in r["old_runtime"]
         )
         lines.append(f"Previous runtime (verify --runner hf), target-only greedy: {old}.")
+    if r.get("llamacpp"):
+        lines += ["", *markdown_llamacpp(r)]
     return "\n".join(lines)
+
+
+def markdown_llamacpp(r: dict) -> list[str]:
+    lc = r["llamacpp"]
+    lines = [
+        "| concurrency | llama.cpp -np | llama.cpp setting | tok/s | TTFT p50 / p99 ms | ITL p50 / p99 ms "
+        "| TPOT p50 ms | acceptance | mean accepted length | greedy = ours |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for lv in lc["levels"]:
+        for mode, m in lv["modes"].items():
+            a = m["greedy_agreement"]
+            agree = f"{a['exact']}/{a['compared']}" if a else "-"
+            lines.append(
+                f"| {lv['concurrency']} | {lv['parallel']} | {mode} | {fmt(m['tokens_per_s'], '.1f')} "
+                f"| {fmt_pair(m['ttft_ms'])} | {fmt_pair(m['itl_ms'])} | {fmt_p50(m['tpot_ms'])} "
+                f"| {fmt(m['acceptance_rate'], '.3f')} | {fmt(m['mean_accepted_length'])} "
+                f"| {agree} |"
+            )
+    lines += [
+        "",
+        "| concurrency | ours speculative tok/s | ours target-only tok/s | llama.cpp plain tok/s "
+        "| llama.cpp speculative tok/s (best) | ours spec / llama.cpp spec | ours target-only / llama.cpp plain "
+        "| ours spec / llama.cpp best |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for lv in r["levels"]:
+        v = lv.get("vs_llamacpp")
+        if not v:
+            continue
+        best_spec = lc["best"][str(lv["concurrency"])].get("speculative") or {}
+        where = f" (n_max {best_spec['draft_n_max']}, -np {best_spec['parallel']})" if best_spec else ""
+        cells = [
+            str(lv["concurrency"]),
+            fmt(lv[SPEC]["tokens_per_s"], ".1f"),
+            fmt(lv[TARGET_ONLY]["tokens_per_s"], ".1f"),
+            fmt(v["llamacpp_plain_tokens_per_s"], ".1f"),
+            fmt(v["llamacpp_speculative_tokens_per_s"], ".1f") + where,
+            fmt(v["spec_vs_llamacpp_spec"], ".2f", "x"),
+            fmt(v["target_only_vs_llamacpp_plain"], ".2f", "x"),
+            fmt(v["spec_vs_llamacpp_best"], ".2f", "x"),
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    g = lc["greedy_agreement"]
+    lines += [
+        "",
+        f"llama.cpp: llama-server from the llama-cpp-python {lc['llama_cpp_python_sdist']} sdist, GGUF f32, "
+        f"{lc['threads']} threads, greedy; greedy outputs equal to {g['reference']}: {g['exact']} of {g['compared']}; "
+        f"its tokenizer's ids equal ours on {lc['tokenizer_agreement'].get('same_ids')} of "
+        f"{lc['tokenizer_agreement'].get('texts')} prompt texts.",
+    ]
+    return lines
 
 
 def plot(r: dict, path: Path) -> None:
@@ -539,7 +951,8 @@ def plot(r: dict, path: Path) -> None:
     palette = ["#37c", "#c84", "#4a7", "#a5c"]
     for lv in r["levels"]:
         colors.setdefault(lv["sampling"], palette[len(colors) % len(palette)])
-    levels = sorted({lv["concurrency"] for lv in r["levels"]})
+    lc = r.get("llamacpp")
+    levels = sorted({lv["concurrency"] for lv in r["levels"]} | {int(c) for c in (lc or {}).get("best", {})})
     for sampling, color in colors.items():
         lvs = [lv for lv in r["levels"] if lv["sampling"] == sampling]
         n = [lv["concurrency"] for lv in lvs]
@@ -565,6 +978,21 @@ def plot(r: dict, path: Path) -> None:
                 color=color,
                 label=f"vs HF assisted, {sampling}",
             )
+    if lc:
+        n = sorted(int(c) for c in lc["best"])
+        for kind, style, label in (
+            ("plain", "x--", "llama.cpp plain"),
+            ("speculative", "*-.", "llama.cpp draft (best n_max)"),
+        ):
+            tps = [(lc["best"][str(c)].get(kind) or {}).get("tokens_per_s") or np.nan for c in n]
+            ax.plot(n, tps, style, color="#222", label=f"{label}, greedy")
+        greedy = [lv for lv in r["levels"] if lv.get("vs_llamacpp")]
+        g = [lv["concurrency"] for lv in greedy]
+        for key, style, label in (
+            ("spec_vs_llamacpp_spec", "D-", "ours spec / llama.cpp draft"),
+            ("target_only_vs_llamacpp_plain", "v--", "ours target-only / llama.cpp plain"),
+        ):
+            ax2.plot(g, [lv["vs_llamacpp"][key] or np.nan for lv in greedy], style, color="#222", label=label)
     for a in (ax, ax2):
         concurrency_axis(a, levels, "concurrent requests")
         a.grid(alpha=0.3)
@@ -576,8 +1004,9 @@ def plot(r: dict, path: Path) -> None:
     # log scale: a 2x gain and a 2x loss sit the same distance from 1
     ax2.set_yscale("log", base=2)
     ax2.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}x"))
-    ax2.set_ylabel("speculative / baseline")
-    ax2.set_title(f"speedup of speculation (target-only: {r['target_only_method']['short']})", fontsize=10)
+    ax2.set_ylabel("speculative / baseline" if not lc else "ratio")
+    title = f"speedup of speculation (target-only: {r['target_only_method']['short']})"
+    ax2.set_title(title + (", and ours / llama.cpp" if lc else ""), fontsize=10)
     ax2.legend(fontsize=7)
     save(fig, path)
 
@@ -664,6 +1093,36 @@ def parse_args(argv=None):
         default=None,
         help="torch device of both services and the HF peer (default: cuda when available, else cpu)",
     )
+    ap.add_argument(
+        "--llamacpp",
+        action="store_true",
+        help="also measure llama.cpp's llama-server (built and the checkpoints converted on first use, see "
+        "bench/llamacpp.py) on the same prompts, greedy, after the stack is torn down",
+    )
+    ap.add_argument(
+        "--llamacpp-draft-n",
+        type=parse_list(int),
+        default=[2, 4, 8],
+        help="llama.cpp draft lengths (--spec-draft-n-max), one speculative server each beside the plain one",
+    )
+    ap.add_argument(
+        "--llamacpp-concurrency", type=parse_list(int), default=[1, 16], help="concurrency levels of the llama.cpp peer"
+    )
+    ap.add_argument(
+        "--llamacpp-parallel",
+        type=parse_list(int),
+        default=[],
+        help="llama.cpp slot counts (-np) tried at each level, capped at its concurrency (default: as many slots as "
+        "streams)",
+    )
+    ap.add_argument("--llamacpp-threads", type=int, default=0, help="llama-server -t / -tb (0 = this machine's cores)")
+    ap.add_argument(
+        "--llamacpp-arg",
+        action="append",
+        default=[],
+        metavar="FLAG",
+        help="an extra llama-server flag (repeatable), e.g. --llamacpp-arg=--no-cache-prompt",
+    )
     quick_help = "smoke run: concurrency 1,4, four requests per level, 16 tokens, 2 HF prompts"
     ap.add_argument("--quick", action="store_true", help=quick_help)
     ap.add_argument("--out", type=Path, default=RESULTS / "load.json", help="JSON results (the PNG goes beside it)")
@@ -673,6 +1132,10 @@ def parse_args(argv=None):
         args.max_tokens, args.hf_prompts, args.old_runtime = 16, 2, []
     if args.repeats < 1:
         ap.error("--repeats must be >= 1")
+    if args.llamacpp and (not args.llamacpp_concurrency or min(args.llamacpp_concurrency) < 1):
+        ap.error("--llamacpp-concurrency needs levels >= 1")
+    if any(n < 1 for n in args.llamacpp_draft_n) or any(p < 1 for p in args.llamacpp_parallel):
+        ap.error("--llamacpp-draft-n and --llamacpp-parallel need values >= 1")
     if not args.concurrency or min(args.concurrency) < 1:
         ap.error("--concurrency needs levels >= 1")
     if any(not 0 <= t <= 2 for t in args.temperatures):
@@ -806,7 +1269,11 @@ async def measure(args, stack: Stack, prompts: list[list[int]]) -> dict:
                 m["cpu_s_per_1k_tokens"] = cpu_per_1k_tokens([run[4] for run in runs], m["completion_tokens"])
                 lv = levels.setdefault((t, c), {"sampling": sampling_name(t), "temperature": t, "concurrency": c})
                 lv[mode] = m
+        reference = None
+        if args.llamacpp:  # what llama.cpp's greedy outputs are checked against
+            reference = await our_greedy_outputs(main_url, prompts, args.max_tokens, timeout)
         return {
+            "greedy_reference": reference,
             "target_only_method": method,
             "speculative_k_sent": spec_k,
             "verify_batch_metric": verify_metric,
@@ -918,7 +1385,20 @@ def main(argv=None) -> dict:
             args.seed,
             args.device,
         )
+    llamacpp = None
+    if args.llamacpp:
+        reference = measured.pop("greedy_reference")
+        args.greedy_reference_source = "our stack's greedy outputs (the gateway's POST /generate)"
+        if reference is None:
+            args.greedy_reference_source = "the HF target's greedy generate"
+            reference = hf_greedy_outputs(args.target, prompts, args.max_tokens, args.hf_threads, args.device)
+        tokenizer = AutoTokenizer.from_pretrained(args.target)
+        texts = [tokenizer.decode(p) for p in prompts]
+        ids = [tokenizer.encode(t, add_special_tokens=False) for t in texts]
+        llamacpp = measure_llamacpp(args, prompts, reference, (texts, ids))
     for lv in measured["levels"]:
+        if llamacpp:
+            lv["vs_llamacpp"] = vs_llamacpp(lv, llamacpp["best"])
         s, t = lv[SPEC]["tokens_per_s"], lv[TARGET_ONLY]["tokens_per_s"]
         peer = (hf or {}).get(lv["sampling"], {}).get("tokens_per_s")
         lv["spec_vs_target_only"] = round(s / t, 3) if s and t else None
@@ -931,6 +1411,12 @@ def main(argv=None) -> dict:
         "tokens, so compare TPOT = (end - first token) / (tokens - 1) per request as well",
         "HF assisted: one request at a time, so its aggregate tokens/s is the same at every concurrency",
     ]
+    if llamacpp:
+        notes.append(
+            "llama.cpp: llama-server after the stack is torn down, greedy only, the same prompts as token ids and the "
+            "same closed loop; ratios are ours over llama.cpp's fastest setting at the same concurrency (over slot "
+            "counts, and over draft lengths for its speculative figure)"
+        )
     if measured["draft_batch_metric"] is None:
         notes.append(
             "the draft service exports no draft batch-size histogram (no batched drafting in this "
@@ -970,6 +1456,7 @@ def main(argv=None) -> dict:
         "hf_assisted": hf,
         "levels": measured["levels"],
         "old_runtime": measured.get("old_runtime"),
+        "llamacpp": llamacpp,
         "notes": notes,
         "total_seconds": round(time.perf_counter() - t_start, 1),
     }
