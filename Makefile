@@ -8,12 +8,17 @@ STAMP := $(VENV)/.specmesh-installed
 
 venv: $(STAMP)
 
+# llama-cpp-python (the gguf extra) compiles llama.cpp: only the library, for this CPU.
+LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAVA_BUILD=OFF -DLLAMA_BUILD_TOOLS=OFF \
+	-DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF
+export CMAKE_BUILD_PARALLEL_LEVEL ?= $(shell nproc)
+
 # torch is installed first and pinned: letting pip resolve it freely pulls a multi-GB CUDA build.
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --progress-bar on -q --upgrade pip
 	$(PY) -m pip install --progress-bar on torch==2.13.0
-	$(PY) -m pip install --progress-bar on -e '.[test,bench,lint]'
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(PY) -m pip install --progress-bar on -e '.[test,bench,lint,gguf]'
 	touch $(STAMP)
 
 # `specmesh serve` on the committed demo pair: REST on 127.0.0.1:8000, gRPC on 50070, until Ctrl-C.

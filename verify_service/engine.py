@@ -79,8 +79,9 @@ class VerifyConfig:
     runner: str = flags.option(
         "auto",
         "target runtime: paged = one ragged forward, the KV in blocks shared by all sessions with prefix "
-        "caching (Llama family); batched = the same forward over one KV slot per session; hf = the stock HF "
-        "forward (any causal LM); auto = paged where the model allows it, else hf",
+        "caching (Llama family); gguf = the forward on llama.cpp's CPU kernels, the KV in one pool of cells "
+        "(Llama, CPU, llama-cpp-python installed); batched = the same forward over one KV slot per session; hf = "
+        "the stock HF forward (any causal LM); auto = paged where the model allows it, else hf",
         choices=RUNNERS,
     )
     attention_backend: str = flags.attention_backend_option(ATTENTION_BACKENDS)

@@ -3,7 +3,8 @@
 `--runner auto` (the default) takes `PagedRunner` (one ragged forward, the KV in blocks of one shared pool)
 when it has a decoder for the model, and `ModelRunner` (the stock HF forward, any causal LM) otherwise;
 `paged` insists on the former, `hf` takes the latter, `batched` is the slot pool the blocks replaced (kept
-to measure against).
+to measure against). `gguf` runs the forward on llama.cpp's CPU kernels (`specmesh.runtime.gguf`, optional:
+llama-cpp-python), its KV cells planned as the block pool is.
 
 Sizing the block pool. The KV budget (`--kv-cache-budget-mb`) is cut into blocks of `--block-size` tokens
 that every session draws on as its tokens need them, so a session may reach the model's whole context
@@ -31,7 +32,7 @@ from specmesh.runtime.base import kv_bytes_per_token
 
 log = logging.getLogger("specmesh.verify")
 
-RUNNERS = ("auto", "paged", "batched", "hf")
+RUNNERS = ("auto", "paged", "gguf", "batched", "hf")
 MIN_AUTO_SLOT_TOKENS = 256
 
 
@@ -122,6 +123,12 @@ def build_runner(
         raise ValueError(f"runner must be one of {', '.join(RUNNERS)}, not {runner!r}")
     if runner == "hf":
         return registry.build_runner(model, "hf")
+    if runner == "gguf":
+        from specmesh.runtime.gguf import unsupported
+
+        why = unsupported(model)
+        if why is not None:
+            raise ValueError(f"--runner gguf cannot serve this model: {why}")
     if not registry.batched_supported(model):
         if runner != "auto":
             raise ValueError(f"--runner {runner} has no decoder for {type(model).__name__}; use auto or hf")
@@ -145,7 +152,7 @@ def build_runner(
     blocks = plan_blocks(model_len, bpt, budget_bytes, block_size, max_model_len)
     paged = registry.build_runner(
         model,
-        "paged",
+        "gguf" if runner == "gguf" else "paged",
         num_blocks=blocks.num_blocks,
         block_size=blocks.block_size,
         max_seq_len=blocks.max_model_len,

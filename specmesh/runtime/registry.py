@@ -10,6 +10,8 @@ Kinds:
 * `paged`: `PagedRunner`, `batched`'s forward with the KV in `num_blocks` blocks of `block_size` tokens
   (prefix caching by block, each sequence up to the model's context capped by `max_seq_len`); the models
   `batched` serves;
+* `gguf`: `GgufRunner`, llama.cpp's CPU kernels over one pool of `num_blocks * block_size` KV cells
+  (llama-cpp-python installed; Llama architecture, CPU);
 * `hf`: `ModelRunner`, the stock HF forward, any causal LM;
 * `auto`: `batched` where the model allows it, else `hf`.
 """
@@ -26,7 +28,7 @@ from specmesh.runtime.hf import ModelRunner
 from specmesh.runtime.paged import PagedRunner
 from specmesh.runtime.static import StaticCacheRunner
 
-KINDS = ("auto", "batched", "paged", "static", "hf")
+KINDS = ("auto", "batched", "paged", "gguf", "static", "hf")
 
 
 def batched_supported(model: PreTrainedModel) -> bool:
@@ -61,6 +63,13 @@ def build_runner(
         return PagedRunner(
             model, num_blocks, block_size, max_seq_len, prefault=prefault, attention_backend=attention_backend
         )
+    if kind == "gguf":
+        from specmesh.runtime.gguf import GgufRunner  # optional: llama-cpp-python
+
+        # Cells: the block plan's, or (a caller that sizes slots, as the draft service) a slot's worth each.
+        length = max_seq_len or int(getattr(model.config, "max_position_embeddings", 0) or 0)
+        cells = num_blocks * block_size or num_slots * length
+        return GgufRunner(model, cells, max_seq_len, block_size)
     if kind == "static":
         return StaticCacheRunner(model, attention_backend=attention_backend)
     return ModelRunner(model)

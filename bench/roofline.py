@@ -1,0 +1,263 @@
+"""Where the verify forward's time goes against what the machine allows: the memory roofline and the compute
+floor, measured here, beside the forward at decode shapes.
+
+    python -m bench.roofline [--target DIR] [--dtype float32] [--runners paged,gguf] [--streams 16] [--k 4]
+        [--context 128] [--repeats 40] [--threads N] [--out bench/results/roofline.json]
+
+Measures, in this process, with the torch threads a verify service gets:
+- the memory bandwidth: a sum over a buffer far larger than the caches (the best of several passes), GB/s;
+- the compute floor: an fp32 (or --dtype) GEMM of 1024^3, GFLOP/s;
+- each verify runner of `--runners` (`paged`: the torch default; `gguf`: llama.cpp's kernels) at two
+  shapes: one token of one sequence (a target-only decode step) and S sequences x (K + 1) tokens (a verify
+  batch), each sequence with `--context` tokens already cached; median ms over `--repeats` forwards, each
+  rolled back so every forward sees the same shape;
+- the floors of each shape: memory = (weight bytes the forward reads + the KV it reads) / bandwidth; compute
+  = (2 x matmul parameters x rows + attention FLOPs) / GEMM rate; the ratio measured / the larger floor;
+- a breakdown of each shape's time by torch's profiler: matmuls, attention, KV writes and reads, norms and
+  rotary (elementwise), everything else (the Python and dispatch between kernels shows as the gap between
+  the wall time and the operators' own time). llama.cpp's kernels are invisible to torch's profiler: there
+  the whole forward shows as the gap.
+
+Writes the JSON and a PNG beside it (measured against the floors, and the breakdown), prints a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from bench.output import machine, write_json
+from bench.plots import pyplot, save
+from specmesh.models import load_model
+from specmesh.runtime import Runner
+from specmesh.runtime.registry import build_runner
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results"
+
+CATEGORIES = {  # profiler operator name fragments -> category, first match wins
+    "matmul": ("mm", "linear", "matmul", "mkldnn", "addmm", "bmm"),
+    "attention": ("scaled_dot_product", "flash", "softmax"),
+    "kv write/read": ("index_put", "index_select", "index", "copy_", "gather"),
+    "norm, rotary, activation": ("rms", "mul", "add", "silu", "roll", "pow", "mean", "rsqrt", "neg", "cat", "div"),
+}
+
+
+def best_of(fn, n: int) -> float:
+    best = float("inf")
+    for _ in range(n):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def bandwidth_gbs(mib: int = 512, passes: int = 8) -> float:
+    """Read bandwidth: a sum over `mib` MiB of fp32 (a stream read, as a GEMV's weights are read)."""
+    buf = torch.ones(mib * 2**20 // 4)
+    buf.sum()
+    return buf.numel() * 4 / best_of(buf.sum, passes) / 1e9
+
+
+def gemm_gflops(dtype: torch.dtype, n: int = 1024, passes: int = 8) -> float:
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    a @ b
+    return 2 * n**3 / best_of(lambda: a @ b, passes) / 1e9
+
+
+def weight_bytes(runner: Runner) -> tuple[int, int]:
+    return weight_bytes_of(runner.model)
+
+
+def weight_bytes_of(model) -> tuple[int, int]:
+    """(bytes a forward reads from weights, parameters in its matmuls): every layer's matrices once (as the
+    decoder holds them, packed copies not counted twice) and the LM head; the embedding is a row lookup."""
+    seen, total, params = set(), 0, 0
+    for name, p in model.named_parameters():
+        if id(p) in seen or ("embed_tokens" in name and not model.config.tie_word_embeddings):
+            continue
+        seen.add(id(p))
+        total += p.numel() * p.element_size()
+        if p.dim() == 2:
+            params += p.numel()
+    return total, params
+
+
+def timed_forwards(runner: Runner, seqs, extra: list[list[int]], repeats: int) -> list[float]:
+    """ms per forward of `seqs` fed `extra`, each rolled back (nothing committed) so the shape repeats."""
+    out = []
+    for i in range(repeats + 3):
+        t = time.perf_counter()
+        runner.forward(seqs, extra)
+        dt = (time.perf_counter() - t) * 1e3
+        if i >= 3:
+            out.append(dt)
+    return out
+
+
+def breakdown(runner: Runner, seqs, extra: list[list[int]], n: int = 10) -> dict[str, float]:
+    """ms per forward by category (CATEGORIES), from torch's profiler's self CPU time; `other` and the gap
+    to the wall time (Python, dispatch, allocation) complete it."""
+    from torch.profiler import ProfilerActivity, profile
+
+    runner.forward(seqs, extra)
+    t = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(n):
+            runner.forward(seqs, extra)
+    wall = (time.perf_counter() - t) * 1e3 / n
+    cats = dict.fromkeys([*CATEGORIES, "other"], 0.0)
+    for ev in prof.key_averages():
+        name = ev.key.lower()
+        cat = next((c for c, keys in CATEGORIES.items() if any(k in name for k in keys)), "other")
+        cats[cat] += ev.self_cpu_time_total / 1e3 / n
+    ops = sum(cats.values())
+    cats["python and dispatch (wall - operators)"] = max(0.0, wall - ops)
+    return {k: round(v, 3) for k, v in cats.items()} | {"wall_ms_under_profiler": round(wall, 3)}
+
+
+def measure(args) -> dict:
+    load = os.getloadavg()
+    torch.set_num_threads(args.threads)
+    model, _ = load_model(args.target, "cpu", args.dtype)
+    dtype = next(model.parameters()).dtype
+    bw = bandwidth_gbs()
+    gflops = gemm_gflops(dtype)
+    ctx, streams, k = args.context, args.streams, args.k
+    cfg = model.config
+    heads = cfg.num_attention_heads
+    hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    kv_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * hd * dtype.itemsize
+    runners = {}
+    for kind in args.runners:
+        blocks = streams * (-(-(ctx + k + 2) // 16)) + 32
+        runner = build_runner(model, kind, num_blocks=blocks, block_size=16, max_seq_len=ctx + 64)
+        runners[kind] = measure_runner(args, runner, bw, gflops, kv_per_token, heads, hd)
+        del runner
+    return {
+        "bench": "roofline",
+        "target": str(args.target),
+        "dtype": str(dtype).replace("torch.", ""),
+        "threads": args.threads,
+        "context": ctx,
+        "machine": machine("cpu", load, args.threads),
+        "bandwidth_gbs": round(bw, 2),
+        "gemm_gflops": round(gflops, 1),
+        "weight_bytes": weight_bytes_of(model)[0],
+        "matmul_params": weight_bytes_of(model)[1],
+        "kv_bytes_per_token": kv_per_token,
+        "runners": runners,
+    }
+
+
+def measure_runner(args, runner: Runner, bw: float, gflops: float, kv_per_token: int, heads: int, hd: int) -> dict:
+    """One runner's two shapes against the floors."""
+    ctx, streams, k = args.context, args.streams, args.k
+    cfg = runner.model.config
+    layers = cfg.num_hidden_layers
+    vocab = runner.vocab_size
+    seqs = [runner.new_sequence([(31 * s + 7 * i) % vocab for i in range(ctx)]) for s in range(streams)]
+    for s in seqs:
+        while runner.prefill(s, max_tokens=256):
+            pass
+        runner.forward([s])  # the last prompt token: every sequence now holds ctx cached positions
+    wbytes, params = weight_bytes(runner)
+    shapes = {}
+    for name, batch, rows in (("1 x 1", seqs[:1], 1), (f"{streams} x {k + 1}", seqs, k + 1)):
+        extra = [[(5 * j + 3) % vocab for j in range(rows - 1)] for _ in batch]
+        times = timed_forwards(runner, batch, extra, args.repeats)
+        n_rows = len(batch) * rows
+        kv_read = len(batch) * (ctx + rows) * kv_per_token
+        mem_floor = (wbytes + kv_read) / (bw * 1e9) * 1e3
+        attn_flops = 4 * n_rows * (ctx + rows) * heads * hd * layers
+        compute_floor = (2 * params * n_rows + attn_flops) / (gflops * 1e9) * 1e3
+        median = statistics.median(times)
+        shapes[name] = {
+            "sequences": len(batch),
+            "rows": n_rows,
+            "ms_p50": round(median, 3),
+            "ms_min": round(min(times), 3),
+            "ms_p90": round(sorted(times)[int(0.9 * (len(times) - 1))], 3),
+            "memory_floor_ms": round(mem_floor, 3),
+            "compute_floor_ms": round(compute_floor, 3),
+            "x_floor": round(median / max(mem_floor, compute_floor), 3),
+            "x_memory_floor": round(median / mem_floor, 3),
+            "breakdown_ms": breakdown(runner, batch, extra),
+        }
+        kind = type(runner).__name__
+        print(
+            f"{kind} {name}: {median:.2f} ms (floors: memory {mem_floor:.2f}, compute {compute_floor:.2f})", flush=True
+        )
+    for s in seqs:
+        runner.free(s)
+    return shapes
+
+
+def markdown(r: dict) -> str:
+    lines = [
+        f"Memory {r['bandwidth_gbs']} GB/s, GEMM {r['gemm_gflops']} GFLOP/s ({r['dtype']}, {r['threads']} threads); "
+        f"weights {r['weight_bytes'] / 1e6:.1f} MB",
+        "",
+        "| shape | ms p50 | memory floor | compute floor | x floor | matmul | attention | KV | elementwise | other "
+        "| Python and dispatch |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for kind, name, s in ((kind, name, s) for kind, shapes in r["runners"].items() for name, s in shapes.items()):
+        b = s["breakdown_ms"]
+        lines.append(
+            f"| {kind} {name} | {s['ms_p50']:.2f} | {s['memory_floor_ms']:.2f} | {s['compute_floor_ms']:.2f} "
+            f"| {s['x_floor']:.2f}x | {b['matmul']:.2f} | {b['attention']:.2f} | {b['kv write/read']:.2f} "
+            f"| {b['norm, rotary, activation']:.2f} | {b['other']:.2f} "
+            f"| {b['python and dispatch (wall - operators)']:.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def plot(r: dict, path: Path) -> None:
+    plt = pyplot()
+    panels = [(f"{kind} {name}", s) for kind, shapes in r["runners"].items() for name, s in shapes.items()]
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 4), squeeze=False)
+    axes = axes[0]
+    for ax, (name, s) in zip(axes, panels, strict=True):
+        b = {k: v for k, v in s["breakdown_ms"].items() if k != "wall_ms_under_profiler"}
+        bottom = 0.0
+        for cat, v in b.items():
+            ax.bar(["forward"], [v], bottom=bottom, label=cat)
+            bottom += v
+        ax.bar(["memory floor"], [s["memory_floor_ms"]], color="grey")
+        ax.bar(["compute floor"], [s["compute_floor_ms"]], color="silver")
+        ax.set_title(f"{name}: {s['ms_p50']:.2f} ms = {s['x_floor']:.2f}x the floor", fontsize=8)
+        ax.set_ylabel("ms")
+    axes[0].legend(fontsize=7)
+    fig.suptitle(f"verify forward against the roofline ({r['dtype']}, {r['threads']} threads)")
+    save(fig, path)
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", type=Path, default=ROOT / "models/demo/target")
+    ap.add_argument("--dtype", default="float32", help="--dtype of the verify service (float32, bfloat16, ...)")
+    ap.add_argument(
+        "--runners", type=lambda v: v.split(","), default=["paged", "gguf"], help="verify runners (registry kinds)"
+    )
+    ap.add_argument("--streams", type=int, default=16)
+    ap.add_argument("--k", type=int, default=4, help="draft tokens per sequence of the verify batch")
+    ap.add_argument("--context", type=int, default=128, help="tokens each sequence holds before the forward")
+    ap.add_argument("--repeats", type=int, default=40)
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--out", type=Path, default=RESULTS / "roofline.json")
+    args = ap.parse_args(argv)
+    r = measure(args)
+    write_json(args.out, r)
+    plot(r, args.out.with_suffix(".png"))
+    print(markdown(r))
+    return r
+
+
+if __name__ == "__main__":
+    main()
