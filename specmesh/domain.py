@@ -41,6 +41,19 @@ class SpecStats(AcceptanceRates):
     verify_seconds: float = 0.0  # waiting for verdicts (network and queueing included)
     pipelined_used: int = 0  # blocks drafted ahead during verification and then sent
     pipelined_discarded: int = 0
+    num_spec_tokens: int = 0  # the K cap: the most draft tokens one round could hold (the largest, merged)
+    # The rounds that verified a draft block, by its length k: [k + 1] counts, j = the rounds of that length
+    # that accepted exactly j (vLLM's acceptance_histogram_by_draft_length); as many rows as lengths seen.
+    accepted_by_draft_length: dict[int, list[int]] = field(default_factory=dict)
+    # [rounds that verified a draft block] each one's draft length and accepted count, in order. None: not
+    # kept, as in totals over many generations, where they would grow without bound (see `per_generation`).
+    step_drafted: list[int] | None = None
+    step_accepted: list[int] | None = None
+
+    @classmethod
+    def per_generation(cls, num_spec_tokens: int = 0) -> SpecStats:
+        """The statistics of one generation: its rounds kept one by one too."""
+        return cls(num_spec_tokens=num_spec_tokens, step_drafted=[], step_accepted=[])
 
     def _cover(self, positions: int) -> None:
         """Make the per-position counts at least `positions` long."""
@@ -59,6 +72,11 @@ class SpecStats(AcceptanceRates):
             self.drafted_per_pos[i] += 1
         for i in range(num_accepted):
             self.accepted_per_pos[i] += 1
+        if k > 0:
+            self.accepted_by_draft_length.setdefault(k, [0] * (k + 1))[num_accepted] += 1
+            if self.step_drafted is not None and self.step_accepted is not None:
+                self.step_drafted.append(k)
+                self.step_accepted.append(num_accepted)
 
     def merge(self, other: SpecStats) -> None:
         """Add another generation's statistics (totals across requests, or across a failover)."""
@@ -78,6 +96,24 @@ class SpecStats(AcceptanceRates):
         for i, (d, a) in enumerate(zip(other.drafted_per_pos, other.accepted_per_pos, strict=False)):
             self.drafted_per_pos[i] += d
             self.accepted_per_pos[i] += a
+        self.num_spec_tokens = max(self.num_spec_tokens, other.num_spec_tokens)
+        for k, counts in other.accepted_by_draft_length.items():
+            row = self.accepted_by_draft_length.setdefault(k, [0] * (k + 1))
+            for j, c in enumerate(counts[: k + 1]):  # a peer's row longer than k + 1 would be malformed
+                row[j] += c
+        if self.step_drafted is not None and self.step_accepted is not None:
+            self.step_drafted += other.step_drafted or []
+            self.step_accepted += other.step_accepted or []
+
+    def acceptance_histogram(self) -> list[int]:
+        """[num_spec_tokens + 1] rounds that accepted exactly j draft tokens, whatever their length (vLLM's
+        acceptance_histogram; it sums to `drafts`)."""
+        cap = max([self.num_spec_tokens, *self.accepted_by_draft_length])
+        out = [0] * (cap + 1)
+        for counts in self.accepted_by_draft_length.values():
+            for j, c in enumerate(counts):
+                out[j] += c
+        return out
 
     @property
     def acceptance_per_pos(self) -> list[float]:

@@ -449,7 +449,7 @@ async def speculative_generate(
     policy = num_speculative_tokens if not isinstance(num_speculative_tokens, int) else FixedK(num_speculative_tokens)
     if drafter is None:
         policy = FixedK(0)
-    stats = SpecStats()
+    stats = SpecStats.per_generation(policy.k_max)
     logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
     ahead: DraftBlock | None = None  # the next block, drafted while the previous one was being verified
     # The first block is drafted while the verifier prefills the prompt: it depends on the prompt alone,

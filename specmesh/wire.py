@@ -28,6 +28,7 @@ from specmesh.domain import (
     Verdict,
 )
 from specmesh.errors import InvalidArgument
+from specmesh.rejection.limits import MAX_SPEC_LEN
 from specmesh.sampling import DEFAULT_MAX_TOKENS, SamplingParams, StructuredSpec
 from specmesh.v1 import common_pb2, verify_pb2
 
@@ -264,17 +265,29 @@ def verdict_from_pb(pb: verify_pb2.VerifyResponse) -> Verdict:
 
 # The SpecStats fields that travel, under the same names in the message (the pipelining counts stay with
 # the draft service that drafted ahead).
-STATS_FIELDS = ("rounds", "drafts", "drafted", "accepted", "draft_seconds", "verify_seconds")
+STATS_FIELDS = ("rounds", "drafts", "drafted", "accepted", "draft_seconds", "verify_seconds", "num_spec_tokens")
 STATS_LIST_FIELDS = ("drafted_per_pos", "accepted_per_pos")
+STATS_STEP_FIELDS = ("step_drafted", "step_accepted")  # None (not kept) travels as empty
 
 
 def stats_to_pb(stats: SpecStats) -> common_pb2.SpecStats:
-    return common_pb2.SpecStats(**{name: getattr(stats, name) for name in STATS_FIELDS + STATS_LIST_FIELDS})
+    values: dict[str, Any] = {name: getattr(stats, name) for name in STATS_FIELDS + STATS_LIST_FIELDS}
+    values.update((name, getattr(stats, name) or ()) for name in STATS_STEP_FIELDS)
+    pb = common_pb2.SpecStats(**values)
+    for k, counts in stats.accepted_by_draft_length.items():
+        pb.accepted_by_draft_length[k].rounds.extend(counts)
+    return pb
 
 
 def stats_from_pb(pb: common_pb2.SpecStats) -> SpecStats:
     values: dict[str, Any] = {name: getattr(pb, name) for name in STATS_FIELDS}
     values.update((name, list(getattr(pb, name))) for name in STATS_LIST_FIELDS)
+    # Kept one by one only when they came: an empty list and "not kept" read alike off the wire.
+    values.update((name, list(getattr(pb, name)) or None) for name in STATS_STEP_FIELDS)
+    # No draft length beyond what any verifier takes: a peer's larger one would size histograms by it.
+    values["num_spec_tokens"] = min(pb.num_spec_tokens, MAX_SPEC_LEN)
+    rows = pb.accepted_by_draft_length.items()
+    values["accepted_by_draft_length"] = {k: list(c.rounds) for k, c in rows if 0 < k <= MAX_SPEC_LEN}
     return SpecStats(**values)
 
 

@@ -102,7 +102,14 @@ class TokenLogprob(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class SpecStats(_message.Message):
-    __slots__ = ("rounds", "drafted", "accepted", "drafted_per_pos", "accepted_per_pos", "draft_seconds", "verify_seconds", "drafts")
+    __slots__ = ("rounds", "drafted", "accepted", "drafted_per_pos", "accepted_per_pos", "draft_seconds", "verify_seconds", "drafts", "num_spec_tokens", "accepted_by_draft_length", "step_drafted", "step_accepted")
+    class AcceptedByDraftLengthEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: AcceptanceCounts
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[_Union[AcceptanceCounts, _Mapping]] = ...) -> None: ...
     ROUNDS_FIELD_NUMBER: _ClassVar[int]
     DRAFTED_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
@@ -111,6 +118,10 @@ class SpecStats(_message.Message):
     DRAFT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     VERIFY_SECONDS_FIELD_NUMBER: _ClassVar[int]
     DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_SPEC_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_BY_DRAFT_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    STEP_DRAFTED_FIELD_NUMBER: _ClassVar[int]
+    STEP_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     rounds: int
     drafted: int
     accepted: int
@@ -119,7 +130,17 @@ class SpecStats(_message.Message):
     draft_seconds: float
     verify_seconds: float
     drafts: int
-    def __init__(self, rounds: _Optional[int] = ..., drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., drafted_per_pos: _Optional[_Iterable[int]] = ..., accepted_per_pos: _Optional[_Iterable[int]] = ..., draft_seconds: _Optional[float] = ..., verify_seconds: _Optional[float] = ..., drafts: _Optional[int] = ...) -> None: ...
+    num_spec_tokens: int
+    accepted_by_draft_length: _containers.MessageMap[int, AcceptanceCounts]
+    step_drafted: _containers.RepeatedScalarFieldContainer[int]
+    step_accepted: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, rounds: _Optional[int] = ..., drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., drafted_per_pos: _Optional[_Iterable[int]] = ..., accepted_per_pos: _Optional[_Iterable[int]] = ..., draft_seconds: _Optional[float] = ..., verify_seconds: _Optional[float] = ..., drafts: _Optional[int] = ..., num_spec_tokens: _Optional[int] = ..., accepted_by_draft_length: _Optional[_Mapping[int, AcceptanceCounts]] = ..., step_drafted: _Optional[_Iterable[int]] = ..., step_accepted: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class AcceptanceCounts(_message.Message):
+    __slots__ = ("rounds",)
+    ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    rounds: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, rounds: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerationOpened(_message.Message):
     __slots__ = ("session_id", "prompt_tokens", "cached_prompt_tokens")

@@ -66,7 +66,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class GatewayServiceGenerateResponse(_message.Message):
-    __slots__ = ("text", "token_ids", "finish_reason", "usage", "stats", "failovers", "target_only", "logprobs", "session_id")
+    __slots__ = ("text", "token_ids", "finish_reason", "usage", "stats", "failovers", "target_only", "logprobs", "session_id", "speculative_decoding")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
@@ -76,6 +76,7 @@ class GatewayServiceGenerateResponse(_message.Message):
     TARGET_ONLY_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    SPECULATIVE_DECODING_FIELD_NUMBER: _ClassVar[int]
     text: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     finish_reason: _common_pb2.FinishReason
@@ -85,7 +86,39 @@ class GatewayServiceGenerateResponse(_message.Message):
     target_only: bool
     logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
     session_id: str
-    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., stats: _Optional[_Union[_common_pb2.SpecStats, _Mapping]] = ..., failovers: _Optional[int] = ..., target_only: _Optional[bool] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., session_id: _Optional[str] = ...) -> None: ...
+    speculative_decoding: SpeculativeDecodingMetrics
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., stats: _Optional[_Union[_common_pb2.SpecStats, _Mapping]] = ..., failovers: _Optional[int] = ..., target_only: _Optional[bool] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., session_id: _Optional[str] = ..., speculative_decoding: _Optional[_Union[SpeculativeDecodingMetrics, _Mapping]] = ...) -> None: ...
+
+class SpeculativeDecodingMetrics(_message.Message):
+    __slots__ = ("num_spec_tokens", "num_spec_steps", "num_draft_tokens", "num_accepted_draft_tokens", "mean_acceptance_length", "draft_acceptance_rate", "acceptance_histogram", "acceptance_histogram_by_draft_length", "per_step_accepted", "per_step_drafted")
+    class AcceptanceHistogramByDraftLengthEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: _common_pb2.AcceptanceCounts
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[_Union[_common_pb2.AcceptanceCounts, _Mapping]] = ...) -> None: ...
+    NUM_SPEC_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_SPEC_STEPS_FIELD_NUMBER: _ClassVar[int]
+    NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_ACCEPTED_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MEAN_ACCEPTANCE_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_ACCEPTANCE_RATE_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTANCE_HISTOGRAM_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTANCE_HISTOGRAM_BY_DRAFT_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    PER_STEP_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    PER_STEP_DRAFTED_FIELD_NUMBER: _ClassVar[int]
+    num_spec_tokens: int
+    num_spec_steps: int
+    num_draft_tokens: int
+    num_accepted_draft_tokens: int
+    mean_acceptance_length: float
+    draft_acceptance_rate: float
+    acceptance_histogram: _containers.RepeatedScalarFieldContainer[int]
+    acceptance_histogram_by_draft_length: _containers.MessageMap[int, _common_pb2.AcceptanceCounts]
+    per_step_accepted: _containers.RepeatedScalarFieldContainer[int]
+    per_step_drafted: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, num_spec_tokens: _Optional[int] = ..., num_spec_steps: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., num_accepted_draft_tokens: _Optional[int] = ..., mean_acceptance_length: _Optional[float] = ..., draft_acceptance_rate: _Optional[float] = ..., acceptance_histogram: _Optional[_Iterable[int]] = ..., acceptance_histogram_by_draft_length: _Optional[_Mapping[int, _common_pb2.AcceptanceCounts]] = ..., per_step_accepted: _Optional[_Iterable[int]] = ..., per_step_drafted: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GatewayServiceGenerateStreamResponse(_message.Message):
     __slots__ = ("delta", "finished")
@@ -99,7 +132,7 @@ class GatewayServiceGenerateStreamResponse(_message.Message):
         logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
         def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
     class Finished(_message.Message):
-        __slots__ = ("text", "token_ids", "finish_reason", "usage", "stats", "failovers", "target_only", "logprobs", "session_id")
+        __slots__ = ("text", "token_ids", "finish_reason", "usage", "stats", "failovers", "target_only", "logprobs", "session_id", "speculative_decoding")
         TEXT_FIELD_NUMBER: _ClassVar[int]
         TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
         FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
@@ -109,6 +142,7 @@ class GatewayServiceGenerateStreamResponse(_message.Message):
         TARGET_ONLY_FIELD_NUMBER: _ClassVar[int]
         LOGPROBS_FIELD_NUMBER: _ClassVar[int]
         SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+        SPECULATIVE_DECODING_FIELD_NUMBER: _ClassVar[int]
         text: str
         token_ids: _containers.RepeatedScalarFieldContainer[int]
         finish_reason: _common_pb2.FinishReason
@@ -118,7 +152,8 @@ class GatewayServiceGenerateStreamResponse(_message.Message):
         target_only: bool
         logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
         session_id: str
-        def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., stats: _Optional[_Union[_common_pb2.SpecStats, _Mapping]] = ..., failovers: _Optional[int] = ..., target_only: _Optional[bool] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., session_id: _Optional[str] = ...) -> None: ...
+        speculative_decoding: SpeculativeDecodingMetrics
+        def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., stats: _Optional[_Union[_common_pb2.SpecStats, _Mapping]] = ..., failovers: _Optional[int] = ..., target_only: _Optional[bool] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., session_id: _Optional[str] = ..., speculative_decoding: _Optional[_Union[SpeculativeDecodingMetrics, _Mapping]] = ...) -> None: ...
     DELTA_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
     delta: GatewayServiceGenerateStreamResponse.Delta
