@@ -10,6 +10,8 @@ from specmesh import config as flags
 # The tool-call parsers `gateway.openai.tools.TOOL_CALL_PARSERS` implements (a test keeps the two equal): named
 # here so that the config, which every front imports, imports none of them.
 TOOL_CALL_PARSER_NAMES = ("hermes",)
+# vLLM's --per-request-spec-decode-metrics levels: none, the summary, the summary and each step.
+SPEC_DECODE_METRICS_LEVELS = ("none", "summary", "detailed")
 
 
 @dataclass(frozen=True)
@@ -60,6 +62,13 @@ class GatewayConfig:
         8.0, "a stream has stalled after this many times its mean gap between tokens (at most --stall-timeout-s)"
     )
     tokenizer_threads: int = 2  # threads that tokenize prompts, and as many that detokenize outputs
+    per_request_spec_decode_metrics: str = flags.option(  # vLLM's flag, its levels; here summary by default
+        "summary",
+        "metrics.speculative_decoding in every answer (vLLM's per-request acceptance stats, on the last chunk "
+        "of a stream with usage; null for n > 1): none, summary, or detailed (each step's drafted and "
+        "accepted tokens too)",
+        choices=SPEC_DECODE_METRICS_LEVELS,
+    )
     tool_call_parser: str = flags.option(
         "hermes",
         "how chat finds tool calls in a reply with tool_choice auto (hermes: <tool_call>{json}</tool_call>)",

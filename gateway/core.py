@@ -121,7 +121,7 @@ class Outcome:
     prompt_tokens: int
     completion_tokens: int = 0
     cached_prompt_tokens: int = 0
-    stats: SpecStats = field(default_factory=SpecStats)
+    stats: SpecStats = field(default_factory=SpecStats.per_generation)  # its rounds one by one too
     failovers: int = 0
     stalls: int = 0  # replays after a stream made no progress (counted in failovers too)
     verify_session: str = ""  # the verify replica's name for the generation's session (its Opened chunk)
@@ -130,6 +130,30 @@ class Outcome:
     verify_replica: str = ""
     # "direct", "probe" or "draft": where the draft replicas' goodput reports sent the request (gateway.router)
     goodput_route: str = ""
+
+
+def speculative_decoding(stats: SpecStats, detailed: bool) -> dict:
+    """vLLM's per-request speculative-decoding metrics of one generation (its names and definitions): a step
+    is a round that verified a draft block, so `num_spec_steps` is our `drafts` and the mean acceptance
+    length is our mean accepted length. `detailed` adds each step's accepted and drafted tokens, when the
+    generation's statistics kept them for every step."""
+    out: dict = {
+        "num_spec_tokens": max([stats.num_spec_tokens, *stats.accepted_by_draft_length]),
+        "num_spec_steps": stats.drafts,
+        "num_draft_tokens": stats.drafted,
+        "num_accepted_draft_tokens": stats.accepted,
+        "mean_acceptance_length": stats.mean_accepted_length,
+        "draft_acceptance_rate": stats.acceptance_rate,
+        "acceptance_histogram": stats.acceptance_histogram(),
+        "acceptance_histogram_by_draft_length": {k: list(c) for k, c in sorted(stats.accepted_by_draft_length.items())},
+    }
+    if detailed:
+        drafted, accepted = stats.step_drafted or [], stats.step_accepted or []
+        # A peer that kept no steps sends none: arrays that would not add up to the steps are left out.
+        whole = len(drafted) == len(accepted) == stats.drafts
+        out["per_step_accepted"] = list(accepted) if whole else None
+        out["per_step_drafted"] = list(drafted) if whole else None
+    return out
 
 
 class Stalled(Exception):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 
-from gateway.core import Gateway, GenRequest, Outcome, shown
+from gateway.core import Gateway, GenRequest, Outcome, shown, speculative_decoding
 from gateway.tenancy import downstream_session_id, prefix_scope, tenant_of
 from specmesh import wire
 from specmesh.domain import TokenLogprob
@@ -68,9 +68,21 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             raise InvalidArgument(f"messages[{i}].role must be one of {sorted(CHAT_ROLES)}, got {message.role!r}")
         return {"role": CHAT_ROLES[message.role], "content": message.content}
 
-    @staticmethod
-    def _final(request, outcome: Outcome, finish) -> dict:
+    def _speculative_decoding(self, outcome: Outcome) -> gateway_pb2.SpeculativeDecodingMetrics | None:
+        """vLLM's per-request metrics of the generation, as the REST front's (None: not reported)."""
+        config = self.gateway.config
+        if config.per_request_spec_decode_metrics == "none" or not config.draft:
+            return None
+        spec = speculative_decoding(outcome.stats, config.per_request_spec_decode_metrics == "detailed")
+        by_length = spec.pop("acceptance_histogram_by_draft_length")
+        pb = gateway_pb2.SpeculativeDecodingMetrics(**{k: v for k, v in spec.items() if v is not None})
+        for k, counts in by_length.items():
+            pb.acceptance_histogram_by_draft_length[k].rounds.extend(counts)
+        return pb
+
+    def _final(self, request, outcome: Outcome, finish) -> dict:
         return dict(
+            speculative_decoding=self._speculative_decoding(outcome),
             session_id=request.session_id,
             finish_reason=wire.finish_to_pb(finish),
             usage=gateway_pb2.Usage(

@@ -42,6 +42,8 @@ REFUSED_ALGORITHMS = {
     "lookahead": "use --speculative-algorithm ngram (prompt lookup)",
 }
 ROLES = {"verify": "verify_service", "draft": "draft_service", "gateway": "gateway"}  # role -> its module
+# The gateway's --per-request-spec-decode-metrics levels (gateway.config's, which the core may not import).
+SPEC_DECODE_METRICS_LEVELS = ("none", "summary", "detailed")
 
 
 class UsageError(Exception):
@@ -80,6 +82,12 @@ class ServeModels:
         type=int,
     )
     speculative_eagle_topk: int | None = option(None, "SGLang's tree width: only 1 (a chain)", type=int)
+    per_request_spec_decode_metrics: str | None = option(
+        None,
+        "vLLM: metrics.speculative_decoding in every answer: none, summary (the gateway's default) or detailed",
+        type=str,
+        choices=SPEC_DECODE_METRICS_LEVELS,
+    )
     model_name: str = option("", "the model id clients send", name="--served-model-name", aliases=("--model-name",))
 
 
@@ -349,8 +357,9 @@ def _service_args(a: argparse.Namespace) -> dict[str, list[str]]:
     services' own names, then what --<role>-arg passes through (last, so it wins)."""
     log = to_argv(Logging(a.log_level, a.log_format))
     verify = {"seed": a.random_seed, "max_model_len": a.context_length}
-    gateway = {"max_concurrency": a.max_running_requests}
+    gateway: dict[str, object] = {"max_concurrency": a.max_running_requests}
     gateway["speculative_disable_by_batch_size"] = a.speculative_disable_by_batch_size
+    gateway["per_request_spec_decode_metrics"] = a.per_request_spec_decode_metrics
     return {
         "verify_args": log + to_argv(verify) + _split(a.verify_args),
         "draft_args": log + _split(a.draft_args),

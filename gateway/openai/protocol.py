@@ -587,6 +587,37 @@ class SpecmeshStats(BaseModel):
         )
 
 
+class SpeculativeDecoding(BaseModel):
+    """vLLM's per-request speculative-decoding metrics (`gateway.core.speculative_decoding`); the per-step
+    arrays only at the detailed level."""
+
+    num_spec_tokens: int
+    num_spec_steps: int
+    num_draft_tokens: int
+    num_accepted_draft_tokens: int
+    mean_acceptance_length: float
+    draft_acceptance_rate: float
+    acceptance_histogram: list[int]
+    acceptance_histogram_by_draft_length: dict[int, list[int]]  # JSON keys are strings, as vLLM's
+    per_step_accepted: list[int] | None = None
+    per_step_drafted: list[int] | None = None
+
+    @model_serializer(mode="wrap")
+    def _steps_when_kept(self, handler) -> dict:
+        out = handler(self)
+        if "per_step_accepted" not in self.model_fields_set:
+            out.pop("per_step_accepted", None)
+            out.pop("per_step_drafted", None)
+        return out
+
+
+class ResponseMetrics(BaseModel):
+    """vLLM's per-request `metrics` object: here its speculative decoding only (null for n > 1, as vLLM's, and
+    on a gateway without draft replicas)."""
+
+    speculative_decoding: SpeculativeDecoding | None
+
+
 @dataclass(frozen=True)
 class LogprobEntry:
     """One token of a choice as its log-probabilities are shown: its text, its raw log-probability (None for
@@ -702,10 +733,15 @@ class AnswerBase(BaseModel, Generic[ChoiceT]):
 
 
 class ResponseBase(AnswerBase[ChoiceT], Generic[ChoiceT]):
-    """A whole answer: its choices, then the generation's usage and speculation."""
+    """A whole answer: its choices, then the generation's usage and speculation (`metrics` left out when
+    --per-request-spec-decode-metrics is none)."""
 
     usage: Usage
     specmesh: SpecmeshStats
+    metrics: ResponseMetrics | None = None
+
+    def payload(self) -> dict:
+        return self.model_dump(exclude={"metrics"} if self.metrics is None else set())
 
 
 class StreamResponseBase(AnswerBase[ChoiceT], Generic[ChoiceT]):
@@ -713,6 +749,7 @@ class StreamResponseBase(AnswerBase[ChoiceT], Generic[ChoiceT]):
 
     usage: Usage | None = None
     specmesh: SpecmeshStats | None = None
+    metrics: ResponseMetrics | None = None
 
 
 class CompletionResponse(ResponseBase[CompletionChoice]):
@@ -732,8 +769,9 @@ class ChatCompletionStreamResponse(StreamResponseBase[ChatStreamChoice]):
 
 
 def stream_payload(chunk: StreamResponseBase[Any], include_usage: bool) -> dict:
-    """A stream chunk as its event's JSON object: `usage` only when asked for, `specmesh` only with the usage."""
-    exclude = {"specmesh"} if chunk.specmesh is None else set()
+    """A stream chunk as its event's JSON object: `usage` only when asked for, `specmesh` and `metrics` only
+    with the usage."""
+    exclude = {name for name in ("specmesh", "metrics") if getattr(chunk, name) is None}
     if not include_usage:
         exclude.add("usage")
     return chunk.model_dump(exclude=exclude)

@@ -23,7 +23,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from opentelemetry import propagate, trace
 from pydantic import BaseModel
 
-from gateway.core import Chunk, Gateway, GenRequest, Outcome, shown
+from gateway.core import Chunk, Gateway, GenRequest, Outcome, shown, speculative_decoding
 from gateway.openai import sse
 from gateway.openai.body import read_json_object
 from gateway.openai.protocol import (
@@ -32,7 +32,9 @@ from gateway.openai.protocol import (
     GenerationRequest,
     LogprobEntry,
     ResponseBase,
+    ResponseMetrics,
     SpecmeshStats,
+    SpeculativeDecoding,
     StreamResponseBase,
     Usage,
     parse_request,
@@ -187,9 +189,12 @@ async def bad_word_ids(gateway: Gateway, words: list[str]) -> tuple[tuple[int, .
 AnswerT = TypeVar("AnswerT", bound=ResponseBase[Any] | StreamResponseBase[Any])
 
 
-def _with_totals(model: type[AnswerT], head: Head, choices: list, outcome: Outcome) -> AnswerT:
+def _with_totals(
+    model: type[AnswerT], head: Head, choices: list, outcome: Outcome, metrics: ResponseMetrics | None
+) -> AnswerT:
     """A whole answer, or a stream's last chunk: the choices with the generation's usage and speculation."""
-    return model(**head._asdict(), choices=choices, usage=Usage.of(outcome), specmesh=SpecmeshStats.of(outcome))
+    usage, specmesh = Usage.of(outcome), SpecmeshStats.of(outcome)
+    return model(**head._asdict(), choices=choices, usage=usage, specmesh=specmesh, metrics=metrics)
 
 
 class RequestSpan:
@@ -303,12 +308,33 @@ async def respond(
 ) -> Response:
     """Run the n generations of every prompt (independent samples, each its own session) and answer with
     them: one JSON body, or server-sent events when `body.stream`."""
-    rid = api.id_prefix + uuid.uuid4().hex
+    generation = await begin(front, request, body, api, prompts, bad_words)
+    if isinstance(generation, Response):
+        return generation
+    if body.stream:
+        return generation.stream(Head(generation.rid, int(time.time()), front.model_name), body.include_usage)
+    return await generation.complete(request, front.model_name)
+
+
+async def begin(
+    front: Front,
+    request: Request,
+    body: GenerationRequest,
+    api: Api,
+    prompts: list[tuple[list[int], str | None]],
+    bad_words: tuple[tuple[int, ...], ...] = (),
+    rid: str | None = None,
+    span_name: str | None = None,
+) -> Generation | Response:
+    """Start the n generations of every prompt, each up to its first chunk: the Generation to answer with,
+    or the error response when one failed before any output. `rid` and `span_name`: a route's own request id
+    and span (for an answer in another shape than `api`'s, from its choices)."""
+    rid = rid or api.id_prefix + uuid.uuid4().hex
     outcome = Outcome(prompt_tokens=sum(len(ids) for ids, _ in prompts))
     telemetry.REQUEST_ID.set(rid)
     span = RequestSpan(
         front.tracer,
-        api.span_name,
+        span_name or api.span_name,
         request,
         outcome,
         {
@@ -332,10 +358,19 @@ async def respond(
         await _close(runs)
         span.end("failed")
         raise
-    generation = Generation(api, outcome, span, runs, body.n, LogprobText(front.gateway), params.logprobs is not None)
-    if body.stream:
-        return generation.stream(Head(rid, int(time.time()), front.model_name), body.include_usage)
-    return await generation.complete(request, front.model_name, rid)
+    config = front.gateway.config
+    return Generation(
+        api,
+        outcome,
+        span,
+        runs,
+        body.n,
+        LogprobText(front.gateway),
+        params.logprobs is not None,
+        rid,
+        config.per_request_spec_decode_metrics,
+        bool(config.draft),
+    )
 
 
 async def _runs(
@@ -399,15 +434,38 @@ class Generation:
     n: int
     texts: LogprobText
     logprobs: bool  # the request asked for log-probabilities
+    rid: str = ""  # the request's id
+    spec_metrics: str = "none"  # the gateway's --per-request-spec-decode-metrics
+    speculation: bool = True  # the gateway has draft replicas
 
-    def _finish_totals(self) -> None:
+    def finish_totals(self) -> None:
         total = _total(self.runs, self.n)
         for name in ("completion_tokens", "cached_prompt_tokens", "failovers", "target_only", "verify_replica"):
             setattr(self.outcome, name, getattr(total, name))
         self.outcome.stats = total.stats
 
-    async def complete(self, request: Request, model: str, rid: str) -> Response:
+    def metrics(self) -> ResponseMetrics | None:
+        """vLLM's `metrics` object of the finished request; None (left out) when the gateway reports none.
+        Its speculative decoding describes one generation: null for several choices, as vLLM's."""
+        if self.spec_metrics == "none":
+            return None
+        if len(self.runs) != 1 or not self.speculation:
+            return ResponseMetrics(speculative_decoding=None)
+        spec = speculative_decoding(self.outcome.stats, self.spec_metrics == "detailed")
+        return ResponseMetrics(speculative_decoding=SpeculativeDecoding(**spec))
+
+    async def complete(self, request: Request, model: str) -> Response:
         """The whole answer as one JSON body; 499 (and the work stopped) if the client goes away first."""
+        choices = await self.collect(request)
+        if isinstance(choices, Response):
+            return choices
+        head = Head(self.rid, int(time.time()), model)
+        answer = _with_totals(self.api.response_type, head, choices, self.outcome, self.metrics())
+        return JSONResponse(answer.payload(), headers={"x-request-id": self.rid})
+
+    async def collect(self, request: Request) -> list[BaseModel] | Response:
+        """Every choice, whole (`api.choice`), once all have finished and the totals are in; the error
+        response when one failed, 499 (and the work stopped) if the client goes away first."""
         tasks = [asyncio.ensure_future(self._collect(r)) for r in self.runs]
         try:
             while True:
@@ -426,11 +484,9 @@ class Generation:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             await _close(self.runs)
-            self._finish_totals()
+            self.finish_totals()
             self.span.end()
-        head = Head(rid, int(time.time()), model)
-        answer = _with_totals(self.api.response_type, head, list(choices), self.outcome)
-        return JSONResponse(answer.model_dump(), headers={"x-request-id": rid})
+        return list(choices)
 
     async def _collect(self, run: Run) -> BaseModel:
         pieces, finish, chunk = [run.echo], None, run.first
@@ -447,19 +503,25 @@ class Generation:
         return self.api.choice(run.index, "".join(pieces), finish, entries)
 
     def stream(self, head: Head, include_usage: bool) -> StreamingResponse:
+        return self.sse(self._payloads(head, include_usage))
+
+    def sse(self, payloads: AsyncGenerator[dict, None]) -> StreamingResponse:
+        """`payloads` as server-sent events; the generations are closed and the span ended however the stream
+        ends."""
+
         async def close() -> None:
             await _close(self.runs)  # also when the client went away: cancels the work downstream
             self.span.end()
 
-        events = sse.event_stream(self._payloads(head, include_usage), self.span.end, close)
+        events = sse.event_stream(payloads, self.span.end, close)
         return StreamingResponse(
             events,
             media_type="text/event-stream",
-            headers={"cache-control": "no-cache", "x-accel-buffering": "no", "x-request-id": head.id},
+            headers={"cache-control": "no-cache", "x-accel-buffering": "no", "x-request-id": self.rid},
         )
 
-    async def _choices(self, run: Run) -> AsyncGenerator[BaseModel, None]:
-        """The stream choices of one run, in order."""
+    async def choices(self, run: Run) -> AsyncGenerator[BaseModel, None]:
+        """The stream choices of one run, in order (`api.opening`, then `api.delta`s)."""
         for choice in self.api.opening(run.index):
             yield choice
         if run.echo or run.echo_logprobs:
@@ -482,13 +544,14 @@ class Generation:
 
     async def _payloads(self, head: Head, include_usage: bool) -> AsyncGenerator[dict, None]:
         """One choice per event; several choices' events interleave as their generations produce them."""
-        choices = self._choices(self.runs[0]) if len(self.runs) == 1 else _merged([self._choices(r) for r in self.runs])
+        choices = self.choices(self.runs[0]) if len(self.runs) == 1 else _merged([self.choices(r) for r in self.runs])
         async with contextlib.aclosing(choices):
             async for choice in choices:
                 yield stream_payload(self.api.chunk_type(**head._asdict(), choices=[choice]), include_usage)
-        self._finish_totals()
+        self.finish_totals()
         if include_usage:
-            yield stream_payload(_with_totals(self.api.chunk_type, head, [], self.outcome), include_usage)
+            last = _with_totals(self.api.chunk_type, head, [], self.outcome, self.metrics())
+            yield stream_payload(last, include_usage)
 
 
 async def _merged(sources: list[AsyncGenerator[BaseModel, None]]) -> AsyncGenerator[BaseModel, None]:

@@ -40,6 +40,11 @@ print(json.dumps({
     "whole": [whole.text, list(whole.token_ids), whole.finish_reason, whole.session_id],
     "stream": [[c.text, list(c.token_ids), c.finish_reason, c.session_id] for c in chunks],
     "stubs": gateway_pb2.__file__,
+    "spec": [
+        [m.num_spec_steps, m.num_accepted_draft_tokens, list(m.acceptance_histogram), m.mean_acceptance_length,
+         s.drafts]
+        for m, s in ((whole.speculative_decoding, whole.stats), (chunks[-1].speculative_decoding, chunks[-1].stats))
+    ],
 }))
 """
 
@@ -103,3 +108,7 @@ def test_light_client_in_a_clean_venv_calls_the_real_gateway(venv, demo_stack):
     assert joined(got["stream"]) == joined(here_chunks)
     assert got["stream"][-1][2] == "length" and sum(len(c[1]) for c in got["stream"]) == 8
     assert all(c[3] == "" for c in got["stream"] + here_chunks)
+    # vLLM's per-request metrics, on the unary reply and the last chunk: the steps are the stats' drafts
+    for steps, accepted, hist, mean, drafts in got["spec"]:
+        assert steps == sum(hist) == drafts and accepted == sum(j * c for j, c in enumerate(hist))
+        assert mean == (1 + accepted / steps if steps else 1.0)

@@ -9,7 +9,15 @@ with SpecmeshClient("127.0.0.1:50070") as client:
         print(chunk.text, end="", flush=True)
 """
 
-from specmesh_client.client import Chunk, Generation, Message, SpecmeshClient, SpecStats, Usage
+from specmesh_client.client import (
+    Chunk,
+    Generation,
+    Message,
+    SpecmeshClient,
+    SpecStats,
+    SpeculativeDecoding,
+    Usage,
+)
 
-__all__ = ["Chunk", "Generation", "Message", "SpecStats", "SpecmeshClient", "Usage"]
+__all__ = ["Chunk", "Generation", "Message", "SpecStats", "SpecmeshClient", "SpeculativeDecoding", "Usage"]
 __version__ = "0.1.0"

@@ -48,6 +48,23 @@ class SpecStats:
 
 
 @dataclass(frozen=True)
+class SpeculativeDecoding:
+    """vLLM's per-request speculative-decoding metrics (its names): a step is a round that verified a draft
+    block. `per_step_*`: empty unless the gateway runs --per-request-spec-decode-metrics detailed."""
+
+    num_spec_tokens: int  # the K cap
+    num_spec_steps: int
+    num_draft_tokens: int
+    num_accepted_draft_tokens: int
+    mean_acceptance_length: float  # 1 + accepted / steps (the bonus token included)
+    draft_acceptance_rate: float  # accepted / drafted
+    acceptance_histogram: tuple[int, ...]  # [num_spec_tokens + 1] steps that accepted exactly j draft tokens
+    acceptance_histogram_by_draft_length: Mapping[int, tuple[int, ...]]  # the same by the steps' draft length
+    per_step_accepted: tuple[int, ...] = ()
+    per_step_drafted: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
 class Generation:
     """A whole generation (`generate`)."""
 
@@ -59,6 +76,7 @@ class Generation:
     stats: SpecStats
     failovers: int = 0  # replica failovers the generation survived
     target_only: bool = False  # decoded without a draft replica
+    speculative_decoding: SpeculativeDecoding | None = None  # None when the gateway reports none
 
 
 @dataclass(frozen=True)
@@ -74,6 +92,7 @@ class Chunk:
     stats: SpecStats | None = None
     failovers: int = 0
     target_only: bool = False
+    speculative_decoding: SpeculativeDecoding | None = None
 
     @property
     def finished(self) -> bool:
@@ -87,6 +106,27 @@ def _usage(pb) -> Usage:
 def _stats(pb) -> SpecStats:
     return SpecStats(
         pb.rounds, pb.drafted, pb.accepted, pb.drafts, tuple(pb.drafted_per_pos), tuple(pb.accepted_per_pos)
+    )
+
+
+def _speculative_decoding(pb) -> SpeculativeDecoding | None:
+    """A response's (or finished chunk's) speculative_decoding field, None when unset."""
+    if not pb.HasField("speculative_decoding"):
+        return None
+    m = pb.speculative_decoding
+    return SpeculativeDecoding(
+        num_spec_tokens=m.num_spec_tokens,
+        num_spec_steps=m.num_spec_steps,
+        num_draft_tokens=m.num_draft_tokens,
+        num_accepted_draft_tokens=m.num_accepted_draft_tokens,
+        mean_acceptance_length=m.mean_acceptance_length,
+        draft_acceptance_rate=m.draft_acceptance_rate,
+        acceptance_histogram=tuple(m.acceptance_histogram),
+        acceptance_histogram_by_draft_length={
+            k: tuple(c.rounds) for k, c in sorted(m.acceptance_histogram_by_draft_length.items())
+        },
+        per_step_accepted=tuple(m.per_step_accepted),
+        per_step_drafted=tuple(m.per_step_drafted),
     )
 
 
@@ -184,6 +224,7 @@ class SpecmeshClient:
             stats=_stats(r.stats),
             failovers=r.failovers,
             target_only=r.target_only,
+            speculative_decoding=_speculative_decoding(r),
         )
 
     def generate_stream(
@@ -225,6 +266,7 @@ class SpecmeshClient:
                         stats=_stats(f.stats),
                         failovers=f.failovers,
                         target_only=f.target_only,
+                        speculative_decoding=_speculative_decoding(f),
                     )
         finally:
             call.cancel()  # a no-op after the end; frees the stream when the caller stops early
