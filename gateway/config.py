@@ -69,6 +69,11 @@ class GatewayConfig:
         "accepted tokens too)",
         choices=SPEC_DECODE_METRICS_LEVELS,
     )
+    max_stored_responses: int = flags.option(
+        1024,
+        "responses of POST /v1/responses kept for GET /v1/responses/{id} and previous_response_id, the least "
+        "recently used evicted past it (0 = none kept)",
+    )
     tool_call_parser: str = flags.option(
         "hermes",
         "how chat finds tool calls in a reply with tool_choice auto (hermes: <tool_call>{json}</tool_call>)",

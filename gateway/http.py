@@ -15,7 +15,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from gateway import sglang
 from gateway.core import Gateway, shown
-from gateway.openai import chat, completions, models, tokens
+from gateway.openai import chat, completions, models, responses, tokens
 from gateway.openai.protocol import APIError
 from gateway.openai.serving import Front
 from specmesh.errors import SpecmeshError, Unauthenticated
@@ -128,6 +128,6 @@ def create_app(
 
     _add_error_handlers(app)
     front = Front(gateway, (), max_body_bytes, keyed_tenants=bool(api_keys))  # the key was checked by RequireKey
-    for family in (models, tokens, completions, chat, sglang):
+    for family in (models, tokens, completions, chat, responses, sglang):
         app.include_router(family.router(front))
     return app

@@ -505,15 +505,15 @@ class Generation:
     def stream(self, head: Head, include_usage: bool) -> StreamingResponse:
         return self.sse(self._payloads(head, include_usage))
 
-    def sse(self, payloads: AsyncGenerator[dict, None]) -> StreamingResponse:
-        """`payloads` as server-sent events; the generations are closed and the span ended however the stream
-        ends."""
+    def sse(self, payloads: AsyncGenerator[dict, None], typed: sse.ErrorEvents | None = None) -> StreamingResponse:
+        """`payloads` as server-sent events (`typed`: as `sse.event_stream` takes it); the generations are
+        closed and the span ended however the stream ends."""
 
         async def close() -> None:
             await _close(self.runs)  # also when the client went away: cancels the work downstream
             self.span.end()
 
-        events = sse.event_stream(payloads, self.span.end, close)
+        events = sse.event_stream(payloads, self.span.end, close, typed)
         return StreamingResponse(
             events,
             media_type="text/event-stream",
