@@ -2,11 +2,13 @@
 openai client: a plain text reply (chat's own reply to the same messages), the streamed events in order, a
 function call and its output fed back, a json_schema reply that validates (`responses.parse` and
 `responses.stream`), a conversation continued by previous_response_id in its session (the second turn
-reuses the first's KV cache), stored responses, and a 400 naming each field specmesh does not honour."""
+reuses the first's KV cache), stored responses, and a 400 naming each field specmesh does not honour (the
+official client's whole list of them walked)."""
 
 import json
 
 import openai
+import openai.types.responses.response_create_params as response_params
 import pydantic
 import pytest
 
@@ -222,3 +224,23 @@ def test_bad_fields_are_400s_naming_them(stack, extra, param):  # noqa: F811
     assert r.status_code == 400, r.json()
     err = r.json()["error"]
     assert err["param"] == param and param.split("[")[0] in err["message"], err
+
+
+HONOURED = {
+    "model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "stream", "tools", "tool_choice",
+    "parallel_tool_calls", "text", "previous_response_id", "store", "metadata",
+}  # fmt: skip
+
+
+def test_every_other_field_of_the_official_clients_list_is_a_400_naming_it(stack):  # noqa: F811
+    """The official client's own list of the request's fields (a field a newer client adds is walked too):
+    each one specmesh does not honour, sent with a value, is refused, named."""
+    fields: dict = {}
+    for base in reversed(response_params.ResponseCreateParamsBase.__mro__):
+        fields.update(getattr(base, "__annotations__", {}))
+    refused = sorted(set(fields) - HONOURED)
+    assert {"background", "include", "reasoning", "truncation", "conversation"} <= set(refused)
+    for name in refused:
+        body = {"model": "demo", "input": "Hi", "max_output_tokens": 2, name: True}
+        r = http("POST", stack.base_url + "/v1/responses", json_body=body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == name, (name, r.json())
