@@ -30,7 +30,16 @@ from draft_service.remote import RemoteVerifier
 from specmesh import config as flags
 from specmesh import wire
 from specmesh.domain import Finished, GenerationEvent, Opened, SpecStats, Tokens
-from specmesh.drafters import ALGORITHMS, Algorithm, DraftBatcher, ModelDrafter, make_drafter
+from specmesh.drafters import (
+    ALGORITHMS,
+    Algorithm,
+    DraftBatcher,
+    ModelDrafter,
+    SuffixCache,
+    SuffixDrafter,
+    SuffixParams,
+    make_drafter,
+)
 from specmesh.errors import FailedPrecondition, InvalidArgument, ResourceExhausted, Unavailable
 from specmesh.loop import FixedK, GoodputGuard, GoodputK, RoundRecord, speculative_generate
 from specmesh.models import load_model
@@ -67,7 +76,11 @@ class DraftConfig:
         "(*.verify.svc.cluster.local), the port a number or *; any other address is refused (PERMISSION_DENIED)",
     )
     speculative_algorithm: str = flags.option(
-        "standalone", "standalone: a draft model; ngram: prompt lookup, no model", choices=ALGORITHMS, type=str.lower
+        "standalone",
+        "standalone: a draft model; ngram: prompt lookup, no model; suffix: suffix trees over the prompt, the "
+        "output and recent generations (vLLM's suffix method), no model",
+        choices=ALGORITHMS,
+        type=str.lower,
     )
     speculative_num_steps: int = flags.option(4, "most draft tokens per block (K); adaptive K stays within it")
     adaptive: bool = flags.option(
@@ -103,6 +116,22 @@ class DraftConfig:
         0, "longest sequence a session's draft KV slot holds (0 = the model's max_position_embeddings)"
     )
     kv_cache_prefault: bool = flags.kv_cache_prefault_option()
+    # vLLM's suffix decoding settings, its names and defaults (specmesh.drafters.suffix).
+    suffix_decoding_max_tree_depth: int = flags.option(
+        SuffixParams.max_tree_depth, "suffix: tokens of the suffix trees' paths, the match plus what it proposes"
+    )
+    suffix_decoding_max_cached_requests: int = flags.option(
+        SuffixParams.max_cached_requests,
+        "suffix: recent generations whose outputs the replica's global trees hold, evicted first in, first out "
+        "(0 = no global tree, the request's own prompt and output only)",
+    )
+    suffix_decoding_max_spec_factor: float = flags.option(
+        SuffixParams.max_spec_factor, "suffix: a proposal is at most this many tokens per token of the match"
+    )
+    suffix_decoding_min_token_prob: float = flags.option(
+        SuffixParams.min_token_prob,
+        "suffix: a proposal stops where the continuation's estimated probability (its frequency) falls below this",
+    )
     verify_timeout_s: float = flags.option(60.0, "timeout of each call to the verifier")
     grace_period_s: float = flags.option(10.0, "on SIGTERM, in-flight generations get this long to finish")
     # The predict-verify-optimize loop (draft_service.online): off by default, as it costs a share of a core
@@ -162,10 +191,20 @@ class DraftConfig:
         AllowList.parse(self.verify_allow)  # ValueError naming --verify-allow
         if self.online_distill:
             online_config(self)  # its knobs' checks and the rehearsal file's, as usage errors
+        self.suffix_params()  # vLLM's bounds, naming the flag
 
     @property
     def algorithm(self) -> Algorithm:
         return Algorithm(self.speculative_algorithm)
+
+    def suffix_params(self) -> SuffixParams:
+        return SuffixParams(
+            max_tree_depth=self.suffix_decoding_max_tree_depth,
+            max_cached_requests=self.suffix_decoding_max_cached_requests,
+            max_spec_factor=self.suffix_decoding_max_spec_factor,
+            min_token_prob=self.suffix_decoding_min_token_prob,
+            flag=flags.flag_name,
+        )
 
 
 @dataclass(frozen=True)
@@ -211,6 +250,10 @@ class DraftEngine:
             else None
         )
         self.totals = SpecStats()  # every finished generation's speculation statistics
+        self.method = config.algorithm.method
+        self.by_method = {self.method: SpecStats()}  # the same, by the method that drafted
+        # The suffix method's global trees: the outputs of this replica's recent generations, by scope.
+        self.suffix = SuffixCache(config.suffix_params()) if config.algorithm is Algorithm.SUFFIX else None
         self.goodput_guard = GoodputGuard() if config.goodput_guard else None  # shared by every generation
         self.tracer = tracer("draft")
         self.stream_metrics = stream_metrics  # TTFT and inter-token latency of Generate streams
@@ -271,11 +314,12 @@ class DraftEngine:
             self._max_spec_len[address] = info.max_spec_len or MAX_SPEC_LEN
         return stub, self._max_spec_len[address]
 
-    def _drafter(self, session_id: str):
-        """The session's drafter: a cached one keeps its draft KV cache for the session's next turn."""
+    def _drafter(self, session_id: str, cache_scope: str = ""):
+        """The session's drafter: a cached one keeps its draft KV cache for the session's next turn. A suffix
+        drafter reads and feeds the global trees of the request's scope only."""
         algorithm = self.config.algorithm
         if not algorithm.needs_model or not session_id:
-            return make_drafter(algorithm, self.batcher)
+            return make_drafter(algorithm, self.batcher, self.suffix, cache_scope)
         drafter = self._drafters.pop(session_id, None) or make_drafter(algorithm, self.batcher)
         assert isinstance(drafter, ModelDrafter)  # the algorithm needs a model, and there is one
         self._drafters[session_id] = drafter  # most recently used last
@@ -358,6 +402,7 @@ class DraftEngine:
                         timer.tokens(len(event.token_ids))
                     if isinstance(event, Finished):
                         self.totals.merge(event.stats)
+                        self.by_method[self.method].merge(event.stats)
                         release()
                     yield event
         finally:
@@ -448,7 +493,7 @@ class _Generation:
             on_open=self._opened,
             cache_scope=cache_scope,
         )
-        self.drafter = engine._drafter(session_id)
+        self.drafter = engine._drafter(session_id, cache_scope)
         # A seeded request must replay exactly: its random draws may not depend on timing, so it gets a
         # fixed K and no drafting ahead (both adapt to how fast verdicts come back).
         seeded = params.seed is not None
@@ -482,6 +527,8 @@ class _Generation:
             # Before the final event goes out: a caller's next turn must find the session free on the
             # verify service (the stream's status is awaited).
             await self.remote.aclose(result.finish_reason != "cancelled")
+            if isinstance(self.drafter, SuffixDrafter):  # the output joins the scope's global tree
+                await self.drafter.finish(result.token_ids)
             guard = self.engine.goodput_guard
             pays = guard.speculation_pays() if guard is not None else None
             self.queue.put_nowait(Finished(result.finish_reason, result.stats, pays))

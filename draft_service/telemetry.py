@@ -1,11 +1,11 @@
 """The draft service's Prometheus metrics: requests, time to first token, inter-token latency, tokens,
-vLLM's speculation metrics (per-position acceptance included), pipelining, draft speed and the size of
-the batched draft forwards."""
+vLLM's speculation metrics (per-position acceptance included) by the method that drafted, pipelining,
+draft speed, the size of the batched draft forwards, and the suffix method's global trees."""
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from specmesh.telemetry import BatchMetrics, ServiceMetrics, spec_families
 
@@ -65,5 +65,59 @@ class DraftMetrics(ServiceMetrics):
                 "Rounds' wait from sending a block to its verdict",
                 value=e.totals.verify_seconds,
             ),
-            *spec_families("specmesh_draft", e.totals),
+            *method_spec_families("specmesh_draft", e.by_method),
+            *suffix_families(e.suffix),
         ]
+
+
+def method_spec_families(prefix: str, by_method: dict) -> list:
+    """`spec_families` with a `method` label (model, ngram, suffix): one sample per method that drafted."""
+    merged: dict[str, Metric] = {}
+    for method, stats in by_method.items():
+        for family in spec_families(prefix, stats):
+            samples = [s._replace(labels={**s.labels, "method": method}) for s in family.samples]
+            if family.name in merged:  # one family per metric, every method's samples in it
+                merged[family.name].samples += samples
+            else:
+                family.samples = samples
+                merged[family.name] = family
+    return list(merged.values())
+
+
+def suffix_families(cache) -> list:
+    """The suffix method's global trees (nothing without them)."""
+    if cache is None:
+        return []
+    g = GaugeMetricFamily
+    proposals = CounterMetricFamily(
+        "specmesh_draft_suffix_proposals",
+        "Suffix proposals, by the tree whose continuation won (local: the request's own, global: recent "
+        "generations', none: no continuation)",
+        labels=["source"],
+    )
+    for source, n in cache.proposals.items():
+        proposals.add_metric([source or "none"], n)
+    tokens = CounterMetricFamily(
+        "specmesh_draft_suffix_proposed_tokens", "Tokens of suffix proposals, by their tree", labels=["source"]
+    )
+    for source, n in cache.proposed_tokens.items():
+        tokens.add_metric([source], n)
+    return [
+        g("specmesh_draft_suffix_cache_bytes", "Memory of the global suffix trees", value=cache.nbytes()),
+        g(
+            "specmesh_draft_suffix_cached_requests",
+            "Generations whose outputs the global trees hold",
+            value=cache.cached_requests,
+        ),
+        g("specmesh_draft_suffix_cache_tokens", "Tokens the global trees hold", value=cache.tokens()),
+        g(
+            "specmesh_draft_suffix_cache_scopes",
+            "Prefix-cache scopes (tenant, cache_salt) with a global tree",
+            value=cache.scopes,
+        ),
+        CounterMetricFamily(
+            "specmesh_draft_suffix_evicted_requests", "Generations evicted from the global trees", value=cache.evicted
+        ),
+        proposals,
+        tokens,
+    ]

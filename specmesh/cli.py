@@ -1,13 +1,13 @@
 """`specmesh`: the command line (also `python -m specmesh`).
 
     specmesh serve --model-path T --speculative-draft-model-path D [--port 8000] [--grpc-port 50070] ...
-    specmesh serve --model-path T --speculative-algorithm ngram ...
+    specmesh serve --model-path T --speculative-algorithm ngram|suffix ...
     specmesh profile --url http://127.0.0.1:8000 [--duration 60] [--concurrency 1,4,16] [--out DIR]
 
 `serve` starts the verify service(s), the draft service(s) and the gateway as separate processes
 (specmesh.stack), `profile` drives a workload through a running stack and writes an optimization report
 (specmesh.profile). SGLang's launcher spellings are accepted where they mean the same thing (`--model`,
-`--draft-model`, `--speculative-algorithm EAGLE|STANDALONE|NGRAM`, `--tp 1`, `--dp N`,
+`--draft-model`, `--speculative-algorithm EAGLE|STANDALONE|NGRAM|SUFFIX`, `--tp 1`, `--dp N`,
 `--served-model-name`, `--context-length`, ...); those that specmesh cannot honour are refused with the
 reason rather than ignored.
 """
@@ -29,12 +29,13 @@ from specmesh.stack import StackPlan, StackSecurity, serve
 
 API_KEY_ENV = "SPECMESH_API_KEY"
 
-# SGLang's speculative algorithms and what each means here.
+# SGLang's speculative algorithms (and vLLM's suffix method) and what each means here.
 ALGORITHMS = {
     "standalone": "standalone",  # a separate, smaller draft model: what the draft service runs
     "eagle": "standalone",  # SGLang's EAGLE needs a draft; a full draft model stands in for its head
     "eagle3": "standalone",
     "ngram": "ngram",
+    "suffix": "suffix",  # vLLM's: suffix trees over the prompt, the output and recent generations
 }
 REFUSED_ALGORITHMS = {
     "nextn": "multi-token-prediction heads (NEXTN) live inside the target; specmesh drafts with a separate "
@@ -67,8 +68,9 @@ class ServeModels:
     )
     speculative_algorithm: str | None = option(
         None,
-        "standalone (a draft model; SGLang's EAGLE, EAGLE3 and STANDALONE mean this here) or ngram (prompt "
-        "lookup, no draft model); default: standalone when a draft model is given",
+        "standalone (a draft model; SGLang's EAGLE, EAGLE3 and STANDALONE mean this here), ngram (prompt "
+        "lookup) or suffix (vLLM's suffix decoding: suffix trees over the prompt, the output and recent "
+        "generations), the last two without a draft model; default: standalone when a draft model is given",
         type=str.lower,
     )
     speculative_num_steps: int | None = option(None, "most draft tokens per block, K (draft's default: 4)", type=int)
@@ -328,11 +330,15 @@ def _algorithm(a: argparse.Namespace) -> str:
         )
     algorithm = ALGORITHMS.get(name, "")
     if not algorithm:
-        raise UsageError("a draft is needed: --speculative-draft-model-path DIR, or --speculative-algorithm ngram")
+        raise UsageError(
+            "a draft is needed: --speculative-draft-model-path DIR, or --speculative-algorithm ngram or suffix"
+        )
     if algorithm == "standalone" and a.draft_model_path:
         _check_draft_kind(a.draft_model_path, name)
     if algorithm == "ngram" and a.draft_model_path:
         raise UsageError("--speculative-algorithm ngram drafts from the prompt: give no draft model")
+    if algorithm == "suffix" and a.draft_model_path:
+        raise UsageError("--speculative-algorithm suffix drafts from suffix trees of the text: give no draft model")
     return algorithm
 
 

@@ -130,7 +130,7 @@ class StackPlan:
 
     target: str
     draft: str | None  # None: the n-gram drafter (no draft model)
-    algorithm: str = "standalone"  # "standalone" | "ngram"
+    algorithm: str = "standalone"  # "standalone" | "ngram" | "suffix"
     num_steps: int | None = None  # the draft's K (None: the draft service's default)
     host: str = "127.0.0.1"
     port: int = 8000
@@ -225,12 +225,14 @@ def check_vocabularies(target: str, target_config: dict, draft: str, draft_confi
 def preflight(plan: StackPlan) -> None:
     """Every check that needs no process: paths, vocabularies, ports."""
     target_config = check_model_dir("--model-path", plan.target)
-    if plan.algorithm == "ngram":
+    if plan.algorithm in ("ngram", "suffix"):  # they draft without a model
         if plan.draft:
-            raise LaunchError("--speculative-algorithm ngram drafts from the prompt: give no draft model")
+            raise LaunchError(f"--speculative-algorithm {plan.algorithm} drafts without a model: give no draft model")
     else:
         if not plan.draft:
-            raise LaunchError("a draft is needed: --speculative-draft-model-path DIR, or --speculative-algorithm ngram")
+            raise LaunchError(
+                "a draft is needed: --speculative-draft-model-path DIR, or --speculative-algorithm ngram or suffix"
+            )
         draft_config = check_model_dir("--speculative-draft-model-path", plan.draft)
         check_vocabularies(plan.target, target_config, plan.draft, draft_config)
     if plan.verify_replicas < 1 or plan.draft_replicas < 1:

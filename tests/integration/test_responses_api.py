@@ -12,20 +12,12 @@ import openai.types.responses.response_create_params as response_params
 import pydantic
 import pytest
 
+from tests.integration.test_tools import WEATHER as CHAT_WEATHER
 from tests.support.rest import http
 from tests.support.structured import client, conforms, stack, target  # noqa: F401
 
-WEATHER = {
-    "type": "function",
-    "name": "get_weather",
-    "description": "The weather in a city.",
-    "parameters": {
-        "type": "object",
-        "properties": {"city": {"type": "string", "maxLength": 8}, "unit": {"enum": ["c", "f"]}},
-        "required": ["city", "unit"],
-        "additionalProperties": False,
-    },
-}
+# The chat tests' tool in the Responses API's flat shape: {"type": "function", "name", "parameters", ...}.
+WEATHER = {"type": "function", **CHAT_WEATHER["function"]}
 
 
 class Person(pydantic.BaseModel):
@@ -94,7 +86,12 @@ def test_streamed_events_in_order(client):  # noqa: F811
 
 def test_a_function_call_and_its_output_fed_back(client):  # noqa: F811
     r = client.responses.create(
-        model="demo", input="Weather in Paris?", tools=[WEATHER], tool_choice="required", max_output_tokens=80
+        model="demo",
+        input="Weather in Paris?",
+        tools=[WEATHER],
+        tool_choice="required",
+        max_output_tokens=80,
+        temperature=0,
     )
     calls = [o for o in r.output if o.type == "function_call"]
     assert calls and r.status == "completed"
@@ -119,6 +116,7 @@ def test_a_function_call_and_its_output_fed_back(client):  # noqa: F811
             input="Weather in Paris?",
             tools=[WEATHER],
             tool_choice={"type": "function", "name": "get_weather"},
+            parallel_tool_calls=False,  # one call: sampled, a longer list could outrun max_output_tokens
             max_output_tokens=80,
             stream=True,
         )
