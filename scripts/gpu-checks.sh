@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# The checks that need a CUDA GPU, as one short script for a lent device (run it first: device minutes are
+# few). Installs the project into a fresh venv on the device (torch from the device's own index), then:
+#   1. the suite's CUDA-marked tests (the Triton rejection sampler and block-table attention kernels in bf16:
+#      one compiled variant for every batch);
+#   2. the paged runner on CUDA with the block-table kernel against the HF forward (its probe) and 64 greedy
+#      tokens of the demo target equal to the HF greedy output;
+#   3. bench.verify_shapes on CUDA (ms per forward by shape), its JSON under $OUT.
+# Usage on the device: OUT=/some/dir scripts/gpu-checks.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-/tmp/gpu-checks}"
+mkdir -p "$OUT"
+python3 -m venv /tmp/gpu-venv
+/tmp/gpu-venv/bin/pip install -q --upgrade pip
+/tmp/gpu-venv/bin/pip install -q torch triton
+/tmp/gpu-venv/bin/pip install -q -e '.[test,bench]'
+PY=/tmp/gpu-venv/bin/python
+nvidia-smi --query-gpu=name,memory.total --format=csv | tee "$OUT/gpu.txt"
+$PY -m pytest -q -m cuda tests/unit/test_block_attention.py tests/unit/test_rejection.py 2>&1 | tee "$OUT/cuda-tests.txt"
+$PY - <<'PYEOF' 2>&1 | tee "$OUT/paged-kernel.txt"
+import torch
+from transformers import AutoModelForCausalLM
+from specmesh.runtime.paged import PagedRunner
+
+target = AutoModelForCausalLM.from_pretrained("models/demo/target", dtype=torch.bfloat16).to("cuda").eval()
+runner = PagedRunner(target, 256, 16, max_model_len=512)
+print("block kernel in use after the probe:", runner.block_kernel)
+prompt = list(range(5, 40))
+seq = runner.new_sequence(prompt)
+ours = []
+for _ in range(64):
+    t = int(runner.forward([seq])[0][-1].argmax())
+    seq.commit([t])
+    ours.append(t)
+hf = target.generate(torch.tensor([prompt], device="cuda"), max_new_tokens=64, do_sample=False)[0, len(prompt):].tolist()
+agree = sum(a == b for a, b in zip(ours, hf))
+print(f"greedy agreement with HF generate (bf16): {agree}/64; first divergence at {next((i for i, (a, b) in enumerate(zip(ours, hf)) if a != b), None)}")
+PYEOF
+$PY -m bench.verify_shapes --device cuda --streams 1,16 --out "$OUT/verify-shapes-cuda.json" 2>&1 | tail -20 | tee "$OUT/verify-shapes.txt"
