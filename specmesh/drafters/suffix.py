@@ -55,6 +55,7 @@ from specmesh.domain import DraftBlock
 from specmesh.errors import InvalidArgument
 from specmesh.sampling import SamplingParams
 
+MatchState = tuple[list[int], list[int]]  # (nodes, idxs): see SuffixTree.advance
 NO_CHILD = -1  # head of a node without children
 STALE = -2  # head of a node whose most frequent child must be found again (a count fell)
 
@@ -124,14 +125,16 @@ _DICT_SIZES = _dict_sizes()
 
 
 class _Open:
-    """A sequence's open windows (each named by the position it began at): the node each ends in, and which
-    are busy (visited per token), oldest first."""
+    """A sequence's open windows, each named by the position it began at: `nodes[ws - first]` is the node
+    the window that began at ws ends in (the oldest first: one closes and one opens per token), `busy` the
+    windows visited per token, oldest first."""
 
-    __slots__ = ("busy", "node_of")
+    __slots__ = ("busy", "first", "nodes")
 
     def __init__(self) -> None:
         self.busy: list[int] = []
-        self.node_of: dict[int, int] = {}
+        self.first = 0
+        self.nodes: list[int] = []
 
 
 class SuffixTree:
@@ -144,7 +147,8 @@ class SuffixTree:
     Node i: `_length[i]` tokens, read from `_ref[i][_start[i] : _start[i] + _length[i]]` (an occurrence of
     the node's whole path, so a shorter or longer run of the same path can be read from the same array);
     `_children[i]` maps a child's first token to the child (None: a leaf); `_head[i]` is its most frequent
-    child (ties: the first to reach that count), NO_CHILD, or STALE. Node 0 is the root."""
+    child (ties: the smallest first token, so that the choice depends on the text alone), NO_CHILD, or
+    STALE. Node 0 is the root."""
 
     def __init__(self, max_depth: int):
         if max_depth < 1:
@@ -195,7 +199,7 @@ class SuffixTree:
         seqs = sum(s.buffer_info()[1] * s.itemsize + 64 for s in self._seqs.values())
         self._retired = [r for r in self._retired if r() is not None]
         retired = sum(s.buffer_info()[1] * s.itemsize + 64 for r in self._retired if (s := r()) is not None)
-        windows = sum(400 + 100 * len(w.node_of) for w in self._open.values()) + 100 * len(self._lazy)
+        windows = sum(400 + 16 * len(w.nodes) for w in self._open.values()) + 100 * len(self._lazy)
         return slots * per_slot + 8 * len(self._free) + self._dict_bytes + seqs + retired + windows
 
     # --- building ------------------------------------------------------------------------------------------
@@ -252,7 +256,7 @@ class SuffixTree:
         if state is None:
             raise ValueError(f"sequence {seq_id} is closed")
         self.version += 1
-        busy, node_of, lazy = state.busy, state.node_of, self._lazy
+        busy, wnodes, lazy = state.busy, state.nodes, self._lazy
         count, length, parent, ref, start = self._count, self._length, self._parent, self._ref, self._start
         children, head, depth = self._children, self._head, self.max_depth
         for token in tokens:
@@ -260,18 +264,20 @@ class SuffixTree:
             seq.append(token)
             count[0] += 1
             closing = pos - depth  # the window that began `depth` tokens ago is complete
-            if closing >= 0:
-                n = node_of.pop(closing, -1)
-                if n >= 0:
-                    if lazy.pop(n, None) is not None:
-                        length[n] = closing + depth - start[n]
-                    else:
-                        del busy[0]  # the oldest busy window
-            node_of[pos] = 0
+            if closing >= state.first and wnodes:
+                n = wnodes[0]
+                del wnodes[0]
+                state.first += 1
+                if lazy.pop(n, None) is not None:
+                    length[n] = closing + depth - start[n]
+                else:
+                    del busy[0]  # the oldest busy window
+            w0 = state.first  # where the oldest open window began
+            wnodes.append(0)
             busy.append(pos)
             still: list[int] = []
             for ws in busy:
-                n = node_of[ws]
+                n = wnodes[ws - w0]
                 ch = children[n]
                 c = ch.get(token, -1) if ch is not None else -1
                 if c >= 0 and count[c] == 1 and c in lazy:  # another window's private leaf: wake it
@@ -285,9 +291,10 @@ class SuffixTree:
                         continue
                     c = self._new_node(n, seq, pos, 1, 1)
                     self._add_child(n, token, c)
-                    if head[n] == NO_CHILD:
+                    h = head[n]
+                    if h == NO_CHILD or (h >= 0 and count[h] == 1 and token < ref[h][start[h]]):  # type: ignore[index]
                         head[n] = c
-                    node_of[ws] = c
+                    wnodes[ws - w0] = c
                     lazy[c] = (seq_id, ws)
                     continue
                 if n and count[n] == count[c] + 1:
@@ -304,7 +311,7 @@ class SuffixTree:
                         children[n] = None  # its one entry moved to p's map
                         self._dict_bytes -= _dict_bytes(1)
                         self._free_node(n)
-                        node_of[ws] = c
+                        wnodes[ws - w0] = c
                     else:  # n takes c's first token
                         length[n] += 1
                         ref[n], start[n] = seq, pos - length[n] + 1
@@ -318,9 +325,15 @@ class SuffixTree:
                     count[c] += 1
                     ref[c], start[c] = seq, pos
                     h = head[n]
-                    if h >= 0 and h != c and count[c] > count[h]:
+                    if (
+                        h >= 0
+                        and h != c
+                        and (
+                            count[c] > count[h] or (count[c] == count[h] and token < ref[h][start[h]])  # type: ignore[index]
+                        )
+                    ):
                         head[n] = c
-                    node_of[ws] = c
+                    wnodes[ws - w0] = c
                 else:  # c splits after its first token, which the window takes
                     m = self._new_node(n, seq, pos, 1, count[c] + 1)
                     length[c] -= 1
@@ -331,13 +344,15 @@ class SuffixTree:
                     head[m] = c
                     ch[token] = m  # type: ignore[index]
                     h = head[n]
-                    if h == c or (h >= 0 and count[m] > count[h]):
+                    if h == c or (
+                        h >= 0 and (count[m] > count[h] or (count[m] == count[h] and token < ref[h][start[h]]))  # type: ignore[index]
+                    ):
                         head[n] = m
-                    node_of[ws] = m
+                    wnodes[ws - w0] = m
                 still.append(ws)
             busy[:] = still
         end = len(seq)
-        for n in node_of.values():  # the lazy leaves, up to date for readers
+        for n in wnodes:  # the lazy leaves, up to date for readers
             if n in lazy:
                 length[n] = end - start[n]
 
@@ -355,7 +370,7 @@ class SuffixTree:
         """No more tokens for `seq_id`: forget its open windows (the sequence stays until removed)."""
         state = self._open.pop(seq_id, None)
         if state is not None:
-            for n in state.node_of.values():
+            for n in state.nodes:
                 self._lazy.pop(n, None)
 
     def remove(self, seq_id: int) -> None:
@@ -436,7 +451,7 @@ class SuffixTree:
             ch = self._children[n]
             assert ch is not None  # a node without children has NO_CHILD
             count = self._count
-            h = max(ch.values(), key=count.__getitem__)
+            h = max(ch.items(), key=lambda tc: (count[tc[1]], -tc[0]))[1]
             self._head[n] = h
         return h
 
@@ -502,54 +517,55 @@ class SuffixTree:
         c = ch.get(token, -1) if ch is not None else -1
         return (c, 1) if c >= 0 else None
 
-    def advance(self, state: list[tuple[int, int]], tokens: Iterable[int]) -> list[tuple[int, int]]:
-        """A match state fed `tokens`: `state[m - 1]` is where the last m tokens of the text fed so far end
-        in the tree, for every m up to the longest match (a suffix of a match matches: they are 1 .. M),
-        at most depth - 1. A state is valid for the tree's `version` it was fed against. (`step` per
-        position, written out: this runs for every committed token.)"""
+    def advance(self, state: MatchState, tokens: Iterable[int]) -> MatchState:
+        """A match state fed `tokens`. A match state is (nodes, idxs): the last m tokens of the text fed so far
+        end `idxs[m - 1]` tokens into node `nodes[m - 1]`, for every m up to the longest match (a suffix of a
+        match matches: they are 1 .. M), at most depth - 1; it is valid for the tree's `version` it was fed
+        against. (`step` per position, written out: this runs for every committed token.)"""
         length, ref, start, children = self._length, self._ref, self._start, self._children
-        limit = self.max_depth - 1
+        limit = self.max_depth - 2  # positions that can grow by one more token
         root = children[0]
+        nodes, idxs = state
         for token in tokens:
             c = root.get(token, -1) if root is not None else -1
             if c < 0:
-                state = []
+                nodes, idxs = [], []
                 continue
-            nxt = [(c, 1)]
-            for n, idx in state[: limit - 1]:
+            grown, into = [c], [1]
+            for j in range(min(len(nodes), limit)):
+                n, idx = nodes[j], idxs[j]
                 if idx < length[n]:
                     if ref[n][start[n] + idx] != token:  # type: ignore[index]  # a live node reads an array
                         break
-                    nxt.append((n, idx + 1))
+                    grown.append(n)
+                    into.append(idx + 1)
                 else:
                     ch = children[n]
                     c = ch.get(token, -1) if ch is not None else -1
                     if c < 0:
                         break
-                    nxt.append((c, 1))
-            state = nxt
-        return state
+                    grown.append(c)
+                    into.append(1)
+            nodes, idxs = grown, into
+        return nodes, idxs
 
-    def open_at(self, seq_id: int) -> tuple[Callable[[int], tuple[int, int]], int]:
-        """An open sequence's own match state, read off its open windows (the last m tokens of the sequence
-        end where its window of length m does), without a walk: (where the last m tokens end, the longest m)."""
+    def open_nodes(self, seq_id: int, longest: int | None = None) -> list[int]:
+        """An open sequence's own match state, read off its open windows (its last m tokens end at the end
+        of the node its window of length m does) without a walk: the nodes for m up to `longest` (default:
+        every open window)."""
         state = self._open.get(seq_id)
         if state is None:
-            return (lambda m: (0, 0)), 0
-        end, node_of, length = len(self._seqs[seq_id]), state.node_of, self._length
+            return []
+        wnodes = state.nodes
+        most = min(self.max_depth - 1, len(wnodes))
+        if longest is not None:
+            most = min(most, longest)
+        return wnodes[: -most - 1 : -1] if most > 0 else []
 
-        def at(m: int) -> tuple[int, int]:
-            n = node_of[end - m]
-            return n, length[n]
-
-        return at, min(self.max_depth, end, len(node_of)) - 1  # Arctic tries m < the pattern's length
-
-    def open_state(self, seq_id: int) -> list[tuple[int, int]]:
-        """An open sequence's own match state (for `advance`), read off its open windows."""
-        at, _ = self.open_at(seq_id)
-        state = self._open.get(seq_id)
-        longest = min(self.max_depth - 1, len(state.node_of)) if state is not None else 0
-        return [at(m) for m in range(1, longest + 1)]
+    def open_state(self, seq_id: int) -> MatchState:
+        """`open_nodes` as a match state (for `advance`)."""
+        nodes, length = self.open_nodes(seq_id), self._length
+        return nodes, [length[n] for n in nodes]
 
     def speculate(
         self,
@@ -582,16 +598,18 @@ class SuffixTree:
                 found[mid] = got
                 lo = mid
 
-        def at(m: int) -> tuple[int, int]:
+        state = []
+        for m in range(1, lo + 1):
             got = found.get(m) or self.match(pattern, size - m)
             assert got is not None  # every m up to the longest matches
-            return got
-
-        return self.propose(at, lo, max_spec_tokens, max_spec_factor, max_spec_offset, min_token_prob, beat)
+            state.append(got)
+        nodes, idxs = [n for n, _ in state], [i for _, i in state]
+        return self.propose(nodes, idxs, lo, max_spec_tokens, max_spec_factor, max_spec_offset, min_token_prob, beat)
 
     def propose(
         self,
-        at: Callable[[int], tuple[int, int]],
+        nodes: Sequence[int],
+        idxs: Sequence[int] | None,
         longest: int,
         max_spec_tokens: int,
         max_spec_factor: float = 1.0,
@@ -599,48 +617,68 @@ class SuffixTree:
         min_token_prob: float = 0.1,
         beat: float = -1.0,
     ) -> SuffixDraft:
-        """The best continuation over match lengths m = 1 .. `longest`, `at(m)` being where the context's
-        last m tokens end: the highest score, ties to the longer match, exactly as Arctic's loop over every m
-        (at most min(cap, factor x m + offset) tokens each). Match lengths are tried in order of what they
-        could score at most, the tokens they may propose (the cap and the depth left) times the probability
-        of their first one, and the search stops once none can beat the best. `beat`: only a draft scoring
-        above it is wanted (another tree's), so nothing that cannot is tried (the answer is then exact only
-        if its score is above `beat`)."""
+        """The best continuation over match lengths m = 1 .. `longest`, the context's last m tokens ending
+        `idxs[m - 1]` tokens into node `nodes[m - 1]` (a match state; `idxs` None: at the nodes' ends): the
+        highest score, ties to the longer match, exactly as Arctic's loop over every m (at most min(cap,
+        factor x m + offset) tokens each, and the depth left).
+
+        Without a continuation per m: match lengths of equal count have the same occurrences (every occurrence
+        of the shorter extends to the longer), so the same continuation, each as far as its bound lets it
+        (the most frequent child is chosen by count and token, never by node): one walk from the match
+        length of the largest bound answers all of them. A group scores at most that bound times the
+        probability of its first token (no later one is likelier); groups are taken largest bound first and
+        walked unless their ceiling cannot beat the best, until no bound can. `beat`: only a draft scoring
+        above it is wanted (another tree's), so nothing that cannot is walked (the answer is then exact only
+        if its score is above it)."""
         if longest < 1:
             return SuffixDraft()
         count, length, head = self._count, self._length, self._head
-        best = SuffixDraft(match_len=longest)  # every draft empty: Arctic answers the longest match
+        table = _bounds(longest, self.max_depth, max_spec_tokens, max_spec_factor, max_spec_offset)
+        bounds, peak = table.bounds, table.peak
+        fewer = [-count[n] for n in nodes[:longest]]  # by m - 1, never falling: occurrences, negated
+        groups = []
+        lo = 0
+        while lo < longest:
+            hi = bisect.bisect_right(fewer, fewer[lo], lo)  # m = lo + 1 .. hi: one count
+            chosen = peak[lo][hi]  # the largest bound, the longest m on a tie
+            groups.append((bounds[chosen], hi, chosen, lo))
+            lo = hi
+        groups.sort(reverse=True)  # the largest bound first, then the longer matches
+        best: SuffixDraft | None = None
         best_score, best_m = 0.0, longest
-        for m, bound in _order(longest, self.max_depth, max_spec_tokens, max_spec_factor, max_spec_offset):
-            # The order is by bound, then by m, both falling: past this point nothing can beat the best, or tie
-            # it with a longer match.
-            if bound < best_score or bound <= beat or (bound == best_score and m < best_m):
-                break
-            n, idx = at(m)
+        for bound, hi, chosen, lo in groups:
+            need = best_score if best_score > beat else beat
+            if bound <= 0 or bound < need - 1e-9 * (1.0 + abs(need)):
+                break  # no group from here on can reach the best
+            n = nodes[chosen - 1]
+            idx = idxs[chosen - 1] if idxs is not None else length[n]
             if idx < length[n]:
                 first = 1.0
             else:
                 c = head[n]
-                if c == NO_CHILD:
-                    continue
                 if c == STALE:
                     c = self._best_child(n)
+                if c < 0:
+                    continue
                 first = count[c] / count[n]
                 if first < min_token_prob:
                     continue
-            # No token is likelier than the first: the score is at most `bound` of them. A shorter match must
-            # beat the best, a longer one may tie it; `beat` must be beaten.
-            tie = m > best_m and best_score > beat
-            if not _may_reach(0.0, first, bound, max(best_score, beat), tie and best_score >= beat):
+            # A shorter match must beat the best, a longer one may tie it; `beat` must be beaten.
+            tie = hi > best_m and best_score > beat
+            rough = first * bound
+            if rough < need - 1e-9 * (1.0 + abs(need)) or not _may_reach(0.0, first, bound, need, tie):
                 continue
-            found = self.follow(n, idx, bound, min_token_prob, max(best_score, beat), tie)
+            found = self.follow(n, idx, bound, min_token_prob, need, tie)
             if found is None:
                 continue
             tokens, probs, score = found
+            # Every m of the group proposes this continuation cut at its bound: the group's best is the whole
+            # of it, from the longest m whose bound takes all of it.
+            m = table.longest_reaching(len(tokens), lo, hi)
             if score > best_score or (score == best_score and m > best_m):
                 best = SuffixDraft(tokens, probs, score, m)
                 best_score, best_m = score, m
-        return best
+        return best if best is not None else SuffixDraft(match_len=longest)  # Arctic's answer for no draft
 
 
 def _may_reach(score: float, prob: float, tokens: int, need: float, tie: bool) -> bool:
@@ -656,20 +694,41 @@ def _may_reach(score: float, prob: float, tokens: int, need: float, tie: bool) -
     return score > need or (tie and score == need)
 
 
-_ORDERS: dict[tuple, list[tuple[int, int]]] = {}
+class _Bounds:
+    """For match lengths m = 1 .. longest: `bounds[m]`, the most tokens a match of m tokens may propose,
+    min(cap, factor x m + offset with Arctic's rounding, depth - m) and never below 0; `peak[lo][hi]`, the m in
+    lo + 1 .. hi of the largest bound (the longest on a tie). The bound rises with m, then falls."""
+
+    def __init__(self, longest: int, depth: int, cap: int, factor: float, offset: float):
+        self.bounds = [0] + [
+            max(0, min(cap, int(m * factor + offset + 1e-6), depth - m)) for m in range(1, longest + 1)
+        ]
+        b = self.bounds
+        self.peak = [
+            [max(range(hi, lo, -1), key=b.__getitem__) if hi > lo else 0 for hi in range(longest + 1)]
+            for lo in range(longest + 1)
+        ]
+
+    def longest_reaching(self, tokens: int, lo: int, hi: int) -> int:
+        """The longest m in lo + 1 .. hi whose bound is at least `tokens` (there is one: the group's peak)."""
+        b = self.bounds
+        m = hi
+        while b[m] < tokens:
+            m -= 1
+        return m
 
 
-def _order(longest: int, depth: int, cap: int, factor: float, offset: float) -> list[tuple[int, int]]:
-    """(m, bound) for m = 1 .. longest, the most a match of m tokens can propose first (then the longer).
-    The bound: min(cap, factor x m + offset (Arctic's rounding), depth - m), never less than 0."""
+_BOUNDS: dict[tuple, _Bounds] = {}
+
+
+def _bounds(longest: int, depth: int, cap: int, factor: float, offset: float) -> _Bounds:
     key = (longest, depth, cap, factor, offset)
-    order = _ORDERS.get(key)
-    if order is None:
-        bounds = [(m, max(0, min(cap, int(m * factor + offset + 1e-6), depth - m))) for m in range(1, longest + 1)]
-        order = sorted(bounds, key=lambda mb: (-mb[1], -mb[0]))
-        if len(_ORDERS) < 4096:
-            _ORDERS[key] = order
-    return order
+    table = _BOUNDS.get(key)
+    if table is None:
+        table = _Bounds(longest, depth, cap, factor, offset)
+        if len(_BOUNDS) < 4096:
+            _BOUNDS[key] = table
+    return table
 
 
 class _Scope:
@@ -804,7 +863,7 @@ class SuffixDrafter:
         self.use_global = False
         self._gtree: SuffixTree | None = None  # the global tree the match state was fed against
         self._gversion = -1
-        self._gstate: list[tuple[int, int]] = []
+        self._gstate: MatchState = ([], [])
 
     async def start(self, prompt_ids: list[int], params: SamplingParams) -> None:
         import asyncio
@@ -818,14 +877,14 @@ class SuffixDrafter:
         self.use_global = self.cache is not None and self.cache.enabled and params.seed is None
         self._gtree = None
 
-    def _global(self) -> tuple[SuffixTree, list[tuple[int, int]]] | None:
+    def _global(self) -> tuple[SuffixTree, MatchState] | None:
         """The scope's global tree and the context's match state in it (None: no tree to draft from)."""
         tree = self.cache.tree(self.scope) if self.use_global and self.cache is not None else None
         if tree is None or tree.nodes == 1:
             return None
         if tree is not self._gtree or tree.version != self._gversion:
             context = self.local.sequence(LOCAL_SEQ)
-            self._gstate = tree.advance([], context[-self.params.max_tree_depth :])
+            self._gstate = tree.advance(([], []), context[-self.params.max_tree_depth :])
             self._gtree, self._gversion = tree, tree.version
         return tree, self._gstate
 
@@ -837,11 +896,11 @@ class SuffixDrafter:
         # Arctic tries match lengths below the pattern's (the context's last max_tree_depth tokens).
         most = min(p.max_tree_depth, len(self.local.sequence(LOCAL_SEQ)) + len(after)) - 1
         if after:
-            ahead = self.local.advance(self.local.open_state(LOCAL_SEQ), after)
-            local = self.local.propose(lambda m: ahead[m - 1], min(most, len(ahead)), *args)
+            nodes, idxs = self.local.advance(self.local.open_state(LOCAL_SEQ), after)
+            local = self.local.propose(nodes, idxs, min(most, len(nodes)), *args)
         else:
-            at, longest = self.local.open_at(LOCAL_SEQ)
-            local = self.local.propose(at, longest, *args)
+            own = self.local.open_nodes(LOCAL_SEQ, most)
+            local = self.local.propose(own, None, len(own), *args)
         local.source = "local" if local.token_ids else ""
         found = self._global()
         if found is None:
@@ -849,7 +908,8 @@ class SuffixDrafter:
         tree, state = found
         if after:
             state = tree.advance(state, after)
-        glob = tree.propose(lambda m: state[m - 1], min(most, len(state)), *args, beat=local.score)
+        nodes, idxs = state
+        glob = tree.propose(nodes, idxs, min(most, len(nodes)), *args, beat=local.score)
         if glob.score > local.score:
             glob.source = "global"
             return glob

@@ -32,15 +32,13 @@ def tree_count(tree, s):
     return tree._count[at[0]] if at else 0
 
 
-def tree_choice(tree, s):
-    """The token the tree continues s with (its most frequent child; the reference lets it break ties)."""
-    n, idx = tree.match(array("i", s))
-    if idx < tree._length[n]:
-        return tree._ref[n][tree._start[n] + idx]
-    return tree._first(tree._best_child(n))
+def reference_choice(nexts):
+    """The most frequent continuation; among equal counts the smallest token (the choice depends on the
+    text alone: Arctic's is arbitrary)."""
+    return min(nexts, key=lambda t: (-nexts[t], t))
 
 
-def reference_follow(tree, seqs, depth, s, max_tokens, min_prob):
+def reference_follow(seqs, depth, s, max_tokens, min_prob):
     tokens, probs, prob, cur = [], [], 1.0, list(s)
     while len(tokens) < max_tokens and len(cur) < depth:
         nexts = {}
@@ -50,8 +48,7 @@ def reference_follow(tree, seqs, depth, s, max_tokens, min_prob):
                     nexts[q[i + len(cur)]] = nexts.get(q[i + len(cur)], 0) + 1
         if not nexts:
             break
-        t = tree_choice(tree, cur)
-        assert nexts[t] == max(nexts.values())  # the most frequent continuation
+        t = reference_choice(nexts)
         prob *= nexts[t] / count_of(seqs, cur, depth)
         if prob < min_prob:
             break
@@ -61,7 +58,7 @@ def reference_follow(tree, seqs, depth, s, max_tokens, min_prob):
     return tokens, probs
 
 
-def reference_speculate(tree, seqs, depth, pattern, cap, factor, offset, min_prob):
+def reference_speculate(seqs, depth, pattern, cap, factor, offset, min_prob):
     """Arctic's SuffixTree::speculate: every match length m = 1 .. len(pattern) - 1 in turn, at most
     min(cap, factor x m + offset) tokens each, the best score kept (>=: ties to the longer match)."""
     pattern = pattern[-depth:]
@@ -70,7 +67,7 @@ def reference_speculate(tree, seqs, depth, pattern, cap, factor, offset, min_pro
         if count_of(seqs, pattern[-m:], depth) == 0:
             break
         most = max(0, min(cap, int(m * factor + offset + 1e-6)))
-        tokens, probs = reference_follow(tree, seqs, depth, pattern[-m:], most, min_prob)
+        tokens, probs = reference_follow(seqs, depth, pattern[-m:], most, min_prob)
         score = 0.0
         for p in probs:
             score += p
@@ -95,7 +92,7 @@ def check_tree(tree, seqs, depth, alphabet, rng):
         for t, c in ch.items():
             assert tree._parent[c] == n and tree._first(c) == t and 0 < tree._count[c] <= tree._count[n]
         if n and h != STALE:
-            assert tree._count[h] == max(tree._count[c] for c in ch.values())
+            assert h == ch[reference_choice({t: tree._count[c] for t, c in ch.items()})]
 
 
 def random_args(rng):
@@ -149,18 +146,18 @@ def test_the_tree_counts_every_window_and_proposes_as_arctic(seed):
                 j = rng.randint(1, len(q))
                 text = q[max(0, j - rng.randint(1, 12)) : j] + text[: rng.randint(0, 2)]
             args = random_args(rng)
-            expected = reference_speculate(tree, live, depth, text, *args)
+            expected = reference_speculate(live, depth, text, *args)
             walked = tree.speculate(text, *args)
-            state = tree.advance([], text)
-            stated = tree.propose(lambda m: state[m - 1], min(len(state), min(depth, len(text)) - 1), *args)
+            nodes, idxs = tree.advance(([], []), text)
+            stated = tree.propose(nodes, idxs, min(len(nodes), min(depth, len(text)) - 1), *args)
             for got in (walked, stated):
                 assert (got.token_ids, got.score, got.match_len) == expected
         for sid in open_:
             if len(seqs[sid]) >= 2:
-                at, longest = tree.open_at(sid)
-                got = tree.propose(at, longest, 8, 1.0, 0.0, 0.1)
+                own = tree.open_nodes(sid, min(depth, len(seqs[sid])) - 1)  # Arctic tries m < the pattern's
+                got = tree.propose(own, None, len(own), 8, 1.0, 0.0, 0.1)
                 assert (got.token_ids, got.score, got.match_len) == reference_speculate(
-                    tree, live, depth, seqs[sid], 8, 1.0, 0.0, 0.1
+                    live, depth, seqs[sid], 8, 1.0, 0.0, 0.1
                 )
 
 
@@ -190,9 +187,9 @@ def test_a_long_context_builds_and_proposes_from_its_own_windows():
     tree = SuffixTree(24)
     for i in range(0, len(text), 37):
         tree.extend(0, text[i : i + 37])
-    at, longest = tree.open_at(0)
-    assert longest == 23
-    own = tree.propose(at, longest, 16)
+    nodes = tree.open_nodes(0)
+    assert len(nodes) == 23
+    own = tree.propose(nodes, None, len(nodes), 16)
     walked = tree.speculate(text[-24:], 16)
     assert (own.token_ids, own.score, own.match_len) == (walked.token_ids, walked.score, walked.match_len)
     assert own.token_ids == block[150 : 150 + own.k] and own.k >= 8
