@@ -266,6 +266,7 @@ class DraftEngine:
         self.security: Security | None = None  # TLS and service key of the channels to verify replicas
         self.shutting_down = False
         self.online: OnlineLoop | None = None
+        self._learning: set[asyncio.Task] = set()  # outputs being added to the suffix method's global trees
         if config.online_distill and model is not None:
             self.online = OnlineLoop(model, online_config(config), self.model_thread)
             self.online.start()
@@ -329,6 +330,14 @@ class DraftEngine:
                 break
             self._drafters.pop(sid).release()
         return drafter
+
+    def learn(self, drafter: SuffixDrafter, output_ids: list[int]) -> None:
+        """A finished generation's output joins its scope's global suffix tree, in a task of its own: its
+        caller's last event does not wait for it, and it is scheduled before that event reaches the caller,
+        so that the caller's next request finds it there."""
+        task = asyncio.get_running_loop().create_task(drafter.finish(output_ids))
+        self._learning.add(task)
+        task.add_done_callback(self._learning.discard)
 
     def check(self, prompt_ids: list[int], params: SamplingParams, k: int | None) -> int:
         """Validate a request; returns its K max: None asks for the service's default, 0 for target-only."""
@@ -527,8 +536,8 @@ class _Generation:
             # Before the final event goes out: a caller's next turn must find the session free on the
             # verify service (the stream's status is awaited).
             await self.remote.aclose(result.finish_reason != "cancelled")
-            if isinstance(self.drafter, SuffixDrafter):  # the output joins the scope's global tree
-                await self.drafter.finish(result.token_ids)
+            if isinstance(self.drafter, SuffixDrafter):
+                self.engine.learn(self.drafter, result.token_ids)
             guard = self.engine.goodput_guard
             pays = guard.speculation_pays() if guard is not None else None
             self.queue.put_nowait(Finished(result.finish_reason, result.stats, pays))

@@ -4,6 +4,7 @@ trees' bound, its metrics, and bad settings refused naming them."""
 
 import subprocess
 import sys
+import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
@@ -43,6 +44,16 @@ def reference(tiny_target):
     return lambda prompt: engine.generate(prompt, params, num_speculative_tokens=0).token_ids
 
 
+def learnt(server) -> None:
+    """Wait until the draft service has added every finished output to its global trees (a task of its own,
+    after the answer)."""
+    engine = server.server.engine
+    deadline = time.monotonic() + 10
+    while engine._learning and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not engine._learning
+
+
 def metrics(server) -> dict:
     """(name, labels) -> value of a service's /metrics."""
     port = server.server.metrics_port
@@ -75,6 +86,7 @@ def test_greedy_through_the_services_equals_target_only(tiny_target, reference):
             assert list(pool.map(lambda p: generate(draft_stub(draft), p, GREEDY)[0], ps)) == list(map(reference, ps))
         info = stub.Info(draft_pb2.DraftServiceInfoRequest())
         assert info.algorithm == "suffix" and not info.model_path and info.accepted > 0
+        learnt(draft)
         cache = draft.server.engine.suffix
         assert cache.proposals["global"] > 0 and cache.proposals["local"] > 0 and cache.cached_requests == 16
         m = metrics(draft)
@@ -146,6 +158,7 @@ def test_one_scopes_generations_never_shape_anothers_drafts(tiny_target):
         assert again[2] > alone[2] and again[0] < alone[0]  # the first output, drafted back
         assert fixed_stats(stub, p, "tenant-b") == alone  # as if tenant-a had never generated
         assert fixed_stats(stub, p, "tenant-a/salt") == alone
+        learnt(draft)
         assert draft.server.engine.suffix.scopes == 3
     finally:
         draft.stop()
@@ -177,6 +190,7 @@ def test_tenants_behind_the_gateway_draft_from_their_own_generations(target, tok
         assert again == text and a2 > a1
         assert accepted("sk-b") == (a1, text)
         assert accepted("sk-a", cache_salt="s1") == (a1, text)
+        learnt(draft)
         assert draft.server.engine.suffix.scopes == 3
     finally:
         gw.stop()
@@ -193,6 +207,7 @@ def test_the_global_trees_hold_at_most_the_bound(tiny_target):
     try:
         for p in prompts(5, seed=9):
             generate(stub, p, GREEDY, cache_scope="a" if len(p) % 2 else "b")
+        learnt(draft)
         cache = draft.server.engine.suffix
         assert cache.cached_requests == 3 and cache.evicted == 2
         m = metrics(draft)
