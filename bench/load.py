@@ -27,17 +27,18 @@ down so the two never share the CPU.
 
 `--llamacpp` adds llama.cpp's own server as a second peer, also after the stack is torn down (and after the HF
 peer): `llama-server` built from the `llama-cpp-python` sdist's vendored llama.cpp and the demo pair converted to
-GGUF f32 on first use (bench/llamacpp.py; cached outside git). At each `--llamacpp-concurrency` level (default
-1 and 16) and slot count (`-np`, default as many as streams; `--llamacpp-parallel 4,8,16` tries several), one
-server decoding plain and one per `--llamacpp-draft-n` (default 2,4,8: `-md draft --spec-type draft-simple
---spec-draft-n-max N`) run side by side, idle but for the one being measured, in alternating order as above;
-each gets the same prompts as token ids through its native streamed `POST /completion` (`n_predict` +
-`ignore_eos`, greedy, penalties off), the same closed loop and request counts. Reported like ours (tokens/s,
-TTFT, ITL, TPOT, CPU per 1,000 tokens), with its acceptance (per-request timings) and mean accepted length
-(verification rounds from its `/metrics`), and greedy agreement: every output's token ids against our stack's
-greedy output for that prompt (the gateway's `POST /generate`, collected before teardown; the HF target's
-greedy `generate` if the gateway has no such route). Ratios per greedy level: ours speculative / llama.cpp's
-best speculative setting, ours target-only / llama.cpp plain, ours / llama.cpp's best setting of all.
+GGUF f32 on first use (bench/llamacpp.py; cached outside git). At each `--llamacpp-concurrency` level (default 1
+and 16), slot count (`-np`, default as many as streams; `--llamacpp-parallel 4,8,16` tries several) and thread
+count (`--llamacpp-threads`, default this machine's cores; `1,2` tries both), one server decoding plain and one
+per `--llamacpp-draft-n` (default 2,4,8: `-md draft --spec-type draft-simple --spec-draft-n-max N`) run side by
+side, idle but for the one being measured, in alternating order as above; each gets the same prompts as token ids
+through its native streamed `POST /completion` (`n_predict` + `ignore_eos`, greedy, penalties off), the same
+closed loop and request counts. Reported like ours (tokens/s, TTFT, ITL, TPOT, CPU per 1,000 tokens), with its
+acceptance (per-request timings) and mean accepted length (verification rounds from its `/metrics`), and greedy
+agreement: every output's token ids against our stack's greedy output for that prompt (the gateway's `POST
+/generate`, collected before teardown; the HF target's greedy `generate` if the gateway has no such route). Ratios
+per greedy level: ours speculative / llama.cpp's best speculative setting, ours target-only / llama.cpp plain,
+ours / llama.cpp's best setting of all.
 
 Per (mode, sampling, concurrency): aggregate tokens/s (completion tokens / wall time of the level), TTFT
 p50/p99, ITL p50/p99 (gaps between streamed chunks, vLLM's definition: under speculation one chunk can carry
@@ -675,16 +676,21 @@ def measure_llamacpp(
     draft_ns = args.llamacpp_draft_n
     # each slot holds a prompt, its completion and a draft beyond it
     ctx_per_slot = args.prompt_len + args.max_tokens + max(draft_ns, default=0) + 16
-    threads = args.llamacpp_threads or cores()
+    thread_counts = [t or cores() for t in args.llamacpp_threads]
     timeout = args.request_timeout_s
     modes = {llamacpp_mode(n): n for n in [None, *draft_ns]}
-    groups = [(c, p) for c in args.llamacpp_concurrency for p in llamacpp_parallel(args.llamacpp_parallel, c)]
+    groups = [
+        (c, p, t)
+        for c in args.llamacpp_concurrency
+        for p in llamacpp_parallel(args.llamacpp_parallel, c)
+        for t in thread_counts
+    ]
     n_req = {c: max(args.min_requests, args.requests_factor * c) for c in args.llamacpp_concurrency}
     levels = []
     commands: dict[str, list[str]] = {}
     tokenizer: dict = {}
 
-    async def group(c: int, parallel: int, bar) -> dict:
+    async def group(c: int, parallel: int, threads: int, bar) -> dict:
         with contextlib.ExitStack() as servers_open:
             servers = {}
             for mode, n in modes.items():
@@ -720,7 +726,8 @@ def measure_llamacpp(
                 passes: dict[str, list] = {mode: [] for mode in modes}
                 for r in range(args.repeats):
                     for mode in list(modes) if r % 2 == 0 else list(modes)[::-1]:
-                        bar.set_postfix_str(f"llama.cpp {mode}, concurrency {c}, -np {parallel}, pass {r + 1}")
+                        where = f"concurrency {c}, -np {parallel}, -t {threads}"
+                        bar.set_postfix_str(f"llama.cpp {mode}, {where}, pass {r + 1}")
                         srv = servers[mode]
                         procs = [("llama-server", srv.proc)]
                         before, cpu_before = scrape_url(srv.base + "/metrics"), process_cpu_seconds(procs)
@@ -753,10 +760,11 @@ def measure_llamacpp(
         return out
 
     async def run_all() -> None:
-        total = sum(n_req[c] * args.repeats * len(modes) for c, _ in groups)
+        total = sum(n_req[c] * args.repeats * len(modes) for c, _, _ in groups)
         with tqdm(total=total, desc="llama.cpp", unit="req") as bar:
-            for c, parallel in groups:
-                levels.append({"concurrency": c, "parallel": parallel, "modes": await group(c, parallel, bar)})
+            for c, parallel, threads in groups:
+                modes_measured = await group(c, parallel, threads, bar)
+                levels.append({"concurrency": c, "parallel": parallel, "threads": threads, "modes": modes_measured})
 
     asyncio.run(run_all())
     every = [lv["modes"][m]["greedy_agreement"] for lv in levels for m in lv["modes"]]
@@ -769,7 +777,7 @@ def measure_llamacpp(
         "binary": str(binary),
         "gguf": {"target": target.name, "draft": draft.name, "type": "f32"},
         "commands": {mode: [Path(cmd[0]).name, *cmd[1:]] for mode, cmd in commands.items()},
-        "threads": threads,
+        "threads": thread_counts,
         "draft_n_max": draft_ns,
         "concurrency": args.llamacpp_concurrency,
         "requests_per_level": {str(c): n for c, n in n_req.items()},
@@ -794,8 +802,8 @@ def llamacpp_parallel(spec: list[int] | None, concurrency: int) -> list[int]:
 
 
 def llamacpp_best(levels: list[dict]) -> dict:
-    """Per concurrency, llama.cpp's fastest plain setting, its fastest speculative one (over draft lengths and
-    slot counts) and the fastest of all."""
+    """Per concurrency, llama.cpp's fastest plain setting, its fastest speculative one (over draft lengths, slot
+    counts and thread counts) and the fastest of all."""
     best: dict[str, dict] = {}
     for lv in levels:
         b = best.setdefault(str(lv["concurrency"]), {})
@@ -805,6 +813,7 @@ def llamacpp_best(levels: list[dict]) -> dict:
                 "mode": mode,
                 "draft_n_max": m["draft_n_max"],
                 "parallel": lv["parallel"],
+                "threads": lv["threads"],
             }
             for kind in ("plain" if m["draft_n_max"] is None else "speculative", "any"):
                 if m["tokens_per_s"] and (kind not in b or m["tokens_per_s"] > b[kind]["tokens_per_s"]):
@@ -893,23 +902,24 @@ def markdown(r: dict) -> str:
 def markdown_llamacpp(r: dict) -> list[str]:
     lc = r["llamacpp"]
     lines = [
-        "| concurrency | llama.cpp -np | llama.cpp setting | tok/s | TTFT p50 / p99 ms | ITL p50 / p99 ms "
+        "| concurrency | llama.cpp -np | -t | llama.cpp setting | tok/s | TTFT p50 / p99 ms | ITL p50 / p99 ms "
         "| TPOT p50 ms | acceptance | mean accepted length | greedy = ours |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for lv in lc["levels"]:
         for mode, m in lv["modes"].items():
             a = m["greedy_agreement"]
             agree = f"{a['exact']}/{a['compared']}" if a else "-"
+            setting = f"| {lv['concurrency']} | {lv['parallel']} | {lv['threads']} | {mode} "
             lines.append(
-                f"| {lv['concurrency']} | {lv['parallel']} | {mode} | {fmt(m['tokens_per_s'], '.1f')} "
+                setting + f"| {fmt(m['tokens_per_s'], '.1f')} "
                 f"| {fmt_pair(m['ttft_ms'])} | {fmt_pair(m['itl_ms'])} | {fmt_p50(m['tpot_ms'])} "
                 f"| {fmt(m['acceptance_rate'], '.3f')} | {fmt(m['mean_accepted_length'])} "
                 f"| {agree} |"
             )
     lines += [
         "",
-        "| concurrency | ours speculative tok/s | ours target-only tok/s | llama.cpp plain tok/s "
+        "| concurrency | ours speculative tok/s | ours target-only tok/s | llama.cpp plain tok/s (best) "
         "| llama.cpp speculative tok/s (best) | ours spec / llama.cpp spec | ours target-only / llama.cpp plain "
         "| ours spec / llama.cpp best |",
         "|---|---|---|---|---|---|---|---|",
@@ -918,14 +928,19 @@ def markdown_llamacpp(r: dict) -> list[str]:
         v = lv.get("vs_llamacpp")
         if not v:
             continue
-        best_spec = lc["best"][str(lv["concurrency"])].get("speculative") or {}
-        where = f" (n_max {best_spec['draft_n_max']}, -np {best_spec['parallel']})" if best_spec else ""
+        best = lc["best"][str(lv["concurrency"])]
+
+        def where(kind: str, best: dict = best) -> str:
+            b = best.get(kind)
+            n_max = f"n_max {b['draft_n_max']}, " if b and b["draft_n_max"] else ""
+            return f" ({n_max}-np {b['parallel']}, -t {b['threads']})" if b else ""
+
         cells = [
             str(lv["concurrency"]),
             fmt(lv[SPEC]["tokens_per_s"], ".1f"),
             fmt(lv[TARGET_ONLY]["tokens_per_s"], ".1f"),
-            fmt(v["llamacpp_plain_tokens_per_s"], ".1f"),
-            fmt(v["llamacpp_speculative_tokens_per_s"], ".1f") + where,
+            fmt(v["llamacpp_plain_tokens_per_s"], ".1f") + where("plain"),
+            fmt(v["llamacpp_speculative_tokens_per_s"], ".1f") + where("speculative"),
             fmt(v["spec_vs_llamacpp_spec"], ".2f", "x"),
             fmt(v["target_only_vs_llamacpp_plain"], ".2f", "x"),
             fmt(v["spec_vs_llamacpp_best"], ".2f", "x"),
@@ -935,7 +950,8 @@ def markdown_llamacpp(r: dict) -> list[str]:
     lines += [
         "",
         f"llama.cpp: llama-server from the llama-cpp-python {lc['llama_cpp_python_sdist']} sdist, GGUF f32, "
-        f"{lc['threads']} threads, greedy; greedy outputs equal to {g['reference']}: {g['exact']} of {g['compared']}; "
+        f"-t {', '.join(map(str, lc['threads']))}, greedy; greedy outputs equal to {g['reference']}: "
+        f"{g['exact']} of {g['compared']}; "
         f"its tokenizer's ids equal ours on {lc['tokenizer_agreement'].get('same_ids')} of "
         f"{lc['tokenizer_agreement'].get('texts')} prompt texts.",
     ]
@@ -1086,6 +1102,13 @@ def parse_args(argv=None):
         metavar="FLAG",
         help="a flag for the draft service (repeatable), e.g. --draft-arg=--no-adaptive to keep every request's K",
     )
+    ap.add_argument(
+        "--note",
+        action="append",
+        default=[],
+        metavar="TEXT",
+        help="a note kept in the results (repeatable), e.g. what else ran on the machine",
+    )
     ap.add_argument("--request-timeout-s", type=float, default=300.0, help="client timeout per request")
     ap.add_argument("--seed", type=int, default=0, help="torch seed of the HF peer's sampling")
     ap.add_argument(
@@ -1115,7 +1138,12 @@ def parse_args(argv=None):
         help="llama.cpp slot counts (-np) tried at each level, capped at its concurrency (default: as many slots as "
         "streams)",
     )
-    ap.add_argument("--llamacpp-threads", type=int, default=0, help="llama-server -t / -tb (0 = this machine's cores)")
+    ap.add_argument(
+        "--llamacpp-threads",
+        type=parse_list(int),
+        default=[0],
+        help="llama-server thread counts tried (-t / -tb, and the draft's; 0 = this machine's cores)",
+    )
     ap.add_argument(
         "--llamacpp-arg",
         action="append",
@@ -1136,6 +1164,8 @@ def parse_args(argv=None):
         ap.error("--llamacpp-concurrency needs levels >= 1")
     if any(n < 1 for n in args.llamacpp_draft_n) or any(p < 1 for p in args.llamacpp_parallel):
         ap.error("--llamacpp-draft-n and --llamacpp-parallel need values >= 1")
+    if not args.llamacpp_threads or min(args.llamacpp_threads) < 0:
+        ap.error("--llamacpp-threads needs values >= 0")
     if not args.concurrency or min(args.concurrency) < 1:
         ap.error("--concurrency needs levels >= 1")
     if any(not 0 <= t <= 2 for t in args.temperatures):
@@ -1411,6 +1441,7 @@ def main(argv=None) -> dict:
         "tokens, so compare TPOT = (end - first token) / (tokens - 1) per request as well",
         "HF assisted: one request at a time, so its aggregate tokens/s is the same at every concurrency",
     ]
+    notes += args.note
     if llamacpp:
         notes.append(
             "llama.cpp: llama-server after the stack is torn down, greedy only, the same prompts as token ids and the "
