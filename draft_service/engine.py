@@ -105,8 +105,9 @@ class DraftConfig:
     )
     draft_runner: str = flags.option(
         "auto",
-        "batched: one forward advances every drafting session (Llama family); static: one session per forward, "
-        "preallocated cache; hf: the stock HF forward; auto: batched where the model allows it",
+        "batched: one forward advances every drafting session (Llama family); gguf: the same on llama.cpp's CPU "
+        "kernels (Llama, llama-cpp-python installed); static: one session per forward, preallocated cache; hf: "
+        "the stock HF forward; auto: batched where the model allows it",
         choices=RUNNERS,
     )
     attention_backend: str = flags.attention_backend_option(ATTENTION_BACKENDS)
