@@ -46,6 +46,7 @@ bench: venv
 	$(PY) -m bench.services
 	$(PY) -m bench.load --llamacpp
 	$(PY) -m bench.prefix_share
+	$(PY) -m bench.suffix_cost
 
 # The chaos and soak suite, kept out of `make test`: real processes on loopback, services killed, hung and
 # restarted, the draft <-> verify link delayed, black-holed and reset, malformed input, then a soak of 32
