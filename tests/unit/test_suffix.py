@@ -129,7 +129,7 @@ def test_the_tree_counts_every_window_and_proposes_as_arctic(seed):
                 sources = [q for q in seqs.values() if q]
                 if sources and rng.random() < 0.4:  # repeat earlier text: shared paths, splits, fusions
                     q = rng.choice(sources)
-                    tokens = q[rng.randrange(len(q)) :][: rng.randint(1, 8)]
+                    tokens = q[rng.randrange(len(q)) :][: rng.randint(1, 40)]
                 else:
                     tokens = [rng.choice(alphabet) for _ in range(rng.randint(1, 4))]
                 tree.extend(sid, tokens)
