@@ -263,6 +263,9 @@ def convert(model_dir: Path, out_gguf: Path | None = None) -> Path:
 # the server
 
 
+KEEP_LOGS = 64
+
+
 def free_port() -> int:
     import socket
 
@@ -316,6 +319,10 @@ class LlamaServer:
 
     def __enter__(self) -> LlamaServer:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        # every server writes its own log; the newest ones are enough to look into a failure
+        logs = sorted(self.log_path.parent.glob("llama-server-*.log"), key=lambda f: f.stat().st_mtime)
+        for old in logs[:-KEEP_LOGS]:
+            old.unlink(missing_ok=True)
         self._log = open(self.log_path, "w")
         self._log.write(" ".join(self.cmd) + "\n")
         self._log.flush()

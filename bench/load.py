@@ -735,7 +735,8 @@ def measure_llamacpp(
                         after, cpu_after = scrape_url(srv.base + "/metrics"), process_cpu_seconds(procs)
                         if srv.proc.poll() is not None:
                             raise RuntimeError(f"llama-server ({mode}) exited:\n{srv.log_tail()}")
-                        passes[mode].append((records, wall, before, after, (cpu_before, cpu_after)))
+                        load = round(os.getloadavg()[0], 2)
+                        passes[mode].append((records, wall, before, after, (cpu_before, cpu_after), load))
         out = {}
         for mode, runs in passes.items():
             records = [rec for run in runs for rec in run[0]]
@@ -745,6 +746,7 @@ def measure_llamacpp(
                 tqdm.write(f"llama.cpp {mode}, concurrency {c}: {failed}")
             m["passes"] = len(runs)
             m["pass_tokens_per_s"] = [summarize(run[0], run[1], args.max_tokens)["tokens_per_s"] for run in runs]
+            m["pass_loadavg_1m_end"] = [run[5] for run in runs]
             # verification rounds from its /metrics (its per-request timings count drafted and accepted tokens only)
             drafts = metric_total(runs, "spec_decode_num_drafts_total")
             if modes[mode] is not None and drafts:
@@ -1276,7 +1278,8 @@ async def measure(args, stack: Stack, prompts: list[list[int]]) -> dict:
                 va, da = scrape(stack.metrics_ports.get("verify")), scrape(stack.metrics_ports.get("draft"))
                 stack.check_alive()
                 batches = (histogram_mean(vb, va, verify_metric), histogram_mean(db, da, draft_metric))
-                passes.setdefault((t, c, mode), []).append((records, wall, *batches, cpu))
+                load = round(os.getloadavg()[0], 2)
+                passes.setdefault((t, c, mode), []).append((records, wall, *batches, cpu, load))
                 if r + 1 < args.repeats:
                     continue
                 runs = passes[(t, c, mode)]
@@ -1284,6 +1287,9 @@ async def measure(args, stack: Stack, prompts: list[list[int]]) -> dict:
                 m = summarize(records, sum(run[1] for run in runs), args.max_tokens)
                 m["passes"] = len(runs)
                 m["pass_tokens_per_s"] = [summarize(run[0], run[1], args.max_tokens)["tokens_per_s"] for run in runs]
+                # the 1-minute load average as each pass ended: well above what the stack itself puts on the
+                # machine, something else was running
+                m["pass_loadavg_1m_end"] = [run[5] for run in runs]
                 if m["errors"] == m["requests"]:
                     raise RuntimeError(
                         f"every request of {mode}, {sampling_name(t)}, concurrency {c} failed: {m['error_examples']}"
