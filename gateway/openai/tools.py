@@ -191,10 +191,28 @@ def parse_reply(text: str, tool_plan: ToolPlan) -> tuple[str | None, list[ToolCa
     if tool_plan.forced:
         try:
             calls = [c for c in (_call(o) for o in json.loads(text)) if c is not None]
-        except (ValueError, TypeError):  # cut short by max_tokens: the text stays content
-            return text, []
+        except (ValueError, TypeError):  # cut short by max_tokens: the calls it finished, else the text
+            calls = [c for c in (_call(o) for o in _whole_items(text)) if c is not None]
+            return (None, calls) if calls else (text, [])
         return None, calls
     return TOOL_CALL_PARSERS[tool_plan.parser](text)
+
+
+def _whole_items(text: str) -> list[Any]:
+    """The items of a JSON array cut short, up to the last one that closed (a forced reply that ran into
+    max_tokens: its finished calls are valid, the one it was writing is not)."""
+    decoder, items = json.JSONDecoder(), []
+    i = text.find("[") + 1
+    if i == 0:
+        return items
+    while True:
+        while i < len(text) and text[i] in " \t\r\n,":
+            i += 1
+        try:
+            item, i = decoder.raw_decode(text, i)
+        except ValueError:
+            return items
+        items.append(item)
 
 
 def parse_hermes(text: str) -> tuple[str | None, list[ToolCall]]:

@@ -73,7 +73,13 @@ def test_required_and_named_give_valid_calls(client):  # noqa: F811
 def test_streamed_tool_calls_in_openai_shape(client):  # noqa: F811
     chunks = list(
         client.chat.completions.create(
-            model="demo", messages=MESSAGES, tools=[WEATHER], tool_choice="required", max_tokens=80, stream=True
+            model="demo",
+            messages=MESSAGES,
+            tools=[WEATHER],
+            tool_choice="required",
+            max_tokens=200,
+            temperature=0,
+            stream=True,
         )
     )
     deltas = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
@@ -81,6 +87,40 @@ def test_streamed_tool_calls_in_openai_shape(client):  # noqa: F811
     args = "".join(d.function.arguments or "" for d in deltas if d.index == 0)
     assert conforms(json.loads(args), SCHEMAS["get_weather"])
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_forced_reply_cut_by_max_tokens_keeps_the_calls_it_finished(client, stream):  # noqa: F811
+    # Seed 7 makes the demo model write two calls (seeded sampling repeats itself); with room for about one
+    # and a half, the first is a valid call, the half is dropped, and finish_reason says the reply was cut.
+    kw = dict(model="demo", messages=MESSAGES, tools=[WEATHER], tool_choice="required", temperature=1.0, seed=7)
+    whole = client.chat.completions.create(max_tokens=400, **kw).choices[0].message.tool_calls
+    assert whole and len(whole) > 1, "pick a seed that gives more than one call"
+    for budget in range(8, 120, 4):  # the first budget that finishes a call ends inside the next one
+        r = client.chat.completions.create(max_tokens=budget, **kw)
+        if r.choices[0].message.tool_calls:
+            break
+    else:
+        pytest.fail("no budget up to 120 tokens finished a call")
+    assert r.choices[0].finish_reason == "length"
+    if stream:
+        chunks = list(client.chat.completions.create(max_tokens=budget, stream=True, **kw))
+        deltas = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+        calls = [(d.function.name, d.function.arguments) for d in deltas]
+        assert chunks[-1].choices[0].finish_reason == "length"
+    else:
+        calls = [(c.function.name, c.function.arguments) for c in r.choices[0].message.tool_calls]
+        assert r.choices[0].message.content is None
+    assert 0 < len(calls) < len(whole)
+    assert calls == [(c.function.name, c.function.arguments) for c in whole][: len(calls)]
+    for _, args in calls:
+        assert conforms(json.loads(args), SCHEMAS["get_weather"])
+
+
+def test_whole_items_of_a_cut_array():
+    assert tools._whole_items('[{"a": 1}, {"b": [2, 3]}, {"c": "x') == [{"a": 1}, {"b": [2, 3]}]
+    assert tools._whole_items('[{"a": 1') == [] and tools._whole_items("no array") == []
+    assert tools._whole_items(' [ {"a": "]"} ,\n {') == [{"a": "]"}]
 
 
 def test_tool_turns_in_the_history_reach_the_prompt(client, stack):  # noqa: F811
