@@ -34,6 +34,8 @@ from specmesh.drafters import (
     ALGORITHMS,
     Algorithm,
     DraftBatcher,
+    HybridChooser,
+    HybridDrafter,
     ModelDrafter,
     SuffixCache,
     SuffixDrafter,
@@ -41,7 +43,7 @@ from specmesh.drafters import (
     make_drafter,
 )
 from specmesh.errors import FailedPrecondition, InvalidArgument, ResourceExhausted, Unavailable
-from specmesh.loop import FixedK, GoodputGuard, GoodputK, RoundRecord, speculative_generate
+from specmesh.loop import Drafter, FixedK, GoodputGuard, GoodputK, RoundRecord, speculative_generate
 from specmesh.models import load_model
 from specmesh.rejection import MAX_SPEC_LEN
 from specmesh.runtime import Runner
@@ -81,6 +83,13 @@ class DraftConfig:
         "output and recent generations (vLLM's suffix method), no model",
         choices=ALGORITHMS,
         type=str.lower,
+    )
+    # Arctic Inference's name: its hybrid of suffix decoding and a draft model.
+    enable_suffix_decoding: bool = flags.option(
+        True,
+        "standalone: each round takes the suffix trees' proposal (the prompt, the output, recent generations; "
+        "the --suffix-decoding-* settings) or the draft model's, whichever promises more committed tokens per "
+        "second; a round the suffix wins runs no draft forward",
     )
     speculative_num_steps: int = flags.option(4, "most draft tokens per block (K); adaptive K stays within it")
     adaptive: bool = flags.option(
@@ -198,6 +207,11 @@ class DraftConfig:
     def algorithm(self) -> Algorithm:
         return Algorithm(self.speculative_algorithm)
 
+    @property
+    def hybrid(self) -> bool:
+        """The draft model and the suffix trees, chosen per round."""
+        return self.algorithm is Algorithm.STANDALONE and self.enable_suffix_decoding
+
     def suffix_params(self) -> SuffixParams:
         return SuffixParams(
             max_tree_depth=self.suffix_decoding_max_tree_depth,
@@ -252,9 +266,13 @@ class DraftEngine:
         )
         self.totals = SpecStats()  # every finished generation's speculation statistics
         self.method = config.algorithm.method
-        self.by_method = {self.method: SpecStats()}  # the same, by the method that drafted
-        # The suffix method's global trees: the outputs of this replica's recent generations, by scope.
-        self.suffix = SuffixCache(config.suffix_params()) if config.algorithm is Algorithm.SUFFIX else None
+        # The same, by the method that drafted (a hybrid round's: the method of its block's first token).
+        methods = ("model", "suffix") if config.hybrid else (self.method,)
+        self.by_method = {m: SpecStats() for m in methods}
+        # The suffix trees' global half: the outputs of this replica's recent generations, by scope.
+        suffix = config.algorithm is Algorithm.SUFFIX or config.hybrid
+        self.suffix = SuffixCache(config.suffix_params()) if suffix else None
+        self.chooser = HybridChooser() if config.hybrid else None  # every hybrid generation's measurements
         self.goodput_guard = GoodputGuard() if config.goodput_guard else None  # shared by every generation
         self.tracer = tracer("draft")
         self.stream_metrics = stream_metrics  # TTFT and inter-token latency of Generate streams
@@ -321,7 +339,7 @@ class DraftEngine:
         drafter reads and feeds the global trees of the request's scope only."""
         algorithm = self.config.algorithm
         if not algorithm.needs_model or not session_id:
-            return make_drafter(algorithm, self.batcher, self.suffix, cache_scope)
+            return self._hybrid(make_drafter(algorithm, self.batcher, self.suffix, cache_scope), cache_scope)
         drafter = self._drafters.pop(session_id, None) or make_drafter(algorithm, self.batcher)
         assert isinstance(drafter, ModelDrafter)  # the algorithm needs a model, and there is one
         self._drafters[session_id] = drafter  # most recently used last
@@ -330,9 +348,14 @@ class DraftEngine:
             if sid in self._busy:
                 break
             self._drafters.pop(sid).release()
-        return drafter
+        return self._hybrid(drafter, cache_scope)
 
-    def learn(self, drafter: SuffixDrafter, output_ids: list[int]) -> None:
+    def _hybrid(self, drafter: Drafter | None, cache_scope: str) -> Drafter | None:
+        if self.chooser is None or not isinstance(drafter, ModelDrafter):
+            return drafter
+        return HybridDrafter(drafter, SuffixDrafter(self.suffix, cache_scope), self.chooser)
+
+    def learn(self, drafter: SuffixDrafter | HybridDrafter, output_ids: list[int]) -> None:
         """A finished generation's output joins its scope's global suffix tree, in a task of its own: its
         caller's last event does not wait for it, and it is scheduled before that event reaches the caller,
         so that the caller's next request finds it there."""
@@ -412,7 +435,8 @@ class DraftEngine:
                         timer.tokens(len(event.token_ids))
                     if isinstance(event, Finished):
                         self.totals.merge(event.stats)
-                        self.by_method[self.method].merge(event.stats)
+                        if self.chooser is None:  # a hybrid generation splits its own by method
+                            self.by_method[self.method].merge(event.stats)
                         release()
                     yield event
         finally:
@@ -537,8 +561,11 @@ class _Generation:
             # Before the final event goes out: a caller's next turn must find the session free on the
             # verify service (the stream's status is awaited).
             await self.remote.aclose(result.finish_reason != "cancelled")
-            if isinstance(self.drafter, SuffixDrafter):
+            if isinstance(self.drafter, (SuffixDrafter, HybridDrafter)):
                 self.engine.learn(self.drafter, result.token_ids)
+            if isinstance(self.drafter, HybridDrafter):
+                for method, stats in self.drafter.by_method.items():
+                    self.engine.by_method.setdefault(method, SpecStats()).merge(stats)
             guard = self.engine.goodput_guard
             pays = guard.speculation_pays() if guard is not None else None
             self.queue.put_nowait(Finished(result.finish_reason, result.stats, pays))
@@ -578,5 +605,5 @@ class _Generation:
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
             await self.remote.aclose(False)
-            if not self.session_id and isinstance(self.drafter, ModelDrafter):
+            if not self.session_id and isinstance(self.drafter, (ModelDrafter, HybridDrafter)):
                 self.drafter.release()

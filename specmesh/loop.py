@@ -450,6 +450,8 @@ async def speculative_generate(
     if drafter is None:
         policy = FixedK(0)
     stats = SpecStats.per_generation(policy.k_max)
+    # A drafter that chooses its method per round learns from each verdict (before its tokens commit).
+    observe: Callable[[int, int, float], None] | None = getattr(drafter, "observe", None)
     logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
     ahead: DraftBlock | None = None  # the next block, drafted while the previous one was being verified
     # The first block is drafted while the verifier prefills the prompt: it depends on the prompt alone,
@@ -548,6 +550,8 @@ async def speculative_generate(
         stats.draft_seconds += (t1 - t0) + (t2 - t1)
         stats.verify_seconds += t3 - t2
         stats.record(drafted, verdict.num_accepted)
+        if observe is not None:
+            observe(drafted, verdict.num_accepted, t3 - t1)
         # A block drafted during the previous verification cost no time here: no draft-speed sample.
         policy.observe(
             drafted,

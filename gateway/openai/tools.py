@@ -201,7 +201,8 @@ def parse_reply(text: str, tool_plan: ToolPlan) -> tuple[str | None, list[ToolCa
 def _whole_items(text: str) -> list[Any]:
     """The items of a JSON array cut short, up to the last one that closed (a forced reply that ran into
     max_tokens: its finished calls are valid, the one it was writing is not)."""
-    decoder, items = json.JSONDecoder(), []
+    decoder = json.JSONDecoder()
+    items: list[Any] = []
     i = text.find("[") + 1
     if i == 0:
         return items

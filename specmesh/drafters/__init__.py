@@ -9,6 +9,7 @@ from __future__ import annotations
 import enum
 
 from specmesh.drafters.batcher import DraftBatcher
+from specmesh.drafters.hybrid import HybridChooser, HybridDrafter
 from specmesh.drafters.model import ModelDrafter
 from specmesh.drafters.ngram import NgramDrafter
 from specmesh.drafters.suffix import SuffixCache, SuffixDrafter, SuffixParams
@@ -62,6 +63,8 @@ __all__ = [
     "ALGORITHMS",
     "Algorithm",
     "DraftBatcher",
+    "HybridChooser",
+    "HybridDrafter",
     "ModelDrafter",
     "NgramDrafter",
     "SuffixCache",

@@ -919,11 +919,15 @@ class SuffixDrafter:
         self, k: int, after: Sequence[int] = (), should_stop: Callable[[], bool] | None = None
     ) -> DraftBlock:
         draft = self.speculate(k, after)
+        self.count(draft)
+        return DraftBlock(draft.token_ids)
+
+    def count(self, draft: SuffixDraft) -> None:
+        """A proposal that was sent, in the replica's counts by source tree."""
         if self.cache is not None:
             self.cache.proposals[draft.source] += 1
             if draft.source:
                 self.cache.proposed_tokens[draft.source] += draft.k
-        return DraftBlock(draft.token_ids)
 
     def commit(self, tokens: list[int]) -> None:
         self.local.extend(LOCAL_SEQ, tokens)

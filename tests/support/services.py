@@ -48,6 +48,9 @@ def start_draft(model, verify_address: str, tokenizer=None, **kw) -> BackgroundS
     # would rightly turn speculation off in them; the tests of the speculation machinery need it on. The
     # guard has its own tests (tests/integration/test_services.py).
     kw.setdefault("goodput_guard", False)
+    # Likewise the tests of model drafting draft by the model alone; the hybrid has its own tests
+    # (tests/integration/test_hybrid_drafting.py), and the stacks the e2e tests launch run it by default.
+    kw.setdefault("enable_suffix_decoding", False)
     config = DraftConfig(
         model_path="(in-memory)" if model is not None else "", port=0, verify_address=verify_address, **kw
     )

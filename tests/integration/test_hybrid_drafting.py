@@ -1,0 +1,195 @@
+"""The draft chosen per round (a draft model and the suffix trees) through the real services on loopback:
+lossless (greedy token for token, the sampled law at T = 0.7 with blocks of both kinds joined by drafting
+ahead), both methods drafting and each counted under its own label, suffix rounds running no draft forward,
+seeded requests replaying, and the flag that turns it off."""
+
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+from prometheus_client.parser import text_string_to_metric_families
+
+from draft_service.engine import DraftConfig
+from specmesh.drafters import HybridChooser
+from specmesh.engine import SpeculativeEngine
+from specmesh.sampling import SamplingParams
+from specmesh.v1 import common_pb2, draft_pb2
+from tests.support.laws import LAW_PROMPT, LAW_VOCAB, first_two_counts, law_target, pooled_chisquare
+from tests.support.models import noisy_copy, tiny_model
+from tests.support.services import draft_stub, generate, start_draft, start_verify
+
+VOCAB = 128
+GREEDY = common_pb2.SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def pair():
+    target = tiny_model("llama", vocab=VOCAB, seed=11)
+    return target, noisy_copy(target, 0.4, seed=2)
+
+
+def prompts(n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [
+        torch.randint(0, VOCAB - 1, (int(torch.randint(3, 16, (1,), generator=g)),), generator=g).tolist()
+        for _ in range(n)
+    ]
+
+
+def learnt(server) -> None:
+    engine = server.server.engine
+    deadline = time.monotonic() + 10
+    while engine._learning and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not engine._learning
+
+
+def metrics(server) -> dict:
+    with urllib.request.urlopen(f"http://127.0.0.1:{server.server.metrics_port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def run_twice(draft, ps):
+    """Each prompt twice: the second run finds the first one's output in the global trees."""
+    stub = draft_stub(draft)
+    out = []
+    for p in ps:
+        for _ in range(2):
+            out.append(generate(stub, p, GREEDY)[0])
+    learnt(draft)
+    return out
+
+
+def test_greedy_equals_target_only_with_both_methods_drafting(pair):
+    target, draft_model = pair
+    engine = SpeculativeEngine.from_models(target)
+    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    ps = [[5, 6, 7, 8] * 4, *prompts(5, seed=3)]
+    reference = [engine.generate(p, params, num_speculative_tokens=0).token_ids for p in ps for _ in range(2)]
+    verify = start_verify(target, max_batch_size=16)
+    forwards = {}
+    try:
+        for hybrid in (False, True):
+            draft = start_draft(
+                draft_model,
+                verify.address,
+                enable_suffix_decoding=hybrid,
+                speculative_num_steps=6,
+                pipeline=False,
+                metrics_port=0,
+            )
+            try:
+                assert run_twice(draft, ps) == reference
+                e = draft.server.engine
+                forwards[hybrid] = e.batcher.stats.rows  # draft tokens the model computed
+                if hybrid:
+                    assert e.chooser.chosen["suffix"] > 0 and e.chooser.chosen["model"] > 0
+                    by = e.by_method
+                    assert by["suffix"].drafted > 0 and by["suffix"].accepted > 0 and by["model"].drafted > 0
+                    info = draft_stub(draft).Info(draft_pb2.DraftServiceInfoRequest())
+                    assert by["suffix"].drafted + by["model"].drafted == info.drafted
+                    m = metrics(draft)
+                    for method in ("model", "suffix"):
+                        label = (("method", method),)
+                        assert m[("specmesh_draft_spec_draft_tokens_total", label)] == by[method].drafted
+                        assert m[("specmesh_draft_spec_accepted_tokens_total", label)] == by[method].accepted
+                    assert e.suffix.cached_requests == len(reference)
+                else:
+                    assert set(e.by_method) == {"model"} and e.suffix is None
+            finally:
+                draft.stop()
+    finally:
+        verify.stop()
+    assert forwards[True] < forwards[False]  # the rounds the suffix won ran no draft forward
+
+
+def test_sampled_output_is_the_target_law_at_t_0_7():
+    """Through both services, a noisy-copy draft with its q (top 4) and suffix proposals as point masses,
+    drafting ahead on (a block drafted ahead by one method is joined to one by the other): the joint law of
+    tokens 1-2 and the law of token 3 at temperature 0.7."""
+    t, vocab, prompt = 0.7, LAW_VOCAB, LAW_PROMPT
+    target = law_target()
+
+    def law(ids):
+        with torch.no_grad():
+            return torch.softmax(target(input_ids=torch.tensor([ids])).logits[0, -1] / t, -1).double()
+
+    p1 = law(prompt)
+    joint = p1[:, None] * torch.stack([law(prompt + [a]) for a in range(vocab)])
+    p3 = sum(joint[a, b] * law(prompt + [a, b]) for a in range(vocab) for b in range(vocab))
+    verify = start_verify(target)
+    draft = start_draft(
+        noisy_copy(target, 0.5, seed=3),
+        verify.address,
+        draft_topk=4,
+        adaptive=False,
+        speculative_num_steps=2,
+        enable_suffix_decoding=True,
+        metrics_port=0,
+    )
+    params = common_pb2.SamplingParams(temperature=t, max_tokens=4, ignore_eos=True)
+    n = 2000
+    stub = draft_stub(draft)
+    try:
+        with ThreadPoolExecutor(8) as pool:
+            runs = list(pool.map(lambda _: generate(stub, prompt, params), range(n)))
+        by = draft.server.engine.by_method
+        info = stub.Info(draft_pb2.DraftServiceInfoRequest())
+    finally:
+        draft.stop()
+        verify.stop()
+    c3 = torch.zeros(vocab, dtype=torch.float64)
+    for tokens, _ in runs:
+        c3[tokens[2]] += 1
+    assert by["suffix"].drafted > 100 and by["model"].drafted > 100  # both kinds of block, many times
+    assert 0.1 < info.accepted / info.drafted < 0.95
+    assert pooled_chisquare(first_two_counts(runs), joint, n) > 1e-3
+    assert pooled_chisquare(c3, p3, n) > 1e-3
+
+
+def test_a_seeded_request_replays(pair):
+    target, draft_model = pair
+    verify = start_verify(target)
+    draft = start_draft(draft_model, verify.address, enable_suffix_decoding=True, speculative_num_steps=4)
+    params = common_pb2.SamplingParams(temperature=0.9, seed=17, max_tokens=40, ignore_eos=True)
+    try:
+        stub = draft_stub(draft)
+        runs = [generate(stub, [9, 8, 7, 9, 8, 7], params)[0] for _ in range(3)]  # the trees fill in between
+    finally:
+        draft.stop()
+        verify.stop()
+    assert runs[0] == runs[1] == runs[2]
+
+
+def test_the_chooser_weighs_tokens_per_second():
+    c = HybridChooser()
+    # Before any timing: a proposal the trees rate at a token or more.
+    assert c.prefers_suffix(4, 3, 1.2) and not c.prefers_suffix(4, 3, 0.5) and not c.prefers_suffix(4, 3, 0.0)
+    c.observe_verify(0.010)
+    c.observe_draft(0.005)  # a draft token costs half a verify round
+    # model: 1 + .75 + .56 + .42 + .32 = 3.05 tokens in 30 ms; suffix: 1 + score tokens in 10 ms
+    assert c.prefers_suffix(4, 3, 0.2)
+    c.draft_seconds.value = 0.0001  # a nearly free draft model: the suffix needs the better estimate
+    assert not c.prefers_suffix(4, 3, 0.5) and c.prefers_suffix(4, 3, 2.2)
+    for _ in range(200):  # proposals of short matches that never land
+        c.observe_suffix(1, 2.0, 0)
+    assert not c.prefers_suffix(4, 1, 2.2) and c.prefers_suffix(4, 8, 2.2)  # long matches keep their own record
+    for _ in range(200):
+        c.observe_model(4, 0)  # the model's drafts are all rejected
+    assert c.model_acceptance < 0.05 and c.prefers_suffix(4, 8, 0.3)
+
+
+def test_the_flag_turns_it_off():
+    from draft_service.__main__ import parse_args
+
+    on = DraftConfig(model_path="d")
+    off, _ = parse_args(["--model-path", "d", "--no-enable-suffix-decoding"])
+    assert on.hybrid and not off.hybrid
+    assert not DraftConfig(speculative_algorithm="suffix").hybrid
