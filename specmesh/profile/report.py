@@ -8,7 +8,7 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
-from specmesh.profile.analysis import BUDGET_PARTS, K_RANGE, KV_FULL, Findings
+from specmesh.profile.analysis import BUDGET_PARTS, K_RANGE, KV_FULL, Findings, suffix_share
 
 COLORS = {
     "drafting": "#e4803a",
@@ -283,6 +283,9 @@ def sections(f: Findings, plots: dict[str, str]) -> list[tuple[str, list[str], s
     kv = kv_lines(f)
     if kv:
         out.append(("KV cache", kv, None))
+    methods = method_lines(f)
+    if methods:
+        out.append(("Drafts by method", methods, None))
     method = [
         "Each phase ran its streams back to back for its share of --duration; every service's /metrics was read "
         "just before and after it, so each number is that phase's own. Model busy: the share of wall time a "
@@ -292,6 +295,24 @@ def sections(f: Findings, plots: dict[str, str]) -> list[tuple[str, list[str], s
     ]
     out.append(("Method", method, None))
     return out
+
+
+def method_lines(f: Findings) -> list[str]:
+    """Draft and accepted tokens by the method that drafted them, and the suffix trees' share of the accepted
+    (none when one method drafted everything)."""
+    spec = [s for s in f.summaries if s.speculative and s.by_method]
+    if not any(len(s.by_method) > 1 or "suffix" in s.by_method for s in spec):
+        return []
+    names = sorted({m for s in spec for m in s.by_method})
+    head = " | ".join(f"{m} drafted / accepted" for m in names)
+    rows = [f"| streams | {head} | suffix share of accepted |", "|---|" + "---|" * (len(names) + 1)]
+    for s in spec:
+        cells = " | ".join(
+            f"{s.by_method[m][0]:.0f} / {s.by_method[m][1]:.0f}" if m in s.by_method else "-" for m in names
+        )
+        share = suffix_share(s)
+        rows.append(f"| {s.concurrency} | {cells} | {'-' if share is None else f'{share * 100:.0f} %'} |")
+    return rows
 
 
 def kv_lines(f: Findings) -> list[str]:
