@@ -19,10 +19,12 @@ from tests.support.services import ROOT
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 # Speculating at every load (on a CPU the stack would turn it off past one stream, and the gateway would send
 # requests past a slow draft once its goodput guard says speculation loses): the advice under test is about K
-# and the draft, which the concurrency-4 phase must see speculating.
+# and the draft, which the concurrency-4 phase must see speculating. The draft model drafts every round (the
+# per-round choice would rightly go around a slow draft with suffix proposals).
 DEMO_STACK = [
     "--model-path", str(DEMO / "target"), "--speculative-draft-model-path", str(DEMO / "draft"),
     "--speculative-disable-by-batch-size", "0", "--gateway-arg=--goodput-probe-every=0",
+    "--draft-arg=--no-enable-suffix-decoding",
 ]  # fmt: skip
 
 
