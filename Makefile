@@ -26,8 +26,10 @@ run: venv
 	$(VENV)/bin/specmesh serve --model-path models/demo/target --speculative-draft-model-path models/demo/draft \
 		--served-model-name demo
 
+# Two workers, a test file each at a time: the in-process tests run torch on one thread, and the e2e tests
+# spend much of their time waiting on the processes they start.
 test: venv
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 --dist loadfile
 
 # What CI runs before the tests: layer contracts, lint and format, types, and the proto's buf lint.
 lint: venv
