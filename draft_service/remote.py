@@ -27,6 +27,7 @@ import grpc
 from specmesh import wire
 from specmesh.domain import DraftBlock, Verdict
 from specmesh.errors import Unavailable
+from specmesh.futures import within
 from specmesh.sampling import SamplingParams
 from specmesh.v1 import verify_pb2, verify_pb2_grpc
 
@@ -100,7 +101,7 @@ class RemoteVerifier:
     async def _verdict(self, msg: verify_pb2.VerifyRequest | None) -> Verdict:
         """Send `msg` (if any) and return the next verdict, both within the timeout."""
         try:
-            return await asyncio.wait_for(self._round(msg), self.timeout)
+            return await within(self._round(msg), self.timeout)
         except TimeoutError:
             raise Unavailable(f"the verify service did not answer a block within {self.timeout} s") from None
 
@@ -146,8 +147,8 @@ class RemoteVerifier:
             if finished:
                 try:
                     await self.call.done_writing()
-                    await asyncio.wait_for(self.call.wait_for_connection(), 1.0)
-                    await asyncio.wait_for(self.call.code(), 5.0)
+                    await within(self.call.wait_for_connection(), 1.0)
+                    await within(self.call.code(), 5.0)
                     return
                 except (TimeoutError, grpc.aio.AioRpcError, asyncio.InvalidStateError):
                     pass

@@ -16,3 +16,13 @@ def settle(future: asyncio.Future, outcome: Any) -> None:
         future.set_exception(outcome)
     else:
         future.set_result(outcome)
+
+
+async def within(awaitable: Any, timeout: float | None) -> Any:
+    """Await `awaitable` for at most `timeout` seconds (None: no limit), raising TimeoutError past it.
+
+    Not `asyncio.wait_for`: on Python 3.11 it returns the result when a cancellation arrives as the awaited
+    thing completes, and the cancelled task runs on; a loop awaiting it (a scheduler waiting for work, a
+    stream waiting for its next message) then never ends, and whoever awaits its end hangs."""
+    async with asyncio.timeout(timeout):
+        return await awaitable

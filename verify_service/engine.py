@@ -26,6 +26,7 @@ from specmesh.errors import (
     ResourceExhausted,
     Unavailable,
 )
+from specmesh.futures import within
 from specmesh.models import eos_token_ids, load_model
 from specmesh.rejection import MAX_SPEC_LEN, RejectionInput, RejectionSampler, token_logprobs, validate_block
 from specmesh.runtime.attention import ATTENTION_BACKENDS, check_attention_backend
@@ -433,7 +434,7 @@ class VerifyEngine:
 
     async def _receive(self, inbox: asyncio.Queue, timeout: float | None):
         try:
-            return await asyncio.wait_for(inbox.get(), timeout)
+            return await within(inbox.get(), timeout)
         except TimeoutError:
             raise DeadlineExceeded(
                 f"the Verify stream sent nothing for {self.config.stream_idle_timeout_s:g} s: closed"
@@ -475,7 +476,7 @@ class VerifyEngine:
         if draft_s is None or (left is not None and left <= draft_s):
             return await self._receive(inbox, left)
         try:
-            return await asyncio.wait_for(inbox.get(), draft_s)
+            return await within(inbox.get(), draft_s)
         except TimeoutError:
             self.counters.deadline_steps += 1
             verdict = await self.scheduler.submit(session, self._target_only(session))

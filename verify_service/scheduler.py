@@ -36,6 +36,7 @@ import torch
 
 from specmesh.domain import BatchLoad, SpecStats, Verdict
 from specmesh.errors import Unavailable
+from specmesh.futures import within
 from specmesh.rejection import RejectionInput, RejectionSampler
 from specmesh.runtime import PrefillChunk, Runner, RunnerSequence
 from specmesh.runtime.blocks import OutOfBlocks
@@ -209,7 +210,8 @@ class Scheduler:
         self._opening.clear()
         self._parked.clear()
         self._resuming.clear()
-        self.model_thread.shutdown(wait=True)
+        # Joined off the event loop: queued model work may wait on something the loop has yet to do.
+        await asyncio.to_thread(self.model_thread.shutdown, wait=True)
 
     async def run_on_model(self, fn, *args):
         """Run model work on the model thread, between ticks."""
@@ -544,7 +546,7 @@ class Scheduler:
                 return
             self._wake.clear()
             try:
-                await asyncio.wait_for(self._wake.wait(), remaining)
+                await within(self._wake.wait(), remaining)
             except TimeoutError:
                 return
 
