@@ -12,7 +12,9 @@ combines them for one request, in this order:
   prompt and the tokens emitted so far. Replicas this generation found down are skipped.
 - **Target-only**, straight on the verify replica: when the request asks it (K = 0); when it leaves K unset
   and more than `speculative_disable_by_batch_size` generations per healthy verify replica are in flight
-  (vLLM's speculative_disable_by_batch_size); after a speculative stream stalled; without a healthy draft
+  (vLLM's speculative_disable_by_batch_size), unless the draft replica chooses its draft per round with
+  suffix trees (it says so in its Info: a suffix proposal costs no draft forward, so it weighs each round
+  against the verify batch itself); after a speculative stream stalled; without a healthy draft
   replica; or by the draft replicas' goodput reports (below).
 - **Draft replica**: the least loaded healthy one, a replica that reports speculation loses last.
 - **Goodput**: while the chosen draft replica last reported that speculation measures slower there than
@@ -105,13 +107,22 @@ class Router:
                 success_threshold=config.success_threshold,
             )
 
-        return cls(
+        router = cls(
             pool("verify", config.verify),
             pool("draft", config.draft),
             speculative_num_steps=config.speculative_num_steps,
             speculative_disable_by_batch_size=config.speculative_disable_by_batch_size,
             goodput_probe_every=config.goodput_probe_every,
         )
+        router.draft_pool.describe = router._describe_draft
+        return router
+
+    async def _describe_draft(self, replica: Replica) -> None:
+        from specmesh.v1 import draft_pb2, draft_pb2_grpc
+
+        stub = draft_pb2_grpc.DraftServiceStub(self.draft_pool.channel(replica))
+        info = await stub.Info(draft_pb2.DraftServiceInfoRequest(), timeout=self.draft_pool.health_timeout)
+        replica.suffix_decoding = info.suffix_decoding
 
     @property
     def pools(self) -> tuple[Pool, Pool]:
@@ -147,10 +158,11 @@ class Router:
         if ask.k == 0:
             self.draft_pool.count("target_only_requested")  # the caller's choice, not a fallback
             return target_only
-        if ask.k is None and self._speculation_off_under_load(inflight):
+        draft = self.draft_pool.least_loaded() if self.draft_pool.replicas and ask.drafting else None
+        # A replica that drafts by suffix trees too weighs each round against the verify batch itself.
+        if ask.k is None and self._speculation_off_under_load(inflight) and not (draft and draft.suffix_decoding):
             self.draft_pool.count("target_only_under_load")
             return target_only
-        draft = self.draft_pool.least_loaded() if self.draft_pool.replicas and ask.drafting else None
         if draft is None:
             if self.draft_pool.replicas:
                 self.target_only_fallbacks += 1

@@ -31,6 +31,7 @@ import logging
 import math
 import socket
 from collections import OrderedDict
+from collections.abc import Awaitable, Callable
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 
@@ -71,6 +72,8 @@ class Replica:
     # measured; and how many requests were sent straight to the verifier since it said false.
     speculation_pays: bool | None = None
     diverted: int = 0
+    # What the replica said of itself (the pool's `describe`) since it last turned healthy; None = not asked.
+    suffix_decoding: bool | None = None
 
     @contextlib.contextmanager
     def track(self):
@@ -116,6 +119,9 @@ class Pool:
         self._ring: list[tuple[int, str]] = []
         self.decisions: dict[str, int] = {}  # routing decisions by kind (for metrics and tests)
         self.security: Security | None = None  # TLS and service key of the channels to the replicas
+        # Asks a replica that answered its health check what it is, until that succeeds once (a new process
+        # after it was out of the pool is asked again).
+        self.describe: Callable[[Replica], Awaitable[None]] | None = None
         self._set_members(self._static_members())
 
     # membership ------------------------------------------------------------------------------------
@@ -245,6 +251,11 @@ class Pool:
         except (grpc.aio.AioRpcError, TimeoutError):
             ok = False
         self._record(replica, ok)
+        if ok and self.describe is not None and replica.suffix_decoding is None:
+            try:
+                await self.describe(replica)
+            except (grpc.aio.AioRpcError, TimeoutError) as e:  # asked again at the next check
+                log.warning("%s replica %s did not describe itself: %s", self.name, replica.address, e)
         return ok
 
     def _record(self, replica: Replica, ok: bool) -> None:
@@ -254,6 +265,7 @@ class Pool:
             if not replica.healthy and replica.successes >= self.success_threshold:
                 replica.healthy = True
                 replica.speculation_pays, replica.diverted = None, 0  # maybe a new process: not measured yet
+                replica.suffix_decoding = None
                 log.info("%s replica %s is healthy again", self.name, replica.address)
         else:
             replica.successes = 0

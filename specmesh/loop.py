@@ -386,6 +386,16 @@ class GoodputK(AdaptiveK):
         b = max(0.0, (sty / n - mean_t * mean_y) / var) if var > 1e-6 * max(1.0, mean_t * mean_t) else 0.0
         return max(0.0, mean_y - b * mean_t), b
 
+    def round_seconds(self, positions: int, draft_tokens: int = 0) -> float | None:
+        """A round's predicted seconds were every session of the batch to verify `positions` positions (its
+        draft and the bonus) after `draft_tokens` draft forwards; None before the forward model is fitted."""
+        fit = self.forward_model()
+        if fit is None or self.batch_size is None or self.overhead is None:
+            return None
+        a, b = fit
+        t_draft = (self.t_draft or 0.0) * draft_tokens
+        return t_draft + self.overhead + a + b * self.batch_size * positions
+
     # Target-only steps in a row while the verifier's batch is past batch_limit: the batch is looked at again
     # after each run, so speculation comes back within this many tokens of the batch shrinking.
     BATCH_LIMIT_RUN = 16
@@ -430,6 +440,11 @@ class GoodputK(AdaptiveK):
         return self._probed(best)
 
 
+# Target-only steps in a row at most, with a drafter whose proposals cost nothing: its trees are asked again
+# after each run.
+FREE_BLOCK_RECHECK = 4
+
+
 async def speculative_generate(
     verifier: Verifier,
     drafter: Drafter | None,
@@ -452,6 +467,12 @@ async def speculative_generate(
     stats = SpecStats.per_generation(policy.k_max)
     # A drafter that chooses its method per round learns from each verdict (before its tokens commit).
     observe: Callable[[int, int, float], None] | None = getattr(drafter, "observe", None)
+    # A drafter with proposals that cost no draft forward (suffix trees) is asked for one every round, however
+    # small the policy's K (0 under load): it weighs the block's length against `round_s`, the policy's model of
+    # a round's time, and such a block is sent whole.
+    free_block: Callable[..., DraftBlock | None] | None = getattr(drafter, "free_block", None)
+    round_s = getattr(policy, "round_seconds", None)
+    free_ahead = False  # `ahead` is such a block
     logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
     ahead: DraftBlock | None = None  # the next block, drafted while the previous one was being verified
     # The first block is drafted while the verifier prefills the prompt: it depends on the prompt alone,
@@ -463,8 +484,12 @@ async def speculative_generate(
     try:
         if drafter is not None and policy.k_max:
             await drafter.start(prompt_ids, params)
-            first_k = min(policy.next_k(), params.draft_budget(len(stop.token_ids)))
-            if first_k > 0 and not (cancelled is not None and cancelled()):
+            budget = params.draft_budget(len(stop.token_ids))
+            first_k = min(policy.next_k(), budget)
+            if free_block is not None and not (cancelled is not None and cancelled()):
+                ahead = free_block(first_k, budget, round_s)
+                free_ahead = ahead is not None
+            if ahead is None and first_k > 0 and not (cancelled is not None and cancelled()):
                 ahead = await drafter.propose(first_k)
         await opening
     except BaseException:  # the drafter failed, or the generation was cancelled: the opening is not wanted
@@ -515,8 +540,16 @@ async def speculative_generate(
         budget = params.draft_budget(len(stop.token_ids))
         k = min(policy.next_k() if first_k is None else first_k, budget)
         first_k = None
+        if free_block is not None and ahead is None:
+            ahead = free_block(k, budget, round_s)
+            free_ahead = ahead is not None
+        if free_ahead:
+            assert ahead is not None  # free_ahead says what ahead is
+            k = ahead.k
         if k == 0:
             steps = policy.zero_run(params.max_tokens - len(stop.token_ids))
+            if free_block is not None:  # the trees may find a match within a few tokens
+                steps = min(steps, FREE_BLOCK_RECHECK)
             if steps > 1:
                 ahead = None
                 await target_only_run(steps)
@@ -536,7 +569,7 @@ async def speculative_generate(
         pending = asyncio.ensure_future(verifier.submit(proposal))
         guess = None
         try:
-            if pipeline and proposal.k and proposal.k == k and budget - k > 1:
+            if pipeline and not free_ahead and proposal.k and proposal.k == k and budget - k > 1:
                 assert drafter is not None  # a non-empty proposal was drafted
                 # Guess the bonus, then draft the next block, until the verdict arrives.
                 guess = await drafter.propose(k + 1, after=proposal.token_ids, should_stop=pending.done)
@@ -576,7 +609,7 @@ async def speculative_generate(
                 )
             )
         take(verdict)
-        ahead = None
+        ahead, free_ahead = None, False
         if guess is not None:
             full = verdict.num_drafted in (None, proposal.k) and verdict.num_accepted == proposal.k
             if full and guess.k > 1 and verdict.tokens[-1] == guess.token_ids[0]:
@@ -587,4 +620,6 @@ async def speculative_generate(
         if drafter is not None and policy.k_max and not stop.finished:
             drafter.commit(verdict.tokens)
     assert stop.finish_reason is not None  # the loop ends only once stop.finished
+    if stats.step_drafted:  # blocks of the trees may be longer than the policy's K
+        stats.num_spec_tokens = max(stats.num_spec_tokens, max(stats.step_drafted))
     return GenerationResult(stop.token_ids, stop.finish_reason, stats, logprobs=logprobs)

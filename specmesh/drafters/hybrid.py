@@ -27,6 +27,10 @@ from specmesh.drafters.model import ModelDrafter
 from specmesh.drafters.suffix import SuffixDrafter
 from specmesh.sampling import SamplingParams
 
+# A round's seconds by the positions each session of the batch verifies and the draft forwards before it
+# (GoodputK.round_seconds); None while it cannot tell.
+RoundSeconds = Callable[[int, int], "float | None"]
+
 MATCH_BUCKETS = (1, 2, 4, 8, 16)  # match lengths by the bucket of calibration they share
 
 
@@ -69,17 +73,26 @@ class HybridChooser:
         a = self.model_acceptance
         return sum(a**i for i in range(k + 1))
 
-    def prefers_suffix(self, k: int, match_len: int, score: float) -> bool:
-        """Whether a suffix proposal of this match and score beats k model draft tokens, by tokens per second."""
+    def prefers_suffix(
+        self, k: int, match_len: int, score: float, length: int = 0, round_s: RoundSeconds | None = None
+    ) -> bool:
+        """Whether a suffix proposal (`length` tokens, this match and score) beats k model draft tokens (k = 0:
+        a target-only step), by committed tokens per second. With `round_s`, the caller's model of a round's
+        time by positions verified and draft forwards, a longer block pays for the wider verify batch it makes
+        (on a compute-bound verifier a long block must promise that many more tokens); without, a round's
+        verification is taken to cost the same at any length."""
         if score <= 0.0:
             return False
+        suffix, model = self.expected_suffix(match_len, score), self.expected_model(k)
+        if round_s is not None:
+            t_suffix, t_model = round_s(length + 1, 0), round_s(k + 1, k)
+            if t_suffix and t_model:
+                return suffix / t_suffix >= model / t_model
         verify = self.verify_seconds.value
         draft = self.draft_seconds.value
         if verify <= 0.0 or draft <= 0.0:  # not measured yet: a proposal the trees rate at one token or more
             return score >= 1.0
-        suffix_rate = self.expected_suffix(match_len, score) / verify
-        model_rate = self.expected_model(k) / (verify + k * draft)
-        return suffix_rate >= model_rate
+        return suffix / verify >= model / (verify + k * draft)
 
     def observe_suffix(self, match_len: int, score: float, accepted: int) -> None:
         if score > 0.0:
@@ -117,10 +130,14 @@ class HybridDrafter:
     """One generation's drafter over a draft model and the suffix trees; `by_method` is its rounds' statistics
     by the method that drafted each round's first token."""
 
-    def __init__(self, model: ModelDrafter, suffix: SuffixDrafter, chooser: HybridChooser):
+    def __init__(self, model: ModelDrafter, suffix: SuffixDrafter, chooser: HybridChooser, cap: int = 0):
         self.model = model
         self.suffix = suffix
         self.chooser = chooser
+        # Most tokens in a block of the trees' (the verifier's limit, or the request's K): free to draft, a
+        # long one is worth verifying where the text repeats. 0: the round's model K.
+        self.cap = cap
+        self._round_s: RoundSeconds | None = None  # the round's time model, as free_block was last given it
         self.committed = 0  # tokens committed so far, prompt included: where the next round's block starts
         self._by_position: dict[int, _Proposed] = {}  # a block's first position -> what drafted it
         self._greedy = True
@@ -143,16 +160,9 @@ class HybridDrafter:
         for later in [p for p in self._by_position if p > at]:  # drafted on assumptions this block replaces
             del self._by_position[later]
         draft = self.suffix.speculate(k, after) if not self._model_only else None
-        if draft and draft.token_ids and self.chooser.prefers_suffix(k, draft.match_len, draft.score):
-            self.chooser.chosen["suffix"] += 1
-            self._by_position[at] = _Proposed("suffix", draft.match_len, draft.score)
-            self.suffix.count(draft)
-            tokens = draft.token_ids
-            if self._greedy:
-                return DraftBlock(tokens)
-            # Explicit point masses: the block may be joined to a model block with its q.
-            ids = torch.tensor(tokens, dtype=torch.int64).unsqueeze(1)
-            return DraftBlock(tokens, ids, torch.ones(len(tokens), 1))
+        n = len(draft.token_ids) if draft else 0
+        if draft and n and self.chooser.prefers_suffix(k, draft.match_len, draft.score, n, self._round_s):
+            return self._suffix_block(at, draft)
         self.chooser.chosen["model"] += 1
         self._by_position[at] = _Proposed("model")
         t0 = time.perf_counter()
@@ -160,6 +170,33 @@ class HybridDrafter:
         if should_stop is None and block.k:  # racing a verification, its time says nothing of the draft's
             self.chooser.observe_draft((time.perf_counter() - t0) / block.k)
         return block
+
+    def free_block(self, k: int, budget: int, round_s: RoundSeconds | None = None) -> DraftBlock | None:
+        """The trees' block for the next round, up to `cap` (and `budget`) tokens, when it promises more
+        committed tokens per second than k model draft tokens (k = 0, the model's K where speculation does not
+        pay: a target-only step); None otherwise, and the round drafts as `propose` would. Costs no draft
+        forward, so it is asked every round, under any load."""
+        self._round_s = round_s
+        cap = min(self.cap or k, budget)
+        if self._model_only or cap <= 0:
+            return None
+        draft = self.suffix.speculate(cap)
+        if not draft.token_ids:
+            return None
+        if not self.chooser.prefers_suffix(k, draft.match_len, draft.score, len(draft.token_ids), round_s):
+            return None
+        return self._suffix_block(self.committed, draft)
+
+    def _suffix_block(self, at: int, draft) -> DraftBlock:
+        self.chooser.chosen["suffix"] += 1
+        self._by_position[at] = _Proposed("suffix", draft.match_len, draft.score)
+        self.suffix.count(draft)
+        tokens = draft.token_ids
+        if self._greedy:
+            return DraftBlock(tokens)
+        # Explicit point masses: the block may be joined to a model block with its q.
+        ids = torch.tensor(tokens, dtype=torch.int64).unsqueeze(1)
+        return DraftBlock(tokens, ids, torch.ones(len(tokens), 1))
 
     def observe(self, drafted: int, accepted: int, verify_seconds: float) -> None:
         """A verdict on the block that starts at the committed position (before `commit`)."""

@@ -40,7 +40,7 @@ class DraftServiceInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DraftServiceInfoResponse(_message.Message):
-    __slots__ = ("model_path", "algorithm", "vocab_size", "speculative_num_steps", "adaptive", "pipelined", "default_verify_address", "active_sessions", "rounds", "drafted", "accepted", "pipelined_blocks_used", "pipelined_blocks_discarded", "draft_seconds_per_token")
+    __slots__ = ("model_path", "algorithm", "vocab_size", "speculative_num_steps", "adaptive", "pipelined", "default_verify_address", "active_sessions", "rounds", "drafted", "accepted", "pipelined_blocks_used", "pipelined_blocks_discarded", "draft_seconds_per_token", "suffix_decoding")
     MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
     ALGORITHM_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -55,6 +55,7 @@ class DraftServiceInfoResponse(_message.Message):
     PIPELINED_BLOCKS_USED_FIELD_NUMBER: _ClassVar[int]
     PIPELINED_BLOCKS_DISCARDED_FIELD_NUMBER: _ClassVar[int]
     DRAFT_SECONDS_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    SUFFIX_DECODING_FIELD_NUMBER: _ClassVar[int]
     model_path: str
     algorithm: str
     vocab_size: int
@@ -69,4 +70,5 @@ class DraftServiceInfoResponse(_message.Message):
     pipelined_blocks_used: int
     pipelined_blocks_discarded: int
     draft_seconds_per_token: float
-    def __init__(self, model_path: _Optional[str] = ..., algorithm: _Optional[str] = ..., vocab_size: _Optional[int] = ..., speculative_num_steps: _Optional[int] = ..., adaptive: _Optional[bool] = ..., pipelined: _Optional[bool] = ..., default_verify_address: _Optional[str] = ..., active_sessions: _Optional[int] = ..., rounds: _Optional[int] = ..., drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., pipelined_blocks_used: _Optional[int] = ..., pipelined_blocks_discarded: _Optional[int] = ..., draft_seconds_per_token: _Optional[float] = ...) -> None: ...
+    suffix_decoding: bool
+    def __init__(self, model_path: _Optional[str] = ..., algorithm: _Optional[str] = ..., vocab_size: _Optional[int] = ..., speculative_num_steps: _Optional[int] = ..., adaptive: _Optional[bool] = ..., pipelined: _Optional[bool] = ..., default_verify_address: _Optional[str] = ..., active_sessions: _Optional[int] = ..., rounds: _Optional[int] = ..., drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., pipelined_blocks_used: _Optional[int] = ..., pipelined_blocks_discarded: _Optional[int] = ..., draft_seconds_per_token: _Optional[float] = ..., suffix_decoding: _Optional[bool] = ...) -> None: ...

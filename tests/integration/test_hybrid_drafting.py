@@ -138,7 +138,7 @@ def test_sampled_output_is_the_target_law_at_t_0_7():
     # The choice by coin, not by timings (which decide it by the machine's load): the law must hold however
     # rounds are given to one method or the other, and a fair coin gives many rounds of each.
     coin = random.Random(0)
-    draft.server.engine.chooser.prefers_suffix = lambda k, match_len, score: coin.random() < 0.5
+    draft.server.engine.chooser.prefers_suffix = lambda *_: coin.random() < 0.5
     params = common_pb2.SamplingParams(temperature=t, max_tokens=4, ignore_eos=True)
     n = 2000
     stub = draft_stub(draft)
@@ -191,6 +191,23 @@ def test_the_chooser_weighs_tokens_per_second():
     assert c.model_acceptance < 0.05 and c.prefers_suffix(4, 8, 0.3)
 
 
+def test_a_long_suffix_block_pays_for_the_wider_verify_batch():
+    """With the policy's model of a round's time, the block's length counts: on a compute-bound verifier
+    (16 sessions, 1.6 ms per position each) a 12-token block needs about 7 expected tokens to beat a
+    target-only step, and a memory-bound one (1 session) takes it for about one."""
+
+    def round_s(sessions):
+        return lambda positions, drafts: 0.025 + 0.0016 * sessions * positions + 0.004 * drafts
+
+    c = HybridChooser()
+    assert not c.prefers_suffix(0, 12, 5.0, 12, round_s(16)) and c.prefers_suffix(0, 12, 7.0, 12, round_s(16))
+    assert c.prefers_suffix(0, 12, 1.0, 12, round_s(1))
+    # Against model drafts of K = 4 (3.05 expected tokens in the same round plus 4 draft forwards): the
+    # trees' block of 4 at a score of 2.1 wins, the same score spread over 12 tokens does not.
+    assert c.prefers_suffix(4, 4, 2.1, 4, round_s(1)) and not c.prefers_suffix(4, 12, 2.1, 12, round_s(16))
+    assert not c.prefers_suffix(0, 12, 0.0, 12, round_s(1))  # nothing the trees rate is never sent
+
+
 def test_the_flag_turns_it_off():
     from draft_service.__main__ import parse_args
 
@@ -198,3 +215,69 @@ def test_the_flag_turns_it_off():
     off, _ = parse_args(["--model-path", "d", "--no-enable-suffix-decoding"])
     assert on.hybrid and not off.hybrid
     assert not DraftConfig(speculative_algorithm="suffix").hybrid
+
+
+def test_past_the_batch_limit_it_still_drafts_by_the_trees_and_the_gateway_sends_it_there(pair):
+    """A hybrid replica says so in its Info, and a gateway past --speculative-disable-by-batch-size still routes
+    through it (a model-only replica gets the request target-only); past its own per-round limit the replica
+    drafts no model token but sends the trees' blocks, longer than its K, and the output is the target's."""
+    import asyncio
+
+    from gateway.config import GatewayConfig
+    from gateway.router import RouteRequest, Router
+
+    target, draft_model = pair
+    engine = SpeculativeEngine.from_models(target)
+    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    ps = prompts(8, seed=5)
+    reference = [engine.generate(p, params, num_speculative_tokens=0).token_ids for p in ps]
+    verify = start_verify(target, max_batch_size=16)
+    hybrid = start_draft(
+        draft_model,
+        verify.address,
+        enable_suffix_decoding=True,
+        speculative_num_steps=2,
+        speculative_disable_by_batch_size=1,
+    )
+    model_only = start_draft(draft_model, verify.address)
+    try:
+
+        async def routes():
+            config = GatewayConfig(verify=(verify.address,), draft=(hybrid.address, model_only.address))
+            router = Router.from_config(config)
+            try:
+                await router.draft_pool.check_all()
+                said = {r.address: r.suffix_decoding for r in router.draft_pool.replicas.values()}
+                router.speculative_disable_by_batch_size = 1
+                router.draft_pool.replicas[model_only.address].inflight = 0
+                router.draft_pool.replicas[hybrid.address].inflight = 1  # the model-only replica is chosen
+                past_limit = router.route(RouteRequest("", [1, 2, 3]), inflight=5)
+                router.draft_pool.replicas[hybrid.address].inflight = 0
+                router.draft_pool.replicas[model_only.address].inflight = 1
+                through_hybrid = router.route(RouteRequest("", [1, 2, 3]), inflight=5)
+                return said, past_limit, through_hybrid
+            finally:
+                await router.close()
+
+        said, past_limit, through_hybrid = asyncio.run(routes())
+        assert said == {hybrid.address: True, model_only.address: False}
+        assert past_limit.target_only
+        assert through_hybrid.draft is not None and through_hybrid.draft.address == hybrid.address
+
+        stub = draft_stub(hybrid)
+        assert [generate(stub, p, GREEDY)[0] for p in ps] == reference  # the outputs join the global trees
+        learnt(hybrid)
+        e = hybrid.server.engine
+        rows = e.batcher.stats.rows
+        before = e.by_method["suffix"].drafts
+        with ThreadPoolExecutor(8) as pool:  # 8 in the verify batch: past the replica's limit of 1
+            burst = list(pool.map(lambda p: generate(stub, p, GREEDY)[0], ps))
+        assert burst == reference
+        suffix = e.by_method["suffix"]
+        assert suffix.drafts > before
+        assert max(k for k in suffix.accepted_by_draft_length) > 2  # blocks longer than the model's K
+        assert e.batcher.stats.rows - rows < 8 * 48 // 4  # few model draft tokens: most rounds past the limit
+    finally:
+        model_only.stop()
+        hybrid.stop()
+        verify.stop()
