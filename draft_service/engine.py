@@ -569,6 +569,10 @@ class _Generation:
             if isinstance(self.drafter, HybridDrafter):
                 for method, stats in self.drafter.by_method.items():
                     self.engine.by_method.setdefault(method, SpecStats()).merge(stats)
+                    result.stats.by_method[method] = [stats.drafts, stats.drafted, stats.accepted]
+            elif result.stats.drafts:
+                s = result.stats
+                s.by_method[self.engine.method] = [s.drafts, s.drafted, s.accepted]
             guard = self.engine.goodput_guard
             pays = guard.speculation_pays() if guard is not None else None
             self.queue.put_nowait(Finished(result.finish_reason, result.stats, pays))

@@ -49,6 +49,8 @@ class SpecStats(AcceptanceRates):
     # kept, as in totals over many generations, where they would grow without bound (see `per_generation`).
     step_drafted: list[int] | None = None
     step_accepted: list[int] | None = None
+    # method -> [drafts, drafted, accepted] of the rounds whose block it drafted (a hybrid chooses per round).
+    by_method: dict[str, list[int]] = field(default_factory=dict)
 
     @classmethod
     def per_generation(cls, num_spec_tokens: int = 0) -> SpecStats:
@@ -104,6 +106,10 @@ class SpecStats(AcceptanceRates):
         if self.step_drafted is not None and self.step_accepted is not None:
             self.step_drafted += other.step_drafted or []
             self.step_accepted += other.step_accepted or []
+        for method, counts in other.by_method.items():
+            mine = self.by_method.setdefault(method, [0, 0, 0])
+            for i, c in enumerate(counts[:3]):
+                mine[i] += c
 
     def acceptance_histogram(self) -> list[int]:
         """[num_spec_tokens + 1] rounds that accepted exactly j draft tokens, whatever their length (vLLM's
@@ -133,7 +139,12 @@ class SpecStats(AcceptanceRates):
             "verify_seconds": round(self.verify_seconds, 4),
             "pipelined_used": self.pipelined_used,
             "pipelined_discarded": self.pipelined_discarded,
+            "by_method": self.method_dicts(),
         }
+
+    def method_dicts(self) -> dict[str, dict[str, int]]:
+        """by_method as {method: {"drafts", "drafted", "accepted"}}."""
+        return {m: dict(zip(("drafts", "drafted", "accepted"), c, strict=False)) for m, c in self.by_method.items()}
 
 
 @dataclass(frozen=True)

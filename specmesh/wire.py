@@ -276,6 +276,8 @@ def stats_to_pb(stats: SpecStats) -> common_pb2.SpecStats:
     pb = common_pb2.SpecStats(**values)
     for k, counts in stats.accepted_by_draft_length.items():
         pb.accepted_by_draft_length[k].rounds.extend(counts)
+    for method, (drafts, drafted, accepted) in stats.by_method.items():
+        pb.by_method[method].CopyFrom(common_pb2.MethodCounts(drafts=drafts, drafted=drafted, accepted=accepted))
     return pb
 
 
@@ -288,6 +290,7 @@ def stats_from_pb(pb: common_pb2.SpecStats) -> SpecStats:
     values["num_spec_tokens"] = min(pb.num_spec_tokens, MAX_SPEC_LEN)
     rows = pb.accepted_by_draft_length.items()
     values["accepted_by_draft_length"] = {k: list(c.rounds) for k, c in rows if 0 < k <= MAX_SPEC_LEN}
+    values["by_method"] = {m: [c.drafts, c.drafted, c.accepted] for m, c in pb.by_method.items()}
     return SpecStats(**values)
 
 

@@ -564,6 +564,8 @@ class SpecmeshStats(BaseModel):
     acceptance_rate: float
     mean_accepted_length: float
     acceptance_per_pos: list[float]
+    # The rounds by the method that drafted their block ("model", "suffix", "ngram"): drafts, drafted, accepted.
+    by_method: dict[str, dict[str, int]]
     cached_prompt_tokens: int
     failovers: int
     target_only: bool
@@ -580,6 +582,7 @@ class SpecmeshStats(BaseModel):
             acceptance_rate=round(s.acceptance_rate, 4),
             mean_accepted_length=round(s.mean_accepted_length, 4),
             acceptance_per_pos=[round(a, 4) for a in s.acceptance_per_pos],
+            by_method=s.method_dicts(),
             cached_prompt_tokens=outcome.cached_prompt_tokens,
             failovers=outcome.failovers,
             target_only=outcome.target_only,

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18specmesh/v1/common.proto\x12\x0bspecmesh.v1\"\xf6\x04\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\r\n\x05top_k\x18\x02 \x01(\r\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x02\x88\x01\x01\x12\x12\n\nmax_tokens\x18\x05 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x05\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x1f\n\x12repetition_penalty\x18\t \x01(\x02H\x03\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\n \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0b \x01(\x02\x12\r\n\x05min_p\x18\x0c \x01(\x02\x12>\n\nlogit_bias\x18\r \x03(\x0b\x32*.specmesh.v1.SamplingParams.LogitBiasEntry\x12\x12\n\nmin_tokens\x18\x0e \x01(\r\x12-\n\tbad_words\x18\x0f \x03(\x0b\x32\x1a.specmesh.v1.TokenSequence\x12\x15\n\x08logprobs\x18\x10 \x01(\rH\x04\x88\x01\x01\x12\x1b\n\x13prior_output_tokens\x18\x11 \x01(\r\x12\x31\n\nstructured\x18\x12 \x01(\x0b\x32\x1d.specmesh.v1.StructuredOutput\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x0b\n\t_logprobs\"\x8c\x01\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x02 \x01(\tH\x00\x12/\n\x06\x63hoice\x18\x03 \x01(\x0b\x32\x1d.specmesh.v1.StructuredChoiceH\x00\x12\x15\n\x0bjson_object\x18\x04 \x01(\x08H\x00\x42\x08\n\x06\x66ormat\"#\n\x10StructuredChoice\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\"\n\rTokenSequence\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"X\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0f\n\x07top_ids\x18\x03 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\"\xa8\x03\n\tSpecStats\x12\x0e\n\x06rounds\x18\x01 \x01(\r\x12\x0f\n\x07\x64rafted\x18\x02 \x01(\r\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x03 \x01(\r\x12\x17\n\x0f\x64rafted_per_pos\x18\x04 \x03(\r\x12\x18\n\x10\x61\x63\x63\x65pted_per_pos\x18\x05 \x03(\r\x12\x15\n\rdraft_seconds\x18\x06 \x01(\x01\x12\x16\n\x0everify_seconds\x18\x07 \x01(\x01\x12\x0e\n\x06\x64rafts\x18\x08 \x01(\r\x12\x17\n\x0fnum_spec_tokens\x18\t \x01(\r\x12S\n\x18\x61\x63\x63\x65pted_by_draft_length\x18\n \x03(\x0b\x32\x31.specmesh.v1.SpecStats.AcceptedByDraftLengthEntry\x12\x14\n\x0cstep_drafted\x18\x0b \x03(\r\x12\x15\n\rstep_accepted\x18\x0c \x03(\r\x1a[\n\x1a\x41\x63\x63\x65ptedByDraftLengthEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12,\n\x05value\x18\x02 \x01(\x0b\x32\x1d.specmesh.v1.AcceptanceCounts:\x02\x38\x01\"\"\n\x10\x41\x63\x63\x65ptanceCounts\x12\x0e\n\x06rounds\x18\x01 \x03(\r\"[\n\x10GenerationOpened\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x15\n\rprompt_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"R\n\x10GenerationTokens\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12+\n\x08logprobs\x18\x02 \x03(\x0b\x32\x19.specmesh.v1.TokenLogprob\"\xa1\x01\n\x12GenerationFinished\x12\x30\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x19.specmesh.v1.FinishReason\x12%\n\x05stats\x18\x02 \x01(\x0b\x32\x16.specmesh.v1.SpecStats\x12\x1d\n\x10speculation_pays\x18\x03 \x01(\x08H\x00\x88\x01\x01\x42\x13\n\x11_speculation_pays*|\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18specmesh/v1/common.proto\x12\x0bspecmesh.v1\"\xf6\x04\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\r\n\x05top_k\x18\x02 \x01(\r\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x02\x88\x01\x01\x12\x12\n\nmax_tokens\x18\x05 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x05\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x1f\n\x12repetition_penalty\x18\t \x01(\x02H\x03\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\n \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0b \x01(\x02\x12\r\n\x05min_p\x18\x0c \x01(\x02\x12>\n\nlogit_bias\x18\r \x03(\x0b\x32*.specmesh.v1.SamplingParams.LogitBiasEntry\x12\x12\n\nmin_tokens\x18\x0e \x01(\r\x12-\n\tbad_words\x18\x0f \x03(\x0b\x32\x1a.specmesh.v1.TokenSequence\x12\x15\n\x08logprobs\x18\x10 \x01(\rH\x04\x88\x01\x01\x12\x1b\n\x13prior_output_tokens\x18\x11 \x01(\r\x12\x31\n\nstructured\x18\x12 \x01(\x0b\x32\x1d.specmesh.v1.StructuredOutput\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x0b\n\t_logprobs\"\x8c\x01\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x02 \x01(\tH\x00\x12/\n\x06\x63hoice\x18\x03 \x01(\x0b\x32\x1d.specmesh.v1.StructuredChoiceH\x00\x12\x15\n\x0bjson_object\x18\x04 \x01(\x08H\x00\x42\x08\n\x06\x66ormat\"#\n\x10StructuredChoice\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\"\n\rTokenSequence\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"X\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0f\n\x07top_ids\x18\x03 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\"\xad\x04\n\tSpecStats\x12\x0e\n\x06rounds\x18\x01 \x01(\r\x12\x0f\n\x07\x64rafted\x18\x02 \x01(\r\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x03 \x01(\r\x12\x17\n\x0f\x64rafted_per_pos\x18\x04 \x03(\r\x12\x18\n\x10\x61\x63\x63\x65pted_per_pos\x18\x05 \x03(\r\x12\x15\n\rdraft_seconds\x18\x06 \x01(\x01\x12\x16\n\x0everify_seconds\x18\x07 \x01(\x01\x12\x0e\n\x06\x64rafts\x18\x08 \x01(\r\x12\x17\n\x0fnum_spec_tokens\x18\t \x01(\r\x12S\n\x18\x61\x63\x63\x65pted_by_draft_length\x18\n \x03(\x0b\x32\x31.specmesh.v1.SpecStats.AcceptedByDraftLengthEntry\x12\x14\n\x0cstep_drafted\x18\x0b \x03(\r\x12\x15\n\rstep_accepted\x18\x0c \x03(\r\x12\x37\n\tby_method\x18\r \x03(\x0b\x32$.specmesh.v1.SpecStats.ByMethodEntry\x1a[\n\x1a\x41\x63\x63\x65ptedByDraftLengthEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12,\n\x05value\x18\x02 \x01(\x0b\x32\x1d.specmesh.v1.AcceptanceCounts:\x02\x38\x01\x1aJ\n\rByMethodEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12(\n\x05value\x18\x02 \x01(\x0b\x32\x19.specmesh.v1.MethodCounts:\x02\x38\x01\"A\n\x0cMethodCounts\x12\x0e\n\x06\x64rafts\x18\x01 \x01(\r\x12\x0f\n\x07\x64rafted\x18\x02 \x01(\r\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x03 \x01(\r\"\"\n\x10\x41\x63\x63\x65ptanceCounts\x12\x0e\n\x06rounds\x18\x01 \x03(\r\"[\n\x10GenerationOpened\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x15\n\rprompt_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"R\n\x10GenerationTokens\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12+\n\x08logprobs\x18\x02 \x03(\x0b\x32\x19.specmesh.v1.TokenLogprob\"\xa1\x01\n\x12GenerationFinished\x12\x30\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x19.specmesh.v1.FinishReason\x12%\n\x05stats\x18\x02 \x01(\x0b\x32\x16.specmesh.v1.SpecStats\x12\x1d\n\x10speculation_pays\x18\x03 \x01(\x08H\x00\x88\x01\x01\x42\x13\n\x11_speculation_pays*|\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,8 +35,10 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_SPECSTATS_ACCEPTEDBYDRAFTLENGTHENTRY']._loaded_options = None
   _globals['_SPECSTATS_ACCEPTEDBYDRAFTLENGTHENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=1784
-  _globals['_FINISHREASON']._serialized_end=1908
+  _globals['_SPECSTATS_BYMETHODENTRY']._loaded_options = None
+  _globals['_SPECSTATS_BYMETHODENTRY']._serialized_options = b'8\001'
+  _globals['_FINISHREASON']._serialized_start=1984
+  _globals['_FINISHREASON']._serialized_end=2108
   _globals['_SAMPLINGPARAMS']._serialized_start=42
   _globals['_SAMPLINGPARAMS']._serialized_end=672
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=553
@@ -50,15 +52,19 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENLOGPROB']._serialized_start=890
   _globals['_TOKENLOGPROB']._serialized_end=978
   _globals['_SPECSTATS']._serialized_start=981
-  _globals['_SPECSTATS']._serialized_end=1405
-  _globals['_SPECSTATS_ACCEPTEDBYDRAFTLENGTHENTRY']._serialized_start=1314
-  _globals['_SPECSTATS_ACCEPTEDBYDRAFTLENGTHENTRY']._serialized_end=1405
-  _globals['_ACCEPTANCECOUNTS']._serialized_start=1407
-  _globals['_ACCEPTANCECOUNTS']._serialized_end=1441
-  _globals['_GENERATIONOPENED']._serialized_start=1443
-  _globals['_GENERATIONOPENED']._serialized_end=1534
-  _globals['_GENERATIONTOKENS']._serialized_start=1536
-  _globals['_GENERATIONTOKENS']._serialized_end=1618
-  _globals['_GENERATIONFINISHED']._serialized_start=1621
-  _globals['_GENERATIONFINISHED']._serialized_end=1782
+  _globals['_SPECSTATS']._serialized_end=1538
+  _globals['_SPECSTATS_ACCEPTEDBYDRAFTLENGTHENTRY']._serialized_start=1371
+  _globals['_SPECSTATS_ACCEPTEDBYDRAFTLENGTHENTRY']._serialized_end=1462
+  _globals['_SPECSTATS_BYMETHODENTRY']._serialized_start=1464
+  _globals['_SPECSTATS_BYMETHODENTRY']._serialized_end=1538
+  _globals['_METHODCOUNTS']._serialized_start=1540
+  _globals['_METHODCOUNTS']._serialized_end=1605
+  _globals['_ACCEPTANCECOUNTS']._serialized_start=1607
+  _globals['_ACCEPTANCECOUNTS']._serialized_end=1641
+  _globals['_GENERATIONOPENED']._serialized_start=1643
+  _globals['_GENERATIONOPENED']._serialized_end=1734
+  _globals['_GENERATIONTOKENS']._serialized_start=1736
+  _globals['_GENERATIONTOKENS']._serialized_end=1818
+  _globals['_GENERATIONFINISHED']._serialized_start=1821
+  _globals['_GENERATIONFINISHED']._serialized_end=1982
 # @@protoc_insertion_point(module_scope)

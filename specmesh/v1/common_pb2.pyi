@@ -102,7 +102,7 @@ class TokenLogprob(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class SpecStats(_message.Message):
-    __slots__ = ("rounds", "drafted", "accepted", "drafted_per_pos", "accepted_per_pos", "draft_seconds", "verify_seconds", "drafts", "num_spec_tokens", "accepted_by_draft_length", "step_drafted", "step_accepted")
+    __slots__ = ("rounds", "drafted", "accepted", "drafted_per_pos", "accepted_per_pos", "draft_seconds", "verify_seconds", "drafts", "num_spec_tokens", "accepted_by_draft_length", "step_drafted", "step_accepted", "by_method")
     class AcceptedByDraftLengthEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -110,6 +110,13 @@ class SpecStats(_message.Message):
         key: int
         value: AcceptanceCounts
         def __init__(self, key: _Optional[int] = ..., value: _Optional[_Union[AcceptanceCounts, _Mapping]] = ...) -> None: ...
+    class ByMethodEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: MethodCounts
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[MethodCounts, _Mapping]] = ...) -> None: ...
     ROUNDS_FIELD_NUMBER: _ClassVar[int]
     DRAFTED_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
@@ -122,6 +129,7 @@ class SpecStats(_message.Message):
     ACCEPTED_BY_DRAFT_LENGTH_FIELD_NUMBER: _ClassVar[int]
     STEP_DRAFTED_FIELD_NUMBER: _ClassVar[int]
     STEP_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    BY_METHOD_FIELD_NUMBER: _ClassVar[int]
     rounds: int
     drafted: int
     accepted: int
@@ -134,7 +142,18 @@ class SpecStats(_message.Message):
     accepted_by_draft_length: _containers.MessageMap[int, AcceptanceCounts]
     step_drafted: _containers.RepeatedScalarFieldContainer[int]
     step_accepted: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, rounds: _Optional[int] = ..., drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., drafted_per_pos: _Optional[_Iterable[int]] = ..., accepted_per_pos: _Optional[_Iterable[int]] = ..., draft_seconds: _Optional[float] = ..., verify_seconds: _Optional[float] = ..., drafts: _Optional[int] = ..., num_spec_tokens: _Optional[int] = ..., accepted_by_draft_length: _Optional[_Mapping[int, AcceptanceCounts]] = ..., step_drafted: _Optional[_Iterable[int]] = ..., step_accepted: _Optional[_Iterable[int]] = ...) -> None: ...
+    by_method: _containers.MessageMap[str, MethodCounts]
+    def __init__(self, rounds: _Optional[int] = ..., drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., drafted_per_pos: _Optional[_Iterable[int]] = ..., accepted_per_pos: _Optional[_Iterable[int]] = ..., draft_seconds: _Optional[float] = ..., verify_seconds: _Optional[float] = ..., drafts: _Optional[int] = ..., num_spec_tokens: _Optional[int] = ..., accepted_by_draft_length: _Optional[_Mapping[int, AcceptanceCounts]] = ..., step_drafted: _Optional[_Iterable[int]] = ..., step_accepted: _Optional[_Iterable[int]] = ..., by_method: _Optional[_Mapping[str, MethodCounts]] = ...) -> None: ...
+
+class MethodCounts(_message.Message):
+    __slots__ = ("drafts", "drafted", "accepted")
+    DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    DRAFTED_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    drafts: int
+    drafted: int
+    accepted: int
+    def __init__(self, drafts: _Optional[int] = ..., drafted: _Optional[int] = ..., accepted: _Optional[int] = ...) -> None: ...
 
 class AcceptanceCounts(_message.Message):
     __slots__ = ("rounds",)

@@ -145,12 +145,21 @@ STATS = SpecStats(
     accepted_per_pos=[4, 3, 2],
     draft_seconds=0.25,
     verify_seconds=0.5,
+    by_method={"model": [3, 8, 5], "suffix": [1, 4, 4]},
 )
 
 
 def test_stats_round_trip():
     assert wire.stats_from_pb(through_bytes(wire.stats_to_pb(STATS))) == STATS
     assert wire.stats_from_pb(common_pb2.SpecStats()) == SpecStats()
+
+
+def test_stats_by_method_merge_and_show():
+    total = SpecStats()
+    total.merge(STATS)
+    total.merge(SpecStats(drafts=1, drafted=2, accepted=1, by_method={"suffix": [1, 2, 1]}))
+    assert total.by_method == {"model": [3, 8, 5], "suffix": [2, 6, 5]}
+    assert total.as_dict()["by_method"]["suffix"] == {"drafts": 2, "drafted": 6, "accepted": 5}
 
 
 @pytest.mark.parametrize("reason", [None, "stop", "length", "cancelled"])
