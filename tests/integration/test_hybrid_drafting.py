@@ -4,13 +4,10 @@ ahead), both methods drafting and each counted under its own label, suffix round
 seeded requests replaying, and the flag that turns it off."""
 
 import random
-import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-from prometheus_client.parser import text_string_to_metric_families
 
 from draft_service.engine import DraftConfig
 from specmesh.drafters import HybridChooser
@@ -19,9 +16,18 @@ from specmesh.sampling import SamplingParams
 from specmesh.v1 import common_pb2, draft_pb2
 from tests.support.laws import LAW_PROMPT, LAW_VOCAB, first_two_counts, law_target, pooled_chisquare
 from tests.support.models import noisy_copy, tiny_model
-from tests.support.services import draft_stub, generate, start_draft, start_verify
+from tests.support.services import (
+    draft_stub,
+    generate,
+    learnt,
+    random_prompts,
+    service_metrics,
+    start_draft,
+    start_verify,
+)
 
 VOCAB = 128
+
 GREEDY = common_pb2.SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
 
 
@@ -29,32 +35,6 @@ GREEDY = common_pb2.SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=Tr
 def pair():
     target = tiny_model("llama", vocab=VOCAB, seed=11)
     return target, noisy_copy(target, 0.4, seed=2)
-
-
-def prompts(n, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [
-        torch.randint(0, VOCAB - 1, (int(torch.randint(3, 16, (1,), generator=g)),), generator=g).tolist()
-        for _ in range(n)
-    ]
-
-
-def learnt(server) -> None:
-    engine = server.server.engine
-    deadline = time.monotonic() + 10
-    while engine._learning and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert not engine._learning
-
-
-def metrics(server) -> dict:
-    with urllib.request.urlopen(f"http://127.0.0.1:{server.server.metrics_port}/metrics", timeout=10) as r:
-        text = r.read().decode()
-    return {
-        (s.name, tuple(sorted(s.labels.items()))): s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-    }
 
 
 def run_twice(draft, ps):
@@ -72,7 +52,7 @@ def test_greedy_equals_target_only_with_both_methods_drafting(pair):
     target, draft_model = pair
     engine = SpeculativeEngine.from_models(target)
     params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
-    ps = [[5, 6, 7, 8] * 4, *prompts(5, seed=3)]
+    ps = [[5, 6, 7, 8] * 4, *random_prompts(5, VOCAB, seed=3, longest=15)]
     reference = [engine.generate(p, params, num_speculative_tokens=0).token_ids for p in ps for _ in range(2)]
     verify = start_verify(target, max_batch_size=16)
     forwards = {}
@@ -96,7 +76,7 @@ def test_greedy_equals_target_only_with_both_methods_drafting(pair):
                     assert by["suffix"].drafted > 0 and by["suffix"].accepted > 0 and by["model"].drafted > 0
                     info = draft_stub(draft).Info(draft_pb2.DraftServiceInfoRequest())
                     assert by["suffix"].drafted + by["model"].drafted == info.drafted
-                    m = metrics(draft)
+                    m = service_metrics(draft)
                     for method in ("model", "suffix"):
                         label = (("method", method),)
                         assert m[("specmesh_draft_spec_draft_tokens_total", label)] == by[method].drafted
@@ -224,12 +204,12 @@ def test_past_the_batch_limit_it_still_drafts_by_the_trees_and_the_gateway_sends
     import asyncio
 
     from gateway.config import GatewayConfig
-    from gateway.router import RouteRequest, Router
+    from gateway.router import Router, RouteRequest
 
     target, draft_model = pair
     engine = SpeculativeEngine.from_models(target)
     params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
-    ps = prompts(8, seed=5)
+    ps = random_prompts(8, VOCAB, seed=5, longest=15)
     reference = [engine.generate(p, params, num_speculative_tokens=0).token_ids for p in ps]
     verify = start_verify(target, max_batch_size=16)
     hybrid = start_draft(
@@ -271,8 +251,15 @@ def test_past_the_batch_limit_it_still_drafts_by_the_trees_and_the_gateway_sends
         rows = e.batcher.stats.rows
         before = e.by_method["suffix"].drafts
         with ThreadPoolExecutor(8) as pool:  # 8 in the verify batch: past the replica's limit of 1
-            burst = list(pool.map(lambda p: generate(stub, p, GREEDY)[0], ps))
-        assert burst == reference
+            burst = list(pool.map(lambda p: generate(stub, p, GREEDY), ps))
+        assert [tokens for tokens, _ in burst] == reference
+        # Each request's statistics by method add up to its own (the per-request split).
+        for _, chunks in burst:
+            stats = chunks[-1].finished.stats
+            counts = list(stats.by_method.values())
+            assert sum(c.drafted for c in counts) == stats.drafted and sum(c.drafts for c in counts) == stats.drafts
+            assert sum(c.accepted for c in counts) == stats.accepted
+        assert any(chunks[-1].finished.stats.by_method["suffix"].drafts for _, chunks in burst)
         suffix = e.by_method["suffix"]
         assert suffix.drafts > before
         assert max(k for k in suffix.accepted_by_draft_length) > 2  # blocks longer than the model's K

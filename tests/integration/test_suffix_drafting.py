@@ -4,32 +4,31 @@ trees' bound, its metrics, and bad settings refused naming them."""
 
 import subprocess
 import sys
-import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
 import torch
-from prometheus_client.parser import text_string_to_metric_families
 
 from specmesh.engine import SpeculativeEngine
 from specmesh.sampling import SamplingParams
 from specmesh.v1 import common_pb2, draft_pb2
 from tests.support.laws import LAW_PROMPT, LAW_VOCAB, first_two_counts, law_target, pooled_chisquare
 from tests.support.models import ROOT, tiny_model
-from tests.support.services import GatewayServer, draft_stub, generate, start_draft, start_verify
+from tests.support.services import (
+    GatewayServer,
+    draft_stub,
+    generate,
+    learnt,
+    random_prompts,
+    service_metrics,
+    start_draft,
+    start_verify,
+)
 
 VOCAB = 128
+
 GREEDY = common_pb2.SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
-
-
-def prompts(n, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [
-        torch.randint(0, VOCAB - 1, (int(torch.randint(3, 20, (1,), generator=g)),), generator=g).tolist()
-        for _ in range(n)
-    ]
 
 
 @pytest.fixture(scope="module")
@@ -44,28 +43,6 @@ def reference(tiny_target):
     return lambda prompt: engine.generate(prompt, params, num_speculative_tokens=0).token_ids
 
 
-def learnt(server) -> None:
-    """Wait until the draft service has added every finished output to its global trees (a task of its own,
-    after the answer)."""
-    engine = server.server.engine
-    deadline = time.monotonic() + 10
-    while engine._learning and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert not engine._learning
-
-
-def metrics(server) -> dict:
-    """(name, labels) -> value of a service's /metrics."""
-    port = server.server.metrics_port
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
-        text = r.read().decode()
-    return {
-        (s.name, tuple(sorted(s.labels.items()))): s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-    }
-
-
 def test_greedy_through_the_services_equals_target_only(tiny_target, reference):
     """Each prompt twice: the second run drafts from the first one's output in the global tree (the tiny
     target's output is nothing its prompt predicts), and both are the target's own greedy output."""
@@ -74,7 +51,7 @@ def test_greedy_through_the_services_equals_target_only(tiny_target, reference):
     stub = draft_stub(draft)
     try:
         first = second = None
-        for p in [[5, 6, 7, 8] * 4, *prompts(3, seed=3)]:
+        for p in [[5, 6, 7, 8] * 4, *random_prompts(3, VOCAB, seed=3, longest=19)]:
             for run in range(2):
                 tokens, chunks = generate(stub, p, GREEDY)
                 assert tokens == reference(p)
@@ -82,14 +59,14 @@ def test_greedy_through_the_services_equals_target_only(tiny_target, reference):
                 first, second = (stats, second) if run == 0 else (first, stats)
             assert second.accepted > first.accepted  # what the global tree adds
         with ThreadPoolExecutor(4) as pool:  # concurrent sessions, the tree changing under them
-            ps = prompts(8, seed=4)
+            ps = random_prompts(8, VOCAB, seed=4, longest=19)
             assert list(pool.map(lambda p: generate(draft_stub(draft), p, GREEDY)[0], ps)) == list(map(reference, ps))
         info = stub.Info(draft_pb2.DraftServiceInfoRequest())
         assert info.algorithm == "suffix" and not info.model_path and info.accepted > 0
         learnt(draft)
         cache = draft.server.engine.suffix
         assert cache.proposals["global"] > 0 and cache.proposals["local"] > 0 and cache.cached_requests == 16
-        m = metrics(draft)
+        m = service_metrics(draft)
         assert m[("specmesh_draft_spec_accepted_tokens_total", (("method", "suffix"),))] == info.accepted
         assert m[("specmesh_draft_spec_draft_tokens_total", (("method", "suffix"),))] == info.drafted
         assert m[("specmesh_draft_suffix_cached_requests", ())] == 16
@@ -151,7 +128,7 @@ def test_one_scopes_generations_never_shape_anothers_drafts(tiny_target):
         None, verify.address, speculative_algorithm="suffix", adaptive=False, pipeline=False, metrics_port=0
     )
     stub = draft_stub(draft)
-    p = prompts(1, seed=7)[0]
+    p = random_prompts(1, VOCAB, seed=7, longest=19)[0]
     try:
         alone = fixed_stats(stub, p, "tenant-a")
         again = fixed_stats(stub, p, "tenant-a")
@@ -182,7 +159,11 @@ def test_tenants_behind_the_gateway_draft_from_their_own_generations(target, tok
             temperature=0,
             extra_body={"num_speculative_tokens": 6, **extra},
         )
-        return r.model_extra["specmesh"]["accepted"], r.choices[0].text
+        spec = r.model_extra["specmesh"]
+        assert set(spec["by_method"]) <= {"suffix"}  # the per-request split: one method here
+        if spec["drafts"]:
+            assert spec["by_method"]["suffix"] == {k: spec[k] for k in ("drafts", "drafted", "accepted")}
+        return spec["accepted"], r.choices[0].text
 
     try:
         a1, text = accepted("sk-a")
@@ -205,12 +186,12 @@ def test_the_global_trees_hold_at_most_the_bound(tiny_target):
     )
     stub = draft_stub(draft)
     try:
-        for p in prompts(5, seed=9):
+        for p in random_prompts(5, VOCAB, seed=9, longest=19):
             generate(stub, p, GREEDY, cache_scope="a" if len(p) % 2 else "b")
         learnt(draft)
         cache = draft.server.engine.suffix
         assert cache.cached_requests == 3 and cache.evicted == 2
-        m = metrics(draft)
+        m = service_metrics(draft)
         assert m[("specmesh_draft_suffix_cached_requests", ())] == 3
         assert m[("specmesh_draft_suffix_evicted_requests_total", ())] == 2
         assert m[("specmesh_draft_suffix_cache_tokens", ())] == 3 * GREEDY.max_tokens

@@ -57,6 +57,42 @@ def start_draft(model, verify_address: str, tokenizer=None, **kw) -> BackgroundS
     return BackgroundServer(lambda: build_draft(config, model, tokenizer=tokenizer))
 
 
+def learnt(draft: BackgroundServer) -> None:
+    """Wait until the draft service has added every finished output to its global suffix trees (a task of its
+    own, after the answer)."""
+    engine = draft.server.engine
+    deadline = time.monotonic() + 10
+    while engine._learning and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not engine._learning
+
+
+def service_metrics(server: BackgroundServer) -> dict:
+    """(name, labels) -> value of an in-process service's /metrics."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{server.server.metrics_port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def random_prompts(n: int, vocab: int, seed: int = 0, longest: int = 15) -> list[list[int]]:
+    """n prompts of 3 to `longest` token ids below vocab - 1, the same for the same arguments."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    return [
+        torch.randint(0, vocab - 1, (int(torch.randint(3, longest + 1, (1,), generator=g)),), generator=g).tolist()
+        for _ in range(n)
+    ]
+
+
 def verify_stub(server: BackgroundServer):
     return verify_pb2_grpc.VerifyServiceStub(grpc.insecure_channel(server.address))
 
