@@ -26,9 +26,9 @@ run: venv
 	$(VENV)/bin/specmesh serve --model-path models/demo/target --speculative-draft-model-path models/demo/draft \
 		--served-model-name demo
 
-# PYTEST_ARGS="-n 2 --dist loadfile" runs two xdist workers, a test file each (about 13 minutes on 2 cores
-# against 24): one test, a verify replica stopped under cancelled streams, timed out once in three such runs.
-PYTEST_ARGS ?=
+# Two xdist workers, a test file each: about 13 minutes on 2 cores against 24 serially (PYTEST_ARGS= for
+# one process). Each test file's servers and models stay in its worker.
+PYTEST_ARGS ?= -n 2 --dist loadfile
 test: venv
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
