@@ -46,17 +46,18 @@ proto: venv
 
 # The per-round choice of draft against the draft model alone, on text no one here wrote (HumanEval) and on an
 # edit loop that sends earlier code back.
-HYBRID_BENCH := --prompt-len 512 --prompts 20 --concurrency 1,16 --temperatures 0 --skip-hf --old-runtime ''
+HYBRID_BENCH := --prompt-len 512 --prompts 20 --skip-hf --old-runtime ''
 bench: venv
 	$(PY) -m bench.inprocess
 	$(PY) -m bench.services
 	$(PY) -m bench.load --llamacpp
 	$(PY) -m bench.prefix_share
 	$(PY) -m bench.suffix_cost
-	for w in editloop humaneval; do \
-		$(PY) -m bench.load --workload $$w $(HYBRID_BENCH) --out bench/results/load-$$w-hybrid.json && \
-		$(PY) -m bench.load --workload $$w $(HYBRID_BENCH) --draft-arg=--no-enable-suffix-decoding \
-			--out bench/results/load-$$w-model.json || exit 1; \
+	for w in editloop humaneval stdlib; do \
+		$(PY) -m bench.load --workload $$w $(HYBRID_BENCH) --concurrency 1,4,16,32 --temperatures 0,0.7 \
+			--out bench/results/load-$$w-hybrid.json && \
+		$(PY) -m bench.load --workload $$w $(HYBRID_BENCH) --concurrency 1,16 --temperatures 0 \
+			--draft-arg=--no-enable-suffix-decoding --out bench/results/load-$$w-model.json || exit 1; \
 	done
 
 # The chaos and soak suite, kept out of `make test`: real processes on loopback, services killed, hung and

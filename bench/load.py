@@ -427,7 +427,19 @@ def summarize(records: list[dict], wall: float, max_tokens: int) -> dict:
         **tot,
         "acceptance_rate": round(tot["accepted"] / tot["drafted"], 4) if tot["drafted"] else None,
         "mean_accepted_length": round(1 + tot["accepted"] / drafts, 4) if tot["drafted"] and drafts else None,
+        "by_method": by_method(spec),
     }
+
+
+def by_method(spec: list[dict]) -> dict[str, dict[str, int]]:
+    """The requests' rounds by the method that drafted them (the specmesh object's by_method), summed."""
+    out: dict[str, dict[str, int]] = {}
+    for s in spec:
+        for method, counts in (s.get("by_method") or {}).items():
+            mine = out.setdefault(method, {})
+            for key, n in counts.items():
+                mine[key] = mine.get(key, 0) + n
+    return out
 
 
 async def probe(client, prompt, k: int | None, timeout: float) -> dict:
