@@ -108,7 +108,8 @@ class FeedbackVerifier:
         if verdict.finish_reason is not None:  # the last verdict: a short generation still makes a window
             self.feedback.flush()
         drafted = proposal.k if verdict.num_drafted is None else verdict.num_drafted
-        self.loop.distiller.record_round(version, drafted, verdict.num_accepted)
+        if proposal.method != "suffix":  # a weight version is judged by the model's drafts alone
+            self.loop.distiller.record_round(version, drafted, verdict.num_accepted)
         verdict.logprobs = _as_asked(verdict.logprobs, self.asked)
         return verdict
 

@@ -165,6 +165,8 @@ class DraftBlock:
     token_ids: list[int]  # x_1..x_K
     q_ids: torch.Tensor | None = None  # [K, S] int64; None = point masses (greedy / n-gram drafts); -1 pads
     q_probs: torch.Tensor | None = None  # [K, S] float32
+    # What drafted its first token when the drafter says ("suffix" for the hybrid's trees); "" the drafter's own.
+    method: str = ""
 
     @property
     def k(self) -> int:
@@ -172,9 +174,9 @@ class DraftBlock:
 
     def __getitem__(self, s: slice) -> DraftBlock:
         if self.q_ids is None:
-            return DraftBlock(self.token_ids[s])
+            return DraftBlock(self.token_ids[s], method=self.method)
         assert self.q_probs is not None  # a block has both q_ids and q_probs or neither
-        return DraftBlock(self.token_ids[s], self.q_ids[s], self.q_probs[s])
+        return DraftBlock(self.token_ids[s], self.q_ids[s], self.q_probs[s], self.method)
 
     def __add__(self, other: DraftBlock) -> DraftBlock:
         if not other.k:
@@ -182,7 +184,7 @@ class DraftBlock:
         if not self.k:
             return other
         if self.q_ids is None and other.q_ids is None:
-            return DraftBlock(self.token_ids + other.token_ids)
+            return DraftBlock(self.token_ids + other.token_ids, method=self.method)
         if self.q_ids is None or other.q_ids is None:
             raise ValueError("cannot join a block with draft probabilities to one without")
         # a block has both q_ids and q_probs or neither
@@ -196,6 +198,7 @@ class DraftBlock:
             self.token_ids + other.token_ids,
             torch.cat([pad(self.q_ids, -1), pad(other.q_ids, -1)]),
             torch.cat([pad(self.q_probs, 0.0), pad(other.q_probs, 0.0)]),
+            self.method,
         )
 
 

@@ -585,11 +585,12 @@ async def speculative_generate(
         stats.record(drafted, verdict.num_accepted)
         if observe is not None:
             observe(drafted, verdict.num_accepted, t3 - t1)
-        # A block drafted during the previous verification cost no time here: no draft-speed sample.
+        # A block drafted during the previous verification cost no time here: no draft-speed sample. A free
+        # block says nothing of the model's acceptance or speed: the round's timing and batch alone.
         policy.observe(
-            drafted,
-            verdict.num_accepted,
-            0.0 if from_ahead else t1 - t0,
+            0 if free_ahead else drafted,
+            0 if free_ahead else verdict.num_accepted,
+            0.0 if from_ahead or free_ahead else t1 - t0,
             t3 - t1,
             verdict.load if verdict.load.batch_size else None,
         )

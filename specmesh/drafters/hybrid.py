@@ -159,7 +159,9 @@ class HybridDrafter:
         at = self.committed + len(after)
         for later in [p for p in self._by_position if p > at]:  # drafted on assumptions this block replaces
             del self._by_position[later]
-        draft = self.suffix.speculate(k, after) if not self._model_only else None
+        # The round's own block had the trees weighed by free_block; a block drafted ahead (should_stop) has not.
+        ahead = should_stop is not None and not self._model_only
+        draft = self.suffix.speculate(k, after) if ahead else None
         n = len(draft.token_ids) if draft else 0
         if draft and n and self.chooser.prefers_suffix(k, draft.match_len, draft.score, n, self._round_s):
             return self._suffix_block(at, draft)
@@ -193,10 +195,10 @@ class HybridDrafter:
         self.suffix.count(draft)
         tokens = draft.token_ids
         if self._greedy:
-            return DraftBlock(tokens)
+            return DraftBlock(tokens, method="suffix")
         # Explicit point masses: the block may be joined to a model block with its q.
         ids = torch.tensor(tokens, dtype=torch.int64).unsqueeze(1)
-        return DraftBlock(tokens, ids, torch.ones(len(tokens), 1))
+        return DraftBlock(tokens, ids, torch.ones(len(tokens), 1), "suffix")
 
     def observe(self, drafted: int, accepted: int, verify_seconds: float) -> None:
         """A verdict on the block that starts at the committed position (before `commit`)."""

@@ -268,3 +268,34 @@ def test_past_the_batch_limit_it_still_drafts_by_the_trees_and_the_gateway_sends
         model_only.stop()
         hybrid.stop()
         verify.stop()
+
+
+def test_with_online_distillation_a_weight_version_is_judged_by_the_models_drafts_alone(pair, tmp_path):
+    """Both halves of the optimize loop on: the trees learn at once and the model over minutes; the live
+    acceptance that decides a rollback counts the model's blocks, not the trees' (whose acceptance says
+    nothing of the weights), and the output stays the target's."""
+    target, draft_model = pair
+    engine = SpeculativeEngine.from_models(target)
+    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    ps = [[5, 6, 7, 8] * 4, *random_prompts(3, VOCAB, seed=3, longest=15)]
+    reference = [engine.generate(p, params, num_speculative_tokens=0).token_ids for p in ps for _ in range(2)]
+    verify = start_verify(target, max_batch_size=16)
+    draft = start_draft(
+        noisy_copy(target, 0.4, seed=2),
+        verify.address,
+        enable_suffix_decoding=True,
+        speculative_num_steps=4,
+        pipeline=False,
+        online_distill=True,
+        online_distill_dir=str(tmp_path),
+    )
+    try:
+        assert run_twice(draft, ps) == reference
+        e = draft.server.engine
+        by = e.by_method
+        assert by["suffix"].drafted > 0 and by["model"].drafted > 0
+        judged = sum(drafted for drafted, _ in e.online.distiller.acceptance_by_version().values())
+        assert judged == by["model"].drafted
+    finally:
+        draft.stop()
+        verify.stop()
