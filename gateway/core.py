@@ -450,6 +450,12 @@ class Gateway:
                 failed = route.verify if route.draft is None else None
                 drafting = False
             except grpc.aio.AioRpcError as e:
+                if self._draft_full(e, route, req):
+                    # A full draft replica (a hybrid one takes every request, past the batch limit too): the
+                    # verify replica decodes the rest alone, unless it is full as well (then 429 as usual).
+                    drafting = False
+                    self.draft_pool.count("target_only_draft_full")
+                    continue
                 failed = await self._on_failure(e, route)
             finally:
                 await stream.aclose()  # now, not when collected: it holds the replicas' load and the call
@@ -513,6 +519,13 @@ class Gateway:
             except grpc.aio.AioRpcError as e:
                 raise from_grpc_code(e.code().name, e.details() or "prompt log-probabilities failed") from None
         return wire.logprobs_from_pb(resp.logprobs, len(prompt_ids) - 1) or []
+
+    @staticmethod
+    def _draft_full(e: grpc.aio.AioRpcError, route: Route, req: GenRequest) -> bool:
+        """RESOURCE_EXHAUSTED through a draft replica, for a request whose path the gateway may change (K and
+        the seed left unset)."""
+        free = req.num_speculative_tokens is None and req.params.seed is None
+        return route.draft is not None and free and e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
 
     async def _on_failure(self, e: grpc.aio.AioRpcError, route: Route) -> Replica | None:
         """Raise an error that another replica would give too; otherwise probe both replicas and return the

@@ -160,7 +160,8 @@ class Router:
             return target_only
         draft = self.draft_pool.least_loaded() if self.draft_pool.replicas and ask.drafting else None
         # A replica that drafts by suffix trees too weighs each round against the verify batch itself.
-        if ask.k is None and self._speculation_off_under_load(inflight) and not (draft and draft.suffix_decoding):
+        free = draft is not None and draft.suffix_decoding
+        if ask.k is None and ask.drafting and not free and self._speculation_off_under_load(inflight):
             self.draft_pool.count("target_only_under_load")
             return target_only
         if draft is None:

@@ -293,6 +293,38 @@ def test_speculation_turns_off_past_the_batch_size(stack, tokenizer, greedy):
         gw.stop()
 
 
+def test_a_hybrid_draft_replica_takes_requests_past_the_batch_size_and_a_full_one_hands_them_over(
+    target, tokenizer, greedy
+):
+    """Past --speculative-disable-by-batch-size a draft replica that chooses its draft per round (suffix trees,
+    its Info says so) still gets the requests; when it is full (RESOURCE_EXHAUSTED) a request that left K and
+    the seed unset decodes target-only on the verify replica instead of failing, with the same tokens."""
+    verify = start_verify(target, tokenizer)
+    draft = start_draft(noisy_copy(target, 0.03), verify.address, enable_suffix_decoding=True, max_sessions=2)
+    gw = GatewayServer([verify.address], [draft.address], tokenizer, speculative_disable_by_batch_size=1)
+    try:
+        prompt = "for item in items:\n"
+        want_text = greedy(tokenizer(prompt, add_special_tokens=False)["input_ids"], 32).text
+        client = gw.openai()
+
+        def one(_):
+            r = client.completions.create(model="demo", prompt=prompt, max_tokens=32, temperature=0)
+            return r.choices[0].text, r.model_extra["specmesh"]["target_only"]
+
+        with ThreadPoolExecutor(8) as pool:
+            burst = list(pool.map(one, range(8)))
+        assert all(text == want_text for text, _ in burst)
+        decisions = gw.gateway.draft_pool.decisions
+        assert not decisions.get("target_only_under_load")  # the hybrid replica was asked, past the limit too
+        assert decisions.get("target_only_draft_full", 0) >= 1  # 8 at once into 2 draft sessions
+        assert sum(not target_only for _, target_only in burst) >= 2
+        assert gw.gateway.draft_pool.replicas[draft.address].suffix_decoding is True
+    finally:
+        gw.stop()
+        draft.stop()
+        verify.stop()
+
+
 def test_grpc_front_num_speculative_tokens(stack, tokenizer, greedy):
     stub = gateway_pb2_grpc.GatewayServiceStub(grpc.insecure_channel(stack[0].grpc_address))
     ids = tokenizer("if x:\n", add_special_tokens=False)["input_ids"]
