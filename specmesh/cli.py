@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specmesh.config import EnvArgumentParser, GatewayListen, Logging, add_config_flags, option, to_argv
+from specmesh.errors import ConfigError
 from specmesh.placement import add_thread_flags
 from specmesh.stack import StackPlan, StackSecurity, serve
 
@@ -191,6 +192,12 @@ def _profile_flags(ap: EnvArgumentParser) -> None:
     _repeatable(ap, "--metrics-url", "ROLE=URL", help + "when `specmesh serve` runs it on this machine")
 
 
+def _widen_flags(ap: EnvArgumentParser) -> None:
+    from specmesh.widen import add_flags
+
+    add_flags(ap)
+
+
 COMMANDS = {  # name: (help, description, its flags)
     "serve": (
         "start verify, draft and gateway as separate processes and serve until Ctrl-C",
@@ -205,6 +212,13 @@ COMMANDS = {  # name: (help, description, its flags)
         "every response's speculation stats, and write report.md and report.html (with PNG plots) ending with "
         "ranked recommendations.",
         _profile_flags,
+    ),
+    "widen": (
+        "write a function-preserving widening of a Llama checkpoint (a real-size model from a small one)",
+        "Write a Llama checkpoint of a larger shape (hidden size, heads, KV heads, head_dim, MLP, layers; or a real "
+        "model's, --preset) whose logits equal the source's: the new parts contribute exactly nothing, while every "
+        "forward does the larger shape's work. For measuring a real-size pair where no model hub is reachable.",
+        _widen_flags,
     ),
 }
 
@@ -378,6 +392,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "serve":
             return serve(plan_from_args(args))
+        if args.command == "widen":
+            from specmesh.widen import run
+
+            try:
+                return run(args)
+            except ConfigError as e:
+                raise UsageError(str(e)) from None
         from specmesh.profile import run_profile
 
         return run_profile(args, read_api_keys(args.api_key_file).split(",")[0])
