@@ -51,6 +51,8 @@ bench: venv
 	$(PY) -m bench.inprocess
 	$(PY) -m bench.services
 	$(PY) -m bench.load --llamacpp
+	$(PY) -m bench.load --placement split --concurrency 1,4,16 --temperatures 0 --skip-hf --old-runtime '' \
+		--out bench/results/load-split.json
 	$(PY) -m bench.prefix_share
 	$(PY) -m bench.suffix_cost
 	for w in editloop humaneval stdlib; do \

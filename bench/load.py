@@ -62,6 +62,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import atexit
+import contextlib
 import json
 import os
 import signal
@@ -112,9 +113,11 @@ class Stack:
         verify_args: list[str] | None = None,
         draft_args: list[str] | None = None,
         device: str | None = None,
+        cores: dict[str, set[int]] | None = None,
     ):
         self.target, self.draft = target, draft
         self.device = device
+        self.cores = cores or {}  # role ("verify", "draft", "gateway") -> the CPU cores its process may run on
         self.gateway_args = list(gateway_args or [])
         self.verify_args = list(verify_args or [])
         self.draft_args = list(draft_args or [])
@@ -143,6 +146,7 @@ class Stack:
             ["--model-path", str(self.target), *common, "--threads", str(self.verify_threads), *self.verify_args],
             ports=self.metrics_ports,
         )
+        self._pin("verify", proc)
         self.procs.append(("verify", proc))
         if not with_draft:
             return
@@ -162,7 +166,12 @@ class Stack:
             ],
             ports=self.metrics_ports,
         )
+        self._pin("draft", proc)
         self.procs.append(("draft", proc))
+
+    def _pin(self, role: str, proc: subprocess.Popen) -> None:
+        """Keep every thread of the process on its role's cores (threads it starts later inherit it)."""
+        pin_threads(proc.pid, self.cores.get(role))
 
     def start_gateway(self, name: str, with_draft: bool) -> str:
         """A gateway on a free port (no gRPC front); without the draft it decodes target-only. Returns its
@@ -187,6 +196,7 @@ class Stack:
         if with_draft:
             args += ["--draft", self.draft_address, *self.gateway_args]
         proc, _ = start(name, "gateway", args, pattern=r"REST listening on (\S+)")
+        self._pin("gateway", proc)
         self.procs.append((name, proc))
         base = f"http://127.0.0.1:{port}"
         wait_healthy(base + "/health", timeout=120)
@@ -216,6 +226,21 @@ class Stack:
                 if p.poll() is None:
                     p.kill()
             raise
+
+
+def pin_threads(pid: int, cpus: set[int] | None) -> None:
+    """Every thread of `pid` onto `cpus` (None: left alone). Linux sets affinity per thread, so the threads a
+    process has already started (torch's pools) are moved one by one."""
+    if not cpus:
+        return
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(ProcessLookupError, FileNotFoundError):  # a thread that ended meanwhile
+            os.sched_setaffinity(int(task.name), cpus)
+
+
+# --placement split: the draft service on a core of its own, what a draft pod adds to a fixed verify machine;
+# the verify service, the gateway and this client share the other (target-only runs on that core alone).
+SPLIT = {"verify": {0}, "gateway": {0}, "client": {0}, "draft": {1}}
 
 
 def wait_draft_healthy(base: str, timeout: float = 60) -> None:
@@ -1109,6 +1134,14 @@ def parse_args(argv=None):
     )
     add_thread_flags(ap)
     ap.add_argument(
+        "--placement",
+        choices=("shared", "split"),
+        default="shared",
+        help="shared: every process on every core; split: the draft service alone on core 1, the verify service, "
+        "the gateway and this client on core 0, one torch thread each (what a draft pod adds to a verify "
+        "machine: target-only runs on core 0 alone)",
+    )
+    ap.add_argument(
         "--old-runtime",
         type=parse_list(int),
         default=[16],
@@ -1436,6 +1469,11 @@ def main(argv=None) -> dict:
     if not prompts:
         raise RuntimeError(f"no {args.workload} prompt of {args.prompt_len} tokens")
 
+    if args.placement == "split":
+        if len(os.sched_getaffinity(0)) < 2:
+            raise SystemExit("--placement split needs two CPU cores")
+        args.verify_threads, args.draft_threads = args.verify_threads or 1, args.draft_threads or 1
+        os.sched_setaffinity(0, SPLIT["client"])
     args.verify_threads = service_threads("verify", args.verify_threads)
     args.draft_threads = service_threads("draft", args.draft_threads)
     if args.speculative_disable_by_batch_size is None:  # as the local stack sets it (specmesh.placement)
@@ -1451,6 +1489,7 @@ def main(argv=None) -> dict:
         verify_args=args.verify_arg,
         draft_args=limit + args.draft_arg,
         device=args.device,
+        cores=SPLIT if args.placement == "split" else None,
     )
     atexit.register(stack.close)
     try:
@@ -1533,6 +1572,8 @@ def main(argv=None) -> dict:
             "speculative_k": measured["speculative_k_sent"] or "service default",
             "verify_torch_threads": args.verify_threads,
             "draft_torch_threads": args.draft_threads,
+            "placement": args.placement,
+            "cores": {role: sorted(c) for role, c in SPLIT.items()} if args.placement == "split" else "all, shared",
             "speculative_disable_by_batch_size": args.speculative_disable_by_batch_size,
             "draft_pipelining": pipeline_pays(args.verify_threads, args.draft_threads),
             "draft_args": args.draft_arg,

@@ -5,7 +5,13 @@
 #      one compiled variant for every batch);
 #   2. the paged runner on CUDA with the block-table kernel against the HF forward (its probe) and 64 greedy
 #      tokens of the demo target equal to the HF greedy output;
-#   3. bench.verify_shapes on CUDA (ms per forward by shape), its JSON under $OUT.
+#   3. bench.verify_shapes on CUDA (ms per forward by shape), its JSON under $OUT;
+#   4. the real-size pair: the demo target widened to Llama 3.1 8B's shape and the demo draft to Llama 3.2
+#      1B's (`specmesh widen`, bf16; the logits stay the demo pair's), bench.verify_shapes on each, then
+#      bench.load through the gateway at 1, 4, 16 and 32 streams, greedy and T = 0.7, with transformers'
+#      assisted generation on the same pair: bench/results/*real-pair* (under $OUT).
+# Each step is bounded so that the whole fits in 15 minutes of device time; a step that runs out leaves what it
+# wrote and the next one starts.
 # Usage on the device: OUT=/some/dir scripts/gpu-checks.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -38,3 +44,16 @@ agree = sum(a == b for a, b in zip(ours, hf))
 print(f"greedy agreement with HF generate (bf16): {agree}/64; first divergence at {next((i for i, (a, b) in enumerate(zip(ours, hf)) if a != b), None)}")
 PYEOF
 $PY -m bench.verify_shapes --device cuda --streams 1,16 --out "$OUT/verify-shapes-cuda.json" 2>&1 | tail -20 | tee "$OUT/verify-shapes.txt"
+REAL=/tmp/real-pair
+rm -rf "$REAL"
+timeout 240 $PY -m specmesh widen --source models/demo/target --out "$REAL/target" --preset llama-3.1-8b --dtype bfloat16 \
+  2>&1 | tee "$OUT/widen.txt" || true
+timeout 60 $PY -m specmesh widen --source models/demo/draft --out "$REAL/draft" --preset llama-3.2-1b --dtype bfloat16 \
+  2>&1 | tee -a "$OUT/widen.txt" || true
+for m in target draft; do
+  timeout 120 $PY -m bench.verify_shapes --device cuda --target "$REAL/$m" --streams 1,16 --backends no-cudnn \
+    --out "$OUT/verify-shapes-real-pair-$m.json" 2>&1 | tail -12 | tee "$OUT/verify-shapes-real-pair-$m.txt" || true
+done
+timeout 360 $PY -m bench.load --device cuda --target "$REAL/target" --draft "$REAL/draft" --concurrency 1,4,16,32 \
+  --temperatures 0,0.7 --requests-factor 1 --repeats 1 --hf-prompts 4 --old-runtime '' \
+  --out "$OUT/load-real-pair.json" 2>&1 | tail -30 | tee "$OUT/load-real-pair.txt" || true

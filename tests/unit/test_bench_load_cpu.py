@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.load import cpu_per_1k_tokens, process_cpu_seconds
+from bench.load import SPLIT, cpu_per_1k_tokens, parse_args, pin_threads, process_cpu_seconds
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs Linux /proc")
 
@@ -38,3 +38,26 @@ def test_passes_pool_and_a_missing_reading_is_null():
     assert cpu_per_1k_tokens([a, (None, {"verify": 1.0})], 1010) is None
     assert cpu_per_1k_tokens([], 100) is None
     assert cpu_per_1k_tokens([({"v": 0.0}, {"v": 1.0})], 0) is None
+
+
+def test_split_placement_pins_every_thread_of_a_process():
+    """--placement split: a process's threads already running (torch's pools) move to its role's core too."""
+    import os
+
+    script = (
+        "import threading, time\n"
+        "for _ in range(3): threading.Thread(target=time.sleep, args=(5,)).start()\n"
+        "time.sleep(5)"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", script])
+    try:
+        time.sleep(0.5)
+        pin_threads(proc.pid, SPLIT["draft"])
+        tasks = list(Path(f"/proc/{proc.pid}/task").iterdir())
+        assert len(tasks) >= 4
+        assert all(os.sched_getaffinity(int(t.name)) == {1} for t in tasks)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert SPLIT["verify"] == SPLIT["gateway"] == {0} and not SPLIT["draft"] & SPLIT["verify"]
+    assert parse_args(["--placement", "split"]).placement == "split"
