@@ -386,6 +386,12 @@ class GoodputK(AdaptiveK):
         b = max(0.0, (sty / n - mean_t * mean_y) / var) if var > 1e-6 * max(1.0, mean_t * mean_t) else 0.0
         return max(0.0, mean_y - b * mean_t), b
 
+    @property
+    def guard_holds(self) -> bool:
+        """The goodput guard measured speculation losing and holds this session to target-only steps now (a
+        free draft too: its rounds are among those measured)."""
+        return bool(self._guard_steps)
+
     def round_seconds(self, positions: int, draft_tokens: int = 0) -> float | None:
         """A round's predicted seconds were every session of the batch to verify `positions` positions (its
         draft and the bonus) after `draft_tokens` draft forwards; None before the forward model is fitted."""
@@ -469,7 +475,8 @@ async def speculative_generate(
     observe: Callable[[int, int, float], None] | None = getattr(drafter, "observe", None)
     # A drafter with proposals that cost no draft forward (suffix trees) is asked for one every round, however
     # small the policy's K (0 under load): it weighs the block's length against `round_s`, the policy's model of
-    # a round's time, and such a block is sent whole.
+    # a round's time, and such a block is sent whole. Not while the goodput guard holds speculation off: the
+    # model of a round can miss what a round costs (a slope it could not fit), and the guard measures it.
     free_block: Callable[..., DraftBlock | None] | None = getattr(drafter, "free_block", None)
     round_s = getattr(policy, "round_seconds", None)
     free_ahead = False  # `ahead` is such a block
@@ -486,7 +493,8 @@ async def speculative_generate(
             await drafter.start(prompt_ids, params)
             budget = params.draft_budget(len(stop.token_ids))
             first_k = min(policy.next_k(), budget)
-            if free_block is not None and not (cancelled is not None and cancelled()):
+            held = getattr(policy, "guard_holds", False)
+            if free_block is not None and not held and not (cancelled is not None and cancelled()):
                 ahead = free_block(first_k, budget, round_s)
                 free_ahead = ahead is not None
             if ahead is None and first_k > 0 and not (cancelled is not None and cancelled()):
@@ -540,7 +548,8 @@ async def speculative_generate(
         budget = params.draft_budget(len(stop.token_ids))
         k = min(policy.next_k() if first_k is None else first_k, budget)
         first_k = None
-        if free_block is not None and ahead is None:
+        held = getattr(policy, "guard_holds", False)
+        if free_block is not None and ahead is None and not held:
             ahead = free_block(k, budget, round_s)
             free_ahead = ahead is not None
         if free_ahead:
@@ -548,7 +557,7 @@ async def speculative_generate(
             k = ahead.k
         if k == 0:
             steps = policy.zero_run(params.max_tokens - len(stop.token_ids))
-            if free_block is not None:  # the trees may find a match within a few tokens
+            if free_block is not None and not held:  # the trees may find a match within a few tokens
                 steps = min(steps, FREE_BLOCK_RECHECK)
             if steps > 1:
                 ahead = None

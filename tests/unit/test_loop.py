@@ -412,3 +412,43 @@ def test_a_goodput_probe_speculates_while_the_guard_says_speculation_loses():
     assert r.token_ids == list(range(2, 62))
     assert r.stats.drafted > 0 and all(n == 2 for n in verifier.runs)  # the guard's short probes, no run of 8
     assert guard.speculation_pays() is True
+
+
+class FreeDrafter(CountingDrafter):
+    """CountingDrafter with blocks that cost no draft forward (as the hybrid's suffix trees): `free_block`
+    offers `length` tokens every time it is asked, and counts the asks."""
+
+    def __init__(self, length):
+        self.length, self.asked = length, 0
+
+    def free_block(self, k, budget, round_s=None):
+        self.asked += 1
+        n = min(self.length, budget)
+        return DraftBlock([self.tokens[-1] + 1 + i for i in range(n)], method="suffix") if n else None
+
+
+def test_a_free_block_is_asked_for_past_the_batch_limit_and_sent_whole():
+    """K is 0 past the batch limit, but the trees' block is asked for every round and sent whole (longer than
+    the policy's K of 2); the tokens are the target's."""
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    verifier = RunRecordingVerifier(0.0, bonus=lambda ctx: ctx[-1] + 1)
+    drafter = FreeDrafter(6)
+    r = asyncio.run(
+        speculative_generate(verifier, drafter, [1], params, GoodputK(2, batch_limit=1), StopChecker(params))
+    )
+    assert r.token_ids == list(range(2, 42))
+    assert not verifier.runs and drafter.asked == r.stats.rounds  # every round drafted by the trees
+    assert max(len(b) for b in verifier.blocks) == 6 and r.stats.num_spec_tokens == 6
+
+
+def test_a_free_block_waits_while_the_guard_holds_speculation_off():
+    """Where speculative rounds measure slower than target-only steps, the guard's runs hold the free blocks
+    back as well (the round model cannot see every cost; the guard measures them)."""
+    params = SamplingParams(temperature=0.0, max_tokens=150, ignore_eos=True)
+    verifier = TimedVerifier(0.040, 0.002)
+    drafter = FreeDrafter(4)
+    policy = GoodputK(4, guard=GoodputGuard(every=8, probe=2))
+    r = asyncio.run(speculative_generate(verifier, drafter, [1], params, policy, StopChecker(params)))
+    assert r.token_ids == list(range(2, 152))
+    assert sum(verifier.runs) >= 60 and verifier.runs.count(8) >= 5  # the guard's runs, not cut for the trees
+    assert drafter.asked < r.stats.rounds / 2
