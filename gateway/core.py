@@ -490,6 +490,7 @@ class Gateway:
             req.prompt_ids + emitted,
             req.num_speculative_tokens,
             seeded=req.params.seed is not None,
+            sampled=not req.params.greedy,
             excluded=excluded,
             drafting=drafting,
             goodput=outcome.goodput_route,

@@ -122,3 +122,13 @@ def test_a_stalled_stream_s_session_is_resumed_on_its_replica_while_it_is_health
     r.verify_pool.replicas[other].healthy = False  # gone: back to the session's replica, with its own id
     route = r.route(stalled)
     assert route.verify is home and route.session_id == "s"
+
+
+def test_past_the_batch_size_a_hybrid_draft_replica_gets_greedy_requests_only():
+    """A draft replica that chooses its draft per round (suffix trees, Info.suffix_decoding) weighs a greedy
+    request's rounds against the batch itself; a sampled request past the limit still decodes target-only."""
+    r = router(speculative_num_steps=5, speculative_disable_by_batch_size=1)
+    next(iter(r.draft_pool.replicas.values())).suffix_decoding = True
+    assert not r.route(RouteRequest("s", [1, 2, 3]), inflight=5).target_only
+    assert r.route(RouteRequest("s", [1, 2, 3], sampled=True), inflight=5).target_only
+    assert r.draft_pool.decisions["target_only_under_load"] == 1
