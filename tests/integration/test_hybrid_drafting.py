@@ -37,6 +37,13 @@ def pair():
     return target, noisy_copy(target, 0.4, seed=2)
 
 
+def reference(target, ps, repeat=1) -> list[list[int]]:
+    """The target's greedy output of each prompt (`repeat` times in a row), decoded alone."""
+    engine = SpeculativeEngine.from_models(target)
+    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    return [engine.generate(p, params, num_speculative_tokens=0).token_ids for p in ps for _ in range(repeat)]
+
+
 def run_twice(draft, ps):
     """Each prompt twice: the second run finds the first one's output in the global trees."""
     stub = draft_stub(draft)
@@ -50,10 +57,8 @@ def run_twice(draft, ps):
 
 def test_greedy_equals_target_only_with_both_methods_drafting(pair):
     target, draft_model = pair
-    engine = SpeculativeEngine.from_models(target)
-    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
     ps = [[5, 6, 7, 8] * 4, *random_prompts(5, VOCAB, seed=3, longest=15)]
-    reference = [engine.generate(p, params, num_speculative_tokens=0).token_ids for p in ps for _ in range(2)]
+    want = reference(target, ps, repeat=2)
     verify = start_verify(target, max_batch_size=16)
     forwards = {}
     try:
@@ -67,7 +72,7 @@ def test_greedy_equals_target_only_with_both_methods_drafting(pair):
                 metrics_port=0,
             )
             try:
-                assert run_twice(draft, ps) == reference
+                assert run_twice(draft, ps) == want
                 e = draft.server.engine
                 forwards[hybrid] = e.batcher.stats.rows  # draft tokens the model computed
                 if hybrid:
@@ -81,7 +86,7 @@ def test_greedy_equals_target_only_with_both_methods_drafting(pair):
                         label = (("method", method),)
                         assert m[("specmesh_draft_spec_draft_tokens_total", label)] == by[method].drafted
                         assert m[("specmesh_draft_spec_accepted_tokens_total", label)] == by[method].accepted
-                    assert e.suffix.cached_requests == len(reference)
+                    assert e.suffix.cached_requests == len(want)
                 else:
                     assert set(e.by_method) == {"model"} and e.suffix is None
             finally:
@@ -207,10 +212,8 @@ def test_past_the_batch_limit_it_still_drafts_by_the_trees_and_the_gateway_sends
     from gateway.router import Router, RouteRequest
 
     target, draft_model = pair
-    engine = SpeculativeEngine.from_models(target)
-    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
     ps = random_prompts(8, VOCAB, seed=5, longest=15)
-    reference = [engine.generate(p, params, num_speculative_tokens=0).token_ids for p in ps]
+    want = reference(target, ps)
     verify = start_verify(target, max_batch_size=16)
     hybrid = start_draft(
         draft_model,
@@ -245,14 +248,14 @@ def test_past_the_batch_limit_it_still_drafts_by_the_trees_and_the_gateway_sends
         assert through_hybrid.draft is not None and through_hybrid.draft.address == hybrid.address
 
         stub = draft_stub(hybrid)
-        assert [generate(stub, p, GREEDY)[0] for p in ps] == reference  # the outputs join the global trees
+        assert [generate(stub, p, GREEDY)[0] for p in ps] == want  # the outputs join the global trees
         learnt(hybrid)
         e = hybrid.server.engine
         rows = e.batcher.stats.rows
         before = e.by_method["suffix"].drafts
         with ThreadPoolExecutor(8) as pool:  # 8 in the verify batch: past the replica's limit of 1
             burst = list(pool.map(lambda p: generate(stub, p, GREEDY), ps))
-        assert [tokens for tokens, _ in burst] == reference
+        assert [tokens for tokens, _ in burst] == want
         # Each request's statistics by method add up to its own (the per-request split).
         for _, chunks in burst:
             stats = chunks[-1].finished.stats
@@ -275,10 +278,8 @@ def test_with_online_distillation_a_weight_version_is_judged_by_the_models_draft
     acceptance that decides a rollback counts the model's blocks, not the trees' (whose acceptance says
     nothing of the weights), and the output stays the target's."""
     target, draft_model = pair
-    engine = SpeculativeEngine.from_models(target)
-    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
     ps = [[5, 6, 7, 8] * 4, *random_prompts(3, VOCAB, seed=3, longest=15)]
-    reference = [engine.generate(p, params, num_speculative_tokens=0).token_ids for p in ps for _ in range(2)]
+    want = reference(target, ps, repeat=2)
     verify = start_verify(target, max_batch_size=16)
     draft = start_draft(
         noisy_copy(target, 0.4, seed=2),
@@ -290,7 +291,7 @@ def test_with_online_distillation_a_weight_version_is_judged_by_the_models_draft
         online_distill_dir=str(tmp_path),
     )
     try:
-        assert run_twice(draft, ps) == reference
+        assert run_twice(draft, ps) == want
         e = draft.server.engine
         by = e.by_method
         assert by["suffix"].drafted > 0 and by["model"].drafted > 0
