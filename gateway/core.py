@@ -44,7 +44,7 @@ import jinja2
 
 from gateway.config import GatewayConfig
 from gateway.router import Route, Router, RouteRequest
-from gateway.routing import Replica
+from gateway.routing import Pool, Replica
 from specmesh import wire
 from specmesh.domain import TokenLogprob
 from specmesh.errors import CALLER_ERRORS, InvalidArgument, ResourceExhausted, Unavailable, from_grpc_code
@@ -315,6 +315,18 @@ class Inputs:
             raise InvalidArgument(f"num_speculative_tokens must be in [0, {MAX_SPEC_LEN}], got {k}")
 
 
+def draft_full(e: grpc.aio.AioRpcError, route: Route, req: GenRequest, pool: Pool) -> bool:
+    """RESOURCE_EXHAUSTED through a draft replica, for a request whose path the gateway may change (K and the
+    seed left unset): a full draft replica (a hybrid one takes every greedy request, past the batch limit too)
+    hands it to the verify replica target-only, and only a full verify replica makes it a 429. Counted in
+    `pool`'s decisions."""
+    free = req.num_speculative_tokens is None and req.params.seed is None
+    full = route.draft is not None and free and e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    if full:
+        pool.count("target_only_draft_full")
+    return full
+
+
 class Gateway:
     """One generation's lifecycle, for every front: admission, the stream of the route the router chose,
     its text, the stall watch, failover and replay (see the module docstring)."""
@@ -450,11 +462,8 @@ class Gateway:
                 failed = route.verify if route.draft is None else None
                 drafting = False
             except grpc.aio.AioRpcError as e:
-                if self._draft_full(e, route, req):
-                    # A full draft replica (a hybrid one takes every request, past the batch limit too): the
-                    # verify replica decodes the rest alone, unless it is full as well (then 429 as usual).
+                if draft_full(e, route, req, self.draft_pool):  # the verify replica decodes the rest alone
                     drafting = False
-                    self.draft_pool.count("target_only_draft_full")
                     continue
                 failed = await self._on_failure(e, route)
             finally:
@@ -520,13 +529,6 @@ class Gateway:
             except grpc.aio.AioRpcError as e:
                 raise from_grpc_code(e.code().name, e.details() or "prompt log-probabilities failed") from None
         return wire.logprobs_from_pb(resp.logprobs, len(prompt_ids) - 1) or []
-
-    @staticmethod
-    def _draft_full(e: grpc.aio.AioRpcError, route: Route, req: GenRequest) -> bool:
-        """RESOURCE_EXHAUSTED through a draft replica, for a request whose path the gateway may change (K and
-        the seed left unset)."""
-        free = req.num_speculative_tokens is None and req.params.seed is None
-        return route.draft is not None and free and e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
 
     async def _on_failure(self, e: grpc.aio.AioRpcError, route: Route) -> Replica | None:
         """Raise an error that another replica would give too; otherwise probe both replicas and return the
