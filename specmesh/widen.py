@@ -250,7 +250,7 @@ class _Shards:
         self.out, self.dtype = out, dtype
         self.pending: dict = {}
         self.size = 0
-        self.written: list[Path] = []
+        self.written: list[tuple[Path, list[str]]] = []  # each shard's file and tensor names
 
     def put(self, name: str, tensor) -> None:
         tensor = tensor.to(self.dtype).contiguous()
@@ -265,21 +265,18 @@ class _Shards:
 
         path = self.out / f"shard-{len(self.written):05d}.tmp"
         save_file(self.pending, str(path), metadata={"format": "pt"})
-        self.written.append(path)
+        self.written.append((path, list(self.pending)))
         self.pending, self.size = {}, 0
 
     def close(self) -> None:
-        from safetensors import safe_open
-
         if self.pending:
             self._flush()
         n = len(self.written)
         weight_map: dict[str, str] = {}
-        for i, tmp in enumerate(self.written):
+        for i, (tmp, names) in enumerate(self.written):
             name = "model.safetensors" if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
             tmp.rename(self.out / name)
-            with safe_open(str(self.out / name), "pt") as f:
-                weight_map.update(dict.fromkeys(f.keys(), name))
+            weight_map.update(dict.fromkeys(names, name))
         if n > 1:
             total = sum((self.out / name).stat().st_size for name in set(weight_map.values()))
             body = {"metadata": {"total_size": total}, "weight_map": weight_map}
