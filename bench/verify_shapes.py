@@ -2,6 +2,7 @@
 
     python -m bench.verify_shapes [--device cuda] [--streams 1,16] [--k 4] [--tokens 64] [--prompt-len 64]
         [--backends default,no-cudnn,math] [--padded-attention auto|on|off] [--random-weights] [--profile BACKEND]
+        [--runner batched|paged] [--cuda-graphs on|off]
 
 The verify service's batched runner (`BatchedRunner`, in process, no services) replays a decode: S streams,
 each verifying a block of K random drafts per round and committing a pre-drawn number of them (plus the
@@ -19,7 +20,10 @@ kernels are the same), for a machine the checkpoint cannot be copied to. `--prof
 setting once more, in a process of its own, with torch's profiler over the first pass of the speculative
 rounds at the most streams, and keeps its operator table (the timed passes run without the profiler).
 `--padded-attention`: the runner's attention layout for every setting (auto: padded on CUDA, one call per
-sequence on CPU; see `specmesh.runtime.batched`).
+sequence on CPU; see `specmesh.runtime.batched`). `--runner paged`: the paged runner instead (the services'
+default; on CUDA the block-table kernel), and with `--cuda-graphs on` its decode steps replayed from CUDA graphs
+captured when it is built (`specmesh.runtime.graphs`; CUDA only), so the same rounds give ms per forward with
+graphs and without.
 
 Writes bench/results/verify-shapes.json (per backend, streams, mode and pass: forwards, p50 / p90 / p99 /
 max ms, how many forwards took over 3x pass 2's p50, and every forward's time), a PNG of every forward's
@@ -36,6 +40,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -83,6 +88,7 @@ def child(args) -> dict:
 
     from specmesh.models import default_dtype, load_model
     from specmesh.runtime.batched import BatchedRunner
+    from specmesh.runtime.paged import PagedRunner
 
     device = torch.device(args.device)
     torch.manual_seed(args.seed)
@@ -92,14 +98,28 @@ def child(args) -> dict:
     else:
         model, _ = load_model(args.target, device)
     slots = max(args.streams)
-    runner = BatchedRunner(
-        model,
-        num_slots=slots,
-        max_seq_len=args.prompt_len + args.tokens + args.k + 2,
-        check=False,
-        attention_backend=args.child,
-        padded_attention={"auto": None, "on": True, "off": False}[args.padded_attention],
-    )
+    length = args.prompt_len + args.tokens + args.k + 2
+    runner: Any  # BatchedRunner | PagedRunner: the same Runner protocol
+    if args.runner == "paged":
+        runner = PagedRunner(
+            model,
+            slots * -(-length // 16),
+            16,
+            length,
+            check=False,
+            attention_backend=args.child,
+            cuda_graph_max_bs=slots if args.cuda_graphs == "on" else 0,
+            graph_tokens_per_seq=args.k + 1,
+        )
+    else:
+        runner = BatchedRunner(
+            model,
+            num_slots=slots,
+            max_seq_len=length,
+            check=False,
+            attention_backend=args.child,
+            padded_attention={"auto": None, "on": True, "off": False}[args.padded_attention],
+        )
     vocab = runner.vocab_size
 
     def sync() -> None:
@@ -156,7 +176,9 @@ def child(args) -> dict:
                 out.append(
                     {
                         "backend": args.child,
-                        "padded": runner.padded_attention,
+                        "padded": getattr(runner, "padded_attention", None),
+                        "runner": args.runner,
+                        "graphs": getattr(runner, "graphs", None) is not None,
                         "streams": streams,
                         "mode": mode,
                         "k": k,
@@ -172,13 +194,14 @@ def child(args) -> dict:
 
 def markdown(rows: list[dict]) -> str:
     lines = [
-        "| backend | padded | streams | mode | pass | forwards | p50 ms | p90 ms | p99 ms | max ms "
+        "| backend | runner | graphs | padded | streams | mode | pass | forwards | p50 ms | p90 ms | p99 ms | max ms "
         "| slow (> 3x pass 2 p50) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
-            f"| {r['backend']} | {r.get('padded')} | {r['streams']} | {r['mode']} | {r['pass']} | {r['forwards']} | "
+            f"| {r['backend']} | {r.get('runner', 'batched')} | {r.get('graphs', False)} | {r.get('padded')} | "
+            f"{r['streams']} | {r['mode']} | {r['pass']} | {r['forwards']} | "
             f"{r['p50']} | "
             f"{r['p90']} | {r['p99']} | {r['max']} | {r['slow']} |"
         )
@@ -223,6 +246,13 @@ def parse_args(argv=None):
     ap.add_argument(
         "--padded-attention", choices=["auto", "on", "off"], default="auto", help="the runner's attention layout"
     )
+    ap.add_argument("--runner", choices=["batched", "paged"], default="batched", help="the runner measured")
+    ap.add_argument(
+        "--cuda-graphs",
+        choices=["on", "off"],
+        default="off",
+        help="paged runner on CUDA: decode steps from CUDA graphs",
+    )
     ap.add_argument("--profile", default=None, metavar="BACKEND", help="also profile this setting's first pass")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout-s", type=float, default=300.0, help="per backend process")
@@ -238,6 +268,8 @@ def parse_args(argv=None):
     for b in [*args.backends, *([args.profile] if args.profile else [])]:
         if b not in BACKENDS:
             ap.error(f"--backends: unknown setting {b!r} (expected one of {', '.join(BACKENDS)})")
+    if args.cuda_graphs == "on" and (args.runner != "paged" or not args.device.startswith("cuda")):
+        ap.error("--cuda-graphs on: the paged runner on CUDA (--runner paged --device cuda)")
     if args.k < 1 or args.tokens < 1 or args.prompt_len < 1 or not args.streams or min(args.streams) < 1:
         ap.error("--k, --tokens, --prompt-len and --streams must be >= 1")
     return args
@@ -253,7 +285,7 @@ def main(argv=None) -> dict:
         *("--target", str(args.target), "--device", args.device, "--k", str(args.k), "--tokens", str(args.tokens)),
         *("--prompt-len", str(args.prompt_len), "--streams", ",".join(map(str, args.streams))),
         *("--seed", str(args.seed), *(["--random-weights"] if args.random_weights else [])),
-        *("--padded-attention", args.padded_attention),
+        *("--padded-attention", args.padded_attention, "--runner", args.runner, "--cuda-graphs", args.cuda_graphs),
     ]
     with tempfile.TemporaryDirectory() as tmp:
         runs = [(b, False) for b in args.backends] + ([(args.profile, True)] if args.profile else [])

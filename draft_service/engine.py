@@ -48,7 +48,7 @@ from specmesh.models import load_model
 from specmesh.rejection import MAX_SPEC_LEN
 from specmesh.runtime import Runner
 from specmesh.runtime.attention import ATTENTION_BACKENDS, check_attention_backend
-from specmesh.runtime.registry import KINDS, build_runner
+from specmesh.runtime.registry import KINDS, batched_supported, build_runner
 from specmesh.sampling import SamplingParams, StopChecker, check_token_ids
 from specmesh.security import AllowList, Security, dial
 from specmesh.telemetry import StreamMetrics, outgoing_metadata, tracer, wall_ns
@@ -57,6 +57,7 @@ from specmesh.v1 import verify_pb2, verify_pb2_grpc
 
 log = logging.getLogger("specmesh.draft")
 RUNNERS = KINDS  # --draft-runner: specmesh.runtime.registry's kinds
+DRAFT_BLOCK_SIZE = 16  # the paged draft runner's KV block (tokens)
 
 
 @dataclass(frozen=True)
@@ -114,12 +115,15 @@ class DraftConfig:
     )
     draft_runner: str = flags.option(
         "auto",
-        "batched: one forward advances every drafting session (Llama family); gguf: the same on llama.cpp's CPU "
-        "kernels (Llama, llama-cpp-python installed); static: one session per forward, preallocated cache; hf: "
-        "the stock HF forward; auto: batched where the model allows it",
+        "batched: one forward advances every drafting session, each in a KV slot (Llama family); paged: the same "
+        "with the KV in blocks (CUDA graphs on CUDA); gguf: the same on llama.cpp's CPU kernels (Llama, "
+        "llama-cpp-python installed); static: one session per forward, preallocated cache; hf: the stock HF "
+        "forward; auto: paged on CUDA, batched elsewhere, where the model allows it",
         choices=RUNNERS,
     )
     attention_backend: str = flags.attention_backend_option(ATTENTION_BACKENDS)
+    cuda_graph_max_bs: int = flags.cuda_graph_max_bs_option()
+    disable_cuda_graph: bool = flags.disable_cuda_graph_option()
     max_sessions: int = flags.option(64, "concurrent generations; more get RESOURCE_EXHAUSTED")
     max_cached_sessions: int = flags.option(64, "per-session draft KV caches kept for later turns (LRU)")
     max_model_len: int = flags.option(
@@ -194,6 +198,8 @@ class DraftConfig:
         if self.draft_runner not in RUNNERS:
             raise ValueError(f"draft_runner must be one of {RUNNERS}, got {self.draft_runner!r}")
         check_attention_backend(self.attention_backend)
+        if self.cuda_graph_max_bs < 0:
+            raise ValueError("cuda_graph_max_bs must be >= 0")
         if not 0 <= self.speculative_num_steps <= MAX_SPEC_LEN:
             raise ValueError(f"speculative_num_steps must be in [0, {MAX_SPEC_LEN}]")
         if self.speculative_disable_by_batch_size < 0:
@@ -202,6 +208,11 @@ class DraftConfig:
         if self.online_distill:
             online_config(self)  # its knobs' checks and the rehearsal file's, as usage errors
         self.suffix_params()  # vLLM's bounds, naming the flag
+
+    @property
+    def graph_max_bs(self) -> int:
+        """The runner's CUDA graph bound (0: none)."""
+        return 0 if self.disable_cuda_graph else self.cuda_graph_max_bs
 
     @property
     def algorithm(self) -> Algorithm:
@@ -231,14 +242,38 @@ class _Failed:
 
 def make_runner(model, config: DraftConfig) -> Runner[Any]:
     """The draft runner the config asks for (the draft's numerics cannot change the output distribution: the
-    q a block carries is the q its tokens were sampled from, so the fastest runner is always safe)."""
+    q a block carries is the q its tokens were sampled from, so the fastest runner is always safe).
+
+    On CUDA `auto` is the paged runner, whose one-token steps replay CUDA graphs (a small draft's step is
+    launch-bound there); its blocks hold every session at full length, as the slots would."""
+    kind, sessions = config.draft_runner, config.max_sessions + config.max_cached_sessions
+    cuda = next(model.parameters()).device.type == "cuda"
+    if kind == "auto" and cuda and batched_supported(model):
+        kind = "paged"
+    if kind != "paged":
+        return build_runner(
+            model,
+            kind,
+            num_slots=sessions,
+            max_seq_len=config.max_model_len or None,
+            prefault=config.kv_cache_prefault,
+            attention_backend=config.attention_backend,
+        )
+    length = config.max_model_len or int(getattr(model.config, "max_position_embeddings", 0) or 0)
+    if length < 2:
+        raise ValueError("--draft-runner paged needs --max-model-len (the model's config sets no context)")
     return build_runner(
         model,
-        config.draft_runner,
-        num_slots=config.max_sessions + config.max_cached_sessions,
+        "paged",
+        num_blocks=sessions * -(-length // DRAFT_BLOCK_SIZE),
+        block_size=DRAFT_BLOCK_SIZE,
         max_seq_len=config.max_model_len or None,
         prefault=config.kv_cache_prefault,
         attention_backend=config.attention_backend,
+        cuda_graph_max_bs=config.graph_max_bs,
+        # A draft step feeds one token per session, two after a block accepted whole (its last draft and
+        # the bonus token); a step that feeds more (a catch-up) runs eagerly.
+        graph_tokens_per_seq=2,
     )
 
 

@@ -133,6 +133,12 @@ class ServeSettings(Logging):
     context_length: int | None = option(None, "SGLang: the verify service's --max-model-len", type=int)
     max_running_requests: int | None = option(None, "SGLang: the gateway's --max-concurrency", type=int)
     random_seed: int | None = option(None, "SGLang: the verify service's --seed", type=int)
+    cuda_graph_max_bs: int | None = option(
+        None,
+        "SGLang: largest batch whose decode step replays a CUDA graph, in both model services (default 32; CUDA)",
+        type=int,
+    )
+    disable_cuda_graph: bool = option(False, "SGLang: no CUDA graphs in either model service")
 
 
 @dataclass(frozen=True)
@@ -308,6 +314,8 @@ def plan_from_args(a: argparse.Namespace) -> StackPlan:
         )
     if a.speculative_eagle_topk not in (None, 1):
         raise UsageError(f"--speculative-eagle-topk {a.speculative_eagle_topk}: specmesh drafts a chain (topk 1)")
+    if a.cuda_graph_max_bs is not None and a.cuda_graph_max_bs < 0:
+        raise UsageError(f"--cuda-graph-max-bs {a.cuda_graph_max_bs}: must be >= 0")
     if a.speculative_disable_by_batch_size is not None and a.speculative_disable_by_batch_size < 0:
         raise UsageError(f"--speculative-disable-by-batch-size {a.speculative_disable_by_batch_size}: must be >= 0")
     decided = dict(

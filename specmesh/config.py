@@ -241,6 +241,19 @@ def dtype_option() -> Any:
     )
 
 
+def cuda_graph_max_bs_option() -> Any:
+    """SGLang's --cuda-graph-max-bs for a model service's decode steps (specmesh.runtime.graphs)."""
+    return option(
+        32,
+        "largest batch (sequences) whose decode step runs from a CUDA graph captured at start, padded to a token "
+        "bucket; larger batches and prefill run eagerly (CUDA, paged runner; 0 = no graphs)",
+    )
+
+
+def disable_cuda_graph_option() -> Any:
+    return option(False, "SGLang's: no CUDA graphs, every step launched eagerly (--cuda-graph-max-bs 0)")
+
+
 def metrics_port_option(flag_default: int) -> Any:
     """A model service's metrics port: off for code that builds its config, `flag_default` on the command
     line (it differs per service, so that the services can share a host with their defaults)."""

@@ -140,6 +140,8 @@ class StackPlan:
     device: str | None = None
     draft_device: str | None = None
     dtype: str = "auto"
+    cuda_graph_max_bs: int | None = None  # None: the services' default
+    disable_cuda_graph: bool = False
     model_name: str = ""
     api_keys: str = ""  # comma-separated; given to the gateway in its environment, never on a command line
     # Each service's flags beyond what the launcher decides itself, after those (so they win).
@@ -451,7 +453,14 @@ SPECULATION_LIMIT = "--speculative-disable-by-batch-size"
 
 def verify_argv(plan: StackPlan) -> list[str]:
     """A verify replica's flags: what the launcher decides, then the stack's security, then --verify-arg's."""
-    settings = {"model_path": plan.target, **BACKEND, "device": plan.device, "dtype": plan.dtype, **_threads(plan)[0]}
+    settings = {
+        "model_path": plan.target,
+        **BACKEND,
+        "device": plan.device,
+        "dtype": plan.dtype,
+        **_graphs(plan),
+        **_threads(plan)[0],
+    }
     return to_argv(settings) + security_argv(plan.security, "verify") + plan.verify_args
 
 
@@ -467,10 +476,16 @@ def draft_argv(plan: StackPlan, verify: str, verifies: list[str]) -> list[str]:
         **BACKEND,
         "device": (plan.draft_device or plan.device) if plan.draft else None,
         "dtype": plan.dtype if plan.draft else None,
+        **(_graphs(plan) if plan.draft else {}),
         **_threads(plan)[1],
         "speculative_disable_by_batch_size": None if _has(plan.draft_args, SPECULATION_LIMIT) else _limit(plan),
     }
     return to_argv(settings) + security_argv(plan.security, "draft") + plan.draft_args
+
+
+def _graphs(plan: StackPlan) -> dict:
+    """A model service's CUDA graph flags (what the launcher was not given stays the service's default)."""
+    return {"cuda_graph_max_bs": plan.cuda_graph_max_bs, "disable_cuda_graph": plan.disable_cuda_graph or None}
 
 
 def gateway_argv(plan: StackPlan, verifies: list[str], drafts: list[str]) -> list[str]:

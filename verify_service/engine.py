@@ -7,6 +7,7 @@ checked here and raised as a specmesh.errors exception (mapped to a status code 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import threading
 import time
@@ -86,6 +87,8 @@ class VerifyConfig:
         choices=RUNNERS,
     )
     attention_backend: str = flags.attention_backend_option(ATTENTION_BACKENDS)
+    cuda_graph_max_bs: int = flags.cuda_graph_max_bs_option()
+    disable_cuda_graph: bool = flags.disable_cuda_graph_option()
     max_model_len: int = flags.option(
         0,
         "most tokens per session (prompt + max_tokens); 0 = the model's context (runner batched: capped so that "
@@ -144,6 +147,8 @@ class VerifyConfig:
         if self.runner not in RUNNERS:
             raise ValueError(f"runner must be one of {', '.join(RUNNERS)}")
         check_attention_backend(self.attention_backend)
+        if self.cuda_graph_max_bs < 0:
+            raise ValueError("cuda_graph_max_bs must be >= 0")
         try:
             check_block_size(self.block_size)
         except ValueError as e:
@@ -154,6 +159,11 @@ class VerifyConfig:
             raise ValueError("attach_timeout_s, stream_idle_timeout_s and max_cached_sessions must be >= 0")
         if self.max_cached_sessions and self.max_cached_sessions < self.max_sessions:
             raise ValueError("max_cached_sessions must be >= max_sessions (or 0)")
+
+    @property
+    def graph_max_bs(self) -> int:
+        """The runner's CUDA graph bound (0: none)."""
+        return 0 if self.disable_cuda_graph else self.cuda_graph_max_bs
 
 
 @dataclass
@@ -190,7 +200,15 @@ class VerifyEngine:
         # made every batched forward ~40% slower on the 2-core dev machine.
         model_thread = model_thread or ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
         args = (model, config.runner, budget, config.max_sessions, config.max_model_len, config.kv_cache_prefault)
-        self.runner = model_thread.submit(build_runner, *args, config.attention_backend, config.block_size).result()
+        # CUDA graphs cover a verify step of up to --cuda-graph-max-bs blocks of the longest K.
+        build = functools.partial(
+            build_runner,
+            attention_backend=config.attention_backend,
+            block_size=config.block_size,
+            cuda_graph_max_bs=config.graph_max_bs,
+            graph_tokens_per_seq=config.max_spec_len + 1,
+        )
+        self.runner = model_thread.submit(build, *args).result()
         self.tokenizer = tokenizer
         self.vocab_size = self.runner.vocab_size
         self.eos_token_ids = eos_token_ids(model)

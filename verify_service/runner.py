@@ -116,6 +116,8 @@ def build_runner(
     prefault: bool = False,
     attention_backend: str = "auto",
     block_size: int = 16,
+    cuda_graph_max_bs: int = 0,
+    graph_tokens_per_seq: int = 1,
 ) -> Runner[Any]:
     """The runner `--runner` asks for (see the module docstring); BudgetError when the budget does not fit,
     ValueError when the runner cannot serve the model."""
@@ -158,6 +160,8 @@ def build_runner(
         max_seq_len=blocks.max_model_len,
         prefault=prefault,
         attention_backend=attention_backend,
+        cuda_graph_max_bs=cuda_graph_max_bs,
+        graph_tokens_per_seq=graph_tokens_per_seq,
     )
     log.info("%s (%.1f MiB)", blocks.describe(), (paged.kv_account().pool_bytes or 0) / 2**20)
     return paged

@@ -360,6 +360,14 @@ class _RaggedRunner(RunnerBase):
     def _batch(self, work: list[_Work]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """The flattened batch: token ids [T], positions [T] and the rows whose logits are wanted [R] (None
         for none); token ids outside the vocabulary are refused here, before anything is written."""
+        flat_ids, flat_pos, rows = self._host_batch(work)
+        dev = self.device
+        ids = torch.tensor(flat_ids, dtype=torch.long, device=dev)
+        pos = torch.tensor(flat_pos, dtype=torch.long, device=dev)
+        return ids, pos, torch.tensor(rows, dtype=torch.long, device=dev) if rows else None
+
+    def _host_batch(self, work: list[_Work]) -> tuple[list[int], list[int], list[int]]:
+        """`_batch`'s lists, on the host."""
         flat_ids: list[int] = []
         flat_pos: list[int] = []
         rows: list[int] = []
@@ -371,10 +379,7 @@ class _RaggedRunner(RunnerBase):
         lo, hi = min(flat_ids), max(flat_ids)
         if lo < 0 or hi >= self.vocab_size:
             raise InvalidArgument(f"token id {lo if lo < 0 else hi} is outside the vocabulary [0, {self.vocab_size})")
-        dev = self.device
-        ids = torch.tensor(flat_ids, dtype=torch.long, device=dev)
-        pos = torch.tensor(flat_pos, dtype=torch.long, device=dev)
-        return ids, pos, torch.tensor(rows, dtype=torch.long, device=dev) if rows else None
+        return flat_ids, flat_pos, rows
 
     def _logits(self, out: torch.Tensor | None, work: list[_Work]) -> list[torch.Tensor]:
         """Per work item float32 logits [num_logits, V] from the pass's [R, V]."""

@@ -60,6 +60,7 @@ from specmesh.runtime.batched import (
     unfold_rows,
 )
 from specmesh.runtime.blocks import BlockManager, BlockPool, BlockTable, OutOfBlocks
+from specmesh.runtime.graphs import DecodeGraphs
 from specmesh.runtime.static import TrackedSequence, logits_agree
 
 log = logging.getLogger(__name__)
@@ -190,6 +191,8 @@ class PagedRunner(_RaggedRunner):
     `check`, `packed`, `prefault` and `attention_backend` as in `BatchedRunner`.
     """
 
+    graphs: DecodeGraphs | None = None  # decode steps from CUDA graphs, once built (after the probes)
+
     def __init__(
         self,
         model: PreTrainedModel,
@@ -201,6 +204,9 @@ class PagedRunner(_RaggedRunner):
         prefault: bool = False,
         attention_backend: str = "auto",
         block_kernel: bool | None = None,
+        cuda_graph_max_bs: int = 0,
+        graph_tokens_per_seq: int = 1,
+        graph_capture: bool = True,
     ):
         if not self.supports(model):
             raise ValueError(f"PagedRunner has no decoder for {type(model).__name__} with this config; use ModelRunner")
@@ -239,12 +245,37 @@ class PagedRunner(_RaggedRunner):
             raise ValueError(
                 f"PagedRunner's decoder disagrees with the HF forward for {type(model).__name__}; use ModelRunner"
             )
+        self.graphs = self._graphs(cuda_graph_max_bs, graph_tokens_per_seq, graph_capture)
+
+    def _graphs(self, max_bs: int, tokens_per_seq: int, capture: bool) -> DecodeGraphs | None:
+        """Decode steps from CUDA graphs (`specmesh.runtime.graphs`): on CUDA with the block-table kernel
+        when `max_bs` > 0; `capture=False` runs their static padded forward eagerly (any device the kernel
+        runs on)."""
+        if max_bs < 0 or tokens_per_seq < 1:
+            raise ValueError("cuda_graph_max_bs must be >= 0 and graph_tokens_per_seq >= 1")
+        if not max_bs or (capture and self.device.type != "cuda"):
+            return None
+        if not self.block_kernel:
+            log.warning("CUDA graphs off: they need the block-table attention kernel, which is off here")
+            return None
+        graphs = DecodeGraphs(self, max_bs, tokens_per_seq, capture)
+        if capture:
+            seconds = graphs.capture_all()
+            log.info(
+                "CUDA graphs: %d decode steps of up to %d tokens (%d sequences) captured in %.1f s",
+                len(graphs.buckets),
+                graphs.buckets[-1],
+                max_bs,
+                seconds,
+            )
+        return graphs
 
     def _alloc(self, pool: BlockPool) -> None:
         d = self._dec
         self.pool = pool
         self._blocks = BlockManager(pool)
-        shape = (d.n_kv, pool.num_blocks * pool.block_size, d.head_dim)
+        # One spare block past the pool's: the slot CUDA graphs' padding tokens write to, which no table names.
+        shape = (d.n_kv, (pool.num_blocks + 1) * pool.block_size, d.head_dim)
         # Attention reads only written positions, so the arena needs no zeroing (prefault: resident at once).
         alloc = torch.zeros if self._prefault else torch.empty
         self._k = [alloc(shape, dtype=d.dtype, device=self.device) for _ in range(self.num_layers)]
@@ -408,6 +439,10 @@ class PagedRunner(_RaggedRunner):
 
     def _run(self, work: list[_Work]) -> list[torch.Tensor]:
         """One forward over every sequence's feed; per work item float32 logits [num_logits, V]."""
+        if self.graphs is not None and self.graphs.takes(work):
+            host_ids, host_pos, host_rows = self._host_batch(work)
+            self._dec.refresh_if_stale()
+            return self._logits(self.graphs.run(work, host_ids, host_pos, host_rows), work)
         ids, pos, rows = self._batch(work)
         flat_slot: list[int] = []
         for w in work:

@@ -334,6 +334,7 @@ class _FastDecoder:
         self.reserve(256)
         if self.cos.shape[-1] != self.head_dim:  # partial rotary: not what this loop implements
             raise ValueError(f"rotary dim {self.cos.shape[-1]} != head_dim {self.head_dim}")
+        self.version = -1
         self._build()
 
     @staticmethod
@@ -423,6 +424,8 @@ class _FastDecoder:
         # The copies go stale when the model's weights change: remember what they were made from.
         self._sources = [p for lin in sources for p in (lin.weight, lin.bias) if p is not None]
         self._stamp = self._current_stamp()
+        # Counts the builds: whatever holds the copies' addresses (a captured CUDA graph) is stale past it.
+        self.version += 1
 
     def _current_stamp(self) -> tuple:
         return tuple([(p._version, p.data_ptr()) for p in self._sources])

@@ -45,3 +45,35 @@ def test_32_streams_through_a_pool_for_a_few_all_succeed_with_the_targets_output
         gw.stop()
         draft.stop()
         verify.stop()
+
+
+def test_a_draft_on_the_paged_runner_serves_the_targets_greedy_output(target, tokenizer, greedy):
+    """`--draft-runner paged` (the draft's runner on CUDA, where its steps replay CUDA graphs): the draft's
+    blocks hold every session at full length, 8 concurrent REST streams get the target's greedy output, and
+    the draft's proposals are accepted (its decoder serves, not only its probe)."""
+    verify = start_verify(target, tokenizer)
+    draft = start_draft(noisy_copy(target, 0.03), verify.address, draft_runner="paged", max_sessions=8)
+    gw = GatewayServer([verify.address], [draft.address], tokenizer)
+    prompts = [f"def g{i}(x):\n" + "    y = x * 2\n" * (1 + i % 4) for i in range(8)]
+    try:
+        runner = draft.server.engine.runner
+        assert (
+            type(runner).__name__ == "PagedRunner" and runner.context_limit() == target.config.max_position_embeddings
+        )
+        client = gw.openai(timeout=240)
+
+        def one(prompt: str):
+            return client.completions.create(
+                model="demo", prompt=prompt, max_tokens=32, temperature=0, extra_body={"ignore_eos": True}
+            )
+
+        with ThreadPoolExecutor(8) as pool:
+            replies = list(pool.map(one, prompts))
+        for prompt, reply in zip(prompts, replies, strict=True):
+            ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+            assert reply.choices[0].text == greedy(ids, 32, ignore_eos=True).text, prompt
+        assert sum(r.model_extra["specmesh"]["accepted"] for r in replies) > 0
+    finally:
+        gw.stop()
+        draft.stop()
+        verify.stop()

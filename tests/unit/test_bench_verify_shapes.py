@@ -53,3 +53,18 @@ def test_a_backend_run_end_to_end_with_its_profile(tmp_path):
 def test_an_unknown_backend_is_refused():
     with pytest.raises(SystemExit):
         verify_shapes.parse_args(["--backends", "default,flash2"])
+
+
+def test_the_paged_runner_end_to_end_and_graphs_only_on_cuda(tmp_path):
+    tiny_model("llama", vocab=97, seed=0).config.save_pretrained(tmp_path / "model")
+    out = tmp_path / "shapes.json"
+    argv = ["--target", str(tmp_path / "model"), "--random-weights", "--device", "cpu", "--streams", "2"]
+    argv += ["--tokens", "5", "--prompt-len", "5", "--k", "2", "--backends", "default", "--runner", "paged"]
+    verify_shapes.main([*argv, "--out", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert {(r["runner"], r["graphs"], r["mode"]) for r in rows} == {
+        ("paged", False, "speculative"),
+        ("paged", False, "target-only"),
+    }
+    with pytest.raises(SystemExit):
+        verify_shapes.parse_args([*argv, "--cuda-graphs", "on"])

@@ -95,6 +95,26 @@ def test_dtype_reaches_both_model_services_and_is_checked():
         plan("--model-path", "T", "--draft-model", "D", "--dtype", "int8")
 
 
+def test_cuda_graph_flags_reach_both_model_services_as_configs():
+    """SGLang's --cuda-graph-max-bs / --disable-cuda-graph: parsed by each model service into its runner's
+    bound; a draft without a model (suffix) gets none; a negative bound is refused."""
+    from draft_service.__main__ import parse_args as draft_args
+    from verify_service.__main__ import parse_args as verify_args
+
+    p = plan("--model-path", "T", "--draft-model", "D", "--cuda-graph-max-bs", "8")
+    verify, draft = verify_args(verify_argv(p))[0], draft_args(draft_argv(p, "v:1", ["v:1"]))[0]
+    assert verify.graph_max_bs == draft.graph_max_bs == 8
+    p = plan("--model-path", "T", "--draft-model", "D", "--disable-cuda-graph")
+    verify, draft = verify_args(verify_argv(p))[0], draft_args(draft_argv(p, "v:1", ["v:1"]))[0]
+    assert verify.graph_max_bs == draft.graph_max_bs == 0
+    default = plan("--model-path", "T", "--draft-model", "D")
+    assert verify_args(verify_argv(default))[0].graph_max_bs == 32
+    suffix = plan("--model-path", "T", "--speculative-algorithm", "suffix", "--cuda-graph-max-bs", "8")
+    assert "--cuda-graph-max-bs" not in draft_argv(suffix, "v:1", ["v:1"])
+    with pytest.raises(UsageError, match="--cuda-graph-max-bs -1"):
+        plan("--model-path", "T", "--draft-model", "D", "--cuda-graph-max-bs", "-1")
+
+
 def test_api_keys_come_from_a_file_or_the_environment(tmp_path, monkeypatch):
     keys = tmp_path / "keys"
     keys.write_text("sk-one\nsk-two, sk-three\n")

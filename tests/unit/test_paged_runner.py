@@ -2,6 +2,7 @@
 sequences of several physical runs, out of blocks, freeing)."""
 
 import gc
+import itertools
 
 import pytest
 import torch
@@ -277,3 +278,82 @@ def test_a_turn_diverging_inside_a_shared_block_copies_its_kept_part_instead_of_
     close_logits(got, full_logits(gqa, ids[:10] + [5, 6, 7, 8, 9], 3))
     assert r.pool.num_shared == 2  # blocks 0-1 still shared; a keeps blocks 2-4 to itself
     close_logits(r.forward([a], [ids[18:20]])[0], full_logits(gqa, ids[:20], 3))  # a's KV untouched
+
+
+def _decode_rounds(r: PagedRunner, prompts: list[list[int]], rounds: int, seed: int) -> list[torch.Tensor]:
+    """Decode rounds over `prompts`: each round every sequence gets a block of 0-4 drafts and commits a
+    random prefix of it plus one token (the next round rolls the rest back); the logits of every round."""
+    gen = torch.Generator().manual_seed(seed)
+    seqs = [r.new_sequence(p) for p in prompts]
+    for s in seqs:
+        r.prefill(s)
+    out = []
+    for _ in range(rounds):
+        k = [int(torch.randint(0, 5, (1,), generator=gen)) for _ in seqs]
+        drafts = [torch.randint(0, 127, (n,), generator=gen).tolist() for n in k]
+        out += r.forward(seqs, drafts)
+        for s, d in zip(seqs, drafts, strict=True):
+            keep = int(torch.randint(0, len(d) + 1, (1,), generator=gen))
+            s.commit([*d[:keep], int(torch.randint(0, 127, (1,), generator=gen))])
+    for s in seqs:
+        r.free(s)
+    return out
+
+
+def test_graph_steps_equal_eager_steps(gqa):
+    """The CUDA graphs' static, padded step (run eagerly here: the block-table kernel in the interpreter)
+    gives the eager step's logits: ragged blocks of 1-5 tokens per sequence padded to a token bucket, the
+    padding's KV in the spare slot (the sequences' own KV untouched: later rounds still agree), rollbacks
+    across blocks. A batch over the graphs' sequence bound runs eagerly."""
+    eager = PagedRunner(gqa, 64, 4, block_kernel=True)
+    graphed = PagedRunner(
+        gqa, 64, 4, block_kernel=True, cuda_graph_max_bs=3, graph_tokens_per_seq=5, graph_capture=False
+    )
+    assert eager.graphs is None and graphed.graphs is not None
+    assert graphed.graphs.buckets == [1, 2, 4, 8, 16]
+    prompts = [ids_of(n, seed=n) for n in (9, 14, 5)]
+    want = _decode_rounds(eager, prompts, 6, seed=3)
+    got = _decode_rounds(graphed, prompts, 6, seed=3)
+    assert graphed.graphs.replays == 6 and graphed.graphs.captures == 0
+    for a, b in zip(got, want, strict=True):
+        close_logits(a, b)
+    four = [*prompts, ids_of(7, seed=7)]  # more sequences than the graphs hold
+    _decode_rounds(graphed, four, 1, seed=4)
+    assert graphed.graphs.replays == 6
+
+
+def test_graph_bucket_bounds():
+    from specmesh.runtime.graphs import token_buckets
+
+    b = token_buckets(32 * 17)
+    assert b[:5] == [1, 2, 4, 8, 16] and b[-1] >= 544 and b == sorted(set(b))
+    assert all(later / earlier <= 2 for earlier, later in itertools.pairwise(b))
+    assert all((later - earlier - 1) / later < 0.2 for earlier, later in itertools.pairwise(b) if earlier >= 32)
+    assert token_buckets(1) == [1]
+
+
+def test_graph_flags_are_checked(gqa):
+    with pytest.raises(ValueError, match="cuda_graph_max_bs"):
+        PagedRunner(gqa, 16, 4, cuda_graph_max_bs=-1)
+    # Off CUDA a capture is not possible: the runner runs eagerly, as with graphs disabled.
+    assert PagedRunner(gqa, 16, 4, cuda_graph_max_bs=8).graphs is None
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_captured_graphs_equal_eager_steps():
+    """On CUDA: every bucket captured at build, decode rounds replayed from the graphs equal to the eager
+    runner's, and a weight change re-captures (the graphs hold the old copies' addresses)."""
+    model = tiny_model("llama", seed=5).to("cuda")
+    eager = PagedRunner(model, 64, 4)
+    graphed = PagedRunner(model, 64, 4, cuda_graph_max_bs=3, graph_tokens_per_seq=5)
+    assert graphed.graphs is not None and graphed.graphs.captures == len(graphed.graphs.buckets)
+    prompts = [ids_of(n, seed=n) for n in (9, 14, 5)]
+    for a, b in zip(_decode_rounds(graphed, prompts, 6, 3), _decode_rounds(eager, prompts, 6, 3), strict=True):
+        close_logits(a, b)
+    with torch.no_grad():
+        model.model.layers[0].mlp.down_proj.weight.mul_(1.5)
+    captures = graphed.graphs.captures
+    for a, b in zip(_decode_rounds(graphed, prompts, 2, 5), _decode_rounds(eager, prompts, 2, 5), strict=True):
+        close_logits(a, b)
+    assert graphed.graphs.captures > captures
