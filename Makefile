@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.specmesh-installed
 
-.PHONY: venv run test lint bench soak proto demo-models clean container-test
+.PHONY: venv run test lint bench bench-gpu soak proto demo-models clean container-test
 
 venv: $(STAMP)
 
@@ -61,6 +61,12 @@ bench: venv
 		$(PY) -m bench.load --workload $$w $(HYBRID_BENCH) --concurrency 1,16 --temperatures 0 \
 			--draft-arg=--no-enable-suffix-decoding --out bench/results/load-$$w-model.json || exit 1; \
 	done
+
+# On a machine with a CUDA GPU: the CUDA tests, CUDA graphs on and off, and the real-size pair (the demo pair
+# widened to Llama 3.1 8B / 3.2 1B shapes) through the stack, in one script that fits 15 minutes of device time.
+GPU_OUT ?= bench/results/gpu
+bench-gpu:
+	OUT=$(GPU_OUT) bench/gpu-checks.sh
 
 # The chaos and soak suite, kept out of `make test`: real processes on loopback, services killed, hung and
 # restarted, the draft <-> verify link delayed, black-holed and reset, malformed input, then a soak of 32

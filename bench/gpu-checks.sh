@@ -14,7 +14,7 @@
 #      assisted generation on the same pair: bench/results/*real-pair* (under $OUT).
 # Each step is bounded so that the whole fits in 15 minutes of device time; a step that runs out leaves what it
 # wrote and the next one starts.
-# Usage on the device: OUT=/some/dir scripts/gpu-checks.sh
+# Usage on the device: OUT=/some/dir bench/gpu-checks.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp/gpu-checks}"
