@@ -1,7 +1,7 @@
 """Online distillation on traffic the draft was not distilled on: acceptance and tokens/s over time, with the
 predict-verify-optimize loop on and off, in the same run.
 
-    python -m bench.online [--minutes 10] [--slice-s 30] [--max-tokens 64]
+    python -m bench.online [--minutes 10] [--slice-s 30] [--max-tokens 64] [--model-side]
 
 The demo pair was trained and distilled on the standard library's Python code. The traffic here is English:
 the text files that ship with the interpreter but are not library code (IDLE's NEWS, HISTORY, README,
@@ -15,6 +15,11 @@ without. Time goes in slices of `--slice-s` seconds, alternately to each draft, 
 prompts of the same stream one request at a time. The draft that is not serving is SIGSTOPped (trainer
 included), so each side runs on the machine alone and pays for its own trainer: the loop's cost is in its
 tokens/s. `--minutes` is the loop's own traffic time (the run takes twice as long).
+
+Both default sides choose per round between the suffix trees and the draft model (the draft service's
+default), so "loop on" is both halves of the optimize loop: the trees learn from the traffic at once, the
+draft over minutes. `--model-side` adds a third side, the loop with the draft model alone
+(`--no-enable-suffix-decoding`), served in turn like the others: both halves against each alone.
 
 Then the original domain: the draft weights live at the end of the run and the demo draft as shipped each
 speculate in this process (K as above, greedy) on `--heldout-prompts` held-out standard-library prompts: the
@@ -64,6 +69,8 @@ from specmesh.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 # files on Python 3.11): with one window per file its noise (about +-0.015 in acceptance) was most of the
 # 0.02 the loop may lose there.
 HELDOUT_PER_FILE = 4
+MODEL_SIDE = "on-model"  # --model-side: the loop with the draft model alone
+NO_SUFFIX = "--no-enable-suffix-decoding"
 
 ENGLISH = [
     "idlelib/NEWS.txt",
@@ -198,6 +205,12 @@ def main(argv=None) -> dict:
     ap.add_argument("--k", type=int, default=4, help="draft tokens per block (fixed, so acceptance is comparable)")
     ap.add_argument("--online-arg", action="append", default=[], help="extra draft flag for the loop's side")
     ap.add_argument(
+        "--model-side",
+        action="store_true",
+        help="a third side: the loop with the draft model alone (--no-enable-suffix-decoding), against the two "
+        "default sides, which choose between the suffix trees and the model per round",
+    )
+    ap.add_argument(
         "--order",
         choices=["shuffled", "files"],
         default="shuffled",
@@ -229,28 +242,34 @@ def main(argv=None) -> dict:
             loop_flags = ["--online-distill", "--online-distill-dir", str(online_dir), *args.online_arg]
             services.spawn("on", "draft_service", [*common, *loop_flags])
             services.spawn("off", "draft_service", common)
-            sides = {name: services.wait_listening(name) for name in ("on", "off")}
+            names = ["on", "off"]
+            if args.model_side:
+                model_flags = ["--online-distill", "--online-distill-dir", str(Path(tmp) / "versions-model")]
+                services.spawn(MODEL_SIDE, "draft_service", [*common, *model_flags, *args.online_arg, NO_SUFFIX])
+                names.append(MODEL_SIDE)
+            sides = {name: services.wait_listening(name) for name in names}
             procs = {name: p for name, p, _ in services.procs}
             ports = {name: metrics_port((Path(tmp) / f"{name}.log").read_text()) for name in sides}
             stubs = {name: draft_pb2_grpc.DraftServiceStub(grpc.insecure_channel(a)) for name, a in sides.items()}
             rows: list[dict] = []
-            cursor = {"on": 0, "off": 0}
-            loop_time = 0.0
-            for i in range(2 * slices):
-                name = "on" if i % 2 == 0 else "off"
-                other = "off" if name == "on" else "on"
-                os.kill(procs[other].pid, signal.SIGSTOP)
+            cursor = dict.fromkeys(names, 0)
+            traffic = dict.fromkeys(names, 0.0)  # each side's own traffic time
+            for i in range(len(names) * slices):
+                name = names[i % len(names)]
+                for other in names:
+                    if other != name:
+                        os.kill(procs[other].pid, signal.SIGSTOP)
                 os.kill(procs[name].pid, signal.SIGCONT)
                 row, cursor[name] = serve_slice(stubs[name], prompts, cursor[name], args.slice_s, args.max_tokens)
                 row["side"] = name
-                if name == "on":
-                    loop_time += args.slice_s
-                    m = scrape(ports["on"])
+                traffic[name] += args.slice_s
+                if name != "off":
+                    m = scrape(ports[name])
                     row["version"] = int(m.get("specmesh_draft_online_weights_version", 0))
                     row["updates"] = int(m.get("specmesh_draft_online_updates_total", 0))
                     row["rollbacks"] = int(m.get("specmesh_draft_online_rollbacks_total", 0))
                     row["train_share"] = round(m.get("specmesh_draft_online_train_share", 0.0), 3)
-                row["loop_minutes"] = round(loop_time / 60, 2)
+                row["loop_minutes"] = round(traffic[name] / 60, 2)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
             for p in procs.values():
@@ -278,6 +297,7 @@ def _rate(rows: list[dict], key_num: str, key_den: str) -> float | None:
 def summarize(args, rows: list[dict], n_prompts: int) -> dict:
     on = [r for r in rows if r["side"] == "on"]
     off = [r for r in rows if r["side"] == "off"]
+    model = [r for r in rows if r["side"] == MODEL_SIDE]
     third = max(1, len(on) // 3)
     half = max(1, len(on) // 2)
     summary = {
@@ -299,6 +319,11 @@ def summarize(args, rows: list[dict], n_prompts: int) -> dict:
     summary["acceptance_gain"] = round(h_on - h_off, 4) if h_on is not None and h_off is not None else None
     t_on, t_off = summary["tokens_per_s_on_last_half"], summary["tokens_per_s_off_last_half"]
     summary["tokens_per_s_ratio_last_half"] = round(t_on / t_off, 3) if t_on and t_off else None
+    if model:
+        # Both halves of the loop (suffix trees + distillation) against distillation alone.
+        summary["acceptance_model_last_half"] = _rate(model[-half:], "accepted", "drafted")
+        t_model = summary["tokens_per_s_model_last_half"] = _rate(model[-half:], "tokens", "seconds")
+        summary["tokens_per_s_on_over_model_last_half"] = round(t_on / t_model, 3) if t_on and t_model else None
     return {
         "bench": "online",
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -315,18 +340,21 @@ def summarize(args, rows: list[dict], n_prompts: int) -> dict:
 def plot(r: dict, path: Path) -> None:
     plt = pyplot()
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-    for side, style in (("on", "o-"), ("off", "s--")):
+    labels = {"on": "loop on", "off": "loop off", MODEL_SIDE: "loop on, draft model alone (no suffix trees)"}
+    for side, style in (("on", "o-"), ("off", "s--"), (MODEL_SIDE, "^:")):
         rows = [x for x in r["slices"] if x["side"] == side]
+        if not rows:
+            continue
         xs = [x["loop_minutes"] for x in rows]
-        ax1.plot(xs, [x["acceptance"] for x in rows], style, label=f"loop {side}")
-        ax2.plot(xs, [x["tokens_per_s"] for x in rows], style, label=f"loop {side}")
+        ax1.plot(xs, [x["acceptance"] for x in rows], style, label=labels[side])
+        ax2.plot(xs, [x["tokens_per_s"] for x in rows], style, label=labels[side])
     swaps = [x for x in r["slices"] if x["side"] == "on"]
     for prev, cur in itertools.pairwise(swaps):
         if cur.get("version", 0) != prev.get("version", 0):
             ax1.axvline(cur["loop_minutes"], color="grey", alpha=0.3)
-    ax1.set_xlabel("the loop's traffic time (min)")
+    ax1.set_xlabel("each side's traffic time (min)")
     ax1.set_ylabel("acceptance (accepted / drafted)")
-    ax2.set_xlabel("the loop's traffic time (min)")
+    ax2.set_xlabel("each side's traffic time (min)")
     ax2.set_ylabel("tokens/s (one stream)")
     ax1.legend()
     ax2.legend()
