@@ -274,6 +274,9 @@ def make_runner(model, config: DraftConfig) -> Runner[Any]:
         # A draft step feeds one token per session, two after a block accepted whole (its last draft and
         # the bonus token); a step that feeds more (a catch-up) runs eagerly.
         graph_tokens_per_seq=2,
+        # Sessions keep their own sequence across turns; shared blocks between sessions would need the
+        # tenant's scope, and a prefix shared across tenants shows in the draft's speed.
+        share_prefixes=False,
     )
 
 

@@ -226,13 +226,14 @@ class _RaggedDecoder(_FastDecoder):
         self.padded = self.embed.device.type == "cuda" if padded is None else bool(padded)
 
     def ragged(
-        self, kv: KvAttention, ids: torch.Tensor, pos: torch.Tensor, rows: torch.Tensor | None
+        self, kv: KvAttention, ids: torch.Tensor, pos: torch.Tensor, rows: torch.Tensor | None, head: bool = True
     ) -> torch.Tensor | None:
         """Run every layer over all T new tokens, their K/V written and attended through `kv`; logits of
         `rows`.
 
         ids, pos: [T] token id and position of each new token. rows: [R] batch rows whose logits are
-        returned ([R, V]), None for none.
+        returned ([R, V]), None for none. head=False: their last hidden states [R, hidden] instead (`head`
+        makes the logits).
         """
         hd, half, nh, nkv, rms = self.head_dim, self.half, self.n_heads, self.n_kv, self._rms
         lin = self.linear
@@ -277,8 +278,11 @@ class _RaggedDecoder(_FastDecoder):
             x = x + lin(act(gu[:, :inter]) * gu[:, inter:], wd, bd)
         if rows is None:
             return None
-        x = rms(x[rows], self.norm_w, self.norm_eps)  # [R, hidden]
-        return lin(x, self.lm_w, self.lm_b)  # [R, V]
+        return self.head(x[rows]) if head else x[rows]
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        """Logits [R, V] of last hidden states [R, hidden]: the final norm and the LM head."""
+        return self.linear(self._rms(x, self.norm_w, self.norm_eps), self.lm_w, self.lm_b)
 
 
 class _RaggedRunner(RunnerBase):

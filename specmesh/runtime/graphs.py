@@ -13,13 +13,15 @@ token count the same way). What a step of T real tokens in bucket b >= T fills:
 * the block tables [max_bs, W] (W: the blocks of the runner's longest sequence): one row per sequence;
 * the attention kernel's programs [b, 4]: at most one per real token, the rest zero rows, which the kernel
   runs as no-ops (no tokens: nothing read, nothing written);
-* logits are computed for all b rows and the wanted ones copied out (a step feeds few more tokens than it
-  wants logits of; a prefill chunk, which would waste most of them, never takes a graph).
+* the graph ends at the last hidden states [b, hidden]; the wanted rows are copied out and their logits
+  made eagerly (the final norm and the LM head: two launches), so no graph holds a [b, vocabulary] output and
+  padding rows cost no LM head (vLLM computes logits outside its graphs too).
 
 Every bucket up to `max_bs` x `tokens_per_seq` tokens is captured when the runner is built (largest first,
-all in one memory pool), and again, lazily, after the decoder rebuilt its weight copies (online
-distillation swaps weights in) or grew its rotary tables. A step with a prefill chunk, more than `max_bs`
-sequences or more tokens than the largest bucket runs eagerly, as without graphs.
+all in one memory pool, under inference mode: no autograd state may outlive a capture), and again, lazily,
+after the decoder rebuilt its weight copies (online distillation swaps weights in) or grew its rotary tables:
+each bucket's first step after a swap then pays its capture (a few forwards). A step with a prefill chunk,
+more than `max_bs` sequences or more tokens than the largest bucket runs eagerly, as without graphs.
 
 `capture=False` runs the same static, padded forward eagerly: what the graphs replay, checkable off CUDA
 (the block-table kernel under TRITON_INTERPRET=1).
@@ -75,7 +77,7 @@ class DecodeGraphs:
         self.tables = torch.zeros((max_bs, width), dtype=torch.int32, device=dev)
         self.programs = torch.zeros((top, 4), dtype=torch.int32, device=dev)
         self.rows = torch.arange(top, device=dev)
-        self._graphs: dict[int, tuple[Any, torch.Tensor]] = {}  # bucket -> (graph, its logits [b, V])
+        self._graphs: dict[int, tuple[Any, torch.Tensor]] = {}  # bucket -> (graph, its hidden states [b, H])
         self._pool: Any = None
         self._stamp: tuple = ()
         self.replays = 0  # steps served from a graph (or its eager twin)
@@ -93,27 +95,34 @@ class DecodeGraphs:
         return next(b for b in self.buckets if b >= tokens)
 
     # capture ---------------------------------------------------------------------------------------
+    @torch.inference_mode()
     def capture_all(self) -> float:
         """Capture every bucket, largest first (the smaller ones reuse its memory); seconds taken."""
         t0 = time.perf_counter()
-        self._graphs.clear()
+        self._clear()
         self._stamp = self._current_stamp()
         for b in reversed(self.buckets):
             self._graph(b)
         return time.perf_counter() - t0
+
+    def _clear(self) -> None:
+        """Drop every graph, and their pool with them: a pool whose graphs are all gone is not captured into
+        again."""
+        self._graphs.clear()
+        self._pool = None
 
     def _current_stamp(self) -> tuple:
         dec = self.runner._dec
         return (dec.version, dec.cos.data_ptr(), tuple(k.data_ptr() for k in self.runner._k))
 
     def _forward(self, b: int) -> torch.Tensor:
-        """The padded step over the static buffers' first `b` tokens: logits [b, V]."""
+        """The padded step over the static buffers' first `b` tokens: last hidden states [b, hidden]."""
         from specmesh.runtime.paged import _BlockAttention  # paged imports this module
 
         r = self.runner
         ids, pos, slots = self.io[0, :b], self.io[1, :b], self.io[2, :b]
         kv = _BlockAttention(r._dec, r._k, r._v, slots, [], (self.tables, self.programs[:b]), r.pool.block_size)
-        out = r._dec.ragged(kv, ids, pos, self.rows[:b])
+        out = r._dec.ragged(kv, ids, pos, self.rows[:b], head=False)
         assert out is not None
         return out
 
@@ -124,6 +133,7 @@ class DecodeGraphs:
         self.programs.zero_()
         self.tables.zero_()
 
+    @torch.inference_mode()
     def _graph(self, b: int) -> tuple[Any, torch.Tensor] | None:
         """Bucket `b`'s graph, captured now if it is missing; None when not capturing."""
         if not self.capture:
@@ -150,7 +160,7 @@ class DecodeGraphs:
 
     # a step ----------------------------------------------------------------------------------------
     def run(self, work: list[_Work], ids: list[int], pos: list[int], rows: list[int]) -> torch.Tensor:
-        """The step's logits [len(rows), V] (a copy), from bucket(len(ids))'s graph."""
+        """The step's logits [len(rows), V], from bucket(len(ids))'s graph."""
         r = self.runner
         t = len(ids)
         b = self.bucket(t)
@@ -159,7 +169,9 @@ class DecodeGraphs:
         from specmesh.runtime import block_attention as kernel
 
         _, block_q = kernel.tiles(r._dec.group)
-        tables = torch.zeros(self.tables.shape, dtype=torch.int32)
+        # Only the step's rows and block columns: the kernel reads a row's entries below its sequence's end.
+        width = max(len(w.seq.table.blocks) for w in work)
+        tables = torch.zeros((len(work), width), dtype=torch.int32)
         off = 0
         for i, w in enumerate(work):
             n, table = len(w.feed), w.seq.table
@@ -173,11 +185,11 @@ class DecodeGraphs:
         prog = torch.zeros((b, 4), dtype=torch.int32)
         prog[: len(programs)] = torch.tensor(programs, dtype=torch.int32)
         if self._current_stamp() != self._stamp:  # new weight copies or tables: the graphs point at the old
-            self._graphs.clear()
+            self._clear()
             self._stamp = self._current_stamp()
         graph = self._graph(b)  # captured before the inputs are written: a capture pads the buffers
         self.io[:, :b].copy_(host)
-        self.tables.copy_(tables)
+        self.tables[: len(work), :width].copy_(tables)
         self.programs[:b].copy_(prog)
         if graph is None:
             out = self._forward(b)
@@ -185,4 +197,4 @@ class DecodeGraphs:
             graph[0].replay()
             out = graph[1]
         self.replays += 1
-        return out.index_select(0, torch.tensor(rows, dtype=torch.long, device=r.device))
+        return r._dec.head(out.index_select(0, torch.tensor(rows, dtype=torch.long, device=r.device)))

@@ -348,6 +348,7 @@ def test_on_cuda_captured_graphs_equal_eager_steps():
     eager = PagedRunner(model, 64, 4)
     graphed = PagedRunner(model, 64, 4, cuda_graph_max_bs=3, graph_tokens_per_seq=5)
     assert graphed.graphs is not None and graphed.graphs.captures == len(graphed.graphs.buckets)
+    assert not graphed._k[0].requires_grad  # captured under inference mode: no autograd state kept alive
     prompts = [ids_of(n, seed=n) for n in (9, 14, 5)]
     for a, b in zip(_decode_rounds(graphed, prompts, 6, 3), _decode_rounds(eager, prompts, 6, 3), strict=True):
         close_logits(a, b)
@@ -357,3 +358,21 @@ def test_on_cuda_captured_graphs_equal_eager_steps():
     for a, b in zip(_decode_rounds(graphed, prompts, 2, 5), _decode_rounds(eager, prompts, 2, 5), strict=True):
         close_logits(a, b)
     assert graphed.graphs.captures > captures
+
+
+def test_without_prefix_sharing_no_two_sequences_share_a_block(gqa):
+    """`share_prefixes=False` (the draft's paged runner, which cannot scope by tenant): the same prompt
+    opened twice computes its blocks twice."""
+    r = PagedRunner(gqa, 32, 4, share_prefixes=False)
+    ids = ids_of(13, seed=2)
+    a = r.new_sequence(ids)
+    r.prefill(a)
+    r.forward([a])
+    b = r.new_sequence(ids)
+    assert b.cached_ids == [] and r.prefix_cache_hit_tokens == 0
+    assert not set(a.table.blocks) & set(b.table.blocks)
+    shared = PagedRunner(gqa, 32, 4)
+    c = shared.new_sequence(ids)
+    shared.prefill(c)
+    shared.forward([c])
+    assert len(shared.new_sequence(ids).cached_ids) == 12  # three full blocks of four, found
