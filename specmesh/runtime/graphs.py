@@ -37,7 +37,6 @@ import torch
 
 if TYPE_CHECKING:
     from specmesh.runtime.batched import _Work
-    from specmesh.runtime.paged import PagedRunner
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +58,9 @@ def token_buckets(max_tokens: int) -> list[int]:
 class DecodeGraphs:
     """The captured decode steps of one `PagedRunner` (see the module docstring)."""
 
-    def __init__(self, runner: PagedRunner, max_bs: int, tokens_per_seq: int, capture: bool = True):
+    def __init__(self, runner: Any, max_bs: int, tokens_per_seq: int, capture: bool = True):
+        """`runner`: the `PagedRunner` whose steps these are (it builds the step's attention over its arena,
+        `_graph_attention`)."""
         if max_bs < 1 or tokens_per_seq < 1:
             raise ValueError("CUDA graphs need max_bs >= 1 and tokens_per_seq >= 1")
         if not runner.block_kernel:
@@ -117,11 +118,9 @@ class DecodeGraphs:
 
     def _forward(self, b: int) -> torch.Tensor:
         """The padded step over the static buffers' first `b` tokens: last hidden states [b, hidden]."""
-        from specmesh.runtime.paged import _BlockAttention  # paged imports this module
-
         r = self.runner
         ids, pos, slots = self.io[0, :b], self.io[1, :b], self.io[2, :b]
-        kv = _BlockAttention(r._dec, r._k, r._v, slots, [], (self.tables, self.programs[:b]), r.pool.block_size)
+        kv = r._graph_attention(slots, (self.tables, self.programs[:b]))
         out = r._dec.ragged(kv, ids, pos, self.rows[:b], head=False)
         assert out is not None
         return out

@@ -469,6 +469,10 @@ class PagedRunner(_RaggedRunner):
             out = dec.ragged(kv, ids, pos, rows)
         return self._logits(out, work)
 
+    def _graph_attention(self, slots: torch.Tensor, plan: tuple[torch.Tensor, torch.Tensor]) -> _BlockAttention:
+        """The block-table kernel's attention over the arena, for a CUDA graph's static buffers."""
+        return _BlockAttention(self._dec, self._k, self._v, slots, [], plan, self.pool.block_size)
+
     def _kernel_plan(self, work: list[_Work]) -> tuple[torch.Tensor, torch.Tensor]:
         """The block-table kernel's inputs for this forward, built once for every layer: the sequences'
         block tables and the programs (`block_attention.plan`)."""
