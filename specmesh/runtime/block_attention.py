@@ -43,12 +43,17 @@ def tiles(group: int) -> tuple[int, int]:
 def plan(segments: Sequence[tuple[int, int, int]], group: int, device: torch.device) -> torch.Tensor:
     """The programs of one forward: [P, 4] int32 rows (sequence index, first batch row, tokens, first
     position), from each sequence's (first batch row, new tokens, first new position)."""
+    return torch.tensor(plan_rows(segments, group), dtype=torch.int32, device=device).view(-1, 4)
+
+
+def plan_rows(segments: Sequence[tuple[int, int, int]], group: int) -> list[tuple[int, int, int, int]]:
+    """`plan`'s rows, on the host."""
     _, block_q = tiles(group)
     rows: list[tuple[int, int, int, int]] = []
     for i, (off, n, start) in enumerate(segments):
         for j in range(0, n, block_q):
             rows.append((i, off + j, min(block_q, n - j), start + j))
-    return torch.tensor(rows, dtype=torch.int32, device=device).view(-1, 4)
+    return rows
 
 
 def block_tables(tables: Sequence[Sequence[int]], device: torch.device) -> torch.Tensor:

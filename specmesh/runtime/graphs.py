@@ -35,6 +35,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from specmesh.runtime import block_attention as kernel
+
 if TYPE_CHECKING:
     from specmesh.runtime.batched import _Work
 
@@ -164,10 +166,7 @@ class DecodeGraphs:
         t = len(ids)
         b = self.bucket(t)
         slots: list[int] = []
-        programs: list[tuple[int, int, int, int]] = []
-        from specmesh.runtime import block_attention as kernel
-
-        _, block_q = kernel.tiles(r._dec.group)
+        spans: list[tuple[int, int, int]] = []
         # Only the step's rows and block columns: the kernel reads a row's entries below its sequence's end.
         width = max(len(w.seq.table.blocks) for w in work)
         tables = torch.zeros((len(work), width), dtype=torch.int32)
@@ -176,9 +175,9 @@ class DecodeGraphs:
             n, table = len(w.feed), w.seq.table
             slots += table.slots(w.start, w.start + n)
             tables[i, : len(table.blocks)] = torch.tensor(table.blocks, dtype=torch.int32)
-            for j in range(0, n, block_q):
-                programs.append((i, off + j, min(block_q, n - j), w.start + j))
+            spans.append((off, n, w.start))
             off += n
+        programs = kernel.plan_rows(spans, r._dec.group)
         pad = b - t
         host = torch.tensor([ids + [0] * pad, pos + [0] * pad, slots + [self.scratch] * pad], dtype=torch.long)
         prog = torch.zeros((b, 4), dtype=torch.int32)
