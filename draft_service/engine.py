@@ -274,9 +274,6 @@ def make_runner(model, config: DraftConfig) -> Runner[Any]:
         # A draft step feeds one token per session, two after a block accepted whole (its last draft and
         # the bonus token); a step that feeds more (a catch-up) runs eagerly.
         graph_tokens_per_seq=2,
-        # Sessions keep their own sequence across turns; shared blocks between sessions would need the
-        # tenant's scope, and a prefix shared across tenants shows in the draft's speed.
-        share_prefixes=False,
     )
 
 
@@ -378,7 +375,7 @@ class DraftEngine:
         algorithm = self.config.algorithm
         if not algorithm.needs_model or not session_id:
             return self._hybrid(make_drafter(algorithm, self.batcher, self.suffix, cache_scope), cache_scope)
-        drafter = self._drafters.pop(session_id, None) or make_drafter(algorithm, self.batcher)
+        drafter = self._drafters.pop(session_id, None) or make_drafter(algorithm, self.batcher, cache_scope=cache_scope)
         assert isinstance(drafter, ModelDrafter)  # the algorithm needs a model, and there is one
         self._drafters[session_id] = drafter  # most recently used last
         while len(self._drafters) > self.config.max_cached_sessions:

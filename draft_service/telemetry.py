@@ -67,7 +67,27 @@ class DraftMetrics(ServiceMetrics):
             ),
             *method_spec_families("specmesh_draft", e.by_method),
             *suffix_families(e.suffix),
+            *prefix_families(e.runner),
         ]
+
+
+def prefix_families(runner) -> list:
+    """The draft KV's prefix cache (a new sequence's prompt found in a freed slot or in shared blocks of its
+    scope), as vLLM counts its own: tokens looked up and tokens found. Nothing for a runner without one."""
+    if not hasattr(runner, "prefix_cache_hit_tokens"):
+        return []
+    return [
+        CounterMetricFamily(
+            "specmesh_draft_prefix_cache_queries",
+            "Prompt tokens of new draft sequences looked up in the draft KV cache",
+            value=runner.prefix_cache_query_tokens,
+        ),
+        CounterMetricFamily(
+            "specmesh_draft_prefix_cache_hits",
+            "Prompt tokens whose draft KV a new sequence found cached (not prefilled again)",
+            value=runner.prefix_cache_hit_tokens,
+        ),
+    ]
 
 
 def method_spec_families(prefix: str, by_method: dict) -> list:

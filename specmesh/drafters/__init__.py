@@ -50,13 +50,14 @@ def make_drafter(
 ) -> Drafter | None:
     """A fresh drafter for one generation; None when the method needs a model and there is none.
     `suffix_cache`: the replica's global suffix trees, `cache_scope` the request's partition of them (the
-    suffix method without a cache drafts from the request's own tokens only)."""
+    suffix method without a cache drafts from the request's own tokens only) and of the draft's KV (a new
+    sequence reuses a cached prompt prefix of its own scope only)."""
     algorithm = Algorithm.parse(algorithm) if isinstance(algorithm, str) else algorithm
     if algorithm is Algorithm.NGRAM:
         return NgramDrafter()
     if algorithm is Algorithm.SUFFIX:
         return SuffixDrafter(suffix_cache, cache_scope)
-    return ModelDrafter(batcher) if batcher is not None else None
+    return ModelDrafter(batcher, cache_scope.encode()) if batcher is not None else None
 
 
 __all__ = [

@@ -127,10 +127,13 @@ class DraftBatcher:
         self._task: asyncio.Task | None = None
 
     # session side ---------------------------------------------------------------------------------
-    def new_state(self, prompt_ids: list[int], params: SamplingParams, reuse: DraftState | None = None) -> DraftState:
-        """A session's state for a new turn; `reuse` keeps the previous turn's cache (its common prefix)."""
+    def new_state(
+        self, prompt_ids: list[int], params: SamplingParams, reuse: DraftState | None = None, scope: bytes = b""
+    ) -> DraftState:
+        """A session's state for a new turn; `reuse` keeps the previous turn's cache (its common prefix), else
+        the runner opens a sequence in `scope` (which may find a cached prefix there)."""
         if reuse is None:
-            seq = self.runner.new_sequence(prompt_ids)
+            seq = self.runner.new_sequence(prompt_ids, scope)
         else:
             seq = reuse.seq
             seq.reset_tokens(prompt_ids)

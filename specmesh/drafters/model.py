@@ -20,8 +20,9 @@ from specmesh.sampling import SamplingParams
 
 
 class ModelDrafter:
-    def __init__(self, batcher: DraftBatcher):
+    def __init__(self, batcher: DraftBatcher, scope: bytes = b""):
         self.batcher = batcher
+        self.scope = scope  # the prefix-cache scope its sequence is opened in (`Runner.new_sequence`)
         self.state: DraftState | None = None  # made by the first start(), then reused turn after turn
 
     @property
@@ -33,7 +34,7 @@ class ModelDrafter:
         return self.state.draft_seconds if self.state is not None else 0.0
 
     async def start(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        self.state = self.batcher.new_state(prompt_ids, params, reuse=self.state)
+        self.state = self.batcher.new_state(prompt_ids, params, reuse=self.state, scope=self.scope)
         await self.batcher.prefill(self.state)
 
     async def propose(

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import threading
 import weakref
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any, NamedTuple, Protocol
 
@@ -40,7 +41,7 @@ from specmesh.errors import InvalidArgument, ResourceExhausted
 from specmesh.runtime import PrefillChunk, StepResult
 from specmesh.runtime.attention import check_attention_backend, sdpa_context
 from specmesh.runtime.base import RunnerBase, logits_wanted, plain_full_attention
-from specmesh.runtime.sequence import common_prefix
+from specmesh.runtime.sequence import common_prefix, shared_prefix
 from specmesh.runtime.static import TrackedSequence, _FastDecoder, logits_agree
 
 
@@ -441,8 +442,16 @@ class BatchedRunner(_RaggedRunner):
         self.slot_bytes = 2 * self.num_layers * d.n_kv * self.slot_len * d.head_dim * self._k[0].element_size()
         self._num_slots = num_slots
         self._lock = threading.Lock()  # slots are taken/freed on the event loop, used on the model thread
-        self._free = list(range(num_slots - 1, -1, -1))  # a stack: the slot freed last is reused first
+        # Free slots, the one freed longest ago (or never used) first: a freed slot keeps its KV, and a new
+        # sequence in the same scope whose prompt starts with what a free slot holds takes that slot and
+        # prefills only the rest (a client that re-sends a conversation or a prompt without a session).
+        # A sequence that matches none takes the slot freed longest ago, so recent prefixes stay longest.
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_slots))
+        # Per slot: its scope and the ids whose KV it holds (while open, the sequence's own cached_ids list).
+        self._kept: list[tuple[bytes, list[int]] | None] = [None] * num_slots
         self._owners: list[weakref.ref | None] = [None] * num_slots
+        self.prefix_cache_query_tokens = 0  # prompt tokens new sequences looked up in the free slots
+        self.prefix_cache_hit_tokens = 0  # ... and found there
         if check and not self._matches_hf():
             raise ValueError(
                 f"BatchedRunner's decoder disagrees with the HF forward for {type(model).__name__}; use ModelRunner"
@@ -486,17 +495,40 @@ class BatchedRunner(_RaggedRunner):
         return self.slot_len if not max_model_len else min(self.slot_len, max_model_len)
 
     def new_sequence(self, token_ids: list[int], scope: bytes = b"") -> SlotSequence:
-        """`Runner.new_sequence`; `scope` does not apply (a slot is one sequence's alone)."""
+        """`Runner.new_sequence`. The sequence takes the free slot of `scope` (`blocks.scope_of`: a tenant
+        and cache_salt) that holds the longest prefix of `token_ids`, and keeps that prefix cached; a slot
+        freed in another scope is never read, only overwritten."""
         if not token_ids:
             raise InvalidArgument("a sequence needs at least one token")
         self._check_len(len(token_ids))
         with self._lock:
             if not self._free:
                 raise ResourceExhausted(f"all {self._num_slots} KV cache slots are in use")
-            slot = self._free.pop()
+            slot, kept = self._take_slot(token_ids, scope)
         seq = SlotSequence(list(token_ids), self, slot)
+        seq.cached_ids = kept
+        self.prefix_cache_query_tokens += len(token_ids)
+        self.prefix_cache_hit_tokens += len(kept)
+        self._kept[slot] = (scope, kept)
         self._owners[slot] = weakref.ref(seq)
         return seq
+
+    def _take_slot(self, token_ids: list[int], scope: bytes) -> tuple[int, list[int]]:
+        """(the free slot to take, the prefix of `token_ids` whose KV it holds). Under the lock."""
+        best, best_n = -1, 0
+        first = token_ids[0]
+        for slot in self._free:
+            kept = self._kept[slot]
+            if kept is None or kept[0] != scope or not kept[1] or kept[1][0] != first:
+                continue
+            n = shared_prefix(kept[1], token_ids)
+            if n > best_n:
+                best, best_n = slot, n
+        if best < 0:
+            best = next(iter(self._free))
+        del self._free[best]
+        kept = self._kept[best]
+        return best, kept[1][:best_n] if kept is not None and best_n else []
 
     def free(self, seq: SlotSequence) -> None:
         """Return the sequence's slot to the pool now; the sequence can no longer be run. Idempotent."""
@@ -508,7 +540,7 @@ class BatchedRunner(_RaggedRunner):
     def _release_slot(self, slot: int) -> None:
         with self._lock:
             self._owners[slot] = None
-            self._free.append(slot)
+            self._free[slot] = None  # freed last: its prefix is the last to be overwritten
 
     def _own(self, seq, allow_freed: bool = False) -> None:
         if not isinstance(seq, SlotSequence) or seq._runner is not self:
@@ -608,9 +640,13 @@ class BatchedRunner(_RaggedRunner):
                         return False
             return True
         finally:
-            for s in reversed(seqs):  # the pool's free stack is as it was
+            for s in reversed(seqs):
+                slot = s.slot
                 self.free(s)
+                if slot >= 0:  # the pool is as it was built: nothing cached
+                    self._kept[slot] = None
             self.prefix_tokens_reused = 0
+            self.prefix_cache_query_tokens = self.prefix_cache_hit_tokens = 0
 
 
 class SlotAccount:

@@ -236,7 +236,8 @@ class PagedRunner(_RaggedRunner):
             raise ValueError(f"block_kernel: Triton runs on CUDA, or on {self.device.type} under TRITON_INTERPRET=1")
         self._lock = threading.Lock()  # tables are opened/freed on the event loop, used on the model thread
         self._orphans: collections.deque[BlockTable] = collections.deque()  # given back, not yet freed
-        self.prefix_cache_hit_tokens = 0  # prompt tokens whose KV new_sequence found in the block cache
+        self.prefix_cache_query_tokens = 0  # prompt tokens new_sequence looked up in the block cache
+        self.prefix_cache_hit_tokens = 0  # ... and found there
         self.share_prefixes = True  # the probe shares a prefix between its sequences, on a pool of its own
         self._alloc(BlockPool(num_blocks, block_size))
         self.blocks = PagedBlocks(self)
@@ -325,6 +326,7 @@ class PagedRunner(_RaggedRunner):
             table, hit = self._blocks.open(token_ids, scope)
         seq = PagedSequence(list(token_ids), self, table)
         seq.cached_ids = list(token_ids[:hit])
+        self.prefix_cache_query_tokens += len(token_ids)
         self.prefix_cache_hit_tokens += hit
         return seq
 
@@ -550,7 +552,7 @@ class PagedRunner(_RaggedRunner):
             self.pool, self._blocks, self._k, self._v = saved
             self.gather_max_tokens, self.max_len = gather_max, max_len
             self.prefix_tokens_reused = 0
-            self.prefix_cache_hit_tokens = 0
+            self.prefix_cache_query_tokens = self.prefix_cache_hit_tokens = 0
 
 
 class PagedBlocks:

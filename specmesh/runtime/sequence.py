@@ -31,3 +31,19 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     while i < n and a[i] == b[i]:
         i += 1
     return i
+
+
+def shared_prefix(a: list[int], b: list[int]) -> int:
+    """`common_prefix` of two lists, by slice comparisons (C speed) in a binary search: for the long prompts
+    a runner compares with every cached prefix it could reuse."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n  # a[:lo] == b[:lo], a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo

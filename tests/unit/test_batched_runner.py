@@ -246,6 +246,62 @@ def test_slot_exhaustion_and_reuse(model):
         run.forward([a])
 
 
+def test_a_freed_slot_serves_its_prefix_to_a_new_sequence_of_its_scope_only(model):
+    """A freed slot keeps its KV: a new sequence of the same scope whose prompt starts with it takes that
+    slot and prefills only the rest, with the logits of a fresh forward; another scope never reads it. A
+    prompt that matches no free slot takes the slot freed longest ago, so the recent prefixes stay."""
+    run = BatchedRunner(model, num_slots=3)
+    p = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3]
+    a = run.new_sequence(p, b"tenant-a")
+    run.prefill(a)
+    run.forward([a], [[7, 7]])  # drafts in the cache past the committed tokens
+    a.commit([7])
+    slot_a = a.slot
+    run.free(a)
+    assert (run.prefix_cache_query_tokens, run.prefix_cache_hit_tokens) == (len(p), 0)
+
+    other = run.new_sequence(p, b"tenant-b")  # the same prompt in another scope: nothing reused
+    assert other.cached_ids == [] and other.slot != slot_a
+    run.free(other)
+
+    turn = [*p[:6], 8, 8, 8]
+    b = run.new_sequence(turn, b"tenant-a")
+    assert b.slot == slot_a and b.cached_ids == p[:6] and run.prefix_cache_hit_tokens == 6
+    run.prefill(b)
+    assert b.cached_ids == turn[:-1]
+    close_logits(run.forward([b])[0], full_logits(model, turn, 1))
+
+    whole = [*p, 7, 7]  # everything the slot holds, drafts included: one token is still fed
+    run.free(b)
+    c = run.new_sequence(whole, b"tenant-a")
+    assert c.slot == slot_a and c.cached_ids == turn[:6]  # b's prefix, what the slot holds now
+    run.prefill(c)
+    close_logits(run.forward([c])[0], full_logits(model, whole, 1))
+    run.free(c)
+
+    # LRU: three slots freed in order x, y, z; a prompt matching none takes x's, and y's prefix is still found
+    x, y, z = (run.new_sequence([t, 2, 3, 4], b"") for t in (10, 11, 12))
+    for s in (x, y, z):
+        run.prefill(s)
+    slots = [x.slot, y.slot, z.slot]
+    for s in (x, y, z):
+        run.free(s)
+    assert run.new_sequence([13, 2, 3], b"").slot == slots[0]
+    again = run.new_sequence([11, 2, 3, 4, 5], b"")
+    assert again.slot == slots[1] and again.cached_ids == [11, 2, 3]
+
+
+def test_shared_prefix_is_common_prefix():
+    from specmesh.runtime.sequence import common_prefix, shared_prefix
+
+    g = torch.Generator().manual_seed(3)
+    for _ in range(300):
+        n, m = (int(v) for v in torch.randint(0, 40, (2,), generator=g))
+        a = torch.randint(0, 3, (n,), generator=g).tolist()
+        b = a[: int(torch.randint(0, n + 1, (1,), generator=g))] + torch.randint(0, 3, (m,), generator=g).tolist()
+        assert shared_prefix(a, b) == common_prefix(a, b) == shared_prefix(b, a)
+
+
 def test_garbage_collected_sequence_returns_its_slot(model):
     run = BatchedRunner(model, num_slots=2)
     seq = run.new_sequence([1, 2, 3])
