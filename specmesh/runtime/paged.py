@@ -189,8 +189,7 @@ class PagedRunner(_RaggedRunner):
 
     A sequence may reach the model's `max_position_embeddings`, capped by `max_model_len` (and by the pool).
     `check`, `packed`, `prefault` and `attention_backend` as in `BatchedRunner`. `cuda_graph_max_bs`,
-    `graph_tokens_per_seq`, `graph_capture`: decode steps from CUDA graphs (`_graphs`). `share_prefixes=False`:
-    no prefix sharing between sequences.
+    `graph_tokens_per_seq`, `graph_capture`: decode steps from CUDA graphs (`_graphs`).
     """
 
     graphs: DecodeGraphs | None = None  # decode steps from CUDA graphs, once built (after the probes)
@@ -209,7 +208,6 @@ class PagedRunner(_RaggedRunner):
         cuda_graph_max_bs: int = 0,
         graph_tokens_per_seq: int = 1,
         graph_capture: bool = True,
-        share_prefixes: bool = True,
     ):
         if not self.supports(model):
             raise ValueError(f"PagedRunner has no decoder for {type(model).__name__} with this config; use ModelRunner")
@@ -238,7 +236,6 @@ class PagedRunner(_RaggedRunner):
         self._orphans: collections.deque[BlockTable] = collections.deque()  # given back, not yet freed
         self.prefix_cache_query_tokens = 0  # prompt tokens new_sequence looked up in the block cache
         self.prefix_cache_hit_tokens = 0  # ... and found there
-        self.share_prefixes = True  # the probe shares a prefix between its sequences, on a pool of its own
         self._alloc(BlockPool(num_blocks, block_size))
         self.blocks = PagedBlocks(self)
         self.block_bytes = 2 * self.num_layers * self._dec.n_kv * block_size * self._dec.head_dim * self._elem
@@ -251,7 +248,6 @@ class PagedRunner(_RaggedRunner):
                 f"PagedRunner's decoder disagrees with the HF forward for {type(model).__name__}; use ModelRunner"
             )
         # False: every sequence its own scope, so no two share a block (a caller that cannot scope by tenant).
-        self.share_prefixes = share_prefixes
         self.graphs = self._graphs(cuda_graph_max_bs, graph_tokens_per_seq, graph_capture)
 
     def _graphs(self, max_bs: int, tokens_per_seq: int, capture: bool) -> DecodeGraphs | None:
@@ -320,8 +316,6 @@ class PagedRunner(_RaggedRunner):
         if not token_ids:
             raise InvalidArgument("a sequence needs at least one token")
         self._check_len(len(token_ids))
-        if not self.share_prefixes:
-            scope = os.urandom(16)
         with self._locked():
             table, hit = self._blocks.open(token_ids, scope)
         seq = PagedSequence(list(token_ids), self, table)

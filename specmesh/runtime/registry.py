@@ -48,15 +48,13 @@ def build_runner(
     attention_backend: str = "auto",
     cuda_graph_max_bs: int = 0,
     graph_tokens_per_seq: int = 1,
-    share_prefixes: bool = True,
 ) -> Runner[Any]:
     """A runner of `kind` for `model` (see the module docstring); ValueError for an unknown kind or a model
     the kind cannot serve. `num_slots`, `max_seq_len` and `prefault` size the batched runner's pool
     (`num_blocks`, `block_size`, `max_seq_len` and `prefault` the paged runner's);
     `attention_backend` (`specmesh.runtime.attention`) applies to the hand-written decoders;
     `cuda_graph_max_bs` and `graph_tokens_per_seq` bound the paged runner's CUDA graphs on CUDA
-    (`specmesh.runtime.graphs`; 0: none; the other kinds have none); `share_prefixes=False`: the paged
-    runner shares no block between sequences."""
+    (`specmesh.runtime.graphs`; 0: none; the other kinds have none)."""
     if kind not in KINDS:
         raise ValueError(f"runner kind must be one of {', '.join(KINDS)}, not {kind!r}")
     if kind == "auto":
@@ -75,7 +73,6 @@ def build_runner(
             attention_backend=attention_backend,
             cuda_graph_max_bs=cuda_graph_max_bs,
             graph_tokens_per_seq=graph_tokens_per_seq,
-            share_prefixes=share_prefixes,
         )
     if kind == "gguf":
         from specmesh.runtime.gguf import GgufRunner  # optional: llama-cpp-python

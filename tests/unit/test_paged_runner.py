@@ -358,21 +358,3 @@ def test_on_cuda_captured_graphs_equal_eager_steps():
     for a, b in zip(_decode_rounds(graphed, prompts, 2, 5), _decode_rounds(eager, prompts, 2, 5), strict=True):
         close_logits(a, b)
     assert graphed.graphs.captures > captures
-
-
-def test_without_prefix_sharing_no_two_sequences_share_a_block(gqa):
-    """`share_prefixes=False` (the draft's paged runner, which cannot scope by tenant): the same prompt
-    opened twice computes its blocks twice."""
-    r = PagedRunner(gqa, 32, 4, share_prefixes=False)
-    ids = ids_of(13, seed=2)
-    a = r.new_sequence(ids)
-    r.prefill(a)
-    r.forward([a])
-    b = r.new_sequence(ids)
-    assert b.cached_ids == [] and r.prefix_cache_hit_tokens == 0
-    assert not set(a.table.blocks) & set(b.table.blocks)
-    shared = PagedRunner(gqa, 32, 4)
-    c = shared.new_sequence(ids)
-    shared.prefill(c)
-    shared.forward([c])
-    assert len(shared.new_sequence(ids).cached_ids) == 12  # three full blocks of four, found
