@@ -151,7 +151,10 @@ class HybridDrafter:
         self.committed = len(prompt_ids)
         self._by_position.clear()
         await self.suffix.start(prompt_ids, params)
-        await self.model.start(prompt_ids, params)
+        if self._model_only:
+            await self.model.start(prompt_ids, params)
+        else:  # the first rounds may be the trees': they need not wait for the model's prefill
+            await self.model.begin(prompt_ids, params)
 
     async def propose(
         self, k: int, after: Sequence[int] = (), should_stop: Callable[[], bool] | None = None
@@ -167,6 +170,7 @@ class HybridDrafter:
             return self._suffix_block(at, draft)
         self.chooser.chosen["model"] += 1
         self._by_position[at] = _Proposed("model")
+        await self.model.ready()  # not the draft's time per token
         t0 = time.perf_counter()
         block = await self.model.propose(k, after, should_stop)
         if should_stop is None and block.k:  # racing a verification, its time says nothing of the draft's

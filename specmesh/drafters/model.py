@@ -10,6 +10,8 @@ for all sessions, forwards on its model thread).
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from collections.abc import Callable, Sequence
 
 import torch
@@ -24,6 +26,8 @@ class ModelDrafter:
         self.batcher = batcher
         self.scope = scope  # the prefix-cache scope its sequence is opened in (`Runner.new_sequence`)
         self.state: DraftState | None = None  # made by the first start(), then reused turn after turn
+        self._prefill: asyncio.Future | None = None  # begin()'s prefill, until ready() has seen it end
+        self._pending: list[int] = []  # tokens committed while it ran, committed after it
 
     @property
     def tokens_drafted(self) -> int:
@@ -34,12 +38,38 @@ class ModelDrafter:
         return self.state.draft_seconds if self.state is not None else 0.0
 
     async def start(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        await self.begin(prompt_ids, params)
+        await self.ready()
+
+    async def begin(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Open the turn's sequence now (a full pool raises here) and prefill it in the background, for a
+        caller that drafts by other means meanwhile (the suffix trees): `propose` waits for it, and tokens
+        committed before it ends are committed after it (the model thread owns the ids while it runs)."""
+        with contextlib.suppress(Exception):  # the previous turn's prefill, if it still runs (its error was its turn's)
+            await self.ready()
         self.state = self.batcher.new_state(prompt_ids, params, reuse=self.state, scope=self.scope)
-        await self.batcher.prefill(self.state)
+        self._pending = []
+        self._prefill = asyncio.ensure_future(self.batcher.prefill(self.state))
+        self._prefill.add_done_callback(_retrieved)
+
+    async def ready(self) -> None:
+        """Wait for begin()'s prefill; a cancelled caller leaves it running (it owns the ids)."""
+        prefill = self._prefill
+        if prefill is None:
+            return
+        try:
+            await asyncio.shield(prefill)
+        finally:
+            if prefill.done() and self._prefill is prefill:
+                self._prefill = None
+                pending, self._pending = self._pending, []
+                if pending and self.state is not None:
+                    self.state.seq.commit(pending)
 
     async def propose(
         self, k: int, after: Sequence[int] = (), should_stop: Callable[[], bool] | None = None
     ) -> DraftBlock:
+        await self.ready()
         state = self.state
         assert state is not None  # start() comes first
         seq = state.seq
@@ -63,10 +93,24 @@ class ModelDrafter:
 
     def commit(self, tokens: list[int]) -> None:
         assert self.state is not None  # start() comes first
-        self.state.seq.commit(tokens)
+        if self._prefill is not None:
+            self._pending += tokens
+        else:
+            self.state.seq.commit(tokens)
 
     def release(self) -> None:
-        """Give the session's cache back to the runner now (a runner with a fixed pool needs it back)."""
+        """Give the session's cache back to the runner now (a runner with a fixed pool needs it back), or
+        when a prefill still running on the model thread ends."""
+        prefill, self._prefill = self._prefill, None
+        if prefill is not None and not prefill.done():
+            prefill.add_done_callback(lambda _: self.release())
+            return
         if self.state is not None:
             self.batcher.runner.free(self.state.seq)
         self.state = None
+
+
+def _retrieved(future: asyncio.Future) -> None:
+    """A background prefill's error reaches whoever awaits it; one nobody awaits is not reported twice."""
+    if not future.cancelled():
+        future.exception()

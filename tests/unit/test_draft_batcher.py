@@ -111,3 +111,47 @@ def test_drafting_ahead_goes_a_token_at_a_time_and_stops_when_told():
     assert block.k == 3  # asked before each token: three went through, the fourth check stopped it
     assert asked == sorted(asked) and len(set(asked)) == 4  # one forward between checks
     assert block.token_ids == alone(model, prompt, 3)
+
+
+def test_a_prefill_begun_in_the_background_takes_the_tokens_committed_meanwhile():
+    """`begin` returns with the prefill still to run on the model thread; tokens committed meanwhile are
+    committed after it, and the next block is the one an eagerly started drafter drafts after the same
+    tokens. Released while its prefill runs, the sequence goes back to the pool when the prefill ends."""
+    model = tiny_model("llama", seed=3)
+    prompt, later = [1, 2, 3, 4, 5, 6], [7, 8]
+    gate = asyncio.Event()
+    with ThreadPoolExecutor(1) as pool:
+        run_threaded = threaded(pool)
+
+        async def held(fn, *args):  # the model thread's first hand-off waits for the gate
+            await gate.wait()
+            return await run_threaded(fn, *args)
+
+        runner = BatchedRunner(model, num_slots=2, max_seq_len=128)
+        batcher = DraftBatcher(runner, execute=held)
+
+        async def run():
+            d = ModelDrafter(batcher)
+            await d.begin(prompt, GREEDY)
+            assert runner.free_slots == 1 and d.state.seq.cached_ids == []  # opened, not prefilled
+            d.commit(later)
+            assert d.state.seq.token_ids == prompt  # the model thread's ids are not touched meanwhile
+            gate.set()
+            block = await d.propose(3)
+            assert d.state.seq.token_ids == prompt + later
+            gate.clear()
+            again = ModelDrafter(batcher)
+            await again.begin(prompt, GREEDY)
+            again.release()  # while its prefill waits: the slot is still held ...
+            assert runner.free_slots == 0
+            gate.set()
+            for _ in range(100):
+                await asyncio.sleep(0.01)
+                if runner.free_slots == 1:
+                    break
+            assert runner.free_slots == 1  # ... and comes back once the prefill has run
+            return block.token_ids
+
+        with torch.inference_mode():
+            drafted = asyncio.run(run())
+    assert drafted == alone(model, prompt + later, 3)
