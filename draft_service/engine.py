@@ -462,7 +462,8 @@ class DraftEngine:
                 gen = _Generation(
                     self, stub, session_id, prompt_ids, params, k_max, metadata, goodput_probe, cache_scope
                 )
-                if isinstance(gen.drafter, HybridDrafter):  # the trees' blocks: to the request's K, or the replica's
+                # The trees' blocks: to the request's K, or the replica's.
+                if isinstance(gen.drafter, (HybridDrafter, SuffixDrafter)):
                     gen.drafter.cap = k_max if num_speculative_tokens is not None else max_spec_len
                 events = gen.run()
             timer = self.stream_metrics.timer() if self.stream_metrics is not None else None
@@ -508,7 +509,7 @@ class DraftEngine:
             pipelined_blocks_used=c.pipelined_used,
             pipelined_blocks_discarded=c.pipelined_discarded,
             draft_seconds_per_token=self.draft_seconds_per_token(),
-            suffix_decoding=self.chooser is not None,
+            suffix_decoding=self.suffix is not None,  # hybrid or suffix: proposals that cost no draft forward
         )
 
 

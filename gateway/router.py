@@ -21,7 +21,8 @@ combines them for one request, in this order:
   target-only steps, a request that leaves K and the seed unset goes "direct" (target-only on the verify
   replica, sparing the draft hop), every `goodput_probe_every`-th one a "probe" through the draft replica so
   that its guard measures speculation again; "draft" otherwise. One decision per request, kept across its
-  failovers; a seeded request always keeps its path, so that it replays exactly.
+  failovers; a seeded request always keeps its path, so that it replays exactly; a greedy request to a replica
+  with suffix trees keeps it too, so that the trees learn its output (its guard decides per session there).
 
 The router knows nothing of streams or gRPC calls: the gateway's lifecycle (`gateway.core`) opens the
 route's stream, watches it and fails over.
@@ -172,7 +173,10 @@ class Router:
                 self.target_only_fallbacks += 1
             return target_only
         goodput = ask.goodput
-        if ask.k is None and not ask.seeded:
+        # Not a greedy request to a replica that drafts by suffix trees: its trees learn only the outputs of
+        # generations it serves, and one sent past it would keep them as cold as when its guard measured a loss
+        # (its guard still holds that request's session to target-only steps while speculation loses there).
+        if ask.k is None and not ask.seeded and not free:
             goodput = goodput or self._goodput_route(draft)  # once per request: a failover keeps it
             if goodput == "direct":
                 return Route(verify, None, session_id, k, goodput)

@@ -861,6 +861,8 @@ class SuffixDrafter:
         self.local = SuffixTree(self.params.max_tree_depth)
         self.prompt_tokens = 0
         self.use_global = False
+        # Most tokens in a block of `free_block` (the verifier's limit, or the request's K); 0: the round's K.
+        self.cap = 0
         self._gtree: SuffixTree | None = None  # the global tree the match state was fed against
         self._gversion = -1
         self._gstate: MatchState = ([], [])
@@ -921,6 +923,26 @@ class SuffixDrafter:
         draft = self.speculate(k, after)
         self.count(draft)
         return DraftBlock(draft.token_ids)
+
+    def free_block(
+        self, k: int, budget: int, round_s: Callable[[int, int], float | None] | None = None
+    ) -> DraftBlock | None:
+        """The trees' block for the next round, up to `cap` (and `budget`) tokens, whatever the policy's K (0
+        included): it costs no draft forward, so the loop asks for it every round and sends it whole (as the
+        hybrid's). None without a proposal, or when by `round_s` (the policy's model of a round's time by the
+        positions verified) its expected tokens, 1 + score, per second fall below a target-only step's."""
+        cap = min(self.cap or k, budget)
+        if cap <= 0:
+            return None
+        draft = self.speculate(cap)
+        if not draft.token_ids:
+            return None
+        if round_s is not None:
+            t_block, t_step = round_s(draft.k + 1, 0), round_s(1, 0)
+            if t_block and t_step and (1.0 + draft.score) / t_block < 1.0 / t_step:
+                return None
+        self.count(draft)
+        return DraftBlock(draft.token_ids, method="suffix")
 
     def count(self, draft: SuffixDraft) -> None:
         """A proposal that was sent, in the replica's counts by source tree."""

@@ -64,3 +64,17 @@ def test_a_replica_back_in_the_pool_starts_unmeasured():
 def test_a_probe_share_that_would_not_probe_is_refused(every):
     with pytest.raises(SystemExit):
         parse_args(["--verify", "10.0.0.1:50061", "--goodput-probe-every", every])
+
+
+def test_a_greedy_request_keeps_a_suffix_replica_that_reports_a_loss():
+    """A replica with suffix trees learns only the outputs of generations it serves: a greedy request goes
+    through it whatever its guard reported (the guard decides per session there), so that a repeated prompt
+    finds its earlier output; a sampled one is still sent straight to the verify replica."""
+    gw = gateway()
+    for r in gw.draft_pool.replicas.values():
+        r.speculation_pays, r.suffix_decoding = False, True
+    routes = [choose(gw) for _ in range(8)]
+    assert all(d is not None and not o.target_only for d, o in routes)
+    assert "target_only_by_goodput" not in gw.draft_pool.decisions
+    draft, outcome = choose(gw, params=SamplingParams(temperature=0.7, max_tokens=4))
+    assert draft is None and outcome.goodput_route == "direct"

@@ -311,3 +311,19 @@ def test_the_registry_and_the_in_process_engine_draft_by_suffix():
         assert suffix.token_ids == base.token_ids
         drafted += suffix.stats.drafted
     assert drafted > 0  # a tiny model's greedy output loops: its own output is there to copy
+
+
+def test_a_free_block_runs_to_the_cap_whatever_the_round_s_k_unless_a_step_pays_more():
+    """The loop asks the trees every round (K = 0 included): their block goes up to `cap` (the verifier's
+    limit), or the round's K without a cap, and is withheld when the round model says a target-only step
+    commits more tokens per second than the block's expected 1 + score."""
+    cache = SuffixCache()
+    cache.add("", list(range(50, 90)))
+    d = drafter(cache, "", [1, *range(50, 60)])
+    assert d.free_block(4, 100).token_ids == list(range(60, 64))  # no cap: the round's K
+    d.cap = 8
+    assert d.free_block(0, 100).token_ids == list(range(60, 68))
+    assert d.free_block(0, 5).token_ids == list(range(60, 65))  # the request's budget
+    assert d.free_block(4, 100, lambda rows, _ctx: 0.01 + 0.001 * rows).token_ids == list(range(60, 68))  # cheap rows
+    assert d.free_block(4, 100, lambda rows, _ctx: 0.01 if rows == 1 else 1.0) is None  # a step pays more
+    assert drafter(cache, "", [1, 2, 3]).free_block(4, 100) is None  # no match
