@@ -307,7 +307,11 @@ class DraftEngine:
         # The suffix trees' global half: the outputs of this replica's recent generations, by scope.
         suffix = config.algorithm is Algorithm.SUFFIX or config.hybrid
         self.suffix = SuffixCache(config.suffix_params()) if suffix else None
-        self.chooser = HybridChooser() if config.hybrid else None  # every hybrid generation's measurements
+        # Every hybrid generation's measurements, greedy and sampled apart: at T = 0.7 a suffix proposal's
+        # tokens are accepted with their probability only (16 % on the edit loop against 70 % greedy), and one
+        # pooled calibration sent sampled requests the blocks greedy ones had earned.
+        self.chooser = HybridChooser() if config.hybrid else None
+        self.sampled_chooser = HybridChooser() if config.hybrid else None
         self.goodput_guard = GoodputGuard() if config.goodput_guard else None  # shared by every generation
         self.tracer = tracer("draft")
         self.stream_metrics = stream_metrics  # TTFT and inter-token latency of Generate streams
@@ -369,12 +373,12 @@ class DraftEngine:
             self._max_spec_len[address] = info.max_spec_len or MAX_SPEC_LEN
         return stub, self._max_spec_len[address]
 
-    def _drafter(self, session_id: str, cache_scope: str = ""):
+    def _drafter(self, session_id: str, cache_scope: str = "", greedy: bool = True):
         """The session's drafter: a cached one keeps its draft KV cache for the session's next turn. A suffix
         drafter reads and feeds the global trees of the request's scope only."""
         algorithm = self.config.algorithm
         if not algorithm.needs_model or not session_id:
-            return self._hybrid(make_drafter(algorithm, self.batcher, self.suffix, cache_scope), cache_scope)
+            return self._hybrid(make_drafter(algorithm, self.batcher, self.suffix, cache_scope), cache_scope, greedy)
         drafter = self._drafters.pop(session_id, None) or make_drafter(algorithm, self.batcher, cache_scope=cache_scope)
         assert isinstance(drafter, ModelDrafter)  # the algorithm needs a model, and there is one
         self._drafters[session_id] = drafter  # most recently used last
@@ -383,12 +387,13 @@ class DraftEngine:
             if sid in self._busy:
                 break
             self._drafters.pop(sid).release()
-        return self._hybrid(drafter, cache_scope)
+        return self._hybrid(drafter, cache_scope, greedy)
 
-    def _hybrid(self, drafter: Drafter | None, cache_scope: str) -> Drafter | None:
-        if self.chooser is None or not isinstance(drafter, ModelDrafter):
+    def _hybrid(self, drafter: Drafter | None, cache_scope: str, greedy: bool = True) -> Drafter | None:
+        chooser = self.chooser if greedy else self.sampled_chooser
+        if chooser is None or not isinstance(drafter, ModelDrafter):
             return drafter
-        return HybridDrafter(drafter, SuffixDrafter(self.suffix, cache_scope), self.chooser)
+        return HybridDrafter(drafter, SuffixDrafter(self.suffix, cache_scope), chooser)
 
     def learn(self, drafter: SuffixDrafter | HybridDrafter, output_ids: list[int]) -> None:
         """A finished generation's output joins its scope's global suffix tree, in a task of its own: its
@@ -566,7 +571,7 @@ class _Generation:
             on_open=self._opened,
             cache_scope=cache_scope,
         )
-        self.drafter = engine._drafter(session_id, cache_scope)
+        self.drafter = engine._drafter(session_id, cache_scope, params.greedy)
         # A seeded request must replay exactly: its random draws may not depend on timing, so it gets a
         # fixed K and no drafting ahead (both adapt to how fast verdicts come back).
         seeded = params.seed is not None

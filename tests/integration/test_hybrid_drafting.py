@@ -77,6 +77,9 @@ def test_greedy_equals_target_only_with_both_methods_drafting(pair):
                 forwards[hybrid] = e.batcher.stats.rows  # draft tokens the model computed
                 if hybrid:
                     assert e.chooser.chosen["suffix"] > 0 and e.chooser.chosen["model"] > 0
+                    # greedy rounds calibrate the greedy chooser only: sampled requests learn their own odds
+                    assert e.sampled_chooser.chosen == {"suffix": 0, "model": 0}
+                    assert e.sampled_chooser.suffix_calibration == HybridChooser().suffix_calibration
                     by = e.by_method
                     assert by["suffix"].drafted > 0 and by["suffix"].accepted > 0 and by["model"].drafted > 0
                     info = draft_stub(draft).Info(draft_pb2.DraftServiceInfoRequest())
@@ -123,7 +126,7 @@ def test_sampled_output_is_the_target_law_at_t_0_7():
     # The choice by coin, not by timings (which decide it by the machine's load): the law must hold however
     # rounds are given to one method or the other, and a fair coin gives many rounds of each.
     coin = random.Random(0)
-    draft.server.engine.chooser.prefers_suffix = lambda *_: coin.random() < 0.5
+    draft.server.engine.sampled_chooser.prefers_suffix = lambda *_: coin.random() < 0.5
     params = common_pb2.SamplingParams(temperature=t, max_tokens=4, ignore_eos=True)
     n = 2000
     stub = draft_stub(draft)
@@ -132,6 +135,7 @@ def test_sampled_output_is_the_target_law_at_t_0_7():
             runs = list(pool.map(lambda _: generate(stub, prompt, params), range(n)))
         by = draft.server.engine.by_method
         info = stub.Info(draft_pb2.DraftServiceInfoRequest())
+        greedy_chosen = draft.server.engine.chooser.chosen
     finally:
         draft.stop()
         verify.stop()
@@ -139,6 +143,7 @@ def test_sampled_output_is_the_target_law_at_t_0_7():
     for tokens, _ in runs:
         c3[tokens[2]] += 1
     assert by["suffix"].drafted > 100 and by["model"].drafted > 100  # both kinds of block, many times
+    assert greedy_chosen == {"suffix": 0, "model": 0}  # the sampled requests' choices are their chooser's
     assert 0.1 < info.accepted / info.drafted < 0.95
     assert pooled_chisquare(first_two_counts(runs), joint, n) > 1e-3
     assert pooled_chisquare(c3, p3, n) > 1e-3
