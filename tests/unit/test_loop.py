@@ -6,7 +6,14 @@ import random
 import pytest
 
 from specmesh.domain import BatchLoad, DraftBlock, Verdict
-from specmesh.loop import AdaptiveK, GoodputGuard, GoodputK, expected_tokens, speculative_generate
+from specmesh.loop import (
+    FREE_BLOCK_RECHECK,
+    AdaptiveK,
+    GoodputGuard,
+    GoodputK,
+    expected_tokens,
+    speculative_generate,
+)
 from specmesh.sampling import SamplingParams, StopChecker
 
 
@@ -452,3 +459,18 @@ def test_a_free_block_waits_while_the_guard_holds_speculation_off():
     assert r.token_ids == list(range(2, 152))
     assert sum(verifier.runs) >= 60 and verifier.runs.count(8) >= 5  # the guard's runs, not cut for the trees
     assert drafter.asked < r.stats.rounds / 2
+
+
+@pytest.mark.parametrize(("temperature", "run"), [(0.0, FREE_BLOCK_RECHECK), (0.7, GoodputK.BATCH_LIMIT_RUN)])
+def test_past_the_batch_limit_a_greedy_request_asks_the_trees_every_few_steps_a_sampled_one_per_run(temperature, run):
+    """With no proposal from the trees, a greedy session's target-only runs are cut short so that the trees
+    are asked again soon; a sampled one keeps the policy's runs (each cut is a round trip out of step with
+    the verify batch, and its proposals are rarely accepted)."""
+    params = SamplingParams(temperature=temperature, max_tokens=60, ignore_eos=True, seed=None)
+    verifier = RunRecordingVerifier(0.0, bonus=lambda ctx: ctx[-1] + 1)
+    drafter = FreeDrafter(0)  # the trees find nothing
+    r = asyncio.run(
+        speculative_generate(verifier, drafter, [1], params, GoodputK(4, batch_limit=1), StopChecker(params))
+    )
+    assert len(r.token_ids) == 60
+    assert verifier.runs[:-1] == [run] * (len(verifier.runs) - 1)
