@@ -654,4 +654,6 @@ class _Generation:
                 await asyncio.gather(task, return_exceptions=True)
             await self.remote.aclose(False)
             if not self.session_id and isinstance(self.drafter, (ModelDrafter, HybridDrafter)):
+                # A prefill still running owns the sequence: the cache goes back before the close returns.
+                await self.drafter.settle()
                 self.drafter.release()

@@ -233,5 +233,8 @@ class HybridDrafter:
     async def finish(self, output_ids: Sequence[int]) -> None:
         await self.suffix.finish(output_ids)
 
+    async def settle(self) -> None:
+        await self.model.settle()
+
     def release(self) -> None:
         self.model.release()

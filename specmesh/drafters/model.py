@@ -45,8 +45,7 @@ class ModelDrafter:
         """Open the turn's sequence now (a full pool raises here) and prefill it in the background, for a
         caller that drafts by other means meanwhile (the suffix trees): `propose` waits for it, and tokens
         committed before it ends are committed after it (the model thread owns the ids while it runs)."""
-        with contextlib.suppress(Exception):  # the previous turn's prefill, if it still runs (its error was its turn's)
-            await self.ready()
+        await self.settle()  # the previous turn's prefill, if it still runs
         self.state = self.batcher.new_state(prompt_ids, params, reuse=self.state, scope=self.scope)
         self._pending = []
         self._prefill = asyncio.ensure_future(self.batcher.prefill(self.state))
@@ -90,6 +89,11 @@ class ModelDrafter:
             return DraftBlock(drafted)
         q = [(t.q_ids, t.q_probs) for t in tokens if t.q_ids is not None and t.q_probs is not None]
         return DraftBlock(drafted, torch.stack([i for i, _ in q]), torch.stack([p for _, p in q]))
+
+    async def settle(self) -> None:
+        """Wait for a prefill still running (its error was its turn's): after this `release` frees at once."""
+        with contextlib.suppress(Exception):
+            await self.ready()
 
     def commit(self, tokens: list[int]) -> None:
         assert self.state is not None  # start() comes first

@@ -8,6 +8,7 @@ whose prefill chunks ride in the ticks' forwards.
 """
 
 import asyncio
+import os
 import time
 
 import pytest
@@ -55,10 +56,12 @@ def reference(model, prompt: list[int], n: int) -> list[int]:
 
 
 def fresh_session(runner, session_id: str, prompt: list[int], params: SamplingParams = GREEDY) -> Session:
-    """A session as VerifyEngine.open hands it to the scheduler: its turn set up, nothing prefilled yet."""
+    """A session as VerifyEngine.open hands it to the scheduler: its turn set up, nothing prefilled yet. In a
+    prefix-cache scope of its own: the module's runners keep freed slots' KV, and no session here may find
+    another test's prompt cached."""
     return Session(
         session_id,
-        runner.new_sequence(prompt),
+        runner.new_sequence(prompt, os.urandom(8)),
         ephemeral=False,
         params=params,
         stop=StopChecker(params, eos_token_ids(runner.model)),
