@@ -41,7 +41,7 @@ from specmesh.errors import InvalidArgument, ResourceExhausted
 from specmesh.runtime import PrefillChunk, StepResult
 from specmesh.runtime.attention import check_attention_backend, sdpa_context
 from specmesh.runtime.base import RunnerBase, logits_wanted, plain_full_attention
-from specmesh.runtime.sequence import common_prefix, shared_prefix
+from specmesh.runtime.sequence import common_prefix
 from specmesh.runtime.static import TrackedSequence, _FastDecoder, logits_agree
 
 
@@ -521,7 +521,7 @@ class BatchedRunner(_RaggedRunner):
             kept = self._kept[slot]
             if kept is None or kept[0] != scope or not kept[1] or kept[1][0] != first:
                 continue
-            n = shared_prefix(kept[1], token_ids)
+            n = common_prefix(kept[1], token_ids)
             if n > best_n:
                 best, best_n = slot, n
         if best < 0:

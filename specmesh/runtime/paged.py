@@ -247,7 +247,6 @@ class PagedRunner(_RaggedRunner):
             raise ValueError(
                 f"PagedRunner's decoder disagrees with the HF forward for {type(model).__name__}; use ModelRunner"
             )
-        # False: every sequence its own scope, so no two share a block (a caller that cannot scope by tenant).
         self.graphs = self._graphs(cuda_graph_max_bs, graph_tokens_per_seq, graph_capture)
 
     def _graphs(self, max_bs: int, tokens_per_seq: int, capture: bool) -> DecodeGraphs | None:

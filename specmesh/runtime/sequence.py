@@ -25,17 +25,8 @@ class SequenceBase:
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
-    """How many leading ids `a` and `b` share."""
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
-
-
-def shared_prefix(a: list[int], b: list[int]) -> int:
-    """`common_prefix` of two lists, by slice comparisons (C speed) in a binary search: for the long prompts
-    a runner compares with every cached prefix it could reuse."""
+    """How many leading ids `a` and `b` share: by slice comparisons (C speed) in a binary search, since a
+    runner compares long prompts with every cached prefix it could reuse."""
     n = min(len(a), len(b))
     if a[:n] == b[:n]:
         return n
