@@ -52,6 +52,10 @@ the work is scheduled). Ratios speculative / target-only and speculative / HF as
 Speculation forced on at every level (what the 16-stream analysis in the README ran):
 `--concurrency 16 --speculative-disable-by-batch-size 0 --num-speculative-tokens 4 --draft-arg=--no-adaptive`.
 
+`--greedy-agreement N`: after the levels, the first N prompts greedy, speculative and target-only through the same
+stack, their outputs compared (`greedy_agreement` in the JSON): in fp32 they must all be equal; with a 16-bit
+`--dtype` on the services it is the mismatch rate that precision costs.
+
 Writes bench/results/load.json and bench/results/load.png (`--out` elsewhere) and prints a markdown table for the
 README.
 `--quick` is a smoke run (concurrency 1,4, four requests per level, 16 tokens, 2 HF prompts).
@@ -663,6 +667,34 @@ async def our_greedy_outputs(base: str, prompts: list[list[int]], max_tokens: in
     return outs if len(outs) == len(prompts) and all(len(o) == max_tokens for o in outs) else None
 
 
+async def spec_target_only_agreement(targets: dict, prompts: list[list[int]], max_tokens: int, timeout: float) -> dict:
+    """Each prompt's greedy completion (not streamed, `ignore_eos`) speculative and target-only through the same
+    stack, compared: in fp32 they must be equal; in 16 bits a verify block and a one-token step may round a
+    near-tie apart (the mismatch rate --dtype bfloat16 costs). Compared as text, the completions API's output."""
+    outs: dict[str, list[str]] = {}
+    for mode in (SPEC, TARGET_ONLY):
+        client, k = targets[mode]
+        extra = {"ignore_eos": True} | ({"num_speculative_tokens": k} if k is not None else {})
+        outs[mode] = []
+        for p in prompts:
+            r = await client.completions.create(
+                model=MODEL_NAME, prompt=p, max_tokens=max_tokens, temperature=0, extra_body=extra, timeout=timeout
+            )
+            outs[mode].append(r.choices[0].text)
+    pairs = list(zip(outs[SPEC], outs[TARGET_ONLY], strict=True))
+    differ = [i for i, (a, b) in enumerate(pairs) if a != b]
+    first = [next((j for j, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b))) for a, b in
+             (pairs[i] for i in differ)]  # fmt: skip
+    return {
+        "prompts": len(prompts),
+        "max_tokens": max_tokens,
+        "differ": len(differ),
+        "mismatch_rate": round(len(differ) / len(prompts), 4) if prompts else None,
+        "first_difference_chars": first,
+        "mean_output_chars": round(sum(len(b) for _, b in pairs) / len(pairs), 1) if pairs else None,
+    }
+
+
 def hf_greedy_outputs(target_path: Path, prompts: list[list[int]], max_tokens: int, threads: int, device: str):
     """The HF target's greedy `generate` output ids for every prompt (the reference when the gateway gave none)."""
     import torch
@@ -933,6 +965,12 @@ def markdown(r: dict) -> str:
             for o in r["old_runtime"]
         )
         lines.append(f"Previous runtime (verify --runner hf), target-only greedy: {old}.")
+    if r.get("greedy_agreement"):
+        g = r["greedy_agreement"]
+        lines.append(
+            f"Greedy, speculative against target-only on the same stack: {g['differ']} of {g['prompts']} outputs "
+            f"differ ({g['max_tokens']} tokens each)."
+        )
     if r.get("llamacpp"):
         lines += ["", *markdown_llamacpp(r)]
     return "\n".join(lines)
@@ -1147,6 +1185,13 @@ def parse_args(argv=None):
         default=[16],
         help="concurrency levels at which target-only greedy is also measured on the previous runtime (verify "
         "--runner hf), after the main stack is stopped (empty = not measured)",
+    )
+    ap.add_argument(
+        "--greedy-agreement",
+        type=int,
+        default=0,
+        help="after the levels, this many prompts greedy, speculative and target-only, compared (the mismatch "
+        "rate of a 16-bit --dtype; 0 = not measured)",
     )
     ap.add_argument("--hf-prompts", type=int, default=12, help="prompts for the HF assisted-generation peer")
     ap.add_argument("--hf-threads", type=int, default=0, help="torch threads of the HF peer (0 = this machine's cores)")
@@ -1369,8 +1414,15 @@ async def measure(args, stack: Stack, prompts: list[list[int]]) -> dict:
         reference = None
         if args.llamacpp:  # what llama.cpp's greedy outputs are checked against
             reference = await our_greedy_outputs(main_url, prompts, args.max_tokens, timeout)
+        agreement = None
+        if args.greedy_agreement:
+            asked = prompts[: args.greedy_agreement]
+            agreement = await spec_target_only_agreement(targets, asked, args.max_tokens, timeout)
+            tqdm.write(f"greedy, speculative against target-only: {agreement['differ']} of "
+                       f"{agreement['prompts']} outputs differ")  # fmt: skip
         return {
             "greedy_reference": reference,
+            "greedy_agreement": agreement,
             "target_only_method": method,
             "speculative_k_sent": spec_k,
             "verify_batch_metric": verify_metric,
@@ -1589,6 +1641,7 @@ def main(argv=None) -> dict:
         "hf_assisted": hf,
         "levels": measured["levels"],
         "old_runtime": measured.get("old_runtime"),
+        "greedy_agreement": measured["greedy_agreement"],
         "llamacpp": llamacpp,
         "notes": notes,
         "total_seconds": round(time.perf_counter() - t_start, 1),

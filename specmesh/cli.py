@@ -115,8 +115,7 @@ class ServePlacement:
     draft_device: str | None = option(None, "torch device of the draft, if not --device", type=str)
     dtype: str = option(
         "auto",
-        "vLLM's --dtype for both models: auto (bfloat16 on CUDA and on CPUs with native bf16, else float32), "
-        "float32, bfloat16, float16",
+        "vLLM's --dtype for both models: auto (bfloat16 on CUDA, float32 on a CPU), float32, bfloat16, float16",
         choices=("auto", "float32", "float", "bfloat16", "float16", "half"),
     )
 
