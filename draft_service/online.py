@@ -70,6 +70,12 @@ class OnlineLoop:
             c("specmesh_draft_online_train_steps", "Distillation steps taken", value=d.steps),
             g("specmesh_draft_online_buffer_windows", "Training windows in the replay buffer", value=len(d.buffer)),
             g("specmesh_draft_online_train_share", "The trainer's share of wall time", value=d.train_share),
+            g(
+                "specmesh_draft_online_model_draft_share",
+                "The draft model's share of the drafted tokens lately (the rest the suffix trees'): the trainer's "
+                "duty follows it",
+                value=d.model_share,
+            ),
             drafted,
             accepted,
         ]
@@ -108,7 +114,9 @@ class FeedbackVerifier:
         if verdict.finish_reason is not None:  # the last verdict: a short generation still makes a window
             self.feedback.flush()
         drafted = proposal.k if verdict.num_drafted is None else verdict.num_drafted
-        if proposal.method != "suffix":  # a weight version is judged by the model's drafts alone
+        by_model = proposal.method != "suffix"
+        self.loop.distiller.record_draft(by_model, drafted)
+        if by_model:  # a weight version is judged by the model's drafts alone
             self.loop.distiller.record_round(version, drafted, verdict.num_accepted)
         verdict.logprobs = _as_asked(verdict.logprobs, self.asked)
         return verdict

@@ -5,7 +5,8 @@ that opts in asks for its top-k (`SamplingParams.logprobs`: the log-softmax of t
 each committed token); `SessionFeedback` lays those next to the session's tokens, and every `window`
 committed tokens becomes one training window in a bounded `ReplayBuffer`. An `OnlineDistiller` thread runs
 knowledge-distillation steps (`distill_loss`, the offline distiller's loss, here over the positions that
-have feedback) on its own copy of the draft's weights, at most `cpu_share` of one core's time, and every
+have feedback) on its own copy of the draft's weights, at most `cpu_share` of one core's time (scaled by the
+model's share of the drafted tokens where suffix trees draft beside it), and every
 `steps_per_version` steps publishes a new version:
 
 - saved under `dir/v{n}/` (weights + meta.json with its live acceptance, rewritten as it is measured);
@@ -64,6 +65,12 @@ class OnlineConfig:
     kl_weight: float = 0.5
     steps_per_version: int = 50
     cpu_share: float = 0.3  # the trainer's share of one core's wall time (it sleeps the rest)
+    # Beside suffix trees (the hybrid draft) the model drafts only the rounds the trees lose, and a better model
+    # is worth that share of the rounds: the trainer runs for cpu_share x the model's share of drafted tokens,
+    # never less than this fraction of cpu_share (a model drafting little still learns, and may win rounds
+    # back). Measured (bench.online, hybrid): at the full share the loop's trainer cost the hybrid 3-5 % of
+    # its tokens/s for no acceptance it could show.
+    min_share_factor: float = 0.25
     # Drafted tokens a version is judged on, and the acceptance it may lose against its predecessor before it
     # is rolled back. A block's tokens are not independent draws: acceptance varies from prompt to prompt,
     # and over 30 s slices of bench.online's traffic (~5,000 drafted tokens) the same draft's acceptance has a
@@ -85,6 +92,8 @@ class OnlineConfig:
             raise ValueError("online distillation: topk must be in [1, 20] (the verifier's logprobs limit)")
         if not 0 < self.cpu_share <= 1:
             raise ValueError("online distillation: cpu_share must be in (0, 1]")
+        if not 0 < self.min_share_factor <= 1:
+            raise ValueError("online distillation: min_share_factor must be in (0, 1]")
         if not 0 <= self.kl_weight <= 1:
             raise ValueError("online distillation: kl_weight must be in [0, 1]")
         if not 0 <= self.rehearsal_share < 1:
@@ -309,6 +318,10 @@ class OnlineDistiller:
         self.rollbacks = 0
         self.train_seconds = 0.0
         self.started = time.monotonic()
+        # Draft tokens verified, the model's and everyone's (the suffix trees' too), decayed over the last
+        # ~1,000 blocks: the model's share of the drafting the trainer's duty follows.
+        self._drafted_by_model = 0.0
+        self._drafted_by_all = 0.0
         self.last_loss: float | None = None
         # Two locks, so that the event loop (record_round) never waits for a training step: `_lock` guards
         # the versions' statistics, `_train_lock` the student and its optimizer.
@@ -339,6 +352,25 @@ class OnlineDistiller:
             verdict = self._judge(v)
         if verdict is not None:
             self._rollback(v, verdict)
+
+    def record_draft(self, by_model: bool, drafted: int) -> None:
+        """A verified block of `drafted` tokens, drafted by the model or not (the suffix trees)."""
+        if drafted <= 0:
+            return
+        decay = 0.999
+        self._drafted_by_all = self._drafted_by_all * decay + drafted
+        self._drafted_by_model = self._drafted_by_model * decay + (drafted if by_model else 0)
+
+    @property
+    def model_share(self) -> float:
+        """The model's share of the drafted tokens lately (1.0 before any block: a model drafting alone)."""
+        return self._drafted_by_model / self._drafted_by_all if self._drafted_by_all > 0 else 1.0
+
+    @property
+    def duty(self) -> float:
+        """The trainer's share of one core's wall time now: cpu_share, scaled by the model's share of drafting."""
+        c = self.config
+        return c.cpu_share * max(c.min_share_factor, self.model_share)
 
     def _judge(self, v: Version) -> str | None:
         if v.rolled_back or v.parent is None or v.number != self.serving_version:
@@ -379,7 +411,7 @@ class OnlineDistiller:
         return self.train_seconds / max(1e-9, time.monotonic() - self.started)
 
     def _run(self) -> None:
-        torch.set_num_threads(1)  # one core at most, and only cpu_share of it
+        torch.set_num_threads(1)  # one core at most, and only `duty` of it
         while not self._stop.is_set():
             if len(self.buffer) < max(self.config.min_windows, 1):
                 self._stop.wait(0.5)
@@ -393,7 +425,8 @@ class OnlineDistiller:
                 continue
             dt = time.monotonic() - t0
             self.train_seconds += dt
-            self._stop.wait(dt * (1 - self.config.cpu_share) / self.config.cpu_share)
+            duty = self.duty
+            self._stop.wait(dt * (1 - duty) / duty)
 
     def step(self) -> float:
         """One KD step on a batch from the buffer; every `steps_per_version`, a new version goes live."""

@@ -310,3 +310,41 @@ def test_the_kl_weight_flag_reaches_the_trainer_and_is_checked(tmp_path, capsys)
     with pytest.raises(SystemExit):
         parse_args(["--model-path", draft, "--online-distill", "--online-distill-kl-weight", "1.5"])
     assert "kl_weight must be in [0, 1]" in capsys.readouterr().err
+
+
+def test_the_trainer_s_duty_follows_the_model_s_share_of_drafting(tmp_path):
+    import asyncio
+
+    from draft_service.online import OnlineLoop
+    from specmesh.domain import DraftBlock, Verdict
+    from specmesh.sampling import SamplingParams
+
+    _, draft, _, _, pool = make(tmp_path)
+    loop = OnlineLoop(draft, OnlineConfig(topk=8, cpu_share=0.4, min_share_factor=0.25), pool)
+    d = loop.distiller
+    assert d.model_share == 1.0 and d.duty == pytest.approx(0.4)  # no block yet: a model drafting alone
+
+    class Inner:  # what the verify replica answers: every drafted token accepted
+        async def start(self, prompt_ids, params):
+            pass
+
+        async def submit(self, proposal):
+            return Verdict([*proposal.token_ids, 1], proposal.k, proposal.k, None)
+
+    async def serve(methods: list[str]) -> None:
+        v = loop.wrap(Inner())
+        await v.start([1, 2, 3], SamplingParams())
+        for m in methods:
+            await v.submit(DraftBlock([5, 6, 7, 8], method=m))
+
+    # The trees draft three blocks in four: the model's share is a quarter, and so is the trainer's duty.
+    asyncio.run(serve(["suffix", "suffix", "suffix", "model"] * 50))
+    assert d.model_share == pytest.approx(0.25, abs=0.01)
+    assert d.duty == pytest.approx(0.4 * 0.25, abs=0.005)
+    # Only the model's blocks judge a weight version.
+    assert d.acceptance_by_version()[0] == (4 * 50, 4 * 50)
+    # The trees drafting everything: the floor keeps a quarter of the share.
+    asyncio.run(serve(["suffix"] * 5000))
+    assert d.model_share < 0.01 and d.duty == pytest.approx(0.4 * 0.25)
+    with pytest.raises(ValueError, match="min_share_factor"):
+        OnlineConfig(min_share_factor=0)
