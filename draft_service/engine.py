@@ -578,7 +578,12 @@ class _Generation:
         limit = engine.config.speculative_disable_by_batch_size
         adaptive = engine.config.adaptive and not seeded
         guard, runs = engine.goodput_guard, not goodput_probe
-        self.policy = GoodputK(k_max, batch_limit=limit, guard=guard, guard_runs=runs) if adaptive else FixedK(k_max)
+        sampled = not params.greedy
+        self.policy = (
+            GoodputK(k_max, batch_limit=limit, guard=guard, guard_runs=runs, sampled=sampled)
+            if adaptive
+            else FixedK(k_max)
+        )
         self.pipeline = engine.config.pipeline and not seeded
         self.parent = otel_context.get_current()  # the Generate server span: rounds are its children
 

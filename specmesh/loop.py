@@ -343,10 +343,12 @@ class GoodputK(AdaptiveK):
         batch_limit: int = 0,
         guard: GoodputGuard | None = None,
         guard_runs: bool = True,
+        sampled: bool = False,
         **kw,
     ):
         super().__init__(k_max, **kw)
         self.batch_limit = batch_limit
+        self.sampled = sampled  # the request samples (T > 0): its runs under the batch limit are longer
         self.guard = guard
         self.guard_runs = guard_runs  # False: a goodput probe, which takes none of the guard's target-only runs
         self._guard_steps = 0  # target-only steps the guard asked for, taken as the next run
@@ -403,15 +405,20 @@ class GoodputK(AdaptiveK):
         return t_draft + self.overhead + a + b * self.batch_size * positions
 
     # Target-only steps in a row while the verifier's batch is past batch_limit: the batch is looked at again
-    # after each run, so speculation comes back within this many tokens of the batch shrinking.
+    # after each run, so speculation comes back within this many tokens of the batch shrinking. Each run's end
+    # costs the session about a step of the batch (it sits out the forward that starts before its next run
+    # arrives); a sampled request, whose drafts are accepted with their probability only, gains less from
+    # speculation coming back sooner and takes runs four times as long.
     BATCH_LIMIT_RUN = 16
+    BATCH_LIMIT_RUN_SAMPLED = 64
 
     def _batch_limited(self) -> bool:
         return bool(self.batch_limit) and self.last_batch_size > self.batch_limit
 
     def zero_run(self, remaining: int) -> int:
         if self._batch_limited():
-            return max(1, min(self.BATCH_LIMIT_RUN, remaining))
+            run = self.BATCH_LIMIT_RUN_SAMPLED if self.sampled else self.BATCH_LIMIT_RUN
+            return max(1, min(run, remaining))
         if self._guard_steps:
             steps, self._guard_steps = self._guard_steps, 0
             return max(1, min(steps, remaining))

@@ -315,6 +315,12 @@ def test_a_k_zero_chosen_from_acceptance_is_one_step_not_a_run():
     g = GoodputK(4, batch_limit=1)
     g.observe(4, 0, 0.004, 0.045, BatchLoad(0.0, 0.04, 6, 6))
     assert g.next_k() == 0 and g.zero_run(50) == GoodputK.BATCH_LIMIT_RUN and g.zero_run(3) == 3
+    # A sampled request's runs are longer: each run's end costs it a step of the batch, and speculation coming
+    # back sooner is worth less to it.
+    s = GoodputK(4, batch_limit=1, sampled=True)
+    s.observe(4, 0, 0.004, 0.045, BatchLoad(0.0, 0.04, 6, 6))
+    assert s.next_k() == 0 and s.zero_run(100) == GoodputK.BATCH_LIMIT_RUN_SAMPLED > GoodputK.BATCH_LIMIT_RUN
+    assert s.zero_run(3) == 3
 
 
 def test_the_goodput_guard_turns_speculation_off_while_it_measures_slower_and_probes_both_sides():
@@ -461,16 +467,15 @@ def test_a_free_block_waits_while_the_guard_holds_speculation_off():
     assert drafter.asked < r.stats.rounds / 2
 
 
-@pytest.mark.parametrize(("temperature", "run"), [(0.0, FREE_BLOCK_RECHECK), (0.7, GoodputK.BATCH_LIMIT_RUN)])
+@pytest.mark.parametrize(("temperature", "run"), [(0.0, FREE_BLOCK_RECHECK), (0.7, GoodputK.BATCH_LIMIT_RUN_SAMPLED)])
 def test_past_the_batch_limit_a_greedy_request_asks_the_trees_every_few_steps_a_sampled_one_per_run(temperature, run):
     """With no proposal from the trees, a greedy session's target-only runs are cut short so that the trees
     are asked again soon; a sampled one keeps the policy's runs (each cut is a round trip out of step with
     the verify batch, and its proposals are rarely accepted)."""
-    params = SamplingParams(temperature=temperature, max_tokens=60, ignore_eos=True, seed=None)
+    params = SamplingParams(temperature=temperature, max_tokens=150, ignore_eos=True, seed=None)
     verifier = RunRecordingVerifier(0.0, bonus=lambda ctx: ctx[-1] + 1)
     drafter = FreeDrafter(0)  # the trees find nothing
-    r = asyncio.run(
-        speculative_generate(verifier, drafter, [1], params, GoodputK(4, batch_limit=1), StopChecker(params))
-    )
-    assert len(r.token_ids) == 60
+    policy = GoodputK(4, batch_limit=1, sampled=not params.greedy)
+    r = asyncio.run(speculative_generate(verifier, drafter, [1], params, policy, StopChecker(params)))
+    assert len(r.token_ids) == 150
     assert verifier.runs[:-1] == [run] * (len(verifier.runs) - 1)
