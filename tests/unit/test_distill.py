@@ -115,12 +115,23 @@ def test_truncated_kl_with_the_whole_vocabulary_is_the_true_kl(tiny):
     # The cross-entropy on other labels (tokens the target chose, as online distillation commits them): its
     # second choice, which can never be the data's token wherever a trained target's argmax already is
     choice = targets.ids[..., 1].long()
+    data = batch[:, 1:]
+    assert (choice != data).float().mean() > 0.5  # other labels at most positions: the two CEs read other tokens
     on_choice = D.distill_loss(draft, batch, targets, kl_weight=0.25, labels=choice)
-    with torch.no_grad():
-        ce_choice = torch.nn.functional.cross_entropy(logq.reshape(-1, logq.size(-1)), choice.reshape(-1)).item()
-    assert on_choice.ce.item() == pytest.approx(ce_choice, rel=1e-4)
+
+    def ce(labels: torch.Tensor) -> float:
+        # A fresh draft is close to uniform, so CE on any labels is close to log V: each is checked against its
+        # own labels' CE, not against the other's value.
+        with torch.no_grad():
+            return torch.nn.functional.cross_entropy(logq.reshape(-1, logq.size(-1)), labels.reshape(-1)).item()
+
+    assert on_choice.ce.item() == pytest.approx(ce(choice), rel=1e-4)
+    assert mixed.ce.item() == pytest.approx(ce(data), rel=1e-4)
     assert on_choice.kl.item() == pytest.approx(mixed.kl.item(), rel=1e-6)
-    assert on_choice.ce.item() != pytest.approx(mixed.ce.item(), rel=1e-3)
+    # Labels the draft itself rates highest: a cross-entropy that ignored `labels` could not come out lower.
+    own = logq.argmax(-1)
+    on_own = D.distill_loss(draft, batch, targets, kl_weight=0.25, labels=own)
+    assert on_own.ce.item() == pytest.approx(ce(own), rel=1e-4) and on_own.ce.item() < mixed.ce.item() - 0.01
 
 
 def test_offline_cache_gives_the_online_loss_and_refuses_other_settings(tiny, tmp_path):
