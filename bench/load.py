@@ -683,8 +683,7 @@ async def spec_target_only_agreement(targets: dict, prompts: list[list[int]], ma
             outs[mode].append(r.choices[0].text)
     pairs = list(zip(outs[SPEC], outs[TARGET_ONLY], strict=True))
     differ = [i for i, (a, b) in enumerate(pairs) if a != b]
-    first = [next((j for j, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b))) for a, b in
-             (pairs[i] for i in differ)]  # fmt: skip
+    first = [len(os.path.commonprefix(pairs[i])) for i in differ]  # noqa: RUF071 -- characters are what is meant
     return {
         "prompts": len(prompts),
         "max_tokens": max_tokens,

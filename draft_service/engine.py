@@ -578,9 +578,8 @@ class _Generation:
         limit = engine.config.speculative_disable_by_batch_size
         adaptive = engine.config.adaptive and not seeded
         guard, runs = engine.goodput_guard, not goodput_probe
-        sampled = not params.greedy
         self.policy = (
-            GoodputK(k_max, batch_limit=limit, guard=guard, guard_runs=runs, sampled=sampled)
+            GoodputK(k_max, batch_limit=limit, guard=guard, guard_runs=runs, sampled=not params.greedy)
             if adaptive
             else FixedK(k_max)
         )

@@ -68,8 +68,8 @@ class OnlineConfig:
     # Beside suffix trees (the hybrid draft) the model drafts only the rounds the trees lose, and a better model
     # is worth that share of the rounds: the trainer runs for cpu_share x the model's share of drafted tokens,
     # never less than this fraction of cpu_share (a model drafting little still learns, and may win rounds
-    # back). Measured (bench.online, hybrid): at the full share the loop's trainer cost the hybrid 3-5 % of
-    # its tokens/s for no acceptance it could show.
+    # back). Measured (bench.online, hybrid): at the full share the loop cost the hybrid 3-5 % of its tokens/s
+    # against the trees alone, for no acceptance it could show.
     min_share_factor: float = 0.25
     # Drafted tokens a version is judged on, and the acceptance it may lose against its predecessor before it
     # is rolled back. A block's tokens are not independent draws: acceptance varies from prompt to prompt,
