@@ -1267,6 +1267,8 @@ def parse_args(argv=None):
         args.max_tokens, args.hf_prompts, args.old_runtime = 16, 2, []
     if args.repeats < 1:
         ap.error("--repeats must be >= 1")
+    if args.greedy_agreement < 0:
+        ap.error("--greedy-agreement must be >= 0")
     if args.llamacpp and (not args.llamacpp_concurrency or min(args.llamacpp_concurrency) < 1):
         ap.error("--llamacpp-concurrency needs levels >= 1")
     if any(n < 1 for n in args.llamacpp_draft_n) or any(p < 1 for p in args.llamacpp_parallel):
