@@ -166,6 +166,9 @@ def measure_runner(args, runner: Runner, bw: float, gflops: float, kv_per_token:
         while runner.prefill(s, max_tokens=256):
             pass
         runner.forward([s])  # the last prompt token: every sequence now holds ctx cached positions
+        # What a decode step or a verify round is fed: the token sampled last, not yet cached (re-feeding a
+        # cached token that closed a full, registered block would move it to a new block on every forward).
+        s.token_ids.append((11 * s.token_ids[-1] + 3) % vocab)
     wbytes, params = weight_bytes(runner)
     shapes = {}
     for name, batch, rows in (("1 x 1", seqs[:1], 1), (f"{streams} x {k + 1}", seqs, k + 1)):
