@@ -28,6 +28,7 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import os
 import threading
 import time
 from collections import deque
@@ -281,6 +282,21 @@ def _window_rate(rounds: Sequence[tuple[int, int]], limit: int, first: bool) -> 
     return (accepted / drafted if drafted else None), drafted
 
 
+# The trainer thread's nice value: the lowest priority. Its duty bounds how much of a core it takes; at the
+# lowest priority that share comes out of time the serving threads leave idle, not out of their forwards
+# (on 2 cores, the verify forward's two threads, the draft's and the gateway's all want the CPU at once).
+TRAINER_NICE = 19
+
+
+def lowest_priority() -> None:
+    """Give the calling thread the lowest CPU priority (Linux: a thread's nice value is its own; raising it
+    needs no privilege). Elsewhere, or if the OS refuses, the thread keeps its priority."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), TRAINER_NICE)
+    except (AttributeError, OSError) as e:  # no setpriority (Windows), or refused
+        log.debug("online distillation: the trainer keeps its priority (%s)", e)
+
+
 class OnlineDistiller:
     """Trains a copy of the serving draft on the replay buffer, publishes versions, rolls bad ones back.
 
@@ -412,6 +428,7 @@ class OnlineDistiller:
 
     def _run(self) -> None:
         torch.set_num_threads(1)  # one core at most, and only `duty` of it
+        lowest_priority()
         while not self._stop.is_set():
             if len(self.buffer) < max(self.config.min_windows, 1):
                 self._stop.wait(0.5)
@@ -455,9 +472,12 @@ class OnlineDistiller:
             self.last_loss = float(out.loss.detach())
             publish = self.steps % self.config.steps_per_version == 0
             if publish:
+                # The copy outside the lock the serving side takes each round: this thread runs at the
+                # lowest priority and may be preempted mid-copy.
+                weights = self._snapshot(self.student)
                 with self._lock:
                     number = max(self.versions) + 1
-                    v = Version(number, self.serving_version, self._snapshot(self.student))
+                    v = Version(number, self.serving_version, weights)
                     self.versions[number] = v
                     self.updates += 1
         if publish:

@@ -348,3 +348,32 @@ def test_the_trainer_s_duty_follows_the_model_s_share_of_drafting(tmp_path):
     assert d.model_share < 0.01 and d.duty == pytest.approx(0.4 * 0.25)
     with pytest.raises(ValueError, match="min_share_factor"):
         OnlineConfig(min_share_factor=0)
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="per-thread nice values are read from Linux's /proc")
+def test_the_trainer_thread_runs_at_the_lowest_priority_and_serving_threads_keep_theirs(tmp_path):
+    """Its duty bounds its share of a core; at nice 19 that share comes from time the serving threads leave idle."""
+    import threading
+    import time
+
+    from specmesh.training.online import TRAINER_NICE
+
+    def nice(tid: int) -> int:
+        # /proc/<pid>/task/<tid>/stat: the 19th field is the nice value (after the parenthesised name).
+        return int(Path(f"/proc/self/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()[16])
+
+    target, _, d, _, pool = make(tmp_path)
+    traffic(target, d, sessions=2)
+    mine = nice(threading.get_native_id())
+    d.start()
+    try:
+        deadline = time.monotonic() + 10
+        while d.steps == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert d.steps > 0  # the thread ran
+        assert d._thread is not None and d._thread.native_id is not None
+        assert nice(d._thread.native_id) == TRAINER_NICE
+        assert nice(threading.get_native_id()) == mine
+    finally:
+        d.stop()
+        pool.shutdown(wait=True)
