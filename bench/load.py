@@ -11,7 +11,8 @@ held-out prompts (the first `--prompt-len` tokens of held-out standard library f
 exit, on an exception, Ctrl-C or SIGTERM.
 
 Modes, measured level by level, `--repeats` passes each (default 2) in alternating order (A B B A: load from
-elsewhere on the machine, and its drift within a level, hits both alike); a level's figures pool its passes:
+elsewhere on the machine, and its drift within a level, hits both alike; the next level opens with the other
+mode, B A A B, and each level starts with an untimed wave in each mode); a level's figures pool its passes:
 
 - speculative: the draft service's default K (the request leaves `num_speculative_tokens` out);
 - target-only through the same stack: `"num_speculative_tokens": 0`, if the running stack treats 0 as
@@ -1362,8 +1363,12 @@ async def measure(args, stack: Stack, prompts: list[list[int]]) -> dict:
         # Each level runs its modes `repeats` times, alternating which goes first (A B B A ...): the machine's
         # speed drifts by several per cent within seconds here, and one pass per mode charged that drift to
         # whichever mode ran in the slower stretch (ratios of 0.8-1.15 between two modes on the same path).
-        plan = [(t, c, r, mode) for t in args.temperatures for c in args.concurrency for r in range(args.repeats)
-                for mode in (MODES if r % 2 == 0 else MODES[::-1])]  # fmt: skip
+        # Which mode opens alternates from level to level too (A B B A, then B A A B): a level's first pass,
+        # right after its warm-up, measured slower than its later ones, and always opening with the
+        # speculative side charged that to it alone.
+        levels_order = [(t, c) for t in args.temperatures for c in args.concurrency]
+        plan = [(t, c, r, mode) for i, (t, c) in enumerate(levels_order) for r in range(args.repeats)
+                for mode in (MODES if (r + i) % 2 == 0 else MODES[::-1])]  # fmt: skip
         n_req = {c: max(args.min_requests, args.requests_factor * c) for c in args.concurrency}
         levels: dict[tuple, dict] = {}
         passes: dict[tuple, list] = {}  # (t, c, mode) -> [(records, wall, verify batch mean/count, draft ...)]
@@ -1376,7 +1381,8 @@ async def measure(args, stack: Stack, prompts: list[list[int]]) -> dict:
                     # services have not met yet (oneDNN primitives, KV pages touched first) would otherwise
                     # be charged to whichever mode runs first (measured: 8-12 % at 8-32 streams).
                     warmed.add((t, c))
-                    await run_level(targets[SPEC][0], prompts, c, c, 16, t, targets[SPEC][1], timeout)
+                    for warm in MODES:  # each mode's own path too (a target-only gateway, if one was started)
+                        await run_level(targets[warm][0], prompts, c, c, 16, t, targets[warm][1], timeout)
                 client, k = targets[mode]
                 vb, db = scrape(stack.metrics_ports.get("verify")), scrape(stack.metrics_ports.get("draft"))
                 cpu_before = process_cpu_seconds(stack.procs)
