@@ -11,10 +11,13 @@ default, so the traffic's mix of the files is stationary (in the files' own orde
 changelogs to the licence to the help page, and what a version learnt on one genre is judged on the next).
 
 One verify service; two draft services on the same demo draft, one with `--online-distill` and one
-without. Time goes in slices of `--slice-s` seconds, alternately to each draft, each serving the next
-prompts of the same stream one request at a time. The draft that is not serving is SIGSTOPped (trainer
-included), so each side runs on the machine alone and pays for its own trainer: the loop's cost is in its
-tokens/s. `--minutes` is the loop's own traffic time (the run takes twice as long).
+without. The run goes in rounds, one slice per draft, one request at a time: the round's first draft (each in
+turn) serves the next prompts of the stream for `--slice-s` seconds, and the others then serve the same
+prompts, so every side's figures are over the same traffic in the same order. The draft that is not serving is
+SIGSTOPped (trainer included), so each side runs on the machine alone and pays for its own trainer: the loop's
+cost is in its tokens/s. `--minutes` sets the rounds (minutes x 60 / --slice-s); a side's own traffic time
+(`loop_minutes`) is what it spent serving them (the run takes about twice as long, three times with
+`--model-side`).
 
 Both default sides choose per round between the suffix trees and the draft model (the draft service's
 default), so "loop on" is both halves of the optimize loop: the trees learn from the traffic at once, the
@@ -122,17 +125,20 @@ def metrics_port(log: str) -> int:
     return int(m.group(1))
 
 
-def serve_slice(stub, prompts, cursor: int, seconds: float, max_tokens: int) -> tuple[dict, int]:
-    """Requests one at a time for `seconds`; the slice's tokens, time and speculation counters."""
+def serve_slice(
+    stub, prompts, cursor: int, seconds: float, max_tokens: int, count: int | None = None, scope: str = ""
+) -> tuple[dict, int]:
+    """Requests one at a time for `seconds`, or exactly `count` requests when given, in prefix-cache scope
+    `scope`; the slice's tokens, time and speculation counters."""
     params = common_pb2.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     tokens = drafted = accepted = requests = 0
     busy = 0.0
     end = time.monotonic() + seconds
-    while time.monotonic() < end:
+    while requests < count if count is not None else time.monotonic() < end:
         prompt = prompts[cursor % len(prompts)]
         cursor += 1
         t0 = time.perf_counter()
-        req = draft_pb2.DraftServiceGenerateRequest(prompt_ids=prompt, params=params)
+        req = draft_pb2.DraftServiceGenerateRequest(prompt_ids=prompt, params=params, cache_scope=scope)
         for chunk in stub.Generate(req, timeout=300):
             if chunk.HasField("tokens"):
                 tokens += len(chunk.tokens.token_ids)
@@ -252,17 +258,32 @@ def main(argv=None) -> dict:
             ports = {name: metrics_port((Path(tmp) / f"{name}.log").read_text()) for name in sides}
             stubs = {name: draft_pb2_grpc.DraftServiceStub(grpc.insecure_channel(a)) for name, a in sides.items()}
             rows: list[dict] = []
-            cursor = dict.fromkeys(names, 0)
+            cursor = lead_requests = 0
             traffic = dict.fromkeys(names, 0.0)  # each side's own traffic time
             for i in range(len(names) * slices):
-                name = names[i % len(names)]
+                # Lockstep: each round's first side serves for --slice-s seconds and the others serve the
+                # same prompts, so every side's tokens/s is over the same traffic in the same order. (With a
+                # slice of time each, the faster side got further into the corpus and, once it came round,
+                # met its repeats first: the suffix trees accept far more of a repeat, so the bench amplified
+                # whatever cost a side paid.) The first side rotates from round to round.
+                rnd, j = divmod(i, len(names))
+                name = names[(rnd + j) % len(names)]
                 for other in names:
                     if other != name:
                         os.kill(procs[other].pid, signal.SIGSTOP)
                 os.kill(procs[name].pid, signal.SIGCONT)
-                row, cursor[name] = serve_slice(stubs[name], prompts, cursor[name], args.slice_s, args.max_tokens)
+                lead = j == 0
+                # Each side in a prefix-cache scope of its own: the sides share the verify service, and a side
+                # that follows would otherwise find the prompts the round's first side just sent cached.
+                count = None if lead else lead_requests
+                row, after = serve_slice(stubs[name], prompts, cursor, args.slice_s, args.max_tokens, count, name)
+                if lead:
+                    lead_requests = row["requests"]
+                if j == len(names) - 1:
+                    cursor = after
                 row["side"] = name
-                traffic[name] += args.slice_s
+                row["round"] = rnd
+                traffic[name] += row["seconds"]
                 if name != "off":
                     m = scrape(ports[name])
                     row["version"] = int(m.get("specmesh_draft_online_weights_version", 0))
