@@ -57,12 +57,6 @@ _PACK_MIN_ELEMENTS = 512 * 512
 # every count from 1 to 300 on the demo target's matrices (2 threads, AVX2), against 1 and 5.
 _PACK_ROWS = 16
 
-# One row (a decode step) reads each weight once: a GEMV, bound by memory. MKL's over the [in, out] copy runs on
-# one thread and reads ~12-25 GB/s; oneDNN's packed layout runs on both and reads 30-47 GB/s from 1536 x 512
-# up (2 threads, AVX-512, each matrix one of ten copies, so read from memory). Below ~0.5M elements the two
-# are even (512 x 512, the draft's 1024 x 256) and MKL's smaller fixed cost per call wins.
-_PACK_ONE_ROW_MIN_ELEMENTS = 1 << 19
-
 
 def _can_pack(like: torch.Tensor) -> bool:
     """Whether fp32 weights on this tensor's device can go through oneDNN's packed linear (a CPU build with
@@ -376,12 +370,12 @@ class _FastDecoder:
     def _packed_linear(
         x: torch.Tensor, w: torch.Tensor | tuple[torch.Tensor, torch.Tensor], b: torch.Tensor | None
     ) -> torch.Tensor:
-        # A matrix too small to pack, or one row of a mid-sized one: MKL over the [in, out] copy; oneDNN's
-        # fixed cost per call (~25 us) outweighs its gain there.
+        # One row, or a matrix too small to pack: MKL over the [in, out] copy; oneDNN's fixed cost per call
+        # (~25 us) outweighs its gain there.
         if not isinstance(w, tuple):
             return F.linear(x, w, b)
         m = x.shape[0]
-        if m == 1 and w[0].numel() < _PACK_ONE_ROW_MIN_ELEMENTS:
+        if m == 1:
             return F.linear(x, w[0], b)
         # oneDNN builds (~1.5 ms) and caches (1024 entries) a primitive per row count: padded to a few
         # buckets, a serving process meets ~60 row counts in all rather than every count up to its batch.

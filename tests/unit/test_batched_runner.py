@@ -15,7 +15,7 @@ from specmesh.runtime import Runner, RunnerSequence
 from specmesh.runtime.batched import BatchedRunner, PrefillChunk
 from specmesh.runtime.hf import ModelRunner
 from specmesh.runtime.registry import build_runner
-from specmesh.runtime.static import _PACK_ONE_ROW_MIN_ELEMENTS, _PACK_ROWS, StaticCacheRunner, _can_pack, _FastDecoder
+from specmesh.runtime.static import StaticCacheRunner, _can_pack
 from tests.support.models import close_logits, full_logits, tiny_llama_mha, tiny_model, tiny_qwen3
 
 MODELS = {
@@ -68,24 +68,6 @@ def test_ragged_batches_match_model_runner(arch, batch, packed):
             a[i].commit(tokens)
             b[i].commit(tokens)
         assert [s.cached_ids for s in b] == [s.cached_ids for s in a]
-
-
-@pytest.mark.skipif(not _can_pack(torch.empty(1)), reason="this torch build has no oneDNN packed linear")
-@pytest.mark.parametrize("out_features", [1024, 4096])
-def test_one_row_through_packed_weights_equals_f_linear(out_features):
-    """A decode step's one row takes oneDNN's packed layout for matrices of _PACK_ONE_ROW_MIN_ELEMENTS and more
-    (the tiny test models never reach it): the same values as F.linear, with and without a bias, and for
-    several rows."""
-    g = torch.Generator().manual_seed(3)
-    w = torch.randn(out_features, 512, generator=g)
-    assert w.numel() >= _PACK_ONE_ROW_MIN_ELEMENTS  # so one row takes the packed path
-    b = torch.randn(out_features, generator=g)
-    pair = (w.t().contiguous().t(), torch.ops.mkldnn._reorder_linear_weight(w, _PACK_ROWS))
-    for rows in (1, 2, 5):
-        x = torch.randn(rows, 512, generator=g)
-        for bias in (None, b):
-            got = _FastDecoder._packed_linear(x, pair, bias)
-            torch.testing.assert_close(got, torch.nn.functional.linear(x, w, bias), atol=1e-4, rtol=1e-5)
 
 
 def test_runner_protocol(model):
