@@ -66,6 +66,7 @@ class _Prefill:
     left: int  # tokens still to prefill
     reused: int = 0
     chunks: int = 0
+    found: int = 0  # the cached prefix its first chunk's planning found (KV blocks)
 
     @property
     def gone(self) -> bool:
@@ -303,6 +304,7 @@ class Scheduler:
                 if not batch and not plan:
                     break  # what waits needs KV blocks that are in use: a release or a new step wakes us
                 ids = self._pass_begins([s.session for s in batch] + [p.session for p, _ in plan])
+                self._open_early(plan)
                 try:
                     results = await loop.run_in_executor(
                         self.model_thread, self._execute, batch, plan, len(self._waiting)
@@ -351,6 +353,20 @@ class Scheduler:
             plan.append((p, n))
             budget -= min(n, p.left)
         return plan
+
+    def _open_early(self, plan: list[tuple[_Prefill, int]]) -> None:
+        """Answer the openings whose last chunk this pass computes now, not after it: the first block then
+        reaches the queue while the pass runs and joins the next one (answered after the pass, it arrives
+        once the next pass has begun and waits a whole pass more: under load the time to first token was
+        the prefill's pass plus two). Safe whatever the pass does: a step feeds everything its session's
+        cache lacks, so a chunk that fails or is retried is computed by the session's first step instead.
+        Only with KV blocks, where planning saw the cached prefix the chunk reuses."""
+        if self.blocks is None:
+            return
+        for p, n in plan:
+            if p.future is None or p.future.done() or n < p.left:
+                continue
+            p.future.set_result((p.reused + (p.found if p.chunks == 0 else 0), p.chunks + 1))
 
     def _drop_prefill(self, p: _Prefill) -> None:
         self._opening.remove(p)
@@ -450,6 +466,8 @@ class Scheduler:
             p.left = uncached(seq)
             return None
         p.left = len(seq.token_ids) - 1 - valid
+        if p.chunks == 0:
+            p.found = valid
         if p.future is not None and p.chunks == 0 and not session.admitted and not self._admit(session):
             return None
         if p.left <= 0:

@@ -5,6 +5,7 @@ every output is still the target's own; every block comes back."""
 
 import asyncio
 import random
+import time
 
 import pytest
 import torch
@@ -153,3 +154,53 @@ def test_idle_sessions_give_their_blocks_to_new_ones_lru_and_a_waiting_opening_g
     (late_opened, late), (_, long_out) = run(engine, body)
     assert late == reference(model, [8] * 50, 4) and long_out == reference(model, [7] * 60, 30)
     assert engine.sessions.evicted >= 2
+
+
+@pytest.mark.parametrize("fail", [False, True])
+def test_an_open_returns_as_its_last_chunk_begins_and_its_first_block_joins_the_next_pass(model, fail):
+    """The open is answered when the pass that computes its prompt's last chunk begins, so the session's
+    first block reaches the queue while that pass runs and is verified in the very next one (answered after
+    the pass, it would arrive once the next had begun). If that pass fails, the first step computes what the
+    cache lacks: the output is still the target's."""
+    engine = make_engine(model, kv_cache_budget_mb=16)
+    prompt = [(7 * i + 3) % VOCAB for i in range(300)]
+    truth = reference(model, prompt, 8)
+    sched = engine.scheduler
+    forward = sched._forward
+    passes: list[tuple[int, int]] = []  # (blocks, prefill chunks) per pass
+    chunk_end: list[float] = []
+
+    def slow_forward(batch, plan):
+        passes.append((len(batch), len(plan)))
+        if not plan:
+            return forward(batch, plan)
+        try:
+            time.sleep(0.3)  # long enough for the open's caller to run meanwhile
+            if fail:
+                raise RuntimeError("injected: the last chunk's pass fails")
+            return forward(batch, plan)
+        finally:
+            chunk_end.append(time.perf_counter())
+
+    sched._forward = slow_forward
+
+    async def body(engine):
+        opened = await engine.open("", prompt, greedy(8))
+        answered = time.perf_counter()
+        inbox: asyncio.Queue = asyncio.Queue()
+        inbox.put_nowait(BlockIn(opened.session_id, 0, len(prompt), DraftBlock(truth[:3])))
+        out: list[int] = []
+        async for verdict in engine.session_stream(inbox):
+            out += verdict.tokens
+            if len(out) >= 8:
+                inbox.put_nowait(END_OF_STREAM)
+            else:
+                inbox.put_nowait(BlockIn(opened.session_id, verdict.epoch + 1, len(prompt) + len(out), DraftBlock([])))
+        return answered, out
+
+    answered, out = run(engine, body)
+    assert answered < chunk_end[0]  # answered while the pass computing its last chunk was still running
+    assert passes[:2] == [(0, 1), (1, 0)]  # its first block in the pass right after
+    assert out[:8] == truth
+    if not fail:
+        assert engine.scheduler.stats.prefill_tokens == len(prompt) - 1
