@@ -235,6 +235,7 @@ class VerifyEngine:
             reclaim=self.sessions.reclaim,
         )
         self.sessions.on_free = self.scheduler.kick
+        self.sessions.after_pass = self.scheduler.after_pass
         self.tracer = tracer("verify")
         self.counters = Counters()
         self.shutting_down = False

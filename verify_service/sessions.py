@@ -105,6 +105,10 @@ class SessionStore:
         self._sessions: OrderedDict[str, Session] = OrderedDict()  # LRU order: oldest first
         self.evicted = 0
         self.on_free: Callable[[], None] | None = None  # told whenever a session's KV goes back
+        # Runs a release's freeing once no forward in flight touches the session (the scheduler's
+        # `after_pass`): an opened turn is answered while the pass computing its prompt's last chunk runs,
+        # and may be released (ReleaseSession, or evicted when the store is full) before that pass ends.
+        self.after_pass: Callable[[Session, Callable[[], None]], None] | None = None
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -197,10 +201,16 @@ class SessionStore:
         session = self._sessions.pop(session_id, None)
         if session is None:
             return False
+        if self.after_pass is None:
+            self._free(session)
+        else:
+            self.after_pass(session, lambda: self._free(session))
+        return True
+
+    def _free(self, session: Session) -> None:
         self.runner.free(session.seq)
         if self.on_free is not None:
             self.on_free()
-        return True
 
     def reclaim(self, blocks: int) -> int:
         """KV in blocks: evict idle sessions holding blocks, least recently used first, until `blocks` more

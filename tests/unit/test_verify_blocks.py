@@ -4,6 +4,7 @@ for the load admits by blocks, evicts idle sessions, then preempts running ones 
 every output is still the target's own; every block comes back."""
 
 import asyncio
+import logging
 import random
 import time
 
@@ -204,3 +205,37 @@ def test_an_open_returns_as_its_last_chunk_begins_and_its_first_block_joins_the_
     assert out[:8] == truth
     if not fail:
         assert engine.scheduler.stats.prefill_tokens == len(prompt) - 1
+
+
+def test_a_turn_released_while_its_last_chunk_is_computed_gives_its_blocks_back_after_that_pass(model, caplog):
+    """The open is answered while the pass computing its prompt's last chunk runs, so a ReleaseSession (or an
+    eviction) can come before that pass ends: its blocks go back once the pass is done with them (freed
+    under it, the pass's bookkeeping would fail on an emptied table). The pool is whole after it and the
+    next request's output is the target's."""
+    engine = make_engine(model, kv_cache_budget_mb=16)
+    prompt = [(5 * i + 2) % VOCAB for i in range(300)]
+    truth = reference(model, prompt, 6)
+    sched = engine.scheduler
+    forward = sched._forward
+
+    def slow_forward(batch, plan):
+        if plan:
+            time.sleep(0.3)
+        return forward(batch, plan)
+
+    sched._forward = slow_forward
+
+    async def body(engine):
+        await engine.open("turn", prompt, greedy(6))
+        assert engine.release("turn")  # its last chunk's pass is still running
+        while engine.scheduler._in_pass:
+            await asyncio.sleep(0.01)
+        held_after = engine.runner.pool.num_used
+        _, out = await generate(engine, prompt, 6)
+        return held_after, out
+
+    held_after, out = run(engine, body)
+    assert held_after == 0 and out == truth
+    assert engine.runner.pool.num_used == 0
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]  # no pass failed
+    assert engine.scheduler.stats.prefill_tokens >= len(prompt) - 1  # the released turn's chunk ran whole

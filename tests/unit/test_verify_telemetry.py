@@ -73,6 +73,10 @@ def test_the_block_pool_as_a_scrape_reads_it(model, monkeypatch):
         try:
             for i in range(2):  # one after the other: the second finds the first's committed blocks
                 opened.append(await engine.open(f"s{i}", prefix + [100 + i, 101 + i, 102 + i], greedy(4)))
+            # An open is answered as the pass computing its prompt's last chunk begins: read the pool once
+            # that pass is done with it.
+            while engine.scheduler._in_pass:
+                await asyncio.sleep(0.01)
             return scrape(metrics)
         finally:
             await engine.close()
