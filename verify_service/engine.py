@@ -369,11 +369,7 @@ class VerifyEngine:
         session.attached = False
         session.inbox = None
         if not keep and (session.ephemeral or failed) and self.sessions.remove(session):
-            self.scheduler.after_pass(session, lambda: self._free(session))
-
-    def _free(self, session: Session) -> None:
-        self.runner.free(session.seq)
-        self.scheduler.kick()  # KV went back: what waits for blocks may go on
+            self.sessions.free(session)
 
     def _to_verify(self, session: Session, block: DraftBlock) -> RejectionInput:
         validate_block(block, self.vocab_size, self.config.max_spec_len)

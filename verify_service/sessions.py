@@ -201,13 +201,18 @@ class SessionStore:
         session = self._sessions.pop(session_id, None)
         if session is None:
             return False
-        if self.after_pass is None:
-            self._free(session)
-        else:
-            self.after_pass(session, lambda: self._free(session))
+        self.free(session)
         return True
 
-    def _free(self, session: Session) -> None:
+    def free(self, session: Session) -> None:
+        """Give a session's KV back (one this store no longer holds: released or `remove`d), once no
+        forward in flight touches it."""
+        if self.after_pass is None:
+            self._free_now(session)
+        else:
+            self.after_pass(session, lambda: self._free_now(session))
+
+    def _free_now(self, session: Session) -> None:
         self.runner.free(session.seq)
         if self.on_free is not None:
             self.on_free()
@@ -229,7 +234,7 @@ class SessionStore:
 
     def remove(self, session: Session) -> bool:
         """Forget `session` (if it is still the one under its id) without freeing its KV: the caller frees
-        it (`runner.free`) once no forward in flight writes it."""
+        it (`free`)."""
         if self._sessions.get(session.session_id) is not session:
             return False
         del self._sessions[session.session_id]
