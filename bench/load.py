@@ -94,6 +94,11 @@ MODEL_NAME = "demo"
 FALLBACK_K = 4
 SPEC, TARGET_ONLY = "speculative", "target-only"
 MODES = (SPEC, TARGET_ONLY)
+# Each mode's requests carry their own cache_salt, so each has its own prefix cache (verify and draft KV) and
+# suffix trees, and meets a prompt cold exactly when the other does. In one scope, whichever mode ran first on
+# a prompt paid its prefill and the other found it cached (the first pass of a level's new prompts: the
+# speculative side at some levels, target-only at others, by the alternating order).
+MODE_SALT = {SPEC: "bench-speculative", TARGET_ONLY: "bench-target-only"}
 
 
 def sampling_name(t: float) -> str:
@@ -346,12 +351,20 @@ def cpu_per_1k_tokens(passes: list[tuple[dict | None, dict | None]], tokens: int
 
 
 async def one_request(
-    client, prompt: list[int], max_tokens: int, temperature: float, k: int | None, timeout: float
+    client,
+    prompt: list[int],
+    max_tokens: int,
+    temperature: float,
+    k: int | None,
+    timeout: float,
+    cache_salt: str | None = None,
 ) -> dict:
     """One streamed completion; times of the first text chunk and of every later one."""
-    extra = {"ignore_eos": True}
+    extra: dict = {"ignore_eos": True}
     if k is not None:
         extra["num_speculative_tokens"] = k
+    if cache_salt is not None:
+        extra["cache_salt"] = cache_salt
     rec = {"ttft": None, "itl": [], "e2e": None, "completion_tokens": None, "specmesh": None, "error": None}
     t0 = time.perf_counter()
     last = None
@@ -393,11 +406,12 @@ async def run_level(
     k: int | None,
     timeout: float,
     bar=None,
+    cache_salt: str | None = None,
 ) -> tuple[list[dict], float]:
     """Closed loop: `concurrency` clients, each sending its next request when its last one ended."""
 
     def send(i: int):
-        return one_request(client, prompts[i % len(prompts)], max_tokens, temperature, k, timeout)
+        return one_request(client, prompts[i % len(prompts)], max_tokens, temperature, k, timeout, cache_salt)
 
     return await closed_loop(send, n_requests, concurrency, bar)
 
@@ -1347,9 +1361,9 @@ async def measure(args, stack: Stack, prompts: list[list[int]]) -> dict:
 
         # Warm-up: every (mode, sampling) once, and a small concurrent burst for the batched paths.
         burst = min(4, max(args.concurrency))
-        for client, k in targets.values():
+        for mode, (client, k) in targets.items():
             for t in args.temperatures:
-                await run_level(client, prompts, burst, burst, 16, t, k, timeout)
+                await run_level(client, prompts, burst, burst, 16, t, k, timeout, cache_salt=MODE_SALT[mode])
         stack.check_alive()
 
         page = scrape(stack.metrics_ports.get("draft"))
@@ -1382,11 +1396,14 @@ async def measure(args, stack: Stack, prompts: list[list[int]]) -> dict:
                     # be charged to whichever mode runs first (measured: 8-12 % at 8-32 streams).
                     warmed.add((t, c))
                     for warm in MODES:  # each mode's own path too (a target-only gateway, if one was started)
-                        await run_level(targets[warm][0], prompts, c, c, 16, t, targets[warm][1], timeout)
+                        client, k = targets[warm]
+                        await run_level(client, prompts, c, c, 16, t, k, timeout, cache_salt=MODE_SALT[warm])
                 client, k = targets[mode]
                 vb, db = scrape(stack.metrics_ports.get("verify")), scrape(stack.metrics_ports.get("draft"))
                 cpu_before = process_cpu_seconds(stack.procs)
-                records, wall = await run_level(client, prompts, n_req[c], c, args.max_tokens, t, k, timeout, bar)
+                records, wall = await run_level(
+                    client, prompts, n_req[c], c, args.max_tokens, t, k, timeout, bar, MODE_SALT[mode]
+                )
                 cpu = (cpu_before, process_cpu_seconds(stack.procs))
                 va, da = scrape(stack.metrics_ports.get("verify")), scrape(stack.metrics_ports.get("draft"))
                 stack.check_alive()
@@ -1628,6 +1645,7 @@ def main(argv=None) -> dict:
             "distinct_prompts": len(prompts),
             "ignore_eos": True,
             "api": "POST /v1/completions, streaming, openai client, token-id prompts",
+            "cache_salt_by_mode": MODE_SALT,
             "speculative_k": measured["speculative_k_sent"] or "service default",
             "verify_torch_threads": args.verify_threads,
             "draft_torch_threads": args.draft_threads,
