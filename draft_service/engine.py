@@ -43,7 +43,7 @@ from specmesh.drafters import (
     make_drafter,
 )
 from specmesh.errors import FailedPrecondition, InvalidArgument, ResourceExhausted, Unavailable
-from specmesh.loop import Drafter, FixedK, GoodputGuard, GoodputK, RoundRecord, speculative_generate
+from specmesh.loop import Drafter, FixedK, GoodputGuards, GoodputK, RoundRecord, speculative_generate
 from specmesh.models import load_model
 from specmesh.rejection import MAX_SPEC_LEN
 from specmesh.runtime import Runner
@@ -312,7 +312,8 @@ class DraftEngine:
         # pooled calibration sent sampled requests the blocks greedy ones had earned.
         self.chooser = HybridChooser() if config.hybrid else None
         self.sampled_chooser = HybridChooser() if config.hybrid else None
-        self.goodput_guard = GoodputGuard() if config.goodput_guard else None  # shared by every generation
+        # Shared by every generation, one guard per kind of session (greedy or sampled, batch size)
+        self.goodput_guard = GoodputGuards() if config.goodput_guard else None
         self.tracer = tracer("draft")
         self.stream_metrics = stream_metrics  # TTFT and inter-token latency of Generate streams
         self._drafters: OrderedDict[str, ModelDrafter] = OrderedDict()
@@ -618,7 +619,8 @@ class _Generation:
             elif result.stats.drafts:
                 s = result.stats
                 s.by_method[self.engine.method] = [s.drafts, s.drafted, s.accepted]
-            guard = self.engine.goodput_guard
+            # The guard of this generation's kind and load: what a request like it would meet next.
+            guard = self.policy.current_guard() if isinstance(self.policy, GoodputK) else None
             pays = guard.speculation_pays() if guard is not None else None
             self.queue.put_nowait(Finished(result.finish_reason, result.stats, pays))
         except Exception as e:  # noqa: BLE001 - delivered to the caller as a status

@@ -39,14 +39,16 @@ class DraftMetrics(ServiceMetrics):
         cached_doc = "Per-session draft KV caches kept for later turns"
         goodput = g(
             "specmesh_draft_goodput_tokens_per_second",
-            "Tokens committed per second of a session's wall time, as the goodput guard measures them",
-            labels=["mode"],
+            "Tokens committed per second of a session's wall time, as the goodput guard of its kind (greedy or "
+            "sampled, and the verify batch by powers of two: 1, 2, 4, ... 32 sessions and up) measures them",
+            labels=["mode", "sampling", "batch"],
         )
-        guard = e.goodput_guard
-        for mode, speculative in (("speculative", True), ("target_only", False)):
-            rate = guard.rate(speculative) if guard is not None else None
-            if rate is not None:
-                goodput.add_metric([mode], rate)
+        guards = e.goodput_guard.guards if e.goodput_guard is not None else {}
+        for (greedy, batch), guard in sorted(guards.items()):
+            for mode, speculative in (("speculative", True), ("target_only", False)):
+                rate = guard.rate(speculative)
+                if rate is not None:
+                    goodput.add_metric([mode, "greedy" if greedy else "sampled", str(batch)], rate)
         return [
             goodput,
             g("specmesh_draft_active_sessions", "Generations in progress", value=e.active),

@@ -624,15 +624,16 @@ class Gateway:
                     timeout=timeout,
                     metadata=req.metadata,
                 )
-            async with contextlib.aclosing(_items(call, outcome, first, verify.address, draft)) as items:
+            async with contextlib.aclosing(_items(call, outcome, first, route)) as items:
                 async for item in items:
                     yield item
 
 
-async def _items(call, outcome: Outcome, first: bool, replica: str, draft: Replica | None = None):
+async def _items(call, outcome: Outcome, first: bool, route: Route):
     """A Generate stream's items (token ids, finish reason, log-probabilities), its other chunks recorded in
-    `outcome`; `draft`: the draft replica serving it, which learns that replica's goodput report from the
-    finished chunk."""
+    `outcome`; the route's draft replica, if any, learns its goodput report for requests of the route's kind
+    (sampled or greedy) from the finished chunk."""
+    replica, draft = route.verify.address, route.draft
     finished = False
     try:
         async for resp in call:
@@ -649,7 +650,7 @@ async def _items(call, outcome: Outcome, first: bool, replica: str, draft: Repli
                     outcome.stats.merge(wire.stats_from_pb(resp.finished.stats))
                 if draft is not None:
                     f = resp.finished
-                    draft.speculation_pays = f.speculation_pays if f.HasField("speculation_pays") else None
+                    draft.report(route.sampled, f.speculation_pays if f.HasField("speculation_pays") else None)
                 finish = wire.finish_from_pb(resp.finished.finish_reason)
                 finished = finish is not None
                 if finished:

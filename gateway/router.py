@@ -66,6 +66,7 @@ class Route:
     session_id: str  # the verify session: the request's, or the stalled stream's when resumed on its replica
     k: int | None  # the K the draft service is sent; None leaves it unset (the draft service's default)
     goodput: str = ""  # "direct", "probe" or "draft": where the goodput reports sent the request ("" not asked)
+    sampled: bool = False  # the request samples (T > 0): the draft replica's goodput report for its kind
 
     @property
     def target_only(self) -> bool:
@@ -160,7 +161,7 @@ class Router:
         if ask.k == 0:
             self.draft_pool.count("target_only_requested")  # the caller's choice, not a fallback
             return target_only
-        draft = self.draft_pool.least_loaded() if self.draft_pool.replicas and ask.drafting else None
+        draft = self.draft_pool.least_loaded(sampled=ask.sampled) if self.draft_pool.replicas and ask.drafting else None
         # A replica that drafts by suffix trees too weighs each round of a greedy request against the verify
         # batch itself. A sampled one accepts each proposed token with its probability only, which rarely pays
         # for the draft path's extra hop and first round (measured: 0.87-0.94x at 4-16 streams, T = 0.7).
@@ -177,10 +178,10 @@ class Router:
         # generations it serves, and one sent past it would keep them as cold as when its guard measured a loss
         # (its guard still holds that request's session to target-only steps while speculation loses there).
         if ask.k is None and not ask.seeded and not free:
-            goodput = goodput or self._goodput_route(draft)  # once per request: a failover keeps it
+            goodput = goodput or self._goodput_route(draft, ask.sampled)  # once per request: a failover keeps it
             if goodput == "direct":
                 return Route(verify, None, session_id, k, goodput)
-        return Route(verify, draft, session_id, k, goodput)
+        return Route(verify, draft, session_id, k, goodput, ask.sampled)
 
     def for_prompt(self, prompt_ids: list[int]) -> Replica:
         """The verify replica a prompt would be routed to (for a call about the prompt alone)."""
@@ -210,14 +211,15 @@ class Router:
         replicas = max(1, len(self.verify_pool.healthy))
         return inflight > limit * replicas
 
-    def _goodput_route(self, draft: Replica) -> str:
+    def _goodput_route(self, draft: Replica, sampled: bool) -> str:
         """Where a request that leaves K (and the seed) unset goes while `draft` last reported that
-        speculation loses to target-only steps there: "direct", target-only straight on the verify replica
-        (through the draft service it would still pay the extra hop); every --goodput-probe-every-th one
-        "probe", through the draft replica, which speculates on it so that its guard measures speculation
-        again and can report that it pays; "draft" otherwise."""
+        speculation loses to target-only steps there for requests of its kind (`sampled` or greedy):
+        "direct", target-only straight on the verify replica (through the draft service it would still pay
+        the extra hop); every --goodput-probe-every-th one "probe", through the draft replica, which
+        speculates on it so that its guard measures speculation again and can report that it pays; "draft"
+        otherwise."""
         every = self.goodput_probe_every
-        if every <= 0 or draft.speculation_pays is not False:
+        if every <= 0 or draft.pays(sampled) is not False:
             return "draft"
         draft.diverted += 1
         if draft.diverted % every:

@@ -68,12 +68,24 @@ class Replica:
     fails: int = 0
     successes: int = 0
     prefixes: OrderedDict = field(default_factory=OrderedDict)  # block hash -> None, LRU order
-    # A draft replica's last report of its goodput guard (GenerationFinished.speculation_pays): None = not
-    # measured; and how many requests were sent straight to the verifier since it said false.
+    # A draft replica's last report of its goodput guard (GenerationFinished.speculation_pays) for greedy and
+    # for sampled requests (each report speaks for its generation's kind: the replica guards them apart):
+    # None = not measured; and how many requests were sent straight to the verifier since it said false.
     speculation_pays: bool | None = None
+    speculation_pays_sampled: bool | None = None
     diverted: int = 0
     # What the replica said of itself (the pool's `describe`) since it last turned healthy; None = not asked.
     suffix_decoding: bool | None = None
+
+    def pays(self, sampled: bool) -> bool | None:
+        """The replica's last goodput report for requests of this kind."""
+        return self.speculation_pays_sampled if sampled else self.speculation_pays
+
+    def report(self, sampled: bool, pays: bool | None) -> None:
+        if sampled:
+            self.speculation_pays_sampled = pays
+        else:
+            self.speculation_pays = pays
 
     @contextlib.contextmanager
     def track(self):
@@ -234,12 +246,13 @@ class Pool:
         chosen.remember(blocks)
         return chosen
 
-    def least_loaded(self, exclude: AbstractSet[str] = frozenset()) -> Replica | None:
+    def least_loaded(self, exclude: AbstractSet[str] = frozenset(), sampled: bool = False) -> Replica | None:
         """The healthy replica with the fewest requests in flight; a draft replica whose goodput guard
-        reports that speculation loses comes last (the gateway sends most requests past it, so it carries
-        little load, and on load alone it would be chosen every time)."""
+        reports that speculation loses for requests of this kind (`sampled` or greedy) comes last (the gateway
+        sends most requests past it, so it carries little load, and on load alone it would be chosen every
+        time)."""
         candidates = [r for r in self.healthy if r.address not in exclude]
-        return min(candidates, key=lambda r: (r.speculation_pays is False, r.inflight)) if candidates else None
+        return min(candidates, key=lambda r: (r.pays(sampled) is False, r.inflight)) if candidates else None
 
     # health ----------------------------------------------------------------------------------------
     async def probe(self, replica: Replica) -> bool:
@@ -264,7 +277,8 @@ class Pool:
             replica.successes += 1
             if not replica.healthy and replica.successes >= self.success_threshold:
                 replica.healthy = True
-                replica.speculation_pays, replica.diverted = None, 0  # maybe a new process: not measured yet
+                replica.speculation_pays = replica.speculation_pays_sampled = None  # maybe a new process:
+                replica.diverted = 0  # not measured yet
                 replica.suffix_decoding = None
                 log.info("%s replica %s is healthy again", self.name, replica.address)
         else:

@@ -318,6 +318,38 @@ class GoodputGuard:
         return 0
 
 
+class GoodputGuards:
+    """A draft service's goodput guards, one per kind of session they compare: greedy or sampled (a sampled
+    block's tokens are accepted with their probability only, so the same drafts pay less), and the size of
+    the verify batch the session shares, by powers of two (a session's tokens per second at 4 or 16 streams
+    say nothing of one stream alone). Pooled over every session, the guard compared speculative rounds
+    measured in one regime with target-only steps measured in another: after a burst of 4 streams whose
+    first rounds waited behind each other's prefills, the next single stream took a whole run of 64
+    target-only steps. Each guard is a GoodputGuard with the same settings, made when first asked for."""
+
+    BATCH_EDGES = (1, 2, 4, 8, 16, 32)  # a batch of n sessions shares the guard of the largest edge <= n
+
+    def __init__(self, **settings) -> None:
+        self.settings = settings
+        self.guards: dict[tuple[bool, int], GoodputGuard] = {}
+
+    @classmethod
+    def batch_bucket(cls, batch_size: int) -> int:
+        """The edge a batch of `batch_size` sessions is counted under (0 or 1, one unmeasured yet: 1)."""
+        return max((e for e in cls.BATCH_EDGES if e <= batch_size), default=cls.BATCH_EDGES[0])
+
+    def at(self, greedy: bool, batch_size: int) -> GoodputGuard:
+        key = (greedy, self.batch_bucket(batch_size))
+        guard = self.guards.get(key)
+        if guard is None:
+            guard = self.guards[key] = GoodputGuard(**self.settings)
+        return guard
+
+    @property
+    def probes(self) -> int:
+        return sum(g.probes for g in self.guards.values())
+
+
 class GoodputK(AdaptiveK):
     """K chosen for the tokens the verifier commits per second across its whole batch, not for one session.
 
@@ -341,7 +373,7 @@ class GoodputK(AdaptiveK):
         decay: float = 0.95,
         explore_every: int = 8,
         batch_limit: int = 0,
-        guard: GoodputGuard | None = None,
+        guard: GoodputGuard | GoodputGuards | None = None,
         guard_runs: bool = True,
         sampled: bool = False,
         **kw,
@@ -424,15 +456,23 @@ class GoodputK(AdaptiveK):
             return max(1, min(steps, remaining))
         return super().zero_run(remaining)
 
+    def current_guard(self) -> GoodputGuard | None:
+        """The guard of this session's kind at the batch its last verdict reported (one guard: that one)."""
+        if isinstance(self.guard, GoodputGuards):
+            return self.guard.at(not self.sampled, self.last_batch_size)
+        return self.guard
+
     def observe_goodput(self, k: int, tokens: int, seconds: float) -> None:
-        if self.guard is not None:
-            self.guard.observe(k > 0, tokens, seconds)
+        guard = self.current_guard()  # `observe` has just recorded the round's batch
+        if guard is not None:
+            guard.observe(k > 0, tokens, seconds)
 
     def next_k(self) -> int:
         if self._batch_limited():
             return 0
-        if self.guard is not None and self.k_max:
-            self._guard_steps = self.guard.target_only_steps(self.guard_runs)
+        guard = self.current_guard()
+        if guard is not None and self.k_max:
+            self._guard_steps = guard.target_only_steps(self.guard_runs)
             if self._guard_steps:
                 return 0
         fit = self.forward_model()

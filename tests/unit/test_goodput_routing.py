@@ -72,9 +72,37 @@ def test_a_greedy_request_keeps_a_suffix_replica_that_reports_a_loss():
     finds its earlier output; a sampled one is still sent straight to the verify replica."""
     gw = gateway()
     for r in gw.draft_pool.replicas.values():
-        r.speculation_pays, r.suffix_decoding = False, True
+        r.speculation_pays = r.speculation_pays_sampled = False
+        r.suffix_decoding = True
     routes = [choose(gw) for _ in range(8)]
     assert all(d is not None and not o.target_only for d, o in routes)
     assert "target_only_by_goodput" not in gw.draft_pool.decisions
     draft, outcome = choose(gw, params=SamplingParams(temperature=0.7, max_tokens=4))
     assert draft is None and outcome.goodput_route == "direct"
+
+
+def test_greedy_and_sampled_requests_follow_their_own_kind_s_report():
+    """A draft replica guards greedy and sampled generations apart, and each finished generation reports for
+    its own kind: a loss measured on sampled requests sends sampled ones past the replica and leaves greedy
+    ones on it, and the other way round."""
+    gw = gateway(goodput_probe_every=1000)
+    sampled = SamplingParams(temperature=0.7, max_tokens=4)
+    for r in gw.draft_pool.replicas.values():
+        r.report(True, False)
+    assert all(choose(gw)[1].goodput_route == "draft" for _ in range(4))
+    assert all(choose(gw, params=sampled)[1].goodput_route == "direct" for _ in range(4))
+    for r in gw.draft_pool.replicas.values():
+        r.report(True, True)
+        r.report(False, False)
+    assert all(choose(gw)[1].goodput_route == "direct" for _ in range(4))
+    assert all(choose(gw, params=sampled)[1].goodput_route == "draft" for _ in range(4))
+
+
+def test_a_replica_back_in_the_pool_has_neither_kind_measured():
+    gw = gateway(fail_threshold=1, success_threshold=1)
+    a = next(iter(gw.draft_pool.replicas.values()))
+    a.report(False, False)
+    a.report(True, False)
+    gw.draft_pool._record(a, False)
+    gw.draft_pool._record(a, True)
+    assert a.pays(False) is None and a.pays(True) is None

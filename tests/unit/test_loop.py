@@ -10,6 +10,7 @@ from specmesh.loop import (
     FREE_BLOCK_RECHECK,
     AdaptiveK,
     GoodputGuard,
+    GoodputGuards,
     GoodputK,
     expected_tokens,
     speculative_generate,
@@ -390,6 +391,80 @@ def test_the_loop_falls_back_to_target_only_where_speculation_measures_slower(sp
         assert all(n == 2 for n in verifier.runs[:-1]) and steps_in_runs <= 30  # only the guard's probes
     else:
         assert steps_in_runs >= 75 and verifier.runs.count(8) >= 5
+
+
+class BatchReportingVerifier(TimedVerifier):
+    """TimedVerifier whose verdicts report a batch of `batch_size` sessions."""
+
+    def __init__(self, round_s, step_s, batch_size):
+        super().__init__(round_s, step_s)
+        self.batch_size = batch_size
+
+    async def submit(self, proposal):
+        verdict = await super().submit(proposal)
+        verdict.load = BatchLoad(batch_seconds=0.001, batch_size=self.batch_size, batch_tokens=proposal.k + 1)
+        return verdict
+
+
+def test_the_guards_keep_greedy_and_sampled_and_each_batch_size_apart():
+    guards = GoodputGuards(every=8)
+    assert [GoodputGuards.batch_bucket(n) for n in (0, 1, 2, 3, 4, 7, 8, 31, 32, 500)] == [
+        1,
+        1,
+        2,
+        2,
+        4,
+        4,
+        8,
+        16,
+        32,
+        32,
+    ]
+    assert guards.at(True, 5) is guards.at(True, 4) is not guards.at(False, 4)
+    assert guards.at(True, 1) is not guards.at(True, 2)
+    assert guards.at(True, 5).every == 8  # each made with the container's settings
+
+
+@pytest.mark.parametrize("pooled", [True, False])
+def test_a_loss_measured_under_another_load_does_not_hold_one_stream_off(pooled):
+    """Speculation measured losing at 4 sessions (rounds that waited behind each other's prefills, say) and
+    a single stream where it pays (a round 2 ms, a step 40 ms). One guard pooled over every load made the
+    single stream's first 8 tokens a target-only run; guards by batch size let it speculate from its first
+    round, and its rounds are measured by the one-session guard, leaving the 4-session one as it was."""
+    settings = {"every": 8, "probe": 2}
+    guards = GoodputGuard(**settings) if pooled else GoodputGuards(**settings)
+    at4 = guards if isinstance(guards, GoodputGuard) else guards.at(True, 4)
+    for _ in range(10):
+        at4.observe(True, 2, 0.040)  # 50 tok/s speculating
+        at4.observe(False, 1, 0.010)  # 100 tok/s target-only
+    assert at4.speculation_loses()
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    verifier = BatchReportingVerifier(0.002, 0.040, batch_size=1)
+    policy = GoodputK(4, guard=guards)
+    r = asyncio.run(speculative_generate(verifier, CountingDrafter(), [1], params, policy, StopChecker(params)))
+    assert r.token_ids == list(range(2, 42))
+    if pooled:
+        assert verifier.runs[0] == 8
+    else:
+        assert not verifier.runs or verifier.runs[0] != 8
+        assert verifier.blocks[0] and guards.at(True, 1).rate(True) is not None
+        assert at4.speculation_loses() and at4.rate(True) == pytest.approx(50, rel=0.01)
+
+
+def test_sampled_sessions_are_guarded_apart_from_greedy_ones():
+    """A loss measured on sampled sessions (whose drafts are accepted with their probability only) does not
+    hold a greedy session off at the same load, and the sampled one still takes the guard's run."""
+    guards = GoodputGuards(every=8, probe=2)
+    sampled = guards.at(False, 1)
+    for _ in range(10):
+        sampled.observe(True, 2, 0.040)
+        sampled.observe(False, 1, 0.010)
+    for temperature, held in ((0.0, False), (0.7, True)):
+        params = SamplingParams(temperature=temperature, max_tokens=20, ignore_eos=True, seed=None)
+        verifier = BatchReportingVerifier(0.002, 0.040, batch_size=1)
+        policy = GoodputK(4, guard=guards, sampled=temperature > 0)
+        asyncio.run(speculative_generate(verifier, CountingDrafter(), [1], params, policy, StopChecker(params)))
+        assert (verifier.runs[:1] == [8]) is held
 
 
 def test_one_stalled_round_does_not_turn_the_guard_against_speculation():
