@@ -619,8 +619,11 @@ class _Generation:
             elif result.stats.drafts:
                 s = result.stats
                 s.by_method[self.engine.method] = [s.drafts, s.drafted, s.accepted]
-            # The guard of this generation's kind and load: what a request like it would meet next.
-            guard = self.policy.current_guard() if isinstance(self.policy, GoodputK) else None
+            # The guard of this generation's kind at the load the caller's next request would meet here: the
+            # generations this replica has in progress, this one included (a burst's last generation to
+            # finish reports what a single stream measures, not the burst's rounds).
+            guards = self.engine.goodput_guard
+            guard = guards.at(self.params.greedy, self.engine.active) if guards is not None else None
             pays = guard.speculation_pays() if guard is not None else None
             self.queue.put_nowait(Finished(result.finish_reason, result.stats, pays))
         except Exception as e:  # noqa: BLE001 - delivered to the caller as a status
