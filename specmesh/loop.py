@@ -244,15 +244,21 @@ class GoodputGuard:
     Every `every` speculative rounds (service-wide) one session takes `probe` target-only steps, so that side
     stays measured. While speculation measures slower than target-only by more than `margin`, sessions take
     target-only steps in runs, and after every `every` such steps `probe` rounds speculate, so that
-    speculation comes back when it pays again. Until both sides are measured, speculation goes on as GoodputK
-    chooses it. `decay` forgets an observation's weight by 10% per newer one on the same side: about the last
-    ten rounds, or the last ten target-only runs, count.
+    speculation comes back when it pays again. Until both sides are measured, and speculation in at least
+    `min_rounds` rounds, speculation goes on as GoodputK chooses it: a guard that has seen a session's first
+    round or two only (the first rounds of a burst wait behind the other sessions' prefills) has measured the
+    burst, not speculation. `decay` forgets an observation's weight by 10% per newer one on the same side:
+    about the last ten rounds, or the last ten target-only runs, count.
     """
 
-    def __init__(self, every: int = 64, probe: int = 4, margin: float = 0.05, decay: float = 0.9):
-        if every < 1 or probe < 1 or not 0.0 <= margin < 1.0 or not 0.0 < decay <= 1.0:
-            raise ValueError("GoodputGuard needs every >= 1, probe >= 1, 0 <= margin < 1 and 0 < decay <= 1")
+    def __init__(self, every: int = 64, probe: int = 4, margin: float = 0.05, decay: float = 0.9, min_rounds: int = 4):
+        if every < 1 or probe < 1 or not 0.0 <= margin < 1.0 or not 0.0 < decay <= 1.0 or min_rounds < 1:
+            raise ValueError(
+                "GoodputGuard needs every >= 1, probe >= 1, 0 <= margin < 1, 0 < decay <= 1 and min_rounds >= 1"
+            )
         self.every, self.probe, self.margin, self.decay = every, probe, margin, decay
+        self.min_rounds = min_rounds
+        self._spec_rounds = 0  # speculative rounds observed in all
         self._tokens = [0.0, 0.0]  # decayed sums, [target-only, speculative]
         self._seconds = [0.0, 0.0]
         self._spec_rounds_since_probe = 0  # speculative rounds since target-only was last measured
@@ -275,6 +281,7 @@ class GoodputGuard:
         self._tokens[i] = self.decay * self._tokens[i] + tokens
         self._seconds[i] = self.decay * self._seconds[i] + seconds
         if speculative:
+            self._spec_rounds += 1
             self._spec_rounds_since_probe += 1
             self._zero_steps_since_probe = 0
         else:
@@ -286,14 +293,18 @@ class GoodputGuard:
         i = int(speculative)
         return self._tokens[i] / self._seconds[i] if self._seconds[i] > 0 else None
 
+    def measured(self) -> bool:
+        """Both sides measured, speculation in at least min_rounds rounds."""
+        return self._spec_rounds >= self.min_rounds and self.rate(False) is not None
+
     def speculation_loses(self) -> bool:
         spec, zero = self.rate(True), self.rate(False)
-        return spec is not None and zero is not None and spec < (1.0 - self.margin) * zero
+        return self.measured() and spec is not None and zero is not None and spec < (1.0 - self.margin) * zero
 
     def speculation_pays(self) -> bool | None:
         """What the service reports to its callers: None until both sides are measured, then whether
         speculation is within the margin of target-only or faster."""
-        if self.rate(True) is None or self.rate(False) is None:
+        if not self.measured():
             return None
         return not self.speculation_loses()
 

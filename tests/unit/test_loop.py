@@ -406,6 +406,18 @@ class BatchReportingVerifier(TimedVerifier):
         return verdict
 
 
+def test_a_guard_that_has_seen_a_round_or_two_does_not_decide():
+    """The first rounds of a burst wait behind the other sessions' prefills: two such rounds against fast
+    target-only steps are no measure of speculation. The guard decides from its fourth round on."""
+    guard = GoodputGuard(every=1000)
+    for _ in range(5):
+        guard.observe(False, 1, 0.010)  # 100 tok/s target-only
+    for seen in range(1, 6):
+        guard.observe(True, 1, 0.050)  # 20 tok/s speculating
+        assert guard.speculation_pays() is (None if seen < 4 else False)
+        assert guard.target_only_steps() == (0 if seen < 4 else 1000)
+
+
 def test_the_guards_keep_greedy_and_sampled_and_each_batch_size_apart():
     guards = GoodputGuards(every=8)
     assert [GoodputGuards.batch_bucket(n) for n in (0, 1, 2, 3, 4, 7, 8, 31, 32, 500)] == [
