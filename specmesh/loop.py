@@ -100,9 +100,16 @@ class FixedK:
         return remaining if self.k_max == 0 else 1
 
     def observe(
-        self, k: int, num_accepted: int, draft_seconds: float, verify_seconds: float, load: BatchLoad | None = None
+        self,
+        k: int,
+        num_accepted: int,
+        draft_seconds: float,
+        verify_seconds: float,
+        load: BatchLoad | None = None,
+        timed: bool = True,
     ) -> None:
-        pass
+        """A round's verdict: k drafted, num_accepted accepted, and its times; `timed` False: the times are no
+        measure of a round (the generation's first, which waited for the pass computing its prompt's end)."""
 
     def observe_goodput(self, k: int, tokens: int, seconds: float) -> None:
         """A round (k > 0) or a run of target-only steps (k = 0) committed `tokens` in `seconds` of wall time."""
@@ -169,7 +176,13 @@ class AdaptiveK:
         return min(self.accepted / self.trials, 0.999) if self.trials else 0.0
 
     def observe(
-        self, k: int, num_accepted: int, draft_seconds: float, verify_seconds: float, load: BatchLoad | None = None
+        self,
+        k: int,
+        num_accepted: int,
+        draft_seconds: float,
+        verify_seconds: float,
+        load: BatchLoad | None = None,
+        timed: bool = True,
     ) -> None:
         if k > 0:
             self.accepted = self.decay * self.accepted + num_accepted
@@ -179,9 +192,10 @@ class AdaptiveK:
                 drafted = i < k
                 self.position_drafted[i] = d * self.position_drafted[i] + drafted
                 self.position_accepted[i] = d * self.position_accepted[i] + (drafted and num_accepted > i)
-            if draft_seconds > 0:
+            if draft_seconds > 0 and timed:
                 self.t_draft = _ema(self.t_draft, draft_seconds / k)
-        self.t_verify = _ema(self.t_verify, verify_seconds)
+        if timed:
+            self.t_verify = _ema(self.t_verify, verify_seconds)
 
     def cumulative(self) -> list[float]:
         """P_i of the positions measured so far (the leading ones with enough recent rounds)."""
@@ -404,12 +418,20 @@ class GoodputK(AdaptiveK):
         self.overhead: float | None = None  # seconds per round outside the target forward
 
     def observe(
-        self, k: int, num_accepted: int, draft_seconds: float, verify_seconds: float, load: BatchLoad | None = None
+        self,
+        k: int,
+        num_accepted: int,
+        draft_seconds: float,
+        verify_seconds: float,
+        load: BatchLoad | None = None,
+        timed: bool = True,
     ) -> None:
-        super().observe(k, num_accepted, draft_seconds, verify_seconds, load)
+        super().observe(k, num_accepted, draft_seconds, verify_seconds, load, timed)
         if load is None or load.batch_size <= 0 or load.batch_tokens <= 0:
             return
         self.last_batch_size = load.batch_size
+        if not timed:
+            return
         d, t, y = self.fit_decay, float(load.batch_tokens), load.batch_seconds
         for j, v in enumerate((1.0, t, t * t, y, t * y)):
             self._sums[j] = d * self._sums[j] + v
@@ -540,6 +562,10 @@ async def speculative_generate(
     free_block: Callable[..., DraftBlock | None] | None = getattr(drafter, "free_block", None)
     round_s = getattr(policy, "round_seconds", None)
     free_ahead = False  # `ahead` is such a block
+    # The generation's first verdict is no measure of a round: the verifier may answer the open while the pass
+    # computing the prompt's end runs, and the first block then waits for that pass as well as its own (its
+    # time, several rounds' worth for a long prompt, seeded the round model and the goodput guard).
+    timed = False
     logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
     ahead: DraftBlock | None = None  # the next block, drafted while the previous one was being verified
     # The first block is drafted while the verifier prefills the prompt: it depends on the prompt alone,
@@ -597,9 +623,12 @@ async def speculative_generate(
                 t_prev = now
                 if stop.finished or (cancelled is not None and cancelled()):
                     break
+        nonlocal timed
         if first_seconds is not None:  # one observation for the run: its per-step times are no round trips
-            policy.observe(0, 0, 0.0, first_seconds, load)
-            policy.observe_goodput(0, committed, t_prev - t_sent)
+            policy.observe(0, 0, 0.0, first_seconds, load, timed)
+            if timed:
+                policy.observe_goodput(0, committed, t_prev - t_sent)
+            timed = True
 
     while not stop.finished:
         if cancelled is not None and cancelled():
@@ -662,8 +691,11 @@ async def speculative_generate(
             0.0 if from_ahead or free_ahead else t1 - t0,
             t3 - t1,
             verdict.load if verdict.load.batch_size else None,
+            timed,
         )
-        policy.observe_goodput(drafted, len(verdict.tokens), t3 - t0)
+        if timed:
+            policy.observe_goodput(drafted, len(verdict.tokens), t3 - t0)
+        timed = True
         if on_round is not None:
             on_round(
                 RoundRecord(

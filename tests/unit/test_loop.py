@@ -406,6 +406,30 @@ class BatchReportingVerifier(TimedVerifier):
         return verdict
 
 
+class FirstVerdictLateVerifier(BatchReportingVerifier):
+    """The first block waits 200 ms more: the pass computing the prompt's end, which the open did not wait for."""
+
+    async def submit(self, proposal):
+        if not self.blocks:
+            await asyncio.sleep(0.2)
+        return await super().submit(proposal)
+
+
+def test_the_first_verdict_seeds_neither_the_round_model_nor_the_guard():
+    """The first round's 200 ms is the prompt's prefill, not what a round costs: the timings after it (2 ms
+    rounds) are what the policy and the guard know. Seeded with it, the round model's verify time and overhead
+    stayed above 20 ms for the whole generation, and the guard counted the prefill against speculation."""
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    guard = GoodputGuard(every=1000)
+    policy = GoodputK(4, guard=guard)
+    verifier = FirstVerdictLateVerifier(0.002, 0.040, batch_size=1)
+    r = asyncio.run(speculative_generate(verifier, CountingDrafter(), [1], params, policy, StopChecker(params)))
+    assert r.token_ids == list(range(2, 22)) and len(verifier.blocks) >= 4
+    assert policy.t_verify is not None and policy.t_verify < 0.02
+    assert policy.overhead is not None and policy.overhead < 0.02
+    assert guard.rate(True) is not None and guard.rate(True) > 100  # 3 tokens per ~2-4 ms round
+
+
 def test_a_guard_that_has_seen_a_round_or_two_does_not_decide():
     """The first rounds of a burst wait behind the other sessions' prefills: two such rounds against fast
     target-only steps are no measure of speculation. The guard decides from its fourth round on."""
