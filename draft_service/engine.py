@@ -313,7 +313,7 @@ class DraftEngine:
         self.chooser = HybridChooser() if config.hybrid else None
         self.sampled_chooser = HybridChooser() if config.hybrid else None
         # Shared by every generation, one guard per kind of session (greedy or sampled, batch size)
-        self.goodput_guard = GoodputGuards() if config.goodput_guard else None
+        self.goodput_guards = GoodputGuards() if config.goodput_guard else None
         self.tracer = tracer("draft")
         self.stream_metrics = stream_metrics  # TTFT and inter-token latency of Generate streams
         self._drafters: OrderedDict[str, ModelDrafter] = OrderedDict()
@@ -578,9 +578,9 @@ class _Generation:
         seeded = params.seed is not None
         limit = engine.config.speculative_disable_by_batch_size
         adaptive = engine.config.adaptive and not seeded
-        guard, runs = engine.goodput_guard, not goodput_probe
+        guards, runs = engine.goodput_guards, not goodput_probe
         self.policy = (
-            GoodputK(k_max, batch_limit=limit, guard=guard, guard_runs=runs, sampled=not params.greedy)
+            GoodputK(k_max, batch_limit=limit, guard=guards, guard_runs=runs, sampled=not params.greedy)
             if adaptive
             else FixedK(k_max)
         )
@@ -622,7 +622,7 @@ class _Generation:
             # The guard of this generation's kind at the load the caller's next request would meet here: the
             # generations this replica has in progress, this one included (a burst's last generation to
             # finish reports what a single stream measures, not the burst's rounds).
-            guards = self.engine.goodput_guard
+            guards = self.engine.goodput_guards
             guard = guards.at(self.params.greedy, self.engine.active) if guards is not None else None
             pays = guard.speculation_pays() if guard is not None else None
             self.queue.put_nowait(Finished(result.finish_reason, result.stats, pays))

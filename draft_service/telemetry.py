@@ -43,7 +43,7 @@ class DraftMetrics(ServiceMetrics):
             "sampled, and the verify batch by powers of two: 1, 2, 4, ... 32 sessions and up) measures them",
             labels=["mode", "sampling", "batch"],
         )
-        guards = e.goodput_guard.guards if e.goodput_guard is not None else {}
+        guards = e.goodput_guards.guards if e.goodput_guards is not None else {}
         for (greedy, batch), guard in sorted(guards.items()):
             for mode, speculative in (("speculative", True), ("target_only", False)):
                 rate = guard.rate(speculative)

@@ -605,6 +605,7 @@ async def speculative_generate(
 
     async def target_only_run(steps: int) -> None:
         """`steps` K = 0 rounds in a row, as one run the verifier takes without waiting for a block per step."""
+        nonlocal timed
         t_sent = t_prev = time.perf_counter()
         first_seconds, load, committed = None, None, 0
         async with contextlib.aclosing(verifier.target_only(steps)) as verdicts:
@@ -623,7 +624,6 @@ async def speculative_generate(
                 t_prev = now
                 if stop.finished or (cancelled is not None and cancelled()):
                     break
-        nonlocal timed
         if first_seconds is not None:  # one observation for the run: its per-step times are no round trips
             policy.observe(0, 0, 0.0, first_seconds, load, timed)
             if timed:

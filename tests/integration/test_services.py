@@ -327,12 +327,12 @@ def test_the_goodput_guard_turns_speculation_off_where_rounds_cost_what_the_mode
         assert drafted[0] > 0
         engine = draft.server.engine
         if guard:
-            one_greedy_stream = engine.goodput_guard.at(True, 1)  # the guard these sessions were measured by
-            assert one_greedy_stream.speculation_loses() and engine.goodput_guard.probes >= 1
+            one_greedy_stream = engine.goodput_guards.at(True, 1)  # the guard these sessions were measured by
+            assert one_greedy_stream.speculation_loses() and engine.goodput_guards.probes >= 1
             assert sum(drafted[4:]) <= sum(drafted[:4]) / 3  # what is left is the guard's probes
             assert verify_stub(verify).Info(verify_pb2.VerifyServiceInfoRequest()).run_steps > 100
         else:
-            assert engine.goodput_guard is None and min(drafted[4:]) > 0
+            assert engine.goodput_guards is None and min(drafted[4:]) > 0
     finally:
         draft.stop()
         verify.stop()
@@ -360,7 +360,7 @@ def test_the_gateway_skips_the_draft_hop_while_the_draft_reports_that_speculatio
 
         answers = [one(p) for p in prompts(16, seed=7)]
         direct = [r.target_only for r in answers]
-        assert draft.server.engine.goodput_guard.at(True, 1).speculation_pays() is False
+        assert draft.server.engine.goodput_guards.at(True, 1).speculation_pays() is False
         first = direct.index(True)
         assert first >= 1 and not any(direct[:first])  # through the draft until its guard had measured both sides
         # from then on, at most three in a row straight to the verify replica (--goodput-probe-every 4); the
