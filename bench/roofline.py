@@ -42,7 +42,7 @@ RESULTS = ROOT / "bench" / "results"
 
 CATEGORIES = {  # profiler operator name fragments -> category, first match wins
     "matmul": ("mm", "linear", "matmul", "mkldnn", "addmm", "bmm"),
-    "attention": ("scaled_dot_product", "flash", "softmax"),
+    "attention": ("scaled_dot_product", "flash", "softmax", "block_attention"),
     "kv write/read": ("index_put", "index_select", "index", "copy_", "gather"),
     "norm, rotary, activation": ("rms", "mul", "add", "silu", "roll", "pow", "mean", "rsqrt", "neg", "cat", "div"),
 }
@@ -136,7 +136,14 @@ def measure(args) -> dict:
     runners = {}
     for kind in args.runners:
         blocks = streams * (-(-(ctx + k + 2) // 16)) + 32
-        runner = build_runner(model, kind, num_blocks=blocks, block_size=16, max_seq_len=ctx + 64)
+        runner = build_runner(
+            model,
+            kind,
+            num_blocks=blocks,
+            block_size=16,
+            max_seq_len=ctx + 64,
+            attention_backend=args.attention_backend,
+        )
         runners[kind] = measure_runner(args, runner, bw, gflops, kv_per_token, heads, hd)
         del runner
     return {
@@ -145,6 +152,7 @@ def measure(args) -> dict:
         "dtype": str(dtype).replace("torch.", ""),
         "threads": args.threads,
         "context": ctx,
+        "attention_backend": args.attention_backend,
         "machine": machine("cpu", load, args.threads),
         "bandwidth_gbs": round(bw, 2),
         "gemm_gflops": round(gflops, 1),
@@ -253,6 +261,11 @@ def main(argv=None) -> dict:
     ap.add_argument("--context", type=int, default=128, help="tokens each sequence holds before the forward")
     ap.add_argument("--repeats", type=int, default=40)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument(
+        "--attention-backend",
+        default="auto",
+        help="the services' --attention-backend (auto: the CPU block-table kernel in float32; default: SDPA)",
+    )
     ap.add_argument("--out", type=Path, default=RESULTS / "roofline.json")
     args = ap.parse_args(argv)
     r = measure(args)

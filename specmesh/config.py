@@ -265,9 +265,10 @@ def attention_backend_option(backends: Sequence[str]) -> Any:
     """The SDPA kernels a model service's runtime may use (`backends`: specmesh.runtime.attention's names)."""
     return option(
         "auto",
-        "SDPA kernels the runtime may use: auto = all but cuDNN on CUDA (cuDNN builds a plan per new sequence "
-        "length, which a decode meets every forward), torch's own choice elsewhere; default = torch's own "
-        "choice; no-cudnn; math (reference, slow)",
+        "attention kernels the runtime may use: auto = all SDPA kernels but cuDNN on CUDA (cuDNN builds a plan "
+        "per new sequence length, which a decode meets every forward), on a CPU in float32 the paged runner's "
+        "block-table C kernel for decode steps and verify blocks; default = torch's own SDPA choice everywhere; "
+        "no-cudnn; math (reference, slow)",
         choices=backends,
     )
 

@@ -13,6 +13,10 @@ computed once and shared (prefix caching, scoped by tenant).
   lse = logaddexp over the pieces, out = sum of out_r * exp(lse_r - lse). The pieces are the runs covering
   the cached prefix (visible to every new query, no mask) and the new tokens' own keys straight from the
   batch (causal among themselves), so the new tokens may span runs.
+* On a CPU in float32 (`attention_backend="auto"`) every sequence of up to `cpu_attention.MAX_TOKENS` new
+  tokens (a decode step, a verify block) attends through the block-table C kernel
+  (`specmesh.runtime.cpu_attention`): one call per layer for all of them, the KV read where it lies, so
+  neither the merge nor the gather above is needed for them; prefill chunks keep the paths above.
 * On CUDA every sequence of the batch attends through the block-table Triton kernel
   (`specmesh.runtime.block_attention`): one launch per layer, the KV read where it lies, whatever the runs.
   Without it (`block_kernel=False`, or `attention_backend="math"`) a multi-run sequence's keys and values are
@@ -47,7 +51,7 @@ import torch.nn.functional as F
 from transformers import PreTrainedModel
 
 from specmesh.errors import InvalidArgument
-from specmesh.runtime import PrefillChunk, StepResult
+from specmesh.runtime import PrefillChunk, StepResult, cpu_attention
 from specmesh.runtime import block_attention as kernel
 from specmesh.runtime.attention import check_attention_backend, sdpa_context
 from specmesh.runtime.batched import (
@@ -112,7 +116,7 @@ class _BlockAttention:
     """The block arena's KV write and attention (see the module docstring). slots: [T] the physical slot of
     each new token."""
 
-    __slots__ = ("block_size", "g", "k_pool", "nkv", "plan", "segments", "slots", "v_pool")
+    __slots__ = ("block_size", "cpu", "g", "k_pool", "nkv", "plan", "segments", "slots", "v_pool")
 
     def __init__(
         self,
@@ -123,10 +127,12 @@ class _BlockAttention:
         segments: list[_Segment],
         plan: tuple[torch.Tensor, torch.Tensor] | None = None,
         block_size: int = 0,
+        cpu: cpu_attention.Plan | None = None,
     ):
         self.k_pool, self.v_pool, self.slots, self.segments = k_pool, v_pool, slots, segments
         self.nkv, self.g = dec.n_kv, dec.group
         self.plan, self.block_size = plan, block_size  # the kernel's (block tables, programs), if it runs
+        self.cpu = cpu  # the CPU kernel's call for the short sequences; `segments` are the others
 
     def __call__(
         self, layer: int, k: torch.Tensor, v: torch.Tensor, q: torch.Tensor, attn: torch.Tensor, scale: float
@@ -139,6 +145,8 @@ class _BlockAttention:
         if self.plan is not None:
             kernel.block_attention(attn, q, k_layer, v_layer, *self.plan, self.block_size, scale)
             return
+        if self.cpu is not None:
+            cpu_attention.block_attention(attn, q, k_layer, v_layer, self.cpu, self.block_size, scale)
         for seg in self.segments:
             n, off = seg.n, seg.off
             qs = fold_queries(q[off : off + n], nkv, g)
@@ -206,6 +214,7 @@ class PagedRunner(_RaggedRunner):
         prefault: bool = False,
         attention_backend: str = "auto",
         block_kernel: bool | None = None,
+        cpu_kernel: bool | None = None,
         cuda_graph_max_bs: int = 0,
         graph_tokens_per_seq: int = 1,
         graph_capture: bool = True,
@@ -233,6 +242,14 @@ class PagedRunner(_RaggedRunner):
         self.block_kernel = bool(block_kernel)
         if self.block_kernel and self.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError(f"block_kernel: Triton runs on CUDA, or on {self.device.type} under TRITON_INTERPRET=1")
+        # The CPU block-table kernel (`cpu_attention`) for decode steps and verify blocks: by default on a CPU in
+        # float32 under `auto` wherever it builds; other backends keep torch's SDPA.
+        fits = self.device.type == "cpu" and self._dec.dtype == torch.float32 and not self.block_kernel
+        if cpu_kernel is None:
+            cpu_kernel = fits and attention_backend == "auto" and cpu_attention.load() is not None
+        elif cpu_kernel and not (fits and cpu_attention.load() is not None):
+            raise ValueError("cpu_kernel: the CPU attention kernel takes float32 on a CPU with a C compiler")
+        self.cpu_kernel = bool(cpu_kernel)
         self._lock = threading.Lock()  # tables are opened/freed on the event loop, used on the model thread
         self._orphans: collections.deque[BlockTable] = collections.deque()  # given back, not yet freed
         self.prefix_cache_query_tokens = 0  # prompt tokens new_sequence looked up in the block cache
@@ -240,10 +257,10 @@ class PagedRunner(_RaggedRunner):
         self._alloc(BlockPool(num_blocks, block_size))
         self.blocks = PagedBlocks(self)
         self.block_bytes = 2 * self.num_layers * self._dec.n_kv * block_size * self._dec.head_dim * self._elem
-        if check and self.block_kernel and not self._matches_hf():
+        if check and (self.block_kernel or self.cpu_kernel) and not self._matches_hf():
             # Never serve a kernel that disagrees with the model: the SDPA path is slower, not wrong.
             log.warning("the block-table attention kernel disagrees with the HF forward here; attending by SDPA")
-            self.block_kernel = False
+            self.block_kernel = self.cpu_kernel = False
         if check and not self._matches_hf():
             raise ValueError(
                 f"PagedRunner's decoder disagrees with the HF forward for {type(model).__name__}; use ModelRunner"
@@ -454,14 +471,18 @@ class PagedRunner(_RaggedRunner):
         dev = self.device
         slots = torch.tensor(flat_slot, dtype=torch.long, device=dev)  # [T]
         dec = self._dec
+        cpu: cpu_attention.Plan | None = None
         if self.block_kernel:
             segments: list[_Segment] = []
             plan: tuple[torch.Tensor, torch.Tensor] | None = self._kernel_plan(work)
         else:
-            segments, plan = self._segments(work), None
+            short = self._cpu_kernel_takes(work)
+            segments, plan = self._segments(work, short), None
+            if short:
+                cpu = self._cpu_plan(work, short)
         dec.refresh_if_stale()
         with sdpa_context(self.attention_backend, dev):
-            kv = _BlockAttention(dec, self._k, self._v, slots, segments, plan, self.pool.block_size)
+            kv = _BlockAttention(dec, self._k, self._v, slots, segments, plan, self.pool.block_size, cpu)
             out = dec.ragged(kv, ids, pos, rows)
         return self._logits(out, work)
 
@@ -479,13 +500,33 @@ class PagedRunner(_RaggedRunner):
         tables = kernel.block_tables([w.seq.table.blocks for w in work], self.device)
         return tables, kernel.plan(spans, self._dec.group, self.device)
 
-    def _segments(self, work: list[_Work]) -> list[_Segment]:
-        """How each sequence attends: over one view, run by run, or gathered (see the module docstring)."""
+    def _cpu_kernel_takes(self, work: list[_Work]) -> set[int]:
+        """The work items the CPU kernel attends for (decode steps and verify blocks; prefill chunks go to
+        SDPA's flash kernel, which is faster for many queries)."""
+        if not self.cpu_kernel:
+            return set()
+        return {i for i, w in enumerate(work) if 0 < len(w.feed) <= cpu_attention.MAX_TOKENS}
+
+    def _cpu_plan(self, work: list[_Work], take: set[int]) -> cpu_attention.Plan:
+        spans, tables, off = [], [], 0
+        for i, w in enumerate(work):
+            if i in take:
+                spans.append((off, len(w.feed), w.start))
+                tables.append(w.seq.table.blocks)
+            off += len(w.feed)
+        return cpu_attention.Plan(spans, tables, self._dec.n_kv, self._dec.group)
+
+    def _segments(self, work: list[_Work], skip: set[int] | None = None) -> list[_Segment]:
+        """How each sequence attends: over one view, run by run, or gathered (see the module docstring);
+        none for the items in `skip` (the CPU kernel's)."""
         dev, g, off = self.device, self._dec.group, 0
         out = []
-        for w in work:
+        for i, w in enumerate(work):
             start, n = w.start, len(w.feed)
             end = start + n
+            if skip and i in skip:
+                off += n
+                continue
             table = w.seq.table
             ranges = physical_ranges(table, end)
             if len(ranges) == 1 or not self.merge_runs or end <= self.gather_max_tokens:

@@ -38,9 +38,14 @@ def ids_of(n: int, seed: int = 0, vocab: int = 127) -> list[int]:
     return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-# How a sequence of several runs attends: runs merged by log-sum-exp (CPU), gathered, or the block-table
-# Triton kernel (CUDA's path; here in the interpreter, which the suite's plugin turns on).
-ATTEND = ["merge", "gather", "kernel"]
+# How a sequence of several runs attends: runs merged by log-sum-exp (CPU), gathered, the block-table
+# Triton kernel (CUDA's path; here in the interpreter, which the suite's plugin turns on), or the CPU
+# block-table kernel (the CPU's default for decode steps and verify blocks; prefill chunks by SDPA).
+ATTEND = ["merge", "gather", "kernel", "cpu"]
+
+
+def paged(model, num_blocks: int, block_size: int, attend: str, **kw) -> PagedRunner:
+    return PagedRunner(model, num_blocks, block_size, block_kernel=attend == "kernel", cpu_kernel=attend == "cpu", **kw)
 
 
 def attending(r: PagedRunner, attend: str) -> PagedRunner:
@@ -54,8 +59,8 @@ def test_prefill_chunks_drafts_and_rollbacks_match_hf(model, attend):
     """Chunked prefill, decode blocks with drafts, a rollback inside a block and one across a block
     boundary: every row as the HF forward over the whole sequence (GQA and not; runs merged, gathered or
     through the kernel)."""
-    r = attending(PagedRunner(model, 32, 4, block_kernel=attend == "kernel"), attend)
-    assert r.block_kernel == (attend == "kernel")  # the probe passed with it
+    r = attending(paged(model, 32, 4, attend), attend)
+    assert r.block_kernel == (attend == "kernel") and r.cpu_kernel == (attend == "cpu")  # the probe passed with it
     ids = ids_of(40, seed=1)
     seq = r.new_sequence(ids[:11])
     assert r.prefill(seq, max_tokens=3) == 7 and r.prefill(seq, max_tokens=4) == 3 and r.prefill(seq) == 0
@@ -134,7 +139,7 @@ def squat(r: PagedRunner, seq) -> list[int]:
 def test_fragmented_sequence_equals_one_run(model, attend):
     ids = ids_of(30, seed=7)
     one = PagedRunner(model, 64, 2, check=False)
-    frag = attending(PagedRunner(model, 64, 2, check=False, block_kernel=attend == "kernel"), attend)
+    frag = attending(paged(model, 64, 2, attend, check=False), attend)
     a, b = one.new_sequence(ids[:3]), frag.new_sequence(ids[:3])
     for step in range(8):
         if b.table.blocks and step % 2 == 0:
@@ -226,7 +231,7 @@ def test_probe_refuses_a_decoder_that_disagrees(gqa, monkeypatch):
 
     monkeypatch.setattr(paged._BlockAttention, "_runs", lambda self, seg, qs, *a: torch.zeros_like(qs))
     with pytest.raises(ValueError, match="disagrees"):
-        PagedRunner(gqa, 16, 4)
+        PagedRunner(gqa, 16, 4, cpu_kernel=False)
 
 
 def test_a_kernel_that_disagrees_is_not_served(gqa, monkeypatch):
@@ -237,6 +242,44 @@ def test_a_kernel_that_disagrees_is_not_served(gqa, monkeypatch):
     monkeypatch.setattr(block_attention, "block_attention", lambda out, q, *a: out.copy_(q))
     r = PagedRunner(gqa, 16, 4, block_kernel=True)
     assert not r.block_kernel
+    seq = r.new_sequence(ids_of(9, seed=2))
+    close_logits(r.forward([seq])[0], full_logits(gqa, seq.token_ids, 1))
+
+
+def test_a_cpu_kernel_that_disagrees_is_not_served(gqa, monkeypatch):
+    """The CPU block-table kernel is checked by the same probe: one that disagrees is turned off and the
+    runner attends by SDPA."""
+    from specmesh.runtime import cpu_attention
+
+    monkeypatch.setattr(cpu_attention, "block_attention", lambda out, q, *a: out.copy_(q))
+    r = PagedRunner(gqa, 16, 4)
+    assert not r.cpu_kernel
+    seq = r.new_sequence(ids_of(9, seed=2))
+    close_logits(r.forward([seq])[0], full_logits(gqa, seq.token_ids, 1))
+
+
+def test_the_cpu_kernel_is_the_default_in_float32_under_auto_only(gqa):
+    """On a CPU in float32 `auto` attends decode steps and verify blocks by the CPU kernel; any other backend
+    keeps torch's SDPA, and so does another dtype (asking for the kernel there is refused)."""
+    assert PagedRunner(gqa, 16, 4).cpu_kernel
+    for backend in ("default", "no-cudnn", "math"):
+        assert not PagedRunner(gqa, 16, 4, attention_backend=backend).cpu_kernel
+    half = tiny_model("llama", seed=5).to(torch.bfloat16)
+    assert not PagedRunner(half, 16, 4, check=False).cpu_kernel
+    with pytest.raises(ValueError, match="cpu_kernel"):
+        PagedRunner(half, 16, 4, check=False, cpu_kernel=True)
+
+
+def test_without_a_compiler_the_runner_attends_by_sdpa(gqa, monkeypatch):
+    """No C compiler on the machine: the kernel cannot be built, `load` says so, the runner serves by SDPA."""
+    from specmesh.runtime import cpu_attention
+
+    monkeypatch.setattr(cpu_attention, "_tried", False)
+    monkeypatch.setattr(cpu_attention, "_lib", None)
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    assert cpu_attention.load() is None
+    r = PagedRunner(gqa, 16, 4)
+    assert not r.cpu_kernel
     seq = r.new_sequence(ids_of(9, seed=2))
     close_logits(r.forward([seq])[0], full_logits(gqa, seq.token_ids, 1))
 

@@ -1,0 +1,215 @@
+"""Block-table attention on the CPU (`csrc/block_attention_cpu.c`): the short sequences of a forward (decode
+steps, verify blocks) attend over their KV where the block pool holds it, in one call per layer for the whole
+batch, split over the forward's threads. `PagedRunner`'s default on a CPU in float32.
+
+Why a C kernel: SDPA is one call per sequence and layer, and for the few queries of a decode step or a verify
+block each call is mostly fixed cost (dispatch, the flash kernel's set-up and threads): on the demo target a
+16 x 5 verify batch spent 12-14 ms of its 55 in 160 such calls, and a session on a shared prefix paid one call
+per run of blocks plus a merge. Here the whole batch is one call per layer, the block table is read where the
+pool holds it (no gather, no merge), and the keys and values are read once per KV head.
+
+The library is compiled on first use with the machine's C compiler (`cc`, or `$CC`; well under a second) for
+this CPU (`-march=native`), and cached under `$SPECMESH_CACHE_DIR` (default `~/.cache/specmesh`) by a hash of
+the source, the flags and the CPU's feature flags. Without a compiler `load()` says why once and returns
+None; the runner then attends by SDPA, which is slower, not different.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("csrc") / "block_attention_cpu.c"
+# -ffast-math on the compile step only: it lets gcc call glibc's vectorised expf (the kernel never makes an
+# infinity: masked keys are skipped). Linked without it, so no crtfastmath.o turns on flush-to-zero for the
+# whole process on load.
+COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c11", "-D_GNU_SOURCE")
+LINK_FLAGS = ("-shared", "-fopenmp")
+MAX_TOKENS = 16  # a sequence with more new tokens (a prefill chunk) attends by SDPA's flash kernel
+# Below this much work (rows x keys over the batch) one thread: starting a second costs more than it saves.
+PARALLEL_MIN_WORK = 4096
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_tried = False
+
+
+def cache_dir() -> Path:
+    env = os.environ.get("SPECMESH_CACHE_DIR")
+    if env:
+        return Path(env)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "specmesh"
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _build(cc: str, out: Path) -> None:
+    """Compile and link the library to `out` atomically (concurrent processes each write their own file)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        obj, lib = Path(tmp) / "k.o", Path(tmp) / "k.so"
+        for cmd in (
+            [cc, *COMPILE_FLAGS, "-c", str(SOURCE), "-o", str(obj)],
+            [cc, *LINK_FLAGS, str(obj), "-o", str(lib), "-lm"],
+        ):
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False)
+            if done.returncode:
+                raise RuntimeError(f"{' '.join(cmd)}: {done.stderr.strip()[-500:]}")
+        os.replace(lib, out)
+
+
+def load() -> ctypes.CDLL | None:
+    """The compiled kernel (built and cached on first use), or None where it cannot be built here."""
+    global _lib, _tried
+    with _lock:
+        if _tried:
+            return _lib
+        _tried = True
+        cc = shutil.which(os.environ.get("CC", "cc"))
+        if cc is None:
+            log.warning("no C compiler (cc) here: the CPU block-table attention kernel is off, attending by SDPA")
+            return None
+        key = hashlib.sha256(
+            b"\0".join(
+                [SOURCE.read_bytes(), " ".join(COMPILE_FLAGS + LINK_FLAGS).encode(), cc.encode(), _cpu_flags().encode()]
+            )
+        ).hexdigest()[:16]
+        path = cache_dir() / f"block_attention_cpu-{platform.machine()}-{key}.so"
+        try:
+            if not path.exists():
+                _build(cc, path)
+            lib = ctypes.CDLL(str(path))
+        except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+            log.warning("the CPU block-table attention kernel could not be built (%s): attending by SDPA", e)
+            return None
+        fn = lib.specmesh_block_attention
+        p, i64 = ctypes.c_void_p, ctypes.c_int64
+        fn.argtypes = [p, p, p, p, p, p, i64, i64, i64, i64, i64, p, ctypes.c_float, p, p, ctypes.c_int]
+        fn.restype = ctypes.c_int
+        _lib = lib
+        return lib
+
+
+class Plan:
+    """One forward's call, built once for every layer: the sequences' (first batch row, new tokens, first
+    position), their block tables, and the (sequence, KV head) units split over `threads` by work."""
+
+    __slots__ = ("bounds", "n_kv", "segs", "tables", "threads", "units", "width")
+
+    def __init__(self, spans: Sequence[tuple[int, int, int]], tables: Sequence[Sequence[int]], n_kv: int, group: int):
+        if not spans or len(spans) != len(tables) or any(n < 1 for _, n, _ in spans):
+            raise ValueError("a CPU attention plan needs one table per sequence and new tokens in each")
+        self.n_kv = n_kv
+        self.width = max(1, max(len(t) for t in tables))
+        rows = torch.zeros((len(tables), self.width), dtype=torch.int32)
+        for i, t in enumerate(tables):
+            if t:
+                rows[i, : len(t)] = torch.tensor(list(t), dtype=torch.int32)
+        self.tables = rows
+        self.segs = torch.tensor(list(spans), dtype=torch.int64).view(-1, 3)
+        # Each unit's work is its rows x the keys they attend; cut the units into equal-work shares.
+        work = [n * group * (start + n) for _, n, start in spans for _ in range(n_kv)]
+        total = sum(work)
+        self.threads = 1 if total < PARALLEL_MIN_WORK else max(1, min(torch.get_num_threads(), len(work)))
+        self.units = torch.arange(len(work), dtype=torch.int64)
+        bounds, acc, share = [0], 0, 1
+        for u, w in enumerate(work):
+            acc += w
+            while share < self.threads and acc * self.threads >= total * share:
+                bounds.append(u + 1)
+                share += 1
+        while len(bounds) < self.threads:
+            bounds.append(len(work))
+        bounds.append(len(work))
+        self.bounds = torch.tensor(bounds, dtype=torch.int64)
+
+
+def supports(q: torch.Tensor) -> bool:
+    """Whether the kernel takes these queries: float32 on the CPU."""
+    return q.device.type == "cpu" and q.dtype == torch.float32
+
+
+def block_attention(
+    out: torch.Tensor,
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    plan: Plan,
+    block_size: int,
+    scale: float,
+) -> None:
+    """out[rows of the plan's sequences] = attention of q ([T, nh, D]) over each sequence's keys and values
+    in the pool (k_pool, v_pool: [n_kv, slots, D]) up to its own position. Rows of other sequences are left
+    as they are."""
+    lib = load()
+    if lib is None:
+        raise RuntimeError("the CPU block-table attention kernel is not built here")
+    _, nh, d = q.shape
+    n_kv = k_pool.shape[0]
+    if not (supports(q) and out.dtype == k_pool.dtype == v_pool.dtype == torch.float32):
+        raise ValueError("the CPU block-table attention kernel takes float32 CPU tensors")
+    if nh % n_kv or n_kv != plan.n_kv or out.shape != q.shape or k_pool.shape != v_pool.shape or k_pool.shape[2] != d:
+        raise ValueError(f"CPU block attention: q {tuple(q.shape)} against a pool {tuple(k_pool.shape)}")
+    if q.stride(2) != 1 or k_pool.stride(2) != 1 or v_pool.stride(2) != 1 or out.stride(2) != 1:
+        raise ValueError("CPU block attention needs the head dimension contiguous")
+    strides = torch.tensor(
+        [out.stride(0), out.stride(1), q.stride(0), q.stride(1)]
+        + [k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1)],
+        dtype=torch.int64,
+    )
+    with _profiled():
+        rc = _call(lib, out, q, k_pool, v_pool, plan, block_size, scale, strides)
+    if rc:
+        raise MemoryError("the CPU block-table attention kernel could not allocate its scratch")
+
+
+def _profiled() -> contextlib.AbstractContextManager:
+    """A profiler range named for the kernel while torch's profiler runs (its breakdowns would otherwise
+    count the call as the gap between operators); nothing otherwise."""
+    if torch.autograd.profiler._is_profiler_enabled:
+        return torch.profiler.record_function("specmesh::cpu_block_attention")
+    return contextlib.nullcontext()
+
+
+def _call(lib, out, q, k_pool, v_pool, plan: Plan, block_size: int, scale: float, strides: torch.Tensor) -> int:
+    n_kv, (_, nh, d) = k_pool.shape[0], q.shape
+    return lib.specmesh_block_attention(
+        out.data_ptr(),
+        q.data_ptr(),
+        k_pool.data_ptr(),
+        v_pool.data_ptr(),
+        plan.tables.data_ptr(),
+        plan.segs.data_ptr(),
+        plan.width,
+        n_kv,
+        nh // n_kv,
+        d,
+        block_size,
+        strides.data_ptr(),
+        float(scale),
+        plan.units.data_ptr(),
+        plan.bounds.data_ptr(),
+        plan.threads,
+    )

@@ -1,0 +1,151 @@
+/* Block-table attention on the CPU: every short sequence of a ragged batch (a decode step, a verify block)
+ * attends over its KV where the block pool holds it, in one call per layer. The CPU twin of
+ * block_attention.py's Triton kernel, with the same layout and inputs; see cpu_attention.py.
+ *
+ * Per (sequence, KV head), the unit of work: the rows are the sequence's new tokens x the query heads sharing
+ * that KV head (GQA folded, so each key is read once per group), each at its token's position. Scores are
+ * taken key by key (each key read once, dotted with every row that sees it), a row's softmax is exact over
+ * its visible keys (max, exp, sum: no running rescale, the scores fit in a scratch row), and the values are
+ * read once and accumulated into every row. A row's result depends on its own query and keys only, never on
+ * the batch around it or on how the units are split over threads.
+ *
+ * Masked keys are skipped, never set to -inf, so the code stays finite and may be built with -ffast-math
+ * (for glibc's vectorised expf).
+ */
+#include <float.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef struct {
+    float *out;               /* [T, nh, D] strided */
+    const float *q;           /* [T, nh, D] strided */
+    const float *k, *v;       /* [n_kv, slots, D] strided */
+    const int32_t *tables;    /* [S, W] block ids */
+    const int64_t *segs;      /* [S, 3]: first batch row, new tokens, first new position */
+    int64_t W, nkv, group, D, bs;
+    int64_t so_t, so_h, sq_t, sq_h, sk_h, sk_s, sv_h, sv_s;
+    float scale;
+    const int64_t *units;     /* unit = sequence * n_kv + KV head */
+    int64_t u0, u1;           /* this worker's units [u0, u1) */
+    int rc;
+} job_t;
+
+static inline __attribute__((always_inline)) void unit_d(const job_t *j, int64_t s, int64_t h, float *qb,
+                                                         float *acc, float *sc, int64_t stride,
+                                                         const int64_t D) {
+    const int64_t off = j->segs[3 * s], n = j->segs[3 * s + 1], start = j->segs[3 * s + 2];
+    const int64_t G = j->group, R = n * G, end = start + n, bs = j->bs;
+    const int32_t *table = j->tables + s * j->W;
+    const float *kb = j->k + h * j->sk_h, *vb = j->v + h * j->sv_h;
+    /* the rows' queries, scaled, packed contiguously: they stay in L1 while the keys stream past */
+    for (int64_t t = 0; t < n; t++)
+        for (int64_t g = 0; g < G; g++) {
+            const float *src = j->q + (off + t) * j->sq_t + (h * G + g) * j->sq_h;
+            float *dst = qb + (t * G + g) * D;
+            for (int64_t d = 0; d < D; d++) dst[d] = src[d] * j->scale;
+        }
+    /* scores, block by block (a block's keys are consecutive slots: no division per key) */
+    for (int64_t b0 = 0; b0 < end; b0 += bs) {
+        const float *kblk = kb + (int64_t)table[b0 / bs] * bs * j->sk_s;
+        const int64_t nb = end - b0 < bs ? end - b0 : bs;
+        for (int64_t i = 0; i < nb; i++) {
+            const int64_t p = b0 + i;
+            const float *kp = kblk + i * j->sk_s;
+            const int64_t r0 = (p > start ? p - start : 0) * G; /* the first row that sees position p */
+            for (int64_t r = r0; r < R; r++) {
+                const float *qr = qb + r * D;
+                float a = 0.f;
+#pragma omp simd reduction(+ : a)
+                for (int64_t d = 0; d < D; d++) a += qr[d] * kp[d];
+                sc[r * stride + p] = a;
+            }
+        }
+    }
+    for (int64_t r = 0; r < R; r++) {
+        float *row = sc + r * stride;
+        const int64_t vis = start + r / G + 1;
+        float m = -FLT_MAX;
+        for (int64_t p = 0; p < vis; p++) m = row[p] > m ? row[p] : m;
+        float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t p = 0; p < vis; p++) {
+            row[p] = expf(row[p] - m);
+            sum += row[p];
+        }
+        const float inv = 1.f / sum;
+        for (int64_t p = 0; p < vis; p++) row[p] *= inv;
+    }
+    memset(acc, 0, sizeof(float) * R * D);
+    for (int64_t b0 = 0; b0 < end; b0 += bs) {
+        const float *vblk = vb + (int64_t)table[b0 / bs] * bs * j->sv_s;
+        const int64_t nb = end - b0 < bs ? end - b0 : bs;
+        for (int64_t i = 0; i < nb; i++) {
+            const int64_t p = b0 + i;
+            const float *vp = vblk + i * j->sv_s;
+            const int64_t r0 = (p > start ? p - start : 0) * G;
+            for (int64_t r = r0; r < R; r++) {
+                const float w = sc[r * stride + p];
+                float *a = acc + r * D;
+#pragma omp simd
+                for (int64_t d = 0; d < D; d++) a[d] += w * vp[d];
+            }
+        }
+    }
+    for (int64_t t = 0; t < n; t++)
+        for (int64_t g = 0; g < G; g++)
+            memcpy(j->out + (off + t) * j->so_t + (h * G + g) * j->so_h, acc + (t * G + g) * D, sizeof(float) * D);
+}
+
+/* The common head sizes as constants, so the compiler unrolls the dot and the update completely. */
+static void unit(const job_t *j, int64_t s, int64_t h, float *qb, float *acc, float *sc, int64_t stride) {
+    if (j->D == 64)
+        unit_d(j, s, h, qb, acc, sc, stride, 64);
+    else if (j->D == 128)
+        unit_d(j, s, h, qb, acc, sc, stride, 128);
+    else
+        unit_d(j, s, h, qb, acc, sc, stride, j->D);
+}
+
+static void work(job_t *j) {
+    int64_t max_r = 1, max_end = 1;
+    for (int64_t i = j->u0; i < j->u1; i++) {
+        const int64_t s = j->units[i] / j->nkv, n = j->segs[3 * s + 1];
+        const int64_t r = n * j->group, e = n + j->segs[3 * s + 2];
+        max_r = r > max_r ? r : max_r;
+        max_end = e > max_end ? e : max_end;
+    }
+    /* queries and accumulators [rows, D], then the scores [rows, max_end] */
+    const size_t floats = (size_t)(2 * max_r * j->D + max_r * max_end);
+    float *buf = aligned_alloc(64, (floats * sizeof(float) + 63) / 64 * 64);
+    if (!buf) {
+        j->rc = -1;
+        return;
+    }
+    float *qb = buf, *acc = buf + max_r * j->D, *sc = acc + max_r * j->D;
+    for (int64_t i = j->u0; i < j->u1; i++) unit(j, j->units[i] / j->nkv, j->units[i] % j->nkv, qb, acc, sc, max_end);
+    free(buf);
+}
+
+/* strides: out (token, head), q (token, head), k (KV head, slot), v (KV head, slot), in elements; the last
+ * dimension of each is contiguous. bounds: [shares + 1] split points into units, one share per thread of
+ * an OpenMP team (torch's own: the library links the libgomp torch has loaded, so the team is the one whose
+ * threads are still spinning after the last matmul, not new threads fighting them for the cores). Returns
+ * 0, or -1 when a worker could not allocate its scratch (nothing is then guaranteed about out). */
+int specmesh_block_attention(float *out, const float *q, const float *k, const float *v, const int32_t *tables,
+                             const int64_t *segs, int64_t W, int64_t nkv, int64_t group, int64_t D, int64_t bs,
+                             const int64_t *strides, float scale, const int64_t *units, const int64_t *bounds,
+                             int shares) {
+    int rc = 0;
+    if (shares < 1) shares = 1;
+#pragma omp parallel for schedule(static, 1) num_threads(shares) reduction(| : rc) if (shares > 1)
+    for (int i = 0; i < shares; i++) {
+        job_t j = {out, q, k, v, tables, segs, W, nkv, group, D, bs,
+                   strides[0], strides[1], strides[2], strides[3], strides[4], strides[5], strides[6], strides[7],
+                   scale, units, bounds[i], bounds[i + 1], 0};
+        work(&j);
+        rc |= j.rc;
+    }
+    return rc;
+}
