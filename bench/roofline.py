@@ -41,7 +41,7 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
 
 CATEGORIES = {  # profiler operator name fragments -> category, first match wins
-    "matmul": ("mm", "linear", "matmul", "mkldnn", "addmm", "bmm"),
+    "matmul": ("mm", "linear", "matmul", "mkldnn", "addmm", "bmm", "gemv"),
     "attention": ("scaled_dot_product", "flash", "softmax", "block_attention"),
     "kv write/read": ("index_put", "index_select", "index", "copy_", "gather"),
     "norm, rotary, activation": ("rms", "mul", "add", "silu", "roll", "pow", "mean", "rsqrt", "neg", "cat", "div"),

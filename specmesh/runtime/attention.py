@@ -1,7 +1,7 @@
 """Which SDPA kernels the hand-written decoders may call: `--attention-backend`.
 
 * `auto` (the default): on CUDA every SDPA backend but cuDNN; on a CPU in float32 the paged runner attends
-  decode steps and verify blocks by its block-table C kernel (`specmesh.runtime.cpu_attention`) and the rest
+  decode steps and verify blocks by its block-table C kernel (`specmesh.runtime.cpu_kernels`) and the rest
   by torch's own SDPA choice.
 * `default`: torch's own SDPA choice everywhere, cuDNN included (on a CPU: no C kernel).
 * `no-cudnn`: flash, memory-efficient or math, whichever torch finds fit.

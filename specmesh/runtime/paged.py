@@ -13,9 +13,9 @@ computed once and shared (prefix caching, scoped by tenant).
   lse = logaddexp over the pieces, out = sum of out_r * exp(lse_r - lse). The pieces are the runs covering
   the cached prefix (visible to every new query, no mask) and the new tokens' own keys straight from the
   batch (causal among themselves), so the new tokens may span runs.
-* On a CPU in float32 (`attention_backend="auto"`) every sequence of up to `cpu_attention.MAX_TOKENS` new
+* On a CPU in float32 (`attention_backend="auto"`) every sequence of up to `cpu_kernels.MAX_TOKENS` new
   tokens (a decode step, a verify block) attends through the block-table C kernel
-  (`specmesh.runtime.cpu_attention`): one call per layer for all of them, the KV read where it lies, so
+  (`specmesh.runtime.cpu_kernels`): one call per layer for all of them, the KV read where it lies, so
   neither the merge nor the gather above is needed for them; prefill chunks keep the paths above.
 * On CUDA every sequence of the batch attends through the block-table Triton kernel
   (`specmesh.runtime.block_attention`): one launch per layer, the KV read where it lies, whatever the runs.
@@ -51,7 +51,7 @@ import torch.nn.functional as F
 from transformers import PreTrainedModel
 
 from specmesh.errors import InvalidArgument
-from specmesh.runtime import PrefillChunk, StepResult, cpu_attention
+from specmesh.runtime import PrefillChunk, StepResult, cpu_kernels
 from specmesh.runtime import block_attention as kernel
 from specmesh.runtime.attention import check_attention_backend, sdpa_context
 from specmesh.runtime.batched import (
@@ -127,7 +127,7 @@ class _BlockAttention:
         segments: list[_Segment],
         plan: tuple[torch.Tensor, torch.Tensor] | None = None,
         block_size: int = 0,
-        cpu: cpu_attention.Plan | None = None,
+        cpu: cpu_kernels.Plan | None = None,
     ):
         self.k_pool, self.v_pool, self.slots, self.segments = k_pool, v_pool, slots, segments
         self.nkv, self.g = dec.n_kv, dec.group
@@ -146,7 +146,7 @@ class _BlockAttention:
             kernel.block_attention(attn, q, k_layer, v_layer, *self.plan, self.block_size, scale)
             return
         if self.cpu is not None:
-            cpu_attention.block_attention(attn, q, k_layer, v_layer, self.cpu, self.block_size, scale)
+            cpu_kernels.block_attention(attn, q, k_layer, v_layer, self.cpu, self.block_size, scale)
         for seg in self.segments:
             n, off = seg.n, seg.off
             qs = fold_queries(q[off : off + n], nkv, g)
@@ -242,12 +242,12 @@ class PagedRunner(_RaggedRunner):
         self.block_kernel = bool(block_kernel)
         if self.block_kernel and self.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError(f"block_kernel: Triton runs on CUDA, or on {self.device.type} under TRITON_INTERPRET=1")
-        # The CPU block-table kernel (`cpu_attention`) for decode steps and verify blocks: by default on a CPU in
+        # The CPU block-table kernel (`cpu_kernels`) for decode steps and verify blocks: by default on a CPU in
         # float32 under `auto` wherever it builds; other backends keep torch's SDPA.
         fits = self.device.type == "cpu" and self._dec.dtype == torch.float32 and not self.block_kernel
         if cpu_kernel is None:
-            cpu_kernel = fits and attention_backend == "auto" and cpu_attention.load() is not None
-        elif cpu_kernel and not (fits and cpu_attention.load() is not None):
+            cpu_kernel = fits and attention_backend == "auto" and cpu_kernels.load() is not None
+        elif cpu_kernel and not (fits and cpu_kernels.load() is not None):
             raise ValueError("cpu_kernel: the CPU attention kernel takes float32 on a CPU with a C compiler")
         self.cpu_kernel = bool(cpu_kernel)
         self._lock = threading.Lock()  # tables are opened/freed on the event loop, used on the model thread
@@ -471,7 +471,7 @@ class PagedRunner(_RaggedRunner):
         dev = self.device
         slots = torch.tensor(flat_slot, dtype=torch.long, device=dev)  # [T]
         dec = self._dec
-        cpu: cpu_attention.Plan | None = None
+        cpu: cpu_kernels.Plan | None = None
         if self.block_kernel:
             segments: list[_Segment] = []
             plan: tuple[torch.Tensor, torch.Tensor] | None = self._kernel_plan(work)
@@ -505,16 +505,16 @@ class PagedRunner(_RaggedRunner):
         SDPA's flash kernel, which is faster for many queries)."""
         if not self.cpu_kernel:
             return set()
-        return {i for i, w in enumerate(work) if 0 < len(w.feed) <= cpu_attention.MAX_TOKENS}
+        return {i for i, w in enumerate(work) if 0 < len(w.feed) <= cpu_kernels.MAX_TOKENS}
 
-    def _cpu_plan(self, work: list[_Work], take: set[int]) -> cpu_attention.Plan:
+    def _cpu_plan(self, work: list[_Work], take: set[int]) -> cpu_kernels.Plan:
         spans, tables, off = [], [], 0
         for i, w in enumerate(work):
             if i in take:
                 spans.append((off, len(w.feed), w.start))
                 tables.append(w.seq.table.blocks)
             off += len(w.feed)
-        return cpu_attention.Plan(spans, tables, self._dec.n_kv, self._dec.group)
+        return cpu_kernels.Plan(spans, tables, self._dec.n_kv, self._dec.group)
 
     def _segments(self, work: list[_Work], skip: set[int] | None = None) -> list[_Segment]:
         """How each sequence attends: over one view, run by run, or gathered (see the module docstring);

@@ -28,7 +28,7 @@ import operator
 import sys
 import threading
 import warnings
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, Self, SupportsIndex
 
 import torch
@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from transformers import PreTrainedModel
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
+from specmesh.runtime import cpu_kernels
 from specmesh.runtime.attention import check_attention_backend, sdpa_context
 from specmesh.runtime.base import SequentialRunner, plain_full_attention
 from specmesh.runtime.sequence import SequenceBase
@@ -327,6 +328,10 @@ class _FastDecoder:
         self.pack_all = bool(packed)
         self.packed = _can_pack(self.embed) if packed is None else bool(packed)
         self.linear = self._packed_linear if self.packed else F.linear
+        # One row (a decode step) through specmesh's GEMV over both threads, where it builds (cpu_kernels).
+        self.gemv = self.embed.device.type == "cpu" and self.dtype == torch.float32 and cpu_kernels.load() is not None
+        if self.gemv:
+            self.linear = self._one_row_gemv(self.linear)
         self.cos: torch.Tensor  # [pos, 1, D] rotary tables for positions [0, table_len), built by reserve()
         self.sin: torch.Tensor
         self.table_len = 0
@@ -365,6 +370,19 @@ class _FastDecoder:
         return torch.cat(
             [lin.bias.detach() if lin.bias is not None else lin.weight.new_zeros(lin.out_features) for lin in linears]
         )
+
+    @staticmethod
+    def _one_row_gemv(linear: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+        def one_row_first(
+            x: torch.Tensor, w: torch.Tensor | tuple[torch.Tensor, torch.Tensor], b: torch.Tensor | None
+        ) -> torch.Tensor:
+            if x.dim() == 2 and x.shape[0] == 1:
+                rows = w[0] if isinstance(w, tuple) else w
+                if cpu_kernels.gemv_fits(rows):
+                    return cpu_kernels.gemv(x, rows, b)
+            return linear(x, w, b)
+
+        return one_row_first
 
     @staticmethod
     def _packed_linear(

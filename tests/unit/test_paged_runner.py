@@ -249,9 +249,9 @@ def test_a_kernel_that_disagrees_is_not_served(gqa, monkeypatch):
 def test_a_cpu_kernel_that_disagrees_is_not_served(gqa, monkeypatch):
     """The CPU block-table kernel is checked by the same probe: one that disagrees is turned off and the
     runner attends by SDPA."""
-    from specmesh.runtime import cpu_attention
+    from specmesh.runtime import cpu_kernels
 
-    monkeypatch.setattr(cpu_attention, "block_attention", lambda out, q, *a: out.copy_(q))
+    monkeypatch.setattr(cpu_kernels, "block_attention", lambda out, q, *a: out.copy_(q))
     r = PagedRunner(gqa, 16, 4)
     assert not r.cpu_kernel
     seq = r.new_sequence(ids_of(9, seed=2))
@@ -272,12 +272,12 @@ def test_the_cpu_kernel_is_the_default_in_float32_under_auto_only(gqa):
 
 def test_without_a_compiler_the_runner_attends_by_sdpa(gqa, monkeypatch):
     """No C compiler on the machine: the kernel cannot be built, `load` says so, the runner serves by SDPA."""
-    from specmesh.runtime import cpu_attention
+    from specmesh.runtime import cpu_kernels
 
-    monkeypatch.setattr(cpu_attention, "_tried", False)
-    monkeypatch.setattr(cpu_attention, "_lib", None)
+    monkeypatch.setattr(cpu_kernels, "_tried", False)
+    monkeypatch.setattr(cpu_kernels, "_lib", None)
     monkeypatch.setenv("CC", "/nonexistent/cc")
-    assert cpu_attention.load() is None
+    assert cpu_kernels.load() is None
     r = PagedRunner(gqa, 16, 4)
     assert not r.cpu_kernel
     seq = r.new_sequence(ids_of(9, seed=2))

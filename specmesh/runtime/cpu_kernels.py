@@ -1,17 +1,26 @@
-"""Block-table attention on the CPU (`csrc/block_attention_cpu.c`): the short sequences of a forward (decode
-steps, verify blocks) attend over their KV where the block pool holds it, in one call per layer for the whole
-batch, split over the forward's threads. `PagedRunner`'s default on a CPU in float32.
+"""specmesh's C kernels for the CPU (`csrc/`), the two places a decode step's time went outside what the
+machine allows:
 
-Why a C kernel: SDPA is one call per sequence and layer, and for the few queries of a decode step or a verify
-block each call is mostly fixed cost (dispatch, the flash kernel's set-up and threads): on the demo target a
-16 x 5 verify batch spent 12-14 ms of its 55 in 160 such calls, and a session on a shared prefix paid one call
-per run of blocks plus a merge. Here the whole batch is one call per layer, the block table is read where the
-pool holds it (no gather, no merge), and the keys and values are read once per KV head.
+* **Block-table attention** (`block_attention`, `csrc/block_attention_cpu.c`): the short sequences of a forward
+  (decode steps, verify blocks) attend over their KV where the block pool holds it, in one call per layer for
+  the whole batch. `PagedRunner`'s default on a CPU in float32 (`--attention-backend auto`). SDPA is one call
+  per sequence and layer, and for the few queries of a decode step or a verify block each call is mostly fixed
+  cost (dispatch, the flash kernel's set-up and threads): on the demo target a 16 x 5 verify batch spent 12-14
+  ms of its 55 in 160 such calls, and a session on a shared prefix paid one call per run of blocks plus a
+  merge. Here the whole batch is one call per layer, the block table is read where the pool holds it (no
+  gather, no merge), and the keys and values are read once per KV head.
+* **One row through a linear layer** (`gemv`, `csrc/gemv_cpu.c`): a decode step's matmuls are matrix-vector
+  products, which MKL runs on one thread at ~16 GB/s; this one splits the weights' rows over both threads
+  (~28 GB/s on the demo target's matrices), with a fixed split so every call rounds the same way.
+
+Both run on torch's own OpenMP team: the library links the libgomp torch has loaded, so the threads still
+spinning after the last operator take the work instead of new threads fighting them for the cores.
 
 The library is compiled on first use with the machine's C compiler (`cc`, or `$CC`; well under a second) for
 this CPU (`-march=native`), and cached under `$SPECMESH_CACHE_DIR` (default `~/.cache/specmesh`) by a hash of
-the source, the flags and the CPU's feature flags. Without a compiler `load()` says why once and returns
-None; the runner then attends by SDPA, which is slower, not different.
+the sources, the flags and the CPU's feature flags. Without a compiler, or with `SPECMESH_CPU_KERNELS=0` (for
+diagnosis and A/B runs), `load()` says why once and returns None; the runners then use torch's kernels,
+which are slower, not different.
 """
 
 from __future__ import annotations
@@ -33,13 +42,14 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("csrc") / "block_attention_cpu.c"
+SOURCES = tuple(Path(__file__).with_name("csrc") / n for n in ("block_attention_cpu.c", "gemv_cpu.c"))
 # -ffast-math on the compile step only: it lets gcc call glibc's vectorised expf (the kernel never makes an
 # infinity: masked keys are skipped). Linked without it, so no crtfastmath.o turns on flush-to-zero for the
 # whole process on load.
 COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c11", "-D_GNU_SOURCE")
 LINK_FLAGS = ("-shared", "-fopenmp")
 MAX_TOKENS = 16  # a sequence with more new tokens (a prefill chunk) attends by SDPA's flash kernel
+GEMV_PARALLEL_MIN = 64 * 1024  # weights below this many elements: one thread
 # Below this much work (rows x keys over the batch) one thread: starting a second costs more than it saves.
 PARALLEL_MIN_WORK = 4096
 
@@ -69,11 +79,11 @@ def _build(cc: str, out: Path) -> None:
     """Compile and link the library to `out` atomically (concurrent processes each write their own file)."""
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-        obj, lib = Path(tmp) / "k.o", Path(tmp) / "k.so"
-        for cmd in (
-            [cc, *COMPILE_FLAGS, "-c", str(SOURCE), "-o", str(obj)],
-            [cc, *LINK_FLAGS, str(obj), "-o", str(lib), "-lm"],
-        ):
+        objs = [Path(tmp) / f"{src.stem}.o" for src in SOURCES]
+        lib = Path(tmp) / "k.so"
+        cmds = [[cc, *COMPILE_FLAGS, "-c", str(src), "-o", str(obj)] for src, obj in zip(SOURCES, objs, strict=True)]
+        cmds.append([cc, *LINK_FLAGS, *map(str, objs), "-o", str(lib), "-lm"])
+        for cmd in cmds:
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False)
             if done.returncode:
                 raise RuntimeError(f"{' '.join(cmd)}: {done.stderr.strip()[-500:]}")
@@ -81,35 +91,76 @@ def _build(cc: str, out: Path) -> None:
 
 
 def load() -> ctypes.CDLL | None:
-    """The compiled kernel (built and cached on first use), or None where it cannot be built here."""
+    """The compiled kernels (built and cached on first use), or None where they cannot be built here or are
+    turned off."""
     global _lib, _tried
     with _lock:
         if _tried:
             return _lib
         _tried = True
+        if os.environ.get("SPECMESH_CPU_KERNELS", "1") == "0":
+            log.info("SPECMESH_CPU_KERNELS=0: specmesh's CPU kernels are off, torch's serve instead")
+            return None
         cc = shutil.which(os.environ.get("CC", "cc"))
         if cc is None:
-            log.warning("no C compiler (cc) here: the CPU block-table attention kernel is off, attending by SDPA")
+            log.warning("no C compiler (cc) here: specmesh's CPU kernels are off, torch's serve instead")
             return None
-        key = hashlib.sha256(
-            b"\0".join(
-                [SOURCE.read_bytes(), " ".join(COMPILE_FLAGS + LINK_FLAGS).encode(), cc.encode(), _cpu_flags().encode()]
-            )
-        ).hexdigest()[:16]
-        path = cache_dir() / f"block_attention_cpu-{platform.machine()}-{key}.so"
+        parts = [src.read_bytes() for src in SOURCES]
+        parts += [" ".join(COMPILE_FLAGS + LINK_FLAGS).encode(), cc.encode(), _cpu_flags().encode()]
+        key = hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
+        path = cache_dir() / f"cpu_kernels-{platform.machine()}-{key}.so"
         try:
             if not path.exists():
                 _build(cc, path)
             lib = ctypes.CDLL(str(path))
         except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-            log.warning("the CPU block-table attention kernel could not be built (%s): attending by SDPA", e)
+            log.warning("specmesh's CPU kernels could not be built (%s): torch's serve instead", e)
             return None
-        fn = lib.specmesh_block_attention
         p, i64 = ctypes.c_void_p, ctypes.c_int64
+        fn = lib.specmesh_block_attention
         fn.argtypes = [p, p, p, p, p, p, i64, i64, i64, i64, i64, p, ctypes.c_float, p, p, ctypes.c_int]
+        fn.restype = ctypes.c_int
+        fn = lib.specmesh_gemv
+        fn.argtypes = [p, p, p, p, i64, i64, i64, ctypes.c_int]
         fn.restype = ctypes.c_int
         _lib = lib
         return lib
+
+
+def gemv_fits(w: torch.Tensor) -> bool:
+    """Whether `gemv` takes this weight: float32 on the CPU, an [out, in] view of [in, out] rows (how the
+    decoders store their weights for MKL)."""
+    return w.device.type == "cpu" and w.dtype == torch.float32 and w.dim() == 2 and w.stride(0) == 1
+
+
+def gemv(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """F.linear(x, w, b) for one row x [1, in] (float32, CPU) and a weight `gemv_fits` takes."""
+    lib = load()
+    if lib is None:
+        raise RuntimeError("specmesh's CPU kernels are not built here")
+    out, n_in = w.shape
+    if not gemv_fits(w) or x.shape != (1, n_in) or x.dtype != torch.float32:
+        raise ValueError(f"gemv: x {tuple(x.shape)} {x.dtype} against w {tuple(w.shape)} strides {w.stride()}")
+    if b is not None and (b.shape != (out,) or b.dtype != torch.float32):
+        raise ValueError(f"gemv: bias {tuple(b.shape)} for {out} outputs")
+    x = x.contiguous()
+    b = b.contiguous() if b is not None else None
+    y = torch.empty((1, out), dtype=torch.float32)
+    threads = torch.get_num_threads() if out * n_in >= GEMV_PARALLEL_MIN else 1
+    with _profiled("specmesh::cpu_gemv"):
+        rc = lib.specmesh_gemv(
+            y.data_ptr(),
+            x.data_ptr(),
+            w.data_ptr(),
+            b.data_ptr() if b is not None else None,
+            n_in,
+            out,
+            w.stride(1),
+            threads,
+        )
+    if rc:
+        raise MemoryError("specmesh's CPU gemv could not allocate its partial sums")
+    return y
 
 
 class Plan:
@@ -165,7 +216,7 @@ def block_attention(
     as they are."""
     lib = load()
     if lib is None:
-        raise RuntimeError("the CPU block-table attention kernel is not built here")
+        raise RuntimeError("specmesh's CPU kernels are not built here")
     _, nh, d = q.shape
     n_kv = k_pool.shape[0]
     if not (supports(q) and out.dtype == k_pool.dtype == v_pool.dtype == torch.float32):
@@ -179,17 +230,17 @@ def block_attention(
         + [k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1)],
         dtype=torch.int64,
     )
-    with _profiled():
+    with _profiled("specmesh::cpu_block_attention"):
         rc = _call(lib, out, q, k_pool, v_pool, plan, block_size, scale, strides)
     if rc:
         raise MemoryError("the CPU block-table attention kernel could not allocate its scratch")
 
 
-def _profiled() -> contextlib.AbstractContextManager:
+def _profiled(name: str) -> contextlib.AbstractContextManager:
     """A profiler range named for the kernel while torch's profiler runs (its breakdowns would otherwise
     count the call as the gap between operators); nothing otherwise."""
     if torch.autograd.profiler._is_profiler_enabled:
-        return torch.profiler.record_function("specmesh::cpu_block_attention")
+        return torch.profiler.record_function(name)
     return contextlib.nullcontext()
 
 

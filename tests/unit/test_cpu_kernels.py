@@ -1,0 +1,157 @@
+"""The CPU block-table attention kernel (`specmesh.runtime.cpu_kernels`) against the gathered torch
+reference: ragged batches of short sequences over scattered blocks, GQA and not, several head sizes, one
+thread or several (the same result: a row never depends on how the work is split), and bad input refused."""
+
+import random
+
+import pytest
+import torch
+
+from specmesh.runtime import block_attention, cpu_kernels
+
+
+def case(seed: int, nh: int, n_kv: int, d: int, bs: int, spans: list[tuple[int, int]]):
+    """A pool of 64 blocks, sequences (new tokens, first position) with tables of scattered blocks."""
+    g = torch.Generator().manual_seed(seed)
+    rnd = random.Random(seed)
+    slots = 64 * bs
+    k = torch.randn(n_kv, slots, d, generator=g)
+    v = torch.randn(n_kv, slots, d, generator=g)
+    free = list(range(64))
+    rnd.shuffle(free)
+    tables, segments, off = [], [], 0
+    for n, start in spans:
+        need = -(-(start + n) // bs)
+        tables.append([free.pop() for _ in range(need)])
+        segments.append((off, n, start))
+        off += n
+    q = torch.randn(off, nh, d, generator=g)
+    return q, k, v, tables, segments
+
+
+SHAPES = [(8, 8, 64), (8, 2, 64), (4, 4, 128), (6, 3, 40)]
+
+
+@pytest.mark.parametrize(("nh", "n_kv", "d"), SHAPES)
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_matches_the_gathered_reference(nh, n_kv, d, threads, monkeypatch):
+    monkeypatch.setattr(cpu_kernels, "PARALLEL_MIN_WORK", 0)
+    torch.set_num_threads(threads)
+    try:
+        spans = [(1, 0), (1, 37), (5, 12), (16, 90), (3, 3), (1, 200)]
+        q, k, v, tables, segments = case(d + nh + n_kv, nh, n_kv, d, 8, spans)
+        plan = cpu_kernels.Plan([(o, n, s) for o, n, s in segments], tables, n_kv, nh // n_kv)
+        assert plan.threads == min(threads, len(spans) * n_kv)
+        out = torch.full_like(q, float("nan"))
+        cpu_kernels.block_attention(out, q, k, v, plan, 8, d**-0.5)
+        want = block_attention.reference(q, k, v, tables, segments, 8, d**-0.5)
+        torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+    finally:
+        torch.set_num_threads(2)
+
+
+def test_a_row_does_not_depend_on_the_split_or_the_batch(monkeypatch):
+    """One sequence alone, or among others, on one thread or two: bit-identical rows (the greedy path's
+    verify block and its one-token step meet the same arithmetic)."""
+    monkeypatch.setattr(cpu_kernels, "PARALLEL_MIN_WORK", 0)
+    q, k, v, tables, segments = case(3, 8, 8, 64, 16, [(5, 140), (1, 60), (4, 300)])
+    outs = []
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        plan = cpu_kernels.Plan(segments, tables, 8, 1)
+        out = torch.zeros_like(q)
+        cpu_kernels.block_attention(out, q, k, v, plan, 16, 0.125)
+        outs.append(out)
+    torch.set_num_threads(2)
+    alone = torch.zeros_like(q)
+    cpu_kernels.block_attention(alone, q, k, v, cpu_kernels.Plan([segments[0]], [tables[0]], 8, 1), 16, 0.125)
+    assert torch.equal(outs[0], outs[1])
+    assert torch.equal(alone[:5], outs[0][:5]) and not alone[5:].any()  # other rows left as they were
+
+
+def test_strided_queries_and_outputs():
+    """Queries as the decoder hands them (a slice of the fused projection) and a strided output."""
+    q, k, v, tables, segments = case(4, 8, 8, 64, 8, [(3, 20), (2, 9)])
+    wide = torch.randn(q.shape[0], 3 * 8, 64)
+    wide[:, 8:16] = q
+    out = torch.zeros(q.shape[0], 8, 2, 64)[:, :, 1]
+    cpu_kernels.block_attention(out, wide[:, 8:16], k, v, cpu_kernels.Plan(segments, tables, 8, 1), 8, 0.125)
+    torch.testing.assert_close(out, block_attention.reference(q, k, v, tables, segments, 8, 0.125))
+
+
+def test_bad_input_is_refused():
+    q, k, v, tables, segments = case(5, 8, 8, 64, 8, [(2, 4)])
+    plan = cpu_kernels.Plan(segments, tables, 8, 1)
+    with pytest.raises(ValueError, match="float32"):
+        cpu_kernels.block_attention(q.half(), q.half(), k, v, plan, 8, 0.125)
+    with pytest.raises(ValueError, match="pool"):
+        cpu_kernels.block_attention(q, q, k[:4], v[:4], plan, 8, 0.125)
+    with pytest.raises(ValueError, match="contiguous"):
+        t = q.transpose(1, 2).contiguous().transpose(1, 2)
+        cpu_kernels.block_attention(t, t, k, v, plan, 8, 0.125)
+    with pytest.raises(ValueError, match="new tokens"):
+        cpu_kernels.Plan([(0, 0, 4)], tables, 8, 1)
+
+
+# --- one row through a linear layer ---------------------------------------------------------------------------
+
+
+def stored(out: int, n_in: int, seed: int) -> torch.Tensor:
+    """A weight as the decoders keep it: [in, out] rows, seen as F.linear's [out, in]."""
+    return torch.randn(n_in, out, generator=torch.Generator().manual_seed(seed)).t()
+
+
+@pytest.mark.parametrize(("out", "n_in"), [(1536, 512), (512, 1408), (8192, 512), (7, 5), (33, 130)])
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("bias", [False, True])
+def test_gemv_matches_f_linear(out, n_in, threads, bias, monkeypatch):
+    monkeypatch.setattr(cpu_kernels, "GEMV_PARALLEL_MIN", 0)
+    torch.set_num_threads(threads)
+    try:
+        w = stored(out, n_in, out + n_in)
+        x = torch.randn(1, n_in)
+        b = torch.randn(out) if bias else None
+        exact = torch.nn.functional.linear(x.double(), w.double(), b.double() if bias else None)
+        err = (cpu_kernels.gemv(x, w, b).double() - exact).abs().max()
+        torch_err = (torch.nn.functional.linear(x, w, b).double() - exact).abs().max()
+        assert err <= 4 * torch_err + 1e-6  # fp32 rounding of the same order as torch's own
+    finally:
+        torch.set_num_threads(2)
+
+
+def test_gemv_rounds_the_same_on_every_call():
+    w, x = stored(2816, 512, 1), torch.randn(1, 512)
+    first = cpu_kernels.gemv(x, w, None)
+    assert all(torch.equal(first, cpu_kernels.gemv(x, w, None)) for _ in range(20))
+
+
+def test_gemv_refuses_what_it_does_not_take():
+    w = stored(64, 32, 2)
+    with pytest.raises(ValueError, match="gemv"):
+        cpu_kernels.gemv(torch.randn(2, 32), w, None)  # two rows: F.linear's
+    with pytest.raises(ValueError, match="gemv"):
+        cpu_kernels.gemv(torch.randn(1, 32), w.contiguous(), None)  # [out, in] rows: not the decoders' layout
+    with pytest.raises(ValueError, match="bias"):
+        cpu_kernels.gemv(torch.randn(1, 32), w, torch.randn(3))
+
+
+def test_the_decoders_take_one_row_through_it_and_more_through_torch(monkeypatch):
+    """A decode step's linears go through the GEMV, a verify block's (several rows) through torch; the step's
+    logits equal the HF forward's either way (the runner tests check every shape against HF)."""
+    from specmesh.runtime.paged import PagedRunner
+    from tests.support.models import tiny_model
+
+    calls = []
+    real = cpu_kernels.gemv
+    monkeypatch.setattr(cpu_kernels, "gemv", lambda x, w, b: calls.append(x.shape) or real(x, w, b))
+    r = PagedRunner(tiny_model("llama", seed=5), 16, 4)
+    assert r._dec.gemv
+    seq = r.new_sequence(list(range(1, 10)))
+    r.forward([seq])
+    calls.clear()
+    seq.commit([3])
+    r.forward([seq])  # one row
+    assert calls and all(s[0] == 1 for s in calls)
+    calls.clear()
+    r.forward([seq], [[4, 5, 6]])  # four rows
+    assert not calls
