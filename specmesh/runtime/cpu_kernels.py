@@ -94,6 +94,8 @@ def load() -> ctypes.CDLL | None:
     """The compiled kernels (built and cached on first use), or None where they cannot be built here or are
     turned off."""
     global _lib, _tried
+    if _tried:  # every forward asks, per layer and per matmul: no lock once settled
+        return _lib
     with _lock:
         if _tried:
             return _lib
@@ -167,12 +169,13 @@ class Plan:
     """One forward's call, built once for every layer: the sequences' (first batch row, new tokens, first
     position), their block tables, and the (sequence, KV head) units split over `threads` by work."""
 
-    __slots__ = ("bounds", "n_kv", "segs", "tables", "threads", "units", "width")
+    __slots__ = ("bounds", "n_kv", "segs", "strides", "tables", "threads", "units", "width")
 
     def __init__(self, spans: Sequence[tuple[int, int, int]], tables: Sequence[Sequence[int]], n_kv: int, group: int):
         if not spans or len(spans) != len(tables) or any(n < 1 for _, n, _ in spans):
             raise ValueError("a CPU attention plan needs one table per sequence and new tokens in each")
         self.n_kv = n_kv
+        self.strides: tuple[tuple[int, ...], torch.Tensor] | None = None  # the tensors' strides, once called
         self.width = max(1, max(len(t) for t in tables))
         rows = torch.zeros((len(tables), self.width), dtype=torch.int32)
         for i, t in enumerate(tables):
@@ -225,13 +228,11 @@ def block_attention(
         raise ValueError(f"CPU block attention: q {tuple(q.shape)} against a pool {tuple(k_pool.shape)}")
     if q.stride(2) != 1 or k_pool.stride(2) != 1 or v_pool.stride(2) != 1 or out.stride(2) != 1:
         raise ValueError("CPU block attention needs the head dimension contiguous")
-    strides = torch.tensor(
-        [out.stride(0), out.stride(1), q.stride(0), q.stride(1)]
-        + [k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1)],
-        dtype=torch.int64,
-    )
+    key = tuple(t.stride(i) for t in (out, q, k_pool, v_pool) for i in (0, 1))
+    if plan.strides is None or plan.strides[0] != key:  # every layer of a forward has the same layout
+        plan.strides = (key, torch.tensor(key, dtype=torch.int64))
     with _profiled("specmesh::cpu_block_attention"):
-        rc = _call(lib, out, q, k_pool, v_pool, plan, block_size, scale, strides)
+        rc = _call(lib, out, q, k_pool, v_pool, plan, block_size, scale, plan.strides[1])
     if rc:
         raise MemoryError("the CPU block-table attention kernel could not allocate its scratch")
 
