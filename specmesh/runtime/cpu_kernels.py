@@ -42,7 +42,9 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).with_name("csrc") / n for n in ("block_attention_cpu.c", "gemv_cpu.c"))
+SOURCES = tuple(
+    Path(__file__).with_name("csrc") / n for n in ("block_attention_cpu.c", "gemv_cpu.c", "decode_step_cpu.c")
+)
 # -ffast-math on the compile step only: it lets gcc call glibc's vectorised expf (the kernel never makes an
 # infinity: masked keys are skipped). Linked without it, so no crtfastmath.o turns on flush-to-zero for the
 # whole process on load.
@@ -124,6 +126,9 @@ def load() -> ctypes.CDLL | None:
         fn.restype = ctypes.c_int
         fn = lib.specmesh_gemv
         fn.argtypes = [p, p, p, p, i64, i64, i64, ctypes.c_int]
+        fn.restype = ctypes.c_int
+        fn = lib.specmesh_decode_step
+        fn.argtypes = [p, p, p, p, p, p, p, p, ctypes.c_float, p, p, p, ctypes.c_int]
         fn.restype = ctypes.c_int
         _lib = lib
         return lib
@@ -265,3 +270,143 @@ def _call(lib, out, q, k_pool, v_pool, plan: Plan, block_size: int, scale: float
         plan.bounds.data_ptr(),
         plan.threads,
     )
+
+
+# decode_step_cpu.c's layout of its arguments: per layer these pointers and floats, then the dimensions.
+_LN1, _WQKV, _BQKV, _WO, _BO, _QN, _KN, _LN2, _WGU, _BGU, _WD, _BD, _KPOOL, _VPOOL, _NPTR = range(15)
+_NFL = 5
+_POS, _BS, _K_SH, _K_SS, _V_SH, _V_SS, _NDIM = 8, 7, 9, 10, 11, 12, 13
+
+
+def _rows_of(w: torch.Tensor | tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """The [out, in] view of [in, out] rows a decoder keeps (the first of a packed pair)."""
+    return w[0] if isinstance(w, tuple) else w
+
+
+def _dense(t: torch.Tensor | None) -> bool:
+    return t is None or (t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous())
+
+
+class DecodeStep:
+    """One token of one sequence through a whole decoder in one call (`csrc/decode_step_cpu.c`): the embedding
+    row in, the logits out, the token's key and value written into the KV where its block table says.
+
+    A decode step of one stream is 71 matrix-vector products on the demo target plus ~150 small operators
+    (norms, rotary, the KV write, attention, the activation), each a Python call and a torch dispatch, and each
+    product a fork and join of the thread team: the operators and joins cost the step ~2.5 ms of its ~8 over
+    the weights' reads. Here the forward is one OpenMP region, seven barriers a layer: on the demo target ~5 ms
+    a step against the 4.3 ms its weights take to read at the machine's bandwidth.
+
+    `dec` is a `static._FastDecoder` (its fused [in, out] weights and rotary tables are read, never copied);
+    `reason(dec)` says why one cannot be built for it (None: it can)."""
+
+    def __init__(self, dec) -> None:
+        why = self.reason(dec)
+        if why:
+            raise ValueError(f"no fused decode step: {why}")
+        lib = load()
+        assert lib is not None  # reason() said it is built
+        self.lib = lib
+        self.dec = dec
+        # The tensors the pointers below point into, alive as long as this step is (the decoder may rebuild
+        # its copies while another thread is still inside a call).
+        self._held = (dec.layers, dec.lm_w, dec.lm_b)
+        n_layers = len(dec.layers)
+        self._ptrs_t, self._dims_t = ctypes.c_void_p * (n_layers * _NPTR), ctypes.c_int64 * _NDIM
+        self.ptrs = self._ptrs_t()
+        self.fl = (ctypes.c_float * (n_layers * _NFL))()
+        self.dims = self._dims_t()
+        for i, (ln1, eps1, wqkv, bqkv, wo, bo, scale, qn, kn, ln2, eps2, wgu, bgu, _, wd, bd, _) in enumerate(
+            dec.layers
+        ):
+            ptr: list[ctypes.c_void_p | int | None] = [None] * _NPTR
+            ptr[_LN1], ptr[_WQKV], ptr[_BQKV] = ln1.data_ptr(), _rows_of(wqkv).data_ptr(), _ptr(bqkv)
+            ptr[_WO], ptr[_BO] = _rows_of(wo).data_ptr(), _ptr(bo)
+            ptr[_QN] = qn.weight.data_ptr() if qn is not None else None
+            ptr[_KN] = kn.weight.data_ptr() if kn is not None else None
+            ptr[_LN2], ptr[_WGU], ptr[_BGU] = ln2.data_ptr(), _rows_of(wgu).data_ptr(), _ptr(bgu)
+            ptr[_WD], ptr[_BD] = _rows_of(wd).data_ptr(), _ptr(bd)
+            self.ptrs[i * _NPTR : (i + 1) * _NPTR] = ptr
+            qeps = qn.variance_epsilon if qn is not None else 0.0
+            keps = kn.variance_epsilon if kn is not None else 0.0
+            self.fl[i * _NFL : (i + 1) * _NFL] = [eps1, eps2, scale, qeps, keps]
+        hidden, vocab, inter = dec.embed.shape[1], _rows_of(dec.lm_w).shape[0], dec.layers[0][13]
+        self.dims[:7] = [hidden, dec.n_heads, dec.n_kv, dec.head_dim, inter, vocab, n_layers]
+        self.hidden, self.vocab = hidden, vocab
+        self.lm_w, self.lm_b = _rows_of(dec.lm_w).data_ptr(), _ptr(dec.lm_b)
+
+    @staticmethod
+    def reason(dec) -> str | None:
+        """Why a fused step cannot serve this decoder here, or None."""
+        if load() is None:
+            return "specmesh's CPU kernels are not built here"
+        if dec.embed.device.type != "cpu" or dec.dtype != torch.float32:
+            return "it runs float32 on a CPU"
+        if dec.head_dim % 2 or dec.head_dim > 512:
+            return f"head_dim {dec.head_dim}"
+        if not (_dense(dec.embed) and _dense(dec.norm_w) and _dense(dec.lm_b) and _dense(dec.cos) and _dense(dec.sin)):
+            return "embedding, norm or rotary tables not dense float32"
+        if len({layer[13] for layer in dec.layers}) != 1:
+            return "layers of different MLP widths"
+        mats = [dec.lm_w]
+        for ln1, _, wqkv, bqkv, wo, bo, _, qn, kn, ln2, _, wgu, bgu, _, wd, bd, act in dec.layers:
+            if act is not torch.nn.functional.silu:
+                return f"activation {act!r} (SiLU only)"
+            if not all(_dense(t) for t in (ln1, ln2, bqkv, bo, bgu, bd)):
+                return "norm weights or biases not dense float32"
+            if any(n is not None and not _dense(getattr(n, "weight", None)) for n in (qn, kn)):
+                return "q/k norm weights not dense float32"
+            mats += [wqkv, wo, wgu, wd]
+        for w in map(_rows_of, mats):
+            if not (gemv_fits(w) and w.stride(1) == w.shape[0]):
+                return f"a weight {tuple(w.shape)} with strides {w.stride()} is not [in, out] rows"
+        return None
+
+    def __call__(
+        self,
+        token: int,
+        pos: int,
+        k_pools: Sequence[torch.Tensor],
+        v_pools: Sequence[torch.Tensor],
+        table: torch.Tensor,
+        block_size: int,
+        logits: bool = True,
+    ) -> torch.Tensor | None:
+        """Logits [1, V] (None with logits=False) of `token` at position `pos`; its key and value go to slot
+        table[pos // block_size] * block_size + pos % block_size of each layer's pools ([n_kv, slots, D]
+        with D contiguous; one tensor per layer), and it attends over positions [0, pos] there. The caller
+        has made the decoder's rotary tables reach `pos` and checked `token` against the vocabulary."""
+        # Per call: the draft service steps several sessions at once on worker threads.
+        dec, dims, ptrs = self.dec, self._dims_t.from_buffer_copy(self.dims), self._ptrs_t.from_buffer_copy(self.ptrs)
+        cos, sin = dec.cos, dec.sin  # held through the call: another thread may grow the tables meanwhile
+        k0, v0 = k_pools[0], v_pools[0]
+        dims[_POS], dims[_BS] = pos, block_size
+        dims[_K_SH], dims[_K_SS], dims[_V_SH], dims[_V_SS] = k0.stride(0), k0.stride(1), v0.stride(0), v0.stride(1)
+        for i, (k, v) in enumerate(zip(k_pools, v_pools, strict=True)):
+            ptrs[i * _NPTR + _KPOOL] = k.data_ptr()
+            ptrs[i * _NPTR + _VPOOL] = v.data_ptr()
+        out = torch.empty((1, self.vocab), dtype=torch.float32) if logits else None
+        row, d = 4 * self.hidden, 4 * dec.head_dim
+        with _profiled("specmesh::cpu_decode_step"):
+            rc = self.lib.specmesh_decode_step(
+                dims,
+                ptrs,
+                self.fl,
+                dec.embed.data_ptr() + token * row,
+                cos.data_ptr() + pos * d,
+                sin.data_ptr() + pos * d,
+                table.data_ptr(),
+                dec.norm_w.data_ptr(),
+                float(dec.norm_eps),
+                self.lm_w if logits else None,
+                self.lm_b,
+                out.data_ptr() if out is not None else None,
+                torch.get_num_threads(),
+            )
+        if rc:
+            raise MemoryError("specmesh's fused CPU decode step could not allocate its scratch")
+        return out
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return t.data_ptr() if t is not None else None

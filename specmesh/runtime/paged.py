@@ -464,6 +464,10 @@ class PagedRunner(_RaggedRunner):
             host_ids, host_pos, host_rows = self._host_batch(work)
             self._dec.refresh_if_stale()
             return self._logits(self.graphs.run(work, host_ids, host_pos, host_rows), work)
+        if len(work) == 1 and len(work[0].feed) == 1 and self.cpu_kernel:
+            out = self._one_token(work[0])
+            if out is not None:
+                return self._logits(out if work[0].num_logits else None, work)
         ids, pos, rows = self._batch(work)
         flat_slot: list[int] = []
         for w in work:
@@ -485,6 +489,17 @@ class PagedRunner(_RaggedRunner):
             kv = _BlockAttention(dec, self._k, self._v, slots, segments, plan, self.pool.block_size, cpu)
             out = dec.ragged(kv, ids, pos, rows)
         return self._logits(out, work)
+
+    def _one_token(self, w: _Work) -> torch.Tensor | None:
+        """One sequence's one token through the fused CPU step (`cpu_kernels.DecodeStep`): logits [1, V], or
+        None where the step does not serve this decoder."""
+        self._host_batch([w])  # the vocabulary check, before anything is written
+        dec = self._dec
+        dec.refresh_if_stale()
+        if dec.step is None:
+            return None
+        table = torch.tensor(w.seq.table.blocks, dtype=torch.int32)
+        return dec.step(w.feed[0], w.start, self._k, self._v, table, self.pool.block_size, logits=w.num_logits > 0)
 
     def _graph_attention(self, slots: torch.Tensor, plan: tuple[torch.Tensor, torch.Tensor]) -> _BlockAttention:
         """The block-table kernel's attention over the arena, for a CUDA graph's static buffers."""
@@ -575,6 +590,11 @@ class PagedRunner(_RaggedRunner):
                 fed += [ids[: p + 1] + [ids[p + 2], ids[p + 3]], [*b.token_ids, ids[1], ids[2]]]
                 if len(b.table.runs()) < 2 or b.cached_ids[: 2 * bs] != ids[: 2 * bs]:
                     return False  # the probe did not exercise what it is for
+                # One token of one sequence at a time (a decode step alone: the fused CPU step where it runs).
+                a.commit([ids[p + 2]])
+                b.commit([ids[1]])
+                got += self.forward([a]) + self.forward([b])
+                fed += [[*a.token_ids], [*b.token_ids]]
                 for logits, f in zip(got, fed, strict=True):
                     with sdpa_context(self.attention_backend, self.device):
                         out = self.model(input_ids=torch.tensor([f], device=self.device))

@@ -340,6 +340,7 @@ class _FastDecoder:
         if self.cos.shape[-1] != self.head_dim:  # partial rotary: not what this loop implements
             raise ValueError(f"rotary dim {self.cos.shape[-1]} != head_dim {self.head_dim}")
         self.version = -1
+        self._block0 = torch.zeros(1, dtype=torch.int32)
         self._build()
 
     @staticmethod
@@ -439,6 +440,8 @@ class _FastDecoder:
                 )
             )
             sources += [*qkv, at.o_proj, *gate_up, mlp.down_proj]
+        # One token of one sequence: the whole forward in one C call where it builds (cpu_kernels.DecodeStep).
+        self.step = cpu_kernels.DecodeStep(self) if self.gemv and not cpu_kernels.DecodeStep.reason(self) else None
         # The copies go stale when the model's weights change: remember what they were made from.
         self._sources = [p for lin in sources for p in (lin.weight, lin.bias) if p is not None]
         self._stamp = self._current_stamp()
@@ -485,6 +488,14 @@ class _FastDecoder:
         start = cache.length
         end = start + n
         self.reserve(end)
+        step = self.step
+        if step is not None and n == 1 and 0 <= feed[0] < self.embed.shape[0]:
+            first = cache.layers[0]
+            pools = [layer.k_buf[0] for layer in cache.layers], [layer.v_buf[0] for layer in cache.layers]
+            # The buffer is one block as long as its capacity: block 0 holds every position.
+            out = step(feed[0], start, *pools, self._block0, first.capacity, logits=num_logits > 0)
+            cache.set_length(end)
+            return out if out is not None else self.embed.new_empty((0, step.vocab))
         dev = self.embed.device
         x = F.embedding(torch.tensor(feed, device=dev), self.embed)  # [n, hidden]
         cos, sin = self.cos[start:end], self.sin[start:end]  # [n, 1, D]

@@ -136,8 +136,9 @@ def test_gemv_refuses_what_it_does_not_take():
 
 
 def test_the_decoders_take_one_row_through_it_and_more_through_torch(monkeypatch):
-    """A decode step's linears go through the GEMV, a verify block's (several rows) through torch; the step's
-    logits equal the HF forward's either way (the runner tests check every shape against HF)."""
+    """A one-row forward's linears go through the GEMV where the fused step does not take it (here: turned
+    off; in service: the one logits row after a multi-token feed), a verify block's (several rows) through
+    torch; the logits equal the HF forward's either way (the runner tests check every shape against HF)."""
     from specmesh.runtime.paged import PagedRunner
     from tests.support.models import tiny_model
 
@@ -146,6 +147,7 @@ def test_the_decoders_take_one_row_through_it_and_more_through_torch(monkeypatch
     monkeypatch.setattr(cpu_kernels, "gemv", lambda x, w, b: calls.append(x.shape) or real(x, w, b))
     r = PagedRunner(tiny_model("llama", seed=5), 16, 4)
     assert r._dec.gemv
+    r._dec.step = None
     seq = r.new_sequence(list(range(1, 10)))
     r.forward([seq])
     calls.clear()

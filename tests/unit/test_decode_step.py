@@ -1,0 +1,147 @@
+"""The fused CPU decode step (`cpu_kernels.DecodeStep`): one token of one sequence through the whole decoder
+in one C call. Checked against the HF forward and against the decoders' own torch ops (the step turned off)
+on every architecture the decoders take (GQA or not, q/k/v biases, q/k norms), over scattered and shared
+blocks, 1-3 threads, a growing single-sequence buffer and rollbacks; the runners' probes catch a step that
+disagrees; concurrent calls (the draft service's workers) each keep their own arguments."""
+
+import threading
+
+import pytest
+import torch
+
+from specmesh.runtime import cpu_kernels
+from specmesh.runtime.paged import PagedRunner
+from specmesh.runtime.static import StaticCacheRunner
+from tests.support.models import close_logits, full_logits, tiny_llama_mha, tiny_model, tiny_qwen3
+
+pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="no C compiler here: the step cannot be built")
+
+ARCHS = {
+    "llama-gqa": lambda: tiny_model("llama", seed=5),
+    "qwen2-bias": lambda: tiny_model("qwen2", seed=6),
+    "qwen3-qk-norm": tiny_qwen3,
+    "llama-mha": tiny_llama_mha,
+}
+
+
+@pytest.fixture
+def threads(request):
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
+def greedy_steps(runner, seqs, steps: int) -> list[list[torch.Tensor]]:
+    """One token at a time per sequence, in turn (their blocks interleave in the pool): the logits of each."""
+    out: list[list[torch.Tensor]] = [[] for _ in seqs]
+    for _ in range(steps):
+        for i, seq in enumerate(seqs):
+            logits = runner.forward([seq])[0]
+            out[i].append(logits)
+            seq.commit([int(logits[-1].argmax())])
+    return out
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+@pytest.mark.parametrize("threads", [1, 2, 3], indirect=True)
+def test_paged_one_token_steps_match_hf_and_the_torch_ops(arch, threads):
+    model = ARCHS[arch]()
+    fused = PagedRunner(model, 64, 4)
+    assert fused.cpu_kernel and fused._dec.step is not None
+    plain = PagedRunner(model, 64, 4)
+    plain._dec.step = None
+    prompt = [(5 * i + 1) % 120 for i in range(10)]
+    # b shares a's first two blocks: its table is a's prefix and then blocks of its own.
+    a, b = fused.new_sequence(prompt), fused.new_sequence(prompt[:8] + [3, 9, 27])
+    got = greedy_steps(fused, [a, b], 14)
+    assert a.table.blocks[:2] == b.table.blocks[:2]
+    for seq, logits in zip((a, b), got, strict=True):
+        first = len(seq.token_ids) - len(logits)  # the prompt's length
+        ref_seq = plain.new_sequence(seq.token_ids[:first])
+        for j, row in enumerate(logits):
+            ids = seq.token_ids[: first + j]
+            want = plain.forward([ref_seq])[0]
+            torch.testing.assert_close(row, want, atol=2e-5 * max(1.0, float(want.abs().max())), rtol=0)
+            close_logits(row, full_logits(model, ids, 1))
+            ref_seq.commit([seq.token_ids[len(ids)]])
+
+
+@pytest.mark.parametrize("threads", [1, 2], indirect=True)
+def test_a_step_after_rejected_drafts_overwrites_their_positions(threads):
+    """A verify block writes K + 1 positions; a rollback keeps fewer; the next one-token step writes over what
+    was rejected and attends only up to its own position."""
+    model = ARCHS["llama-gqa"]()
+    r = PagedRunner(model, 64, 4)
+    seq = r.new_sequence(list(range(3, 12)))
+    r.forward([seq], [[7, 8, 9, 10]])
+    seq.commit([7, 50])  # 7 accepted, 50 the correction: 8, 9, 10 rejected
+    close_logits(r.forward([seq])[0], full_logits(model, seq.token_ids, 1))
+    seq.commit([int(r.forward([seq])[0][-1].argmax())])
+    close_logits(r.forward([seq])[0], full_logits(model, seq.token_ids, 1))
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_static_runner_steps_match_hf_through_buffer_growth(arch):
+    """The draft's runner: one buffer per sequence, doubled as it grows (the step's one block grows with it)."""
+    model = ARCHS[arch]()
+    r = StaticCacheRunner(model, initial_capacity=4)
+    assert r.uses_fast_path and r._fast.step is not None
+    seq = r.new_sequence([1, 2, 3])
+    r.prefill(seq)
+    for _ in range(40):  # past 4 -> 8 -> 16 -> 32 -> 64 positions
+        logits = r.forward([seq])[0]
+        close_logits(logits, full_logits(model, seq.token_ids, 1))
+        seq.commit([int(logits[-1].argmax())])
+    assert seq.cache.layers[0].capacity >= 43
+
+
+def test_concurrent_steps_on_worker_threads_keep_their_own_arguments():
+    """The draft service steps several sessions at once: each call's position, buffers and output are its own."""
+    model = ARCHS["qwen2-bias"]()
+    r = StaticCacheRunner(model)
+    prompts = [[(7 * i + k) % 120 for i in range(5 + 3 * k)] for k in range(4)]
+
+    def run(prompt: list[int]) -> list[int]:
+        seq = r.new_sequence(prompt)
+        for _ in range(24):
+            seq.commit([int(r.forward([seq])[0][-1].argmax())])
+        return seq.token_ids
+
+    alone = [run(p) for p in prompts]
+    got: dict[int, list[int]] = {}
+    workers = [threading.Thread(target=lambda k=k: got.__setitem__(k, run(prompts[k]))) for k in range(4)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join(timeout=60)
+    assert [got.get(k) for k in range(4)] == alone
+
+
+def test_a_step_that_disagrees_is_not_served(monkeypatch):
+    """The runners' probes run one-token steps: a wrong step turns the CPU kernels off (paged) or the hand-written
+    decoder off (static), and both serve the HF forward's logits."""
+    model = ARCHS["llama-gqa"]()
+    monkeypatch.setattr(cpu_kernels.DecodeStep, "__call__", lambda self, *a, **k: torch.zeros((1, 128)))
+    r = PagedRunner(model, 64, 4)
+    assert not r.cpu_kernel
+    seq = r.new_sequence(list(range(1, 10)))
+    close_logits(r.forward([seq])[0], full_logits(model, seq.token_ids, 1))
+    with pytest.warns(UserWarning, match="disagrees"):
+        s = StaticCacheRunner(model)
+    assert not s.uses_fast_path
+
+
+def test_what_the_step_does_not_take_is_said():
+    from specmesh.runtime.static import _FastDecoder
+
+    gelu = tiny_model("llama", seed=5)
+    gelu.config.hidden_act = "gelu"
+    for layer in gelu.model.layers:
+        layer.mlp.act_fn = torch.nn.GELU()
+    assert "activation" in cpu_kernels.DecodeStep.reason(_FastDecoder(gelu))
+    assert _FastDecoder(gelu).step is None
+    half = _FastDecoder(tiny_model("llama", seed=5).to(torch.bfloat16))
+    assert "float32" in cpu_kernels.DecodeStep.reason(half) and half.step is None
+    with pytest.raises(ValueError, match="activation"):
+        cpu_kernels.DecodeStep(_FastDecoder(gelu))
