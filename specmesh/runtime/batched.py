@@ -244,6 +244,7 @@ class _RaggedDecoder(_FastDecoder):
         x = F.embedding(ids, self.embed)  # [T, hidden]
         cos, sin = self.cos[pos], self.sin[pos]  # [T, 1, D]
         attn = x.new_empty((t, nh, hd))  # [T, nh, D]
+        fused = getattr(kv, "takes_qkv", False)  # the CPU kernel's rotary + KV write + attention in one call
         for i, (
             ln1,
             eps1,
@@ -265,14 +266,20 @@ class _RaggedDecoder(_FastDecoder):
         ) in enumerate(self.layers):
             h = rms(x, ln1, eps1)
             qkv = lin(h, wqkv, bqkv).view(t, nqk + nkv, hd)  # [T, nh + 2 n_kv, D]
-            qk = qkv[:, :nqk]
-            if qn is not None and kn is not None:
-                qk = torch.cat(
-                    (rms(qk[:, :nh], qn.weight, qn.variance_epsilon), rms(qk[:, nh:], kn.weight, kn.variance_epsilon)),
-                    dim=1,
-                )
-            qk = qk * cos + qk.roll(half, -1) * sin  # rotary, each token at its own position
-            kv(i, qk[:, nh:], qkv[:, nqk:], qk[:, :nh], attn, scale)
+            if fused and qn is None:
+                kv.qkv_attend(i, qkv, attn, scale)  # type: ignore[attr-defined]  # takes_qkv says it has it
+            else:
+                qk = qkv[:, :nqk]
+                if qn is not None and kn is not None:
+                    qk = torch.cat(
+                        (
+                            rms(qk[:, :nh], qn.weight, qn.variance_epsilon),
+                            rms(qk[:, nh:], kn.weight, kn.variance_epsilon),
+                        ),
+                        dim=1,
+                    )
+                qk = qk * cos + qk.roll(half, -1) * sin  # rotary, each token at its own position
+                kv(i, qk[:, nh:], qkv[:, nqk:], qk[:, :nh], attn, scale)
             x = x + lin(attn.view(t, nh * hd), wo, bo)
             h = rms(x, ln2, eps2)
             gu = lin(h, wgu, bgu)

@@ -124,6 +124,9 @@ def load() -> ctypes.CDLL | None:
         fn = lib.specmesh_block_attention
         fn.argtypes = [p, p, p, p, p, p, i64, i64, i64, i64, i64, p, ctypes.c_float, p, p, ctypes.c_int]
         fn.restype = ctypes.c_int
+        fn = lib.specmesh_block_attention_rope
+        fn.argtypes = [p, p, p, p, p, p, i64, i64, i64, i64, i64, p, ctypes.c_float, p, p, ctypes.c_int, p, p]
+        fn.restype = ctypes.c_int
         fn = lib.specmesh_gemv
         fn.argtypes = [p, p, p, p, i64, i64, i64, ctypes.c_int]
         fn.restype = ctypes.c_int
@@ -174,7 +177,7 @@ class Plan:
     """One forward's call, built once for every layer: the sequences' (first batch row, new tokens, first
     position), their block tables, and the (sequence, KV head) units split over `threads` by work."""
 
-    __slots__ = ("bounds", "n_kv", "segs", "strides", "tables", "threads", "units", "width")
+    __slots__ = ("bounds", "end", "n_kv", "segs", "strides", "tables", "threads", "units", "width")
 
     def __init__(self, spans: Sequence[tuple[int, int, int]], tables: Sequence[Sequence[int]], n_kv: int, group: int):
         if not spans or len(spans) != len(tables) or any(n < 1 for _, n, _ in spans):
@@ -188,6 +191,7 @@ class Plan:
                 rows[i, : len(t)] = torch.tensor(list(t), dtype=torch.int32)
         self.tables = rows
         self.segs = torch.tensor(list(spans), dtype=torch.int64).view(-1, 3)
+        self.end = max(start + n for _, n, start in spans)  # one past the last position attended
         # Each unit's work is its rows x the keys they attend; cut the units into equal-work shares.
         work = [n * group * (start + n) for _, n, start in spans for _ in range(n_kv)]
         total = sum(work)
@@ -238,6 +242,70 @@ def block_attention(
         plan.strides = (key, torch.tensor(key, dtype=torch.int64))
     with _profiled("specmesh::cpu_block_attention"):
         rc = _call(lib, out, q, k_pool, v_pool, plan, block_size, scale, plan.strides[1])
+    if rc:
+        raise MemoryError("the CPU block-table attention kernel could not allocate its scratch")
+
+
+def block_attention_rope(
+    out: torch.Tensor,
+    qkv: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    plan: Plan,
+    block_size: int,
+    scale: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+) -> None:
+    """`block_attention` from a projection's output: qkv [T, nh + 2 n_kv, D] holds the plan's rows' queries,
+    keys and values before rotary. Rotary (cos, sin: [positions, 1, D] tables, rotate_half's sign folded into
+    sin, as the decoders keep them) is applied on the way in, each new key and value is written into its slot
+    of the pools, and the rows attend as `block_attention`'s: a decode or verify batch's rotary, KV write and
+    attention in one call per layer instead of eight operators."""
+    lib = load()
+    if lib is None:
+        raise RuntimeError("specmesh's CPU kernels are not built here")
+    n_kv, d = k_pool.shape[0], k_pool.shape[2]
+    nh = out.shape[1]
+    if not (supports(qkv) and out.dtype == k_pool.dtype == v_pool.dtype == cos.dtype == sin.dtype == torch.float32):
+        raise ValueError("the CPU block-table attention kernel takes float32 CPU tensors")
+    if qkv.shape != (out.shape[0], nh + 2 * n_kv, d) or out.shape[2] != d or k_pool.shape != v_pool.shape:
+        raise ValueError(f"CPU block attention: qkv {tuple(qkv.shape)} against a pool {tuple(k_pool.shape)}")
+    if nh % n_kv or n_kv != plan.n_kv or d % 2:
+        raise ValueError(f"CPU block attention: {nh} query heads over {n_kv} KV heads of {d}")
+    if (
+        cos.shape != sin.shape
+        or cos.shape[0] < plan.end
+        or cos.shape[-1] != d
+        or not (cos.is_contiguous() and sin.is_contiguous())
+    ):
+        raise ValueError(f"CPU block attention: rotary tables {tuple(cos.shape)} for {plan.end} positions of {d}")
+    if qkv.stride(2) != 1 or k_pool.stride(2) != 1 or v_pool.stride(2) != 1 or out.stride(2) != 1:
+        raise ValueError("CPU block attention needs the head dimension contiguous")
+    key = tuple(t.stride(i) for t in (out, qkv, k_pool, v_pool) for i in (0, 1))
+    if plan.strides is None or plan.strides[0] != key:
+        plan.strides = (key, torch.tensor(key, dtype=torch.int64))
+    with _profiled("specmesh::cpu_block_attention"):
+        rc = lib.specmesh_block_attention_rope(
+            out.data_ptr(),
+            qkv.data_ptr(),
+            k_pool.data_ptr(),
+            v_pool.data_ptr(),
+            plan.tables.data_ptr(),
+            plan.segs.data_ptr(),
+            plan.width,
+            n_kv,
+            nh // n_kv,
+            d,
+            block_size,
+            plan.strides[1].data_ptr(),
+            float(scale),
+            plan.units.data_ptr(),
+            plan.bounds.data_ptr(),
+            plan.threads,
+            cos.data_ptr(),
+            sin.data_ptr(),
+        )
     if rc:
         raise MemoryError("the CPU block-table attention kernel could not allocate its scratch")
 

@@ -116,7 +116,7 @@ class _BlockAttention:
     """The block arena's KV write and attention (see the module docstring). slots: [T] the physical slot of
     each new token."""
 
-    __slots__ = ("block_size", "cpu", "g", "k_pool", "nkv", "plan", "segments", "slots", "v_pool")
+    __slots__ = ("block_size", "cos", "cpu", "g", "k_pool", "nkv", "plan", "segments", "sin", "slots", "v_pool")
 
     def __init__(
         self,
@@ -133,6 +133,19 @@ class _BlockAttention:
         self.nkv, self.g = dec.n_kv, dec.group
         self.plan, self.block_size = plan, block_size  # the kernel's (block tables, programs), if it runs
         self.cpu = cpu  # the CPU kernel's call for the short sequences; `segments` are the others
+        self.cos, self.sin = dec.cos, dec.sin
+
+    @property
+    def takes_qkv(self) -> bool:
+        """Whether the whole batch is the CPU kernel's, so `qkv_attend` can do its rotary and KV write too."""
+        return self.cpu is not None and not self.segments and self.plan is None
+
+    def qkv_attend(self, layer: int, qkv: torch.Tensor, attn: torch.Tensor, scale: float) -> None:
+        """Rotary, the KV write and attention from the layer's projection output [T, nh + 2 n_kv, D]."""
+        assert self.cpu is not None
+        cpu_kernels.block_attention_rope(
+            attn, qkv, self.k_pool[layer], self.v_pool[layer], self.cpu, self.block_size, scale, self.cos, self.sin
+        )
 
     def __call__(
         self, layer: int, k: torch.Tensor, v: torch.Tensor, q: torch.Tensor, attn: torch.Tensor, scale: float
@@ -595,6 +608,13 @@ class PagedRunner(_RaggedRunner):
                 b.commit([ids[1]])
                 got += self.forward([a]) + self.forward([b])
                 fed += [[*a.token_ids], [*b.token_ids]]
+                # A decode block in the same pass as another sequence's prefill chunk (rotary in torch, the
+                # chunk by SDPA, the block by the CPU kernel from rotated q, k, v), then that sequence's step.
+                c = self.new_sequence([(5 * i + 2) % self.vocab_size for i in range(cpu_kernels.MAX_TOKENS + 3)])
+                seqs.append(c)
+                a.commit([ids[0]])
+                got += self.step([a], [[ids[4]]], prefill=[PrefillChunk(c)]).logits + self.forward([c])
+                fed += [[*a.token_ids, ids[4]], [*c.token_ids]]
                 for logits, f in zip(got, fed, strict=True):
                     with sdpa_context(self.attention_backend, self.device):
                         out = self.model(input_ids=torch.tensor([f], device=self.device))

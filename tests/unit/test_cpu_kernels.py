@@ -93,6 +93,69 @@ def test_bad_input_is_refused():
         cpu_kernels.Plan([(0, 0, 4)], tables, 8, 1)
 
 
+def rotated(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The decoders' rotary: x [T, H, D] at each row's own cos / sin [T, 1, D] (rotate_half's sign in sin)."""
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * sin
+
+
+@pytest.mark.parametrize(("nh", "n_kv", "d"), SHAPES)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_from_the_projection_rotary_and_the_kv_write_match_torch(nh, n_kv, d, threads, monkeypatch):
+    """`block_attention_rope` from the fused projection's output against the decoders' torch steps: rotary,
+    the new keys and values written at their slots, then `block_attention`. The pools end the same, and so do
+    the rows."""
+    monkeypatch.setattr(cpu_kernels, "PARALLEL_MIN_WORK", 0)
+    torch.set_num_threads(threads)
+    try:
+        _, k, v, tables, segments = case(d + nh, nh, n_kv, d, 8, [(1, 0), (5, 37), (3, 12), (16, 90)])
+        t = segments[-1][0] + segments[-1][1]
+        g = torch.Generator().manual_seed(d)
+        qkv = torch.randn(t, nh + 2 * n_kv, d, generator=g)
+        cos, sin = torch.randn(128, 1, d, generator=g), torch.randn(128, 1, d, generator=g)
+        pos = torch.cat([torch.arange(s, s + n) for _, n, s in segments])
+        slots = torch.cat(
+            [
+                torch.tensor([tb[p // 8] * 8 + p % 8 for p in range(s, s + n)])
+                for tb, (_, n, s) in zip(tables, segments, strict=True)
+            ]
+        )
+        qk = rotated(qkv[:, : nh + n_kv], cos[pos], sin[pos])
+        k_want, v_want = k.clone(), v.clone()
+        k_want[:, slots] = qk[:, nh:].transpose(0, 1)
+        v_want[:, slots] = qkv[:, nh + n_kv :].transpose(0, 1)
+        want = torch.zeros(t, nh, d)
+        cpu_kernels.block_attention(
+            want,
+            qk[:, :nh].contiguous(),
+            k_want,
+            v_want,
+            cpu_kernels.Plan(segments, tables, n_kv, nh // n_kv),
+            8,
+            d**-0.5,
+        )
+        out = torch.zeros(t, nh, d)
+        plan = cpu_kernels.Plan(segments, tables, n_kv, nh // n_kv)
+        cpu_kernels.block_attention_rope(out, qkv, k, v, plan, 8, d**-0.5, cos, sin)
+        torch.testing.assert_close(k, k_want, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(v, v_want, rtol=0, atol=0)
+        torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+    finally:
+        torch.set_num_threads(2)
+
+
+def test_from_the_projection_bad_input_is_refused():
+    _, k, v, tables, segments = case(6, 8, 8, 64, 8, [(2, 4)])
+    plan = cpu_kernels.Plan(segments, tables, 8, 1)
+    qkv, out = torch.randn(2, 24, 64), torch.zeros(2, 8, 64)
+    cos = torch.randn(16, 1, 64)
+    with pytest.raises(ValueError, match="qkv"):
+        cpu_kernels.block_attention_rope(out, qkv[:, :20], k, v, plan, 8, 0.125, cos, cos)
+    with pytest.raises(ValueError, match="rotary"):
+        cpu_kernels.block_attention_rope(out, qkv, k, v, plan, 8, 0.125, cos[:5], cos[:5])  # positions up to 6
+    with pytest.raises(ValueError, match="float32"):
+        cpu_kernels.block_attention_rope(out, qkv.half(), k, v, plan, 8, 0.125, cos, cos)
+
+
 # --- one row through a linear layer ---------------------------------------------------------------------------
 
 

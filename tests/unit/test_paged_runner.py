@@ -246,12 +246,14 @@ def test_a_kernel_that_disagrees_is_not_served(gqa, monkeypatch):
     close_logits(r.forward([seq])[0], full_logits(gqa, seq.token_ids, 1))
 
 
-def test_a_cpu_kernel_that_disagrees_is_not_served(gqa, monkeypatch):
-    """The CPU block-table kernel is checked by the same probe: one that disagrees is turned off and the
-    runner attends by SDPA."""
+@pytest.mark.parametrize("entry", ["block_attention", "block_attention_rope"])
+def test_a_cpu_kernel_that_disagrees_is_not_served(gqa, monkeypatch, entry):
+    """The CPU block-table kernel is checked by the same probe, in both its forms (a batch with prefill
+    chunks attends from rotated q, k, v; a batch of decode and verify blocks from the projection's output):
+    one that disagrees is turned off and the runner attends by SDPA."""
     from specmesh.runtime import cpu_kernels
 
-    monkeypatch.setattr(cpu_kernels, "block_attention", lambda out, q, *a: out.copy_(q))
+    monkeypatch.setattr(cpu_kernels, entry, lambda out, *a: out.zero_())
     r = PagedRunner(gqa, 16, 4)
     assert not r.cpu_kernel
     seq = r.new_sequence(ids_of(9, seed=2))

@@ -30,7 +30,18 @@ typedef struct {
     const int64_t *units;     /* unit = sequence * n_kv + KV head */
     int64_t u0, u1;           /* this worker's units [u0, u1) */
     int rc;
+    /* rotary fused in (specmesh_block_attention_rope): the new keys and values, strided as q, un-rotated
+     * queries and keys, and the rotary rows [position, D] (rotate_half's sign folded into sin); else NULL */
+    const float *kn, *vn, *cos, *sin;
 } job_t;
+
+/* y = x * cos + rotate_half(x) * sin, rotate_half's sign folded into sin; y and x do not overlap */
+static inline __attribute__((always_inline)) void rotate(float *y, const float *x, const float *c, const float *s,
+                                                         float scale, const int64_t D) {
+    const int64_t half = D / 2;
+    for (int64_t d = 0; d < half; d++) y[d] = (x[d] * c[d] + x[d + half] * s[d]) * scale;
+    for (int64_t d = half; d < D; d++) y[d] = (x[d] * c[d] + x[d - half] * s[d]) * scale;
+}
 
 static inline __attribute__((always_inline)) void unit_d(const job_t *j, int64_t s, int64_t h, float *qb,
                                                          float *acc, float *sc, int64_t stride,
@@ -39,12 +50,22 @@ static inline __attribute__((always_inline)) void unit_d(const job_t *j, int64_t
     const int64_t G = j->group, R = n * G, end = start + n, bs = j->bs;
     const int32_t *table = j->tables + s * j->W;
     const float *kb = j->k + h * j->sk_h, *vb = j->v + h * j->sv_h;
-    /* the rows' queries, scaled, packed contiguously: they stay in L1 while the keys stream past */
+    if (j->cos) /* this KV head's new keys (rotated) and values into their slots: only this unit writes them */
+        for (int64_t t = 0; t < n; t++) {
+            const int64_t p = start + t, slot = (int64_t)table[p / bs] * bs + p % bs;
+            const float *ks = j->kn + (off + t) * j->sq_t + h * j->sq_h;
+            rotate((float *)kb + slot * j->sk_s, ks, j->cos + p * D, j->sin + p * D, 1.f, D);
+            memcpy((float *)vb + slot * j->sv_s, j->vn + (off + t) * j->sq_t + h * j->sq_h, sizeof(float) * D);
+        }
+    /* the rows' queries, scaled (and rotated), packed contiguously: they stay in L1 while the keys stream past */
     for (int64_t t = 0; t < n; t++)
         for (int64_t g = 0; g < G; g++) {
             const float *src = j->q + (off + t) * j->sq_t + (h * G + g) * j->sq_h;
             float *dst = qb + (t * G + g) * D;
-            for (int64_t d = 0; d < D; d++) dst[d] = src[d] * j->scale;
+            if (j->cos)
+                rotate(dst, src, j->cos + (start + t) * D, j->sin + (start + t) * D, j->scale, D);
+            else
+                for (int64_t d = 0; d < D; d++) dst[d] = src[d] * j->scale;
         }
     /* scores, block by block (a block's keys are consecutive slots: no division per key) */
     for (int64_t b0 = 0; b0 < end; b0 += bs) {
@@ -128,6 +149,20 @@ static void work(job_t *j) {
     free(buf);
 }
 
+static int run(const job_t *proto, const int64_t *bounds, int shares) {
+    int rc = 0;
+    if (shares < 1) shares = 1;
+#pragma omp parallel for schedule(static, 1) num_threads(shares) reduction(| : rc) if (shares > 1)
+    for (int i = 0; i < shares; i++) {
+        job_t j = *proto;
+        j.u0 = bounds[i];
+        j.u1 = bounds[i + 1];
+        work(&j);
+        rc |= j.rc;
+    }
+    return rc;
+}
+
 /* strides: out (token, head), q (token, head), k (KV head, slot), v (KV head, slot), in elements; the last
  * dimension of each is contiguous. bounds: [shares + 1] split points into units, one share per thread of
  * an OpenMP team (torch's own: the library links the libgomp torch has loaded, so the team is the one whose
@@ -137,15 +172,22 @@ int specmesh_block_attention(float *out, const float *q, const float *k, const f
                              const int64_t *segs, int64_t W, int64_t nkv, int64_t group, int64_t D, int64_t bs,
                              const int64_t *strides, float scale, const int64_t *units, const int64_t *bounds,
                              int shares) {
-    int rc = 0;
-    if (shares < 1) shares = 1;
-#pragma omp parallel for schedule(static, 1) num_threads(shares) reduction(| : rc) if (shares > 1)
-    for (int i = 0; i < shares; i++) {
-        job_t j = {out, q, k, v, tables, segs, W, nkv, group, D, bs,
-                   strides[0], strides[1], strides[2], strides[3], strides[4], strides[5], strides[6], strides[7],
-                   scale, units, bounds[i], bounds[i + 1], 0};
-        work(&j);
-        rc |= j.rc;
-    }
-    return rc;
+    const job_t j = {out, q, k, v, tables, segs, W, nkv, group, D, bs,
+                     strides[0], strides[1], strides[2], strides[3], strides[4], strides[5], strides[6], strides[7],
+                     scale, units, 0, 0, 0, NULL, NULL, NULL, NULL};
+    return run(&j, bounds, shares);
+}
+
+/* The same over a projection's output qkv [T, nkv * group + 2 nkv, D] (queries, then keys, then values; strides
+ * (token, head) in place of q's): rotary applied to the queries and the new keys on the way in, the new keys and
+ * values written into their slots (k and v are written), then attention as above. cos, sin: [positions, D]. */
+int specmesh_block_attention_rope(float *out, const float *qkv, float *k, float *v, const int32_t *tables,
+                                  const int64_t *segs, int64_t W, int64_t nkv, int64_t group, int64_t D, int64_t bs,
+                                  const int64_t *strides, float scale, const int64_t *units, const int64_t *bounds,
+                                  int shares, const float *cos, const float *sin) {
+    const int64_t nh = nkv * group;
+    const job_t j = {out, qkv, k, v, tables, segs, W, nkv, group, D, bs,
+                     strides[0], strides[1], strides[2], strides[3], strides[4], strides[5], strides[6], strides[7],
+                     scale, units, 0, 0, 0, qkv + nh * strides[3], qkv + (nh + nkv) * strides[3], cos, sin};
+    return run(&j, bounds, shares);
 }
