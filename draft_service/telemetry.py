@@ -40,13 +40,19 @@ class DraftMetrics(ServiceMetrics):
         goodput = g(
             "specmesh_draft_goodput_tokens_per_second",
             "Tokens committed per second of a session's wall time, as the goodput guard of its kind (greedy or "
-            "sampled, and the verify batch by powers of two: 1, 2, 4, ... 32 sessions and up) measures them",
+            "sampled, and the verify batch by powers of two: 1, 2, 4, ... 32 sessions and up) measures them: "
+            "target-only steps, rounds the model drafted (speculative), rounds with a block that cost no draft "
+            "forward (free_block: the suffix trees')",
             labels=["mode", "sampling", "batch"],
         )
         guards = e.goodput_guards.guards if e.goodput_guards is not None else {}
         for (greedy, batch), guard in sorted(guards.items()):
-            for mode, speculative in (("speculative", True), ("target_only", False)):
-                rate = guard.rate(speculative)
+            for mode, speculative, free in (
+                ("speculative", True, False),
+                ("target_only", False, False),
+                ("free_block", True, True),
+            ):
+                rate = guard.rate(speculative, free)
                 if rate is not None:
                     goodput.add_metric([mode, "greedy" if greedy else "sampled", str(batch)], rate)
         return [

@@ -111,8 +111,9 @@ class FixedK:
         """A round's verdict: k drafted, num_accepted accepted, and its times; `timed` False: the times are no
         measure of a round (the generation's first, which waited for the pass computing its prompt's end)."""
 
-    def observe_goodput(self, k: int, tokens: int, seconds: float) -> None:
-        """A round (k > 0) or a run of target-only steps (k = 0) committed `tokens` in `seconds` of wall time."""
+    def observe_goodput(self, k: int, tokens: int, seconds: float, free: bool = False) -> None:
+        """A round (k > 0) or a run of target-only steps (k = 0) committed `tokens` in `seconds` of wall time;
+        `free`: the round's block cost no draft forward (the suffix trees')."""
 
 
 def expected_tokens(cumulative: Sequence[float], alpha: float, k: int) -> float:
@@ -242,7 +243,7 @@ class AdaptiveK:
         forward model), so it is not held for a run."""
         return 1
 
-    def observe_goodput(self, k: int, tokens: int, seconds: float) -> None:
+    def observe_goodput(self, k: int, tokens: int, seconds: float, free: bool = False) -> None:
         pass
 
 
@@ -263,7 +264,15 @@ class GoodputGuard:
     round or two only (the first rounds of a burst wait behind the other sessions' prefills) has measured the
     burst, not speculation. `decay` forgets an observation's weight by 10% per newer one on the same side:
     about the last ten rounds, or the last ten target-only runs, count.
+
+    Rounds whose block cost no draft forward (`free`: the suffix trees', sent whole whatever K) are a side of
+    their own, measured against target-only apart from the model's rounds: on an edit loop a session's text
+    may be new (the model's drafts, a forward each, lose to one-row target-only steps) or copied (the trees'
+    blocks commit several tokens a round for one verify block), and pooled the first hid the second. The runs
+    above hold the model's drafting; `free_loses` holds the free blocks, each by its own measure.
     """
+
+    TARGET_ONLY, MODEL, FREE = 0, 1, 2  # the sides, indexes of the sums
 
     def __init__(self, every: int = 64, probe: int = 4, margin: float = 0.05, decay: float = 0.9, min_rounds: int = 4):
         if every < 1 or probe < 1 or not 0.0 <= margin < 1.0 or not 0.0 < decay <= 1.0 or min_rounds < 1:
@@ -272,9 +281,9 @@ class GoodputGuard:
             )
         self.every, self.probe, self.margin, self.decay = every, probe, margin, decay
         self.min_rounds = min_rounds
-        self._spec_rounds = 0  # speculative rounds observed in all
-        self._tokens = [0.0, 0.0]  # decayed sums, [target-only, speculative]
-        self._seconds = [0.0, 0.0]
+        self._rounds = [0, 0, 0]  # speculative rounds observed in all, by side (target-only: unused)
+        self._tokens = [0.0, 0.0, 0.0]  # decayed sums, [target-only, model speculation, free blocks]
+        self._seconds = [0.0, 0.0, 0.0]
         self._spec_rounds_since_probe = 0  # speculative rounds since target-only was last measured
         self._zero_steps_since_probe = 0  # target-only steps since speculation was last measured
         self._spec_probe_left = 0  # rounds of a speculation probe still to hand out
@@ -285,42 +294,56 @@ class GoodputGuard:
     # a bound one such round would outweigh the last ten.
     CLIP = 4.0
 
-    def observe(self, speculative: bool, tokens: int, seconds: float) -> None:
+    @classmethod
+    def _side(cls, speculative: bool, free: bool) -> int:
+        return cls.FREE if free and speculative else int(speculative)
+
+    def observe(self, speculative: bool, tokens: int, seconds: float, free: bool = False) -> None:
         if tokens <= 0 or seconds <= 0:
             return
-        i = int(speculative)
-        rate = self.rate(speculative)
+        i = self._side(speculative, free)
+        rate = self.rate(speculative, free)
         if rate is not None:
             seconds = min(seconds, self.CLIP * tokens / rate)
         self._tokens[i] = self.decay * self._tokens[i] + tokens
         self._seconds[i] = self.decay * self._seconds[i] + seconds
-        if speculative:
-            self._spec_rounds += 1
-            self._spec_rounds_since_probe += 1
-            self._zero_steps_since_probe = 0
-        else:
+        if i == self.TARGET_ONLY:
             self._zero_steps_since_probe += tokens
             self._spec_rounds_since_probe = 0
+            return
+        self._rounds[i] += 1
+        self._spec_rounds_since_probe += 1
+        if i == self.MODEL:  # the model's speculation was measured (what the target-only runs wait for)
+            self._zero_steps_since_probe = 0
 
-    def rate(self, speculative: bool) -> float | None:
-        """Tokens per second of wall time per session, None before any observation."""
-        i = int(speculative)
+    def rate(self, speculative: bool, free: bool = False) -> float | None:
+        """Tokens per second of wall time per session on a side, None before any observation there."""
+        i = self._side(speculative, free)
         return self._tokens[i] / self._seconds[i] if self._seconds[i] > 0 else None
 
-    def measured(self) -> bool:
-        """Both sides measured, speculation in at least min_rounds rounds."""
-        return self._spec_rounds >= self.min_rounds and self.rate(False) is not None
+    def measured(self, free: bool = False) -> bool:
+        """Target-only measured, and the model's speculation (the free blocks') in at least min_rounds rounds."""
+        return self._rounds[self._side(True, free)] >= self.min_rounds and self.rate(False) is not None
+
+    def _loses(self, free: bool) -> bool:
+        spec, zero = self.rate(True, free), self.rate(False)
+        return self.measured(free) and spec is not None and zero is not None and spec < (1.0 - self.margin) * zero
 
     def speculation_loses(self) -> bool:
-        spec, zero = self.rate(True), self.rate(False)
-        return self.measured() and spec is not None and zero is not None and spec < (1.0 - self.margin) * zero
+        """The model's speculation measures slower than target-only (by more than the margin)."""
+        return self._loses(False)
+
+    def free_loses(self) -> bool:
+        """The free blocks' rounds measure slower than target-only (by more than the margin)."""
+        return self._loses(True)
 
     def speculation_pays(self) -> bool | None:
-        """What the service reports to its callers: None until both sides are measured, then whether
-        speculation is within the margin of target-only or faster."""
-        if not self.measured():
+        """What the service reports to its callers: None until target-only and either kind of speculation are
+        measured, then whether one that is measured is within the margin of target-only or faster."""
+        sides = [free for free in (False, True) if self.measured(free)]
+        if not sides:
             return None
-        return not self.speculation_loses()
+        return any(not self._loses(free) for free in sides)
 
     def target_only_steps(self, runs: bool = True) -> int:
         """Target-only steps the asking session should take now instead of speculating (0: speculate).
@@ -409,6 +432,7 @@ class GoodputK(AdaptiveK):
         self.guard = guard
         self.guard_runs = guard_runs  # False: a goodput probe, which takes none of the guard's target-only runs
         self._guard_steps = 0  # target-only steps the guard asked for, taken as the next run
+        self._guard_probe = False  # ... to measure the target-only side (not because speculation loses)
         self.last_batch_size = 0
         self.fit_decay = decay
         self.explore_every = explore_every
@@ -455,9 +479,17 @@ class GoodputK(AdaptiveK):
 
     @property
     def guard_holds(self) -> bool:
-        """The goodput guard measured speculation losing and holds this session to target-only steps now (a
-        free draft too: its rounds are among those measured)."""
+        """The goodput guard measured the model's speculation losing and holds this session's drafting off now."""
         return bool(self._guard_steps)
+
+    @property
+    def free_held(self) -> bool:
+        """The loop asks the trees for no block now: the goodput guard measured the free blocks' rounds losing,
+        or its steps now are a probe of the target-only side (which a free block would skip)."""
+        if self._guard_probe:
+            return True
+        guard = self.current_guard()
+        return guard is not None and self.k_max > 0 and guard.free_loses()
 
     def round_seconds(self, positions: int, draft_tokens: int = 0) -> float | None:
         """A round's predicted seconds were every session of the batch to verify `positions` positions (its
@@ -485,7 +517,7 @@ class GoodputK(AdaptiveK):
             run = self.BATCH_LIMIT_RUN_SAMPLED if self.sampled else self.BATCH_LIMIT_RUN
             return max(1, min(run, remaining))
         if self._guard_steps:
-            steps, self._guard_steps = self._guard_steps, 0
+            steps, self._guard_steps, self._guard_probe = self._guard_steps, 0, False
             return max(1, min(steps, remaining))
         return super().zero_run(remaining)
 
@@ -495,10 +527,10 @@ class GoodputK(AdaptiveK):
             return self.guard.at(not self.sampled, self.last_batch_size)
         return self.guard
 
-    def observe_goodput(self, k: int, tokens: int, seconds: float) -> None:
+    def observe_goodput(self, k: int, tokens: int, seconds: float, free: bool = False) -> None:
         guard = self.current_guard()  # `observe` has just recorded the round's batch
         if guard is not None:
-            guard.observe(k > 0, tokens, seconds)
+            guard.observe(k > 0, tokens, seconds, free)
 
     def next_k(self) -> int:
         if self._batch_limited():
@@ -506,6 +538,8 @@ class GoodputK(AdaptiveK):
         guard = self.current_guard()
         if guard is not None and self.k_max:
             self._guard_steps = guard.target_only_steps(self.guard_runs)
+            # Steps the guard asks for while the model's speculation does not lose measure the target-only side.
+            self._guard_probe = bool(self._guard_steps) and not (guard.speculation_loses() and self.guard_runs)
             if self._guard_steps:
                 return 0
         fit = self.forward_model()
@@ -556,9 +590,10 @@ async def speculative_generate(
     # A drafter that chooses its method per round learns from each verdict (before its tokens commit).
     observe: Callable[[int, int, float], None] | None = getattr(drafter, "observe", None)
     # A drafter with proposals that cost no draft forward (suffix trees) is asked for one every round, however
-    # small the policy's K (0 under load): it weighs the block's length against `round_s`, the policy's model of
-    # a round's time, and such a block is sent whole. Not while the goodput guard holds speculation off: the
-    # model of a round can miss what a round costs (a slope it could not fit), and the guard measures it.
+    # small the policy's K (0 under load, or while the goodput guard holds the model's drafting off): it weighs
+    # the block's length against `round_s`, the policy's model of a round's time, and such a block is sent
+    # whole. Not while the guard measures the free blocks' own rounds losing (`free_held`): the model of a
+    # round can miss what a round costs (a slope it could not fit), and the guard measures it.
     free_block: Callable[..., DraftBlock | None] | None = getattr(drafter, "free_block", None)
     round_s = getattr(policy, "round_seconds", None)
     free_ahead = False  # `ahead` is such a block
@@ -579,7 +614,7 @@ async def speculative_generate(
             await drafter.start(prompt_ids, params)
             budget = params.draft_budget(len(stop.token_ids))
             first_k = min(policy.next_k(), budget)
-            held = getattr(policy, "guard_holds", False)
+            held = getattr(policy, "free_held", False)
             if free_block is not None and not held and not (cancelled is not None and cancelled()):
                 ahead = free_block(first_k, budget, round_s)
                 free_ahead = ahead is not None
@@ -637,7 +672,7 @@ async def speculative_generate(
         budget = params.draft_budget(len(stop.token_ids))
         k = min(policy.next_k() if first_k is None else first_k, budget)
         first_k = None
-        held = getattr(policy, "guard_holds", False)
+        held = getattr(policy, "free_held", False)
         if free_block is not None and ahead is None and not held:
             ahead = free_block(k, budget, round_s)
             free_ahead = ahead is not None
@@ -694,7 +729,7 @@ async def speculative_generate(
             timed,
         )
         if timed:
-            policy.observe_goodput(drafted, len(verdict.tokens), t3 - t0)
+            policy.observe_goodput(drafted, len(verdict.tokens), t3 - t0, free_ahead)
         timed = True
         if on_round is not None:
             on_round(

@@ -565,9 +565,10 @@ def test_a_free_block_is_asked_for_past_the_batch_limit_and_sent_whole():
     assert max(len(b) for b in verifier.blocks) == 6 and r.stats.num_spec_tokens == 6
 
 
-def test_a_free_block_waits_while_the_guard_holds_speculation_off():
-    """Where speculative rounds measure slower than target-only steps, the guard's runs hold the free blocks
-    back as well (the round model cannot see every cost; the guard measures them)."""
+def test_a_free_block_waits_while_the_guard_measures_free_blocks_losing():
+    """Where the free blocks' own rounds measure slower than target-only steps, the guard holds them back (the
+    round model cannot see every cost; the guard measures them), and the model's drafts lose as well: the
+    guard's runs, not cut for the trees."""
     params = SamplingParams(temperature=0.0, max_tokens=150, ignore_eos=True)
     verifier = TimedVerifier(0.040, 0.002)
     drafter = FreeDrafter(4)
@@ -576,6 +577,67 @@ def test_a_free_block_waits_while_the_guard_holds_speculation_off():
     assert r.token_ids == list(range(2, 152))
     assert sum(verifier.runs) >= 60 and verifier.runs.count(8) >= 5  # the guard's runs, not cut for the trees
     assert drafter.asked < r.stats.rounds / 2
+
+
+def test_free_blocks_are_a_side_of_their_own():
+    """The guard measures rounds with a free block apart from the model's: the model's drafts losing to
+    target-only steps hold the model's drafting (runs of `every`), not the trees' blocks, whose own rounds
+    pay; the service then reports that speculation pays (the trees' share of it), and a free round does not
+    count as a measure of the model's speculation (the runs' probe of it stays due)."""
+    guard = GoodputGuard(every=8, probe=2, margin=0.05)
+    for _ in range(8):
+        guard.observe(True, 3, 0.030)  # the model's rounds: 100 tok/s
+        guard.observe(False, 1, 0.004)  # target-only: 250 tok/s
+    assert guard.speculation_loses() and guard.speculation_pays() is False and not guard.free_loses()
+    for _ in range(3):
+        guard.observe(True, 5, 0.010, free=True)  # the trees' rounds: 500 tok/s, not yet min_rounds
+    assert guard.speculation_pays() is False and guard.rate(True) == pytest.approx(100)
+    guard.observe(True, 5, 0.010, free=True)
+    assert guard.speculation_pays() is True and guard.speculation_loses() and not guard.free_loses()
+    assert guard.rate(True, free=True) == pytest.approx(500)
+    guard.observe(False, 8, 0.032)
+    guard.observe(True, 5, 0.010, free=True)
+    assert guard.target_only_steps() == 0  # 8 target-only steps since the model's last round: its probe
+
+    for _ in range(12):
+        guard.observe(True, 1, 0.050, free=True)  # the trees' rounds got slow: 20 tok/s
+    assert guard.free_loses() and guard.speculation_pays() is False
+
+
+class MethodTimedVerifier(TimedVerifier):
+    """A round with the trees' block (method "suffix") takes `free_s` and is accepted whole; the model's take
+    `round_s` and half is accepted; a target-only step `step_s`."""
+
+    def __init__(self, round_s, step_s, free_s):
+        super().__init__(round_s, step_s)
+        self.free_s = free_s
+
+    async def submit(self, proposal):
+        if proposal.method != "suffix":
+            return await super().submit(proposal)
+        self.blocks.append(list(proposal.token_ids))
+        await asyncio.sleep(self.free_s)
+        tokens = proposal.token_ids + [self.bonus(self.committed + proposal.token_ids)]
+        self.committed += tokens
+        return Verdict(tokens, proposal.k, proposal.k)
+
+
+def test_free_blocks_that_pay_go_on_while_the_model_is_held():
+    """Where the model's rounds measure slower than target-only steps, a session still sends the trees'
+    blocks (5 tokens a round), each round's choice its own, and the tokens are the target's."""
+    guard = GoodputGuard(every=8, probe=2)
+    for _ in range(8):
+        guard.observe(True, 3, 0.040)
+        guard.observe(False, 1, 0.004)
+    params = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
+    verifier = MethodTimedVerifier(0.040, 0.004, 0.008)
+    drafter = FreeDrafter(4)
+    policy = GoodputK(4, guard=guard)
+    r = asyncio.run(speculative_generate(verifier, drafter, [1], params, policy, StopChecker(params)))
+    assert r.token_ids == list(range(2, 62))
+    free = [b for b in verifier.blocks if len(b) == 4]
+    assert len(free) >= 8 and drafter.asked >= len(free)
+    assert guard.speculation_loses() and guard.speculation_pays() is True
 
 
 @pytest.mark.parametrize(("temperature", "run"), [(0.0, FREE_BLOCK_RECHECK), (0.7, GoodputK.BATCH_LIMIT_RUN_SAMPLED)])
