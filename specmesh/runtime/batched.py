@@ -27,6 +27,7 @@ it against the stock HF forward on a probe when built and refuses models it cann
 
 from __future__ import annotations
 
+import logging
 import threading
 import weakref
 from collections import OrderedDict
@@ -43,6 +44,8 @@ from specmesh.runtime.attention import check_attention_backend, sdpa_context
 from specmesh.runtime.base import RunnerBase, logits_wanted, plain_full_attention
 from specmesh.runtime.sequence import common_prefix
 from specmesh.runtime.static import TrackedSequence, _FastDecoder, logits_agree
+
+log = logging.getLogger(__name__)
 
 
 class SlotSequence(TrackedSequence):
@@ -459,6 +462,12 @@ class BatchedRunner(_RaggedRunner):
         self._owners: list[weakref.ref | None] = [None] * num_slots
         self.prefix_cache_query_tokens = 0  # prompt tokens new sequences looked up in the free slots
         self.prefix_cache_hit_tokens = 0  # ... and found there
+        # One token of one sequence (a draft's step at one stream) through the fused CPU step, as the paged
+        # runner's; under `auto` only, the C kernels being the CPU's choice there.
+        self.fused_step = self.device.type == "cpu" and attention_backend == "auto" and d.step is not None
+        if check and self.fused_step and not self._matches_hf():
+            log.warning("the fused CPU decode step disagrees with the HF forward here; stepping by torch")
+            self.fused_step = False
         if check and not self._matches_hf():
             raise ValueError(
                 f"BatchedRunner's decoder disagrees with the HF forward for {type(model).__name__}; use ModelRunner"
@@ -603,6 +612,16 @@ class BatchedRunner(_RaggedRunner):
 
     def _run(self, work: list[_Work]) -> list[torch.Tensor]:
         """One forward over every sequence's feed; per work item float32 logits [num_logits, V]."""
+        if self.fused_step and len(work) == 1 and len(work[0].feed) == 1:
+            w = work[0]
+            self._host_batch(work)  # the vocabulary check, before anything is written
+            dec = self._dec
+            dec.refresh_if_stale()
+            if dec.step is not None:
+                # A slot is one block as long as the slot: block 0 holds every position.
+                k, v = [t[w.seq.slot] for t in self._k], [t[w.seq.slot] for t in self._v]
+                out = dec.step(w.feed[0], w.start, k, v, dec.single_block_table, self.slot_len, logits=w.num_logits > 0)
+                return self._logits(out, work)
         ids, pos, rows = self._batch(work)
         flat_slot: list[int] = []
         segments = []
@@ -635,10 +654,13 @@ class BatchedRunner(_RaggedRunner):
                 got = self.forward(seqs, extra)
                 seqs[0].commit(ids[7:8])  # rejects ids[8:10]: the next pass recomputes from there
                 got += self.forward(seqs[:1], [ids[9:11]])
+                seqs[0].commit(ids[9:10])
+                got += self.forward(seqs[:1])  # one token of one sequence (the fused CPU step where it runs)
                 fed = [
                     ids[:10],
                     *[s.token_ids + e for s, e in zip(seqs[1:], extra[1:], strict=True)],
                     ids[:8] + ids[9:11],
+                    ids[:8] + ids[9:10],
                 ]
                 for logits, f in zip(got, fed, strict=True):
                     with sdpa_context(self.attention_backend, self.device):

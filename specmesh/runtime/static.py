@@ -340,7 +340,7 @@ class _FastDecoder:
         if self.cos.shape[-1] != self.head_dim:  # partial rotary: not what this loop implements
             raise ValueError(f"rotary dim {self.cos.shape[-1]} != head_dim {self.head_dim}")
         self.version = -1
-        self._block0 = torch.zeros(1, dtype=torch.int32)
+        self.single_block_table = torch.zeros(1, dtype=torch.int32)  # a KV buffer that is one block: block 0
         self._build()
 
     @staticmethod
@@ -493,7 +493,7 @@ class _FastDecoder:
             first = cache.layers[0]
             pools = [layer.k_buf[0] for layer in cache.layers], [layer.v_buf[0] for layer in cache.layers]
             # The buffer is one block as long as its capacity: block 0 holds every position.
-            out = step(feed[0], start, *pools, self._block0, first.capacity, logits=num_logits > 0)
+            out = step(feed[0], start, *pools, self.single_block_table, first.capacity, logits=num_logits > 0)
             cache.set_length(end)
             return out if out is not None else self.embed.new_empty((0, step.vocab))
         dev = self.embed.device

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from specmesh.runtime import cpu_kernels
+from specmesh.runtime.batched import BatchedRunner
 from specmesh.runtime.paged import PagedRunner
 from specmesh.runtime.static import StaticCacheRunner
 from tests.support.models import close_logits, full_logits, tiny_llama_mha, tiny_model, tiny_qwen3
@@ -96,6 +97,20 @@ def test_static_runner_steps_match_hf_through_buffer_growth(arch):
     assert seq.cache.layers[0].capacity >= 43
 
 
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_batched_runner_steps_match_hf(arch):
+    """The draft service's default runner on a CPU: a sequence's slot is its one block."""
+    model = ARCHS[arch]()
+    r = BatchedRunner(model, 3, max_seq_len=64)
+    assert r.fused_step
+    seqs = [r.new_sequence([(3 * i + k) % 120 for i in range(4 + 5 * k)]) for k in range(2)]
+    for seq, logits in zip(seqs, greedy_steps(r, seqs, 12), strict=True):
+        first = len(seq.token_ids) - len(logits)
+        for j, row in enumerate(logits):
+            close_logits(row, full_logits(model, seq.token_ids[: first + j], 1))
+    assert not BatchedRunner(model, 2, max_seq_len=64, attention_backend="default").fused_step
+
+
 def test_concurrent_steps_on_worker_threads_keep_their_own_arguments():
     """The draft service steps several sessions at once: each call's position, buffers and output are its own."""
     model = ARCHS["qwen2-bias"]()
@@ -119,8 +134,8 @@ def test_concurrent_steps_on_worker_threads_keep_their_own_arguments():
 
 
 def test_a_step_that_disagrees_is_not_served(monkeypatch):
-    """The runners' probes run one-token steps: a wrong step turns the CPU kernels off (paged) or the hand-written
-    decoder off (static), and both serve the HF forward's logits."""
+    """The runners' probes run one-token steps: a wrong step turns the CPU kernels off (paged), the step off
+    (batched) or the hand-written decoder off (static), and all serve the HF forward's logits."""
     model = ARCHS["llama-gqa"]()
     monkeypatch.setattr(cpu_kernels.DecodeStep, "__call__", lambda self, *a, **k: torch.zeros((1, 128)))
     r = PagedRunner(model, 64, 4)
@@ -130,6 +145,10 @@ def test_a_step_that_disagrees_is_not_served(monkeypatch):
     with pytest.warns(UserWarning, match="disagrees"):
         s = StaticCacheRunner(model)
     assert not s.uses_fast_path
+    b = BatchedRunner(model, 2, max_seq_len=64)
+    assert not b.fused_step
+    seq = b.new_sequence(list(range(1, 10)))
+    close_logits(b.forward([seq])[0], full_logits(model, seq.token_ids, 1))
 
 
 def test_what_the_step_does_not_take_is_said():
