@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from transformers import PreTrainedModel
 
 from specmesh.errors import InvalidArgument, ResourceExhausted
-from specmesh.runtime import PrefillChunk, StepResult
+from specmesh.runtime import PrefillChunk, StepResult, cpu_kernels
 from specmesh.runtime.attention import check_attention_backend, sdpa_context
 from specmesh.runtime.base import RunnerBase, logits_wanted, plain_full_attention
 from specmesh.runtime.sequence import common_prefix
@@ -612,7 +612,7 @@ class BatchedRunner(_RaggedRunner):
 
     def _run(self, work: list[_Work]) -> list[torch.Tensor]:
         """One forward over every sequence's feed; per work item float32 logits [num_logits, V]."""
-        if self.fused_step and len(work) == 1 and len(work[0].feed) == 1:
+        if self.fused_step and len(work) == 1 and len(work[0].feed) <= cpu_kernels.STEP_MAX_TOKENS:
             w = work[0]
             self._host_batch(work)  # the vocabulary check, before anything is written
             dec = self._dec
@@ -620,7 +620,7 @@ class BatchedRunner(_RaggedRunner):
             if dec.step is not None:
                 # A slot is one block as long as the slot: block 0 holds every position.
                 k, v = [t[w.seq.slot] for t in self._k], [t[w.seq.slot] for t in self._v]
-                out = dec.step(w.feed[0], w.start, k, v, dec.single_block_table, self.slot_len, logits=w.num_logits > 0)
+                out = dec.step(w.feed, w.start, k, v, dec.single_block_table, self.slot_len, w.num_logits)
                 return self._logits(out, work)
         ids, pos, rows = self._batch(work)
         flat_slot: list[int] = []

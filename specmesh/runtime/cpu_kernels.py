@@ -55,6 +55,9 @@ SOURCES = tuple(
 COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c11", "-D_GNU_SOURCE")
 LINK_FLAGS = ("-shared", "-fopenmp")
 MAX_TOKENS = 16  # a sequence with more new tokens (a prefill chunk) attends by SDPA's flash kernel
+# A forward of one sequence with up to this many tokens goes through the fused step (`DecodeStep`): each row
+# past the first adds ~0.5 ms on the demo target, and from ~9 rows oneDNN's packed GEMM is as fast.
+STEP_MAX_TOKENS = 8
 GEMV_PARALLEL_MIN = 64 * 1024  # weights below this many elements: one thread
 # Below this much work (rows x keys over the batch) one thread: starting a second costs more than it saves.
 PARALLEL_MIN_WORK = 4096
@@ -135,7 +138,7 @@ def load() -> ctypes.CDLL | None:
         fn.argtypes = [p, p, p, p, i64, i64, i64, ctypes.c_int]
         fn.restype = ctypes.c_int
         fn = lib.specmesh_decode_step
-        fn.argtypes = [p, p, p, p, p, p, p, p, ctypes.c_float, p, p, p, ctypes.c_int]
+        fn.argtypes = [p, p, p, p, p, p, p, p, p, ctypes.c_float, p, p, p, ctypes.c_int]
         fn.restype = ctypes.c_int
         _lib = lib
         return lib
@@ -347,7 +350,7 @@ def _call(lib, out, q, k_pool, v_pool, plan: Plan, block_size: int, scale: float
 # decode_step_cpu.c's layout of its arguments: per layer these pointers and floats, then the dimensions.
 _LN1, _WQKV, _BQKV, _WO, _BO, _QN, _KN, _LN2, _WGU, _BGU, _WD, _BD, _KPOOL, _VPOOL, _NPTR = range(15)
 _NFL = 5
-_POS, _BS, _K_SH, _K_SS, _V_SH, _V_SS, _NDIM = 8, 7, 9, 10, 11, 12, 13
+_BS, _POS, _K_SH, _K_SS, _V_SH, _V_SS, _NTOK, _NLOG, _NDIM = range(7, 16)
 
 
 def _rows_of(w: torch.Tensor | tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -360,14 +363,17 @@ def _dense(t: torch.Tensor | None) -> bool:
 
 
 class DecodeStep:
-    """One token of one sequence through a whole decoder in one call (`csrc/decode_step_cpu.c`): the embedding
-    row in, the logits out, the token's key and value written into the KV where its block table says.
+    """A few tokens of one sequence through a whole decoder in one call (`csrc/decode_step_cpu.c`): token ids
+    in, the last rows' logits out, the keys and values written into the KV where the block table says. A
+    target-only step is one token, a verify block K + 1: their rows meet the same arithmetic (bit-identical
+    logits for the same positions), so greedy speculation here is target-only decoding token for token.
 
     A decode step of one stream is 71 matrix-vector products on the demo target plus ~150 small operators
     (norms, rotary, the KV write, attention, the activation), each a Python call and a torch dispatch, and each
     product a fork and join of the thread team: the operators and joins cost the step ~2.5 ms of its ~8 over
     the weights' reads. Here the forward is one OpenMP region, seven barriers a layer: on the demo target ~5 ms
-    a step against the 4.3 ms its weights take to read at the machine's bandwidth.
+    a step against the 4.3 ms its weights take to read at the machine's bandwidth. A block of a few rows reads
+    the weights once for all of them (oneDNN's packed GEMM took 6.6-8.0 ms for 5-9 rows).
 
     `dec` is a `static._FastDecoder` (its fused [in, out] weights and rotary tables are read, never copied);
     `reason(dec)` says why one cannot be built for it (None: it can)."""
@@ -436,41 +442,46 @@ class DecodeStep:
 
     def __call__(
         self,
-        token: int,
-        pos: int,
+        tokens: Sequence[int],
+        start: int,
         k_pools: Sequence[torch.Tensor],
         v_pools: Sequence[torch.Tensor],
         table: torch.Tensor,
         block_size: int,
-        logits: bool = True,
+        num_logits: int = 1,
     ) -> torch.Tensor | None:
-        """Logits [1, V] (None with logits=False) of `token` at position `pos`; its key and value go to slot
-        table[pos // block_size] * block_size + pos % block_size of each layer's pools ([n_kv, slots, D]
-        with D contiguous; one tensor per layer), and it attends over positions [0, pos] there. The caller
-        has made the decoder's rotary tables reach `pos` and checked `token` against the vocabulary."""
+        """Logits [num_logits, V] of the last `num_logits` of `tokens` (1 to `STEP_MAX_TOKENS`, at positions
+        start, start + 1, ...; None for num_logits 0); their keys and values go to slots table[p // block_size]
+        * block_size + p % block_size of each layer's pools ([n_kv, slots, D] with D contiguous; one tensor per
+        layer), and token i attends over positions [0, start + i] there. The caller has made the decoder's
+        rotary tables reach the last position and checked the tokens against the vocabulary."""
+        n = len(tokens)
+        if not 1 <= n <= STEP_MAX_TOKENS or not 0 <= num_logits <= n:
+            raise ValueError(f"the fused CPU step takes 1 to {STEP_MAX_TOKENS} tokens and up to as many logits rows")
         # Per call: the draft service steps several sessions at once on worker threads.
         dec, dims, ptrs = self.dec, self._dims_t.from_buffer_copy(self.dims), self._ptrs_t.from_buffer_copy(self.ptrs)
         cos, sin = dec.cos, dec.sin  # held through the call: another thread may grow the tables meanwhile
         k0, v0 = k_pools[0], v_pools[0]
-        dims[_POS], dims[_BS] = pos, block_size
+        dims[_POS], dims[_BS], dims[_NTOK], dims[_NLOG] = start, block_size, n, num_logits
         dims[_K_SH], dims[_K_SS], dims[_V_SH], dims[_V_SS] = k0.stride(0), k0.stride(1), v0.stride(0), v0.stride(1)
         for i, (k, v) in enumerate(zip(k_pools, v_pools, strict=True)):
             ptrs[i * _NPTR + _KPOOL] = k.data_ptr()
             ptrs[i * _NPTR + _VPOOL] = v.data_ptr()
-        out = torch.empty((1, self.vocab), dtype=torch.float32) if logits else None
-        row, d = 4 * self.hidden, 4 * dec.head_dim
+        ids = torch.tensor(tokens, dtype=torch.int64)
+        out = torch.empty((num_logits, self.vocab), dtype=torch.float32) if num_logits else None
         with _profiled("specmesh::cpu_decode_step"):
             rc = self.lib.specmesh_decode_step(
                 dims,
                 ptrs,
                 self.fl,
-                dec.embed.data_ptr() + token * row,
-                cos.data_ptr() + pos * d,
-                sin.data_ptr() + pos * d,
+                dec.embed.data_ptr(),
+                ids.data_ptr(),
+                cos.data_ptr(),
+                sin.data_ptr(),
                 table.data_ptr(),
                 dec.norm_w.data_ptr(),
                 float(dec.norm_eps),
-                self.lm_w if logits else None,
+                self.lm_w,
                 self.lm_b,
                 out.data_ptr() if out is not None else None,
                 torch.get_num_threads(),

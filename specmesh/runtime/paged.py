@@ -477,8 +477,8 @@ class PagedRunner(_RaggedRunner):
             host_ids, host_pos, host_rows = self._host_batch(work)
             self._dec.refresh_if_stale()
             return self._logits(self.graphs.run(work, host_ids, host_pos, host_rows), work)
-        if len(work) == 1 and len(work[0].feed) == 1 and self.cpu_kernel:
-            out = self._one_token(work[0])
+        if len(work) == 1 and len(work[0].feed) <= cpu_kernels.STEP_MAX_TOKENS and self.cpu_kernel:
+            out = self._one_sequence(work[0])
             if out is not None:
                 return self._logits(out if work[0].num_logits else None, work)
         ids, pos, rows = self._batch(work)
@@ -503,16 +503,18 @@ class PagedRunner(_RaggedRunner):
             out = dec.ragged(kv, ids, pos, rows)
         return self._logits(out, work)
 
-    def _one_token(self, w: _Work) -> torch.Tensor | None:
-        """One sequence's one token through the fused CPU step (`cpu_kernels.DecodeStep`): logits [1, V], or
-        None where the step does not serve this decoder."""
+    def _one_sequence(self, w: _Work) -> torch.Tensor | None:
+        """One sequence's few tokens (a decode step, a verify block, a short chunk) through the fused CPU step
+        (`cpu_kernels.DecodeStep`): logits [num_logits, V], an empty [0, V] for none, or None where the step
+        does not serve this decoder."""
         self._host_batch([w])  # the vocabulary check, before anything is written
         dec = self._dec
         dec.refresh_if_stale()
         if dec.step is None:
             return None
         table = torch.tensor(w.seq.table.blocks, dtype=torch.int32)
-        return dec.step(w.feed[0], w.start, self._k, self._v, table, self.pool.block_size, logits=w.num_logits > 0)
+        out = dec.step(w.feed, w.start, self._k, self._v, table, self.pool.block_size, w.num_logits)
+        return out if out is not None else torch.empty((0, self.vocab_size))
 
     def _graph_attention(self, slots: torch.Tensor, plan: tuple[torch.Tensor, torch.Tensor]) -> _BlockAttention:
         """The block-table kernel's attention over the arena, for a CUDA graph's static buffers."""

@@ -489,11 +489,11 @@ class _FastDecoder:
         end = start + n
         self.reserve(end)
         step = self.step
-        if step is not None and n == 1 and 0 <= feed[0] < self.embed.shape[0]:
+        if step is not None and n <= cpu_kernels.STEP_MAX_TOKENS and min(feed) >= 0 and max(feed) < self.embed.shape[0]:
             first = cache.layers[0]
             pools = [layer.k_buf[0] for layer in cache.layers], [layer.v_buf[0] for layer in cache.layers]
             # The buffer is one block as long as its capacity: block 0 holds every position.
-            out = step(feed[0], start, *pools, self.single_block_table, first.capacity, logits=num_logits > 0)
+            out = step(feed, start, *pools, self.single_block_table, first.capacity, num_logits)
             cache.set_length(end)
             return out if out is not None else self.embed.new_empty((0, step.vocab))
         dev = self.embed.device

@@ -68,6 +68,46 @@ def test_paged_one_token_steps_match_hf_and_the_torch_ops(arch, threads):
             ref_seq.commit([seq.token_ids[len(ids)]])
 
 
+@pytest.mark.parametrize("arch", list(ARCHS))
+@pytest.mark.parametrize("threads", [1, 2], indirect=True)
+def test_a_verify_block_computes_the_steps_bit_for_bit(arch, threads):
+    """A block of K + 1 tokens of one sequence (a verify round at one stream) and the one-token steps that
+    decode the same positions go through the same arithmetic: their logits are equal to the bit, so greedy
+    speculation on this path is target-only decoding token for token, near-ties included."""
+    model = ARCHS[arch]()
+    r = PagedRunner(model, 64, 4)
+    prompt = [(11 * i + 4) % 120 for i in range(13)]
+    steps_seq = r.new_sequence(prompt)
+    r.prefill(steps_seq)  # as the block's sequence: the prompt's last token is the first of the steps
+    rows = []
+    for _ in range(cpu_kernels.STEP_MAX_TOKENS):
+        logits = r.forward([steps_seq])[0]
+        rows.append(logits[-1])
+        steps_seq.commit([int(logits[-1].argmax())])
+    drafts = steps_seq.token_ids[len(prompt) : len(prompt) + cpu_kernels.STEP_MAX_TOKENS - 1]
+    block_seq = r.new_sequence(prompt)
+    r.prefill(block_seq)
+    block = r.forward([block_seq], [drafts])[0]
+    assert block.shape[0] == cpu_kernels.STEP_MAX_TOKENS
+    assert torch.equal(block, torch.stack(rows))
+    close_logits(block, full_logits(model, prompt + drafts, len(drafts) + 1))
+
+
+@pytest.mark.parametrize("n", [2, 5, cpu_kernels.STEP_MAX_TOKENS, cpu_kernels.STEP_MAX_TOKENS + 1])
+def test_blocks_and_short_chunks_match_hf(n):
+    """Verify blocks and prefill chunks of one sequence up to STEP_MAX_TOKENS through the step (past it, the
+    ragged forward), rollbacks in between, on the paged and batched runners."""
+    model = ARCHS["llama-gqa"]()
+    for r in (PagedRunner(model, 64, 4), BatchedRunner(model, 2, max_seq_len=128)):
+        seq = r.new_sequence([(7 * i + 1) % 120 for i in range(3 * n + 2)])
+        while r.prefill(seq, max_tokens=n):  # chunks of n tokens, no logits
+            pass
+        drafts = [(5 * i + 2) % 120 for i in range(n - 1)]
+        close_logits(r.forward([seq], [drafts])[0], full_logits(model, seq.token_ids + drafts, n))
+        seq.commit(drafts[:1] + [9])  # one accepted, a correction: the rest is recomputed
+        close_logits(r.forward([seq], [drafts])[0], full_logits(model, seq.token_ids + drafts, n))
+
+
 @pytest.mark.parametrize("threads", [1, 2], indirect=True)
 def test_a_step_after_rejected_drafts_overwrites_their_positions(threads):
     """A verify block writes K + 1 positions; a rollback keeps fewer; the next one-token step writes over what
@@ -137,7 +177,11 @@ def test_a_step_that_disagrees_is_not_served(monkeypatch):
     """The runners' probes run one-token steps: a wrong step turns the CPU kernels off (paged), the step off
     (batched) or the hand-written decoder off (static), and all serve the HF forward's logits."""
     model = ARCHS["llama-gqa"]()
-    monkeypatch.setattr(cpu_kernels.DecodeStep, "__call__", lambda self, *a, **k: torch.zeros((1, 128)))
+
+    def wrong(self, tokens, start, k, v, table, block_size, num_logits=1):
+        return torch.zeros((num_logits, 128)) if num_logits else None
+
+    monkeypatch.setattr(cpu_kernels.DecodeStep, "__call__", wrong)
     r = PagedRunner(model, 64, 4)
     assert not r.cpu_kernel
     seq = r.new_sequence(list(range(1, 10)))
