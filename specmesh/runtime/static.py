@@ -483,12 +483,14 @@ class _FastDecoder:
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
         return w * h.to(x.dtype)
 
-    def __call__(self, cache: _PreallocCache, feed: list[int], num_logits: int) -> torch.Tensor:
+    def __call__(self, cache: _PreallocCache, feed: list[int], num_logits: int, fused: bool = True) -> torch.Tensor:
+        """Logits [num_logits, V] of the last rows of `feed`, fed after the cache's tokens; `fused`: a feed of
+        up to STEP_MAX_TOKENS may go through the fused CPU step (`cpu_kernels.DecodeStep`)."""
         n = len(feed)
         start = cache.length
         end = start + n
         self.reserve(end)
-        step = self.step
+        step = self.step if fused else None
         if step is not None and n <= cpu_kernels.STEP_MAX_TOKENS and min(feed) >= 0 and max(feed) < self.embed.shape[0]:
             first = cache.layers[0]
             pools = [layer.k_buf[0] for layer in cache.layers], [layer.v_buf[0] for layer in cache.layers]
@@ -635,7 +637,8 @@ class StaticCacheRunner(SequentialRunner[FastSequence]):
                 if self._fast is not None:
                     self._fast.refresh_if_stale()
                     cache.reserve(start + len(feed))
-                    logits = self._fast(cache, feed, num_logits)
+                    # The fused CPU step under `auto` only, the C kernels being the CPU's choice there.
+                    logits = self._fast(cache, feed, num_logits, self.attention_backend == "auto")
                 else:
                     ids = torch.tensor([feed], dtype=torch.long, device=self.device)
                     pos = torch.arange(start, start + len(feed), device=self.device)[None, :]

@@ -208,3 +208,25 @@ def test_what_the_step_does_not_take_is_said():
     assert "float32" in cpu_kernels.DecodeStep.reason(half) and half.step is None
     with pytest.raises(ValueError, match="activation"):
         cpu_kernels.DecodeStep(_FastDecoder(gelu))
+
+
+def test_other_attention_backends_keep_torchs_path(monkeypatch):
+    """`--attention-backend default` (or math, no-cudnn) means torch's kernels: no runner takes the fused step."""
+    calls = []
+    real = cpu_kernels.DecodeStep.__call__
+    monkeypatch.setattr(
+        cpu_kernels.DecodeStep, "__call__", lambda self, *a, **k: calls.append(1) or real(self, *a, **k)
+    )
+    model = ARCHS["llama-gqa"]()
+    for backend, used in (("default", False), ("auto", True)):
+        calls.clear()
+        runners = [
+            StaticCacheRunner(model, attention_backend=backend),
+            PagedRunner(model, 64, 4, attention_backend=backend),
+            BatchedRunner(model, 2, max_seq_len=64, attention_backend=backend),
+        ]
+        calls.clear()  # the probes' own
+        for r in runners:
+            seq = r.new_sequence(list(range(1, 7)))  # six tokens: one forward the step takes
+            close_logits(r.forward([seq])[0], full_logits(model, seq.token_ids, 1))
+        assert bool(calls) is used and (not used or len(calls) == 3)
