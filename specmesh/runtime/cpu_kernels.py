@@ -49,6 +49,7 @@ log = logging.getLogger(__name__)
 SOURCES = tuple(
     Path(__file__).with_name("csrc") / n for n in ("block_attention_cpu.c", "gemv_cpu.c", "decode_step_cpu.c")
 )
+HEADERS = (Path(__file__).with_name("csrc") / "attend_rows.h",)  # included by the sources: part of the cache key
 # -ffast-math on the compile step only: it lets gcc call glibc's vectorised expf (the kernel never makes an
 # infinity: masked keys are skipped). Linked without it, so no crtfastmath.o turns on flush-to-zero for the
 # whole process on load.
@@ -116,7 +117,7 @@ def load() -> ctypes.CDLL | None:
         if cc is None:
             log.warning("no C compiler (cc) here: specmesh's CPU kernels are off, torch's serve instead")
             return None
-        parts = [src.read_bytes() for src in SOURCES]
+        parts = [src.read_bytes() for src in (*SOURCES, *HEADERS)]
         parts += [" ".join(COMPILE_FLAGS + LINK_FLAGS).encode(), cc.encode(), _cpu_flags().encode()]
         key = hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
         path = cache_dir() / f"cpu_kernels-{platform.machine()}-{key}.so"
@@ -242,15 +243,7 @@ def block_attention(
         raise ValueError("the CPU block-table attention kernel takes float32 CPU tensors")
     if nh % n_kv or n_kv != plan.n_kv or out.shape != q.shape or k_pool.shape != v_pool.shape or k_pool.shape[2] != d:
         raise ValueError(f"CPU block attention: q {tuple(q.shape)} against a pool {tuple(k_pool.shape)}")
-    if q.stride(2) != 1 or k_pool.stride(2) != 1 or v_pool.stride(2) != 1 or out.stride(2) != 1:
-        raise ValueError("CPU block attention needs the head dimension contiguous")
-    key = tuple(t.stride(i) for t in (out, q, k_pool, v_pool) for i in (0, 1))
-    if plan.strides is None or plan.strides[0] != key:  # every layer of a forward has the same layout
-        plan.strides = (key, torch.tensor(key, dtype=torch.int64))
-    with _profiled("specmesh::cpu_block_attention"):
-        rc = _call(lib, out, q, k_pool, v_pool, plan, block_size, scale, plan.strides[1])
-    if rc:
-        raise MemoryError("the CPU block-table attention kernel could not allocate its scratch")
+    _call(lib.specmesh_block_attention, out, q, k_pool, v_pool, plan, block_size, scale)
 
 
 def block_attention_rope(
@@ -287,15 +280,30 @@ def block_attention_rope(
         or not (cos.is_contiguous() and sin.is_contiguous())
     ):
         raise ValueError(f"CPU block attention: rotary tables {tuple(cos.shape)} for {plan.end} positions of {d}")
-    if qkv.stride(2) != 1 or k_pool.stride(2) != 1 or v_pool.stride(2) != 1 or out.stride(2) != 1:
+    _call(lib.specmesh_block_attention_rope, out, qkv, k_pool, v_pool, plan, block_size, scale, cos, sin)
+
+
+def _profiled(name: str) -> contextlib.AbstractContextManager:
+    """A profiler range named for the kernel while torch's profiler runs (its breakdowns would otherwise
+    count the call as the gap between operators); nothing otherwise."""
+    if torch.autograd.profiler._is_profiler_enabled:
+        return torch.profiler.record_function(name)
+    return contextlib.nullcontext()
+
+
+def _call(fn, out, q, k_pool, v_pool, plan: Plan, block_size: int, scale: float, *rotary: torch.Tensor) -> None:
+    """One of the kernel's entries over the plan: q is the queries or (with `rotary`, its cos and sin tables)
+    the projection's output; the tensors' strides go with the plan, built once for every layer of a forward."""
+    if q.stride(2) != 1 or k_pool.stride(2) != 1 or v_pool.stride(2) != 1 or out.stride(2) != 1:
         raise ValueError("CPU block attention needs the head dimension contiguous")
-    key = tuple(t.stride(i) for t in (out, qkv, k_pool, v_pool) for i in (0, 1))
-    if plan.strides is None or plan.strides[0] != key:
+    key = tuple(t.stride(i) for t in (out, q, k_pool, v_pool) for i in (0, 1))
+    if plan.strides is None or plan.strides[0] != key:  # every layer of a forward has the same layout
         plan.strides = (key, torch.tensor(key, dtype=torch.int64))
+    n_kv, nh, d = k_pool.shape[0], out.shape[1], out.shape[2]
     with _profiled("specmesh::cpu_block_attention"):
-        rc = lib.specmesh_block_attention_rope(
+        rc = fn(
             out.data_ptr(),
-            qkv.data_ptr(),
+            q.data_ptr(),
             k_pool.data_ptr(),
             v_pool.data_ptr(),
             plan.tables.data_ptr(),
@@ -310,41 +318,10 @@ def block_attention_rope(
             plan.units.data_ptr(),
             plan.bounds.data_ptr(),
             plan.threads,
-            cos.data_ptr(),
-            sin.data_ptr(),
+            *(t.data_ptr() for t in rotary),
         )
     if rc:
         raise MemoryError("the CPU block-table attention kernel could not allocate its scratch")
-
-
-def _profiled(name: str) -> contextlib.AbstractContextManager:
-    """A profiler range named for the kernel while torch's profiler runs (its breakdowns would otherwise
-    count the call as the gap between operators); nothing otherwise."""
-    if torch.autograd.profiler._is_profiler_enabled:
-        return torch.profiler.record_function(name)
-    return contextlib.nullcontext()
-
-
-def _call(lib, out, q, k_pool, v_pool, plan: Plan, block_size: int, scale: float, strides: torch.Tensor) -> int:
-    n_kv, (_, nh, d) = k_pool.shape[0], q.shape
-    return lib.specmesh_block_attention(
-        out.data_ptr(),
-        q.data_ptr(),
-        k_pool.data_ptr(),
-        v_pool.data_ptr(),
-        plan.tables.data_ptr(),
-        plan.segs.data_ptr(),
-        plan.width,
-        n_kv,
-        nh // n_kv,
-        d,
-        block_size,
-        strides.data_ptr(),
-        float(scale),
-        plan.units.data_ptr(),
-        plan.bounds.data_ptr(),
-        plan.threads,
-    )
 
 
 # decode_step_cpu.c's layout of its arguments: per layer these pointers and floats, then the dimensions.

@@ -1,22 +1,19 @@
 /* Block-table attention on the CPU: every short sequence of a ragged batch (a decode step, a verify block)
  * attends over its KV where the block pool holds it, in one call per layer. The CPU twin of
- * block_attention.py's Triton kernel, with the same layout and inputs; see cpu_attention.py.
+ * block_attention.py's Triton kernel, with the same layout and inputs; see cpu_kernels.py.
  *
  * Per (sequence, KV head), the unit of work: the rows are the sequence's new tokens x the query heads sharing
- * that KV head (GQA folded, so each key is read once per group), each at its token's position. Scores are
- * taken key by key (each key read once, dotted with every row that sees it), a row's softmax is exact over
- * its visible keys (max, exp, sum: no running rescale, the scores fit in a scratch row), and the values are
- * read once and accumulated into every row. A row's result depends on its own query and keys only, never on
- * the batch around it or on how the units are split over threads.
- *
- * Masked keys are skipped, never set to -inf, so the code stays finite and may be built with -ffast-math
- * (for glibc's vectorised expf).
+ * that KV head (GQA folded, so each key is read once per group), each at its token's position, attending as
+ * attend_rows.h says. A row's result depends on its own query and keys only, never on the batch around it or
+ * on how the units are split over threads.
  */
 #include <float.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "attend_rows.h"
 
 typedef struct {
     float *out;               /* [T, nh, D] strided */
@@ -47,7 +44,7 @@ static inline __attribute__((always_inline)) void unit_d(const job_t *j, int64_t
                                                          float *acc, float *sc, int64_t stride,
                                                          const int64_t D) {
     const int64_t off = j->segs[3 * s], n = j->segs[3 * s + 1], start = j->segs[3 * s + 2];
-    const int64_t G = j->group, R = n * G, end = start + n, bs = j->bs;
+    const int64_t G = j->group, bs = j->bs;
     const int32_t *table = j->tables + s * j->W;
     const float *kb = j->k + h * j->sk_h, *vb = j->v + h * j->sv_h;
     if (j->cos) /* this KV head's new keys (rotated) and values into their slots: only this unit writes them */
@@ -67,53 +64,7 @@ static inline __attribute__((always_inline)) void unit_d(const job_t *j, int64_t
             else
                 for (int64_t d = 0; d < D; d++) dst[d] = src[d] * j->scale;
         }
-    /* scores, block by block (a block's keys are consecutive slots: no division per key) */
-    for (int64_t b0 = 0; b0 < end; b0 += bs) {
-        const float *kblk = kb + (int64_t)table[b0 / bs] * bs * j->sk_s;
-        const int64_t nb = end - b0 < bs ? end - b0 : bs;
-        for (int64_t i = 0; i < nb; i++) {
-            const int64_t p = b0 + i;
-            const float *kp = kblk + i * j->sk_s;
-            const int64_t r0 = (p > start ? p - start : 0) * G; /* the first row that sees position p */
-            for (int64_t r = r0; r < R; r++) {
-                const float *qr = qb + r * D;
-                float a = 0.f;
-#pragma omp simd reduction(+ : a)
-                for (int64_t d = 0; d < D; d++) a += qr[d] * kp[d];
-                sc[r * stride + p] = a;
-            }
-        }
-    }
-    for (int64_t r = 0; r < R; r++) {
-        float *row = sc + r * stride;
-        const int64_t vis = start + r / G + 1;
-        float m = -FLT_MAX;
-        for (int64_t p = 0; p < vis; p++) m = row[p] > m ? row[p] : m;
-        float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t p = 0; p < vis; p++) {
-            row[p] = expf(row[p] - m);
-            sum += row[p];
-        }
-        const float inv = 1.f / sum;
-        for (int64_t p = 0; p < vis; p++) row[p] *= inv;
-    }
-    memset(acc, 0, sizeof(float) * R * D);
-    for (int64_t b0 = 0; b0 < end; b0 += bs) {
-        const float *vblk = vb + (int64_t)table[b0 / bs] * bs * j->sv_s;
-        const int64_t nb = end - b0 < bs ? end - b0 : bs;
-        for (int64_t i = 0; i < nb; i++) {
-            const int64_t p = b0 + i;
-            const float *vp = vblk + i * j->sv_s;
-            const int64_t r0 = (p > start ? p - start : 0) * G;
-            for (int64_t r = r0; r < R; r++) {
-                const float w = sc[r * stride + p];
-                float *a = acc + r * D;
-#pragma omp simd
-                for (int64_t d = 0; d < D; d++) a[d] += w * vp[d];
-            }
-        }
-    }
+    attend_rows(acc, qb, kb, vb, table, start, n, G, D, bs, j->sk_s, j->sv_s, sc, stride);
     for (int64_t t = 0; t < n; t++)
         for (int64_t g = 0; g < G; g++)
             memcpy(j->out + (off + t) * j->so_t + (h * G + g) * j->so_h, acc + (t * G + g) * D, sizeof(float) * D);

@@ -18,7 +18,7 @@
  *
  * Attention is split by KV head: the thread that owns a KV head applies rotary to its keys and its query
  * heads, writes the keys and values into the pool and attends, so nothing it reads is written by another
- * thread. The softmax is exact per row, as block_attention_cpu.c's.
+ * thread; the attention itself is attend_rows.h's, as block_attention_cpu.c's.
  */
 #include <float.h>
 #include <math.h>
@@ -26,6 +26,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "attend_rows.h"
 
 enum { LN1, WQKV, BQKV, WO, BO, QN, KN, LN2, WGU, BGU, WD, BD, KPOOL, VPOOL, NPTR };
 enum { EPS1, EPS2, SCALE, QN_EPS, KN_EPS, NFL };
@@ -117,53 +119,10 @@ static void attend(float *out, int64_t ldo, const float *q, const float *kb, con
                    float *qb, float *acc, float *sc) {
     /* a score row's stride padded to whole cache lines: every row starts aligned, so a row's sums (the
      * softmax's) group the same way whatever the call's length (an alignment peel would regroup them) */
-    const int64_t R = n * G, end = start + n, E = (end + 15) / 16 * 16;
+    const int64_t R = n * G, E = (start + n + 15) / 16 * 16;
     for (int64_t r = 0; r < R; r++)
         for (int64_t d = 0; d < D; d++) qb[r * D + d] = q[r * D + d] * scale;
-    for (int64_t b0 = 0; b0 < end; b0 += bs) {
-        const float *kblk = kb + (int64_t)table[b0 / bs] * bs * ks;
-        const int64_t nb = end - b0 < bs ? end - b0 : bs;
-        for (int64_t i = 0; i < nb; i++) {
-            const int64_t p = b0 + i;
-            const float *kp = kblk + i * ks;
-            for (int64_t r = (p > start ? p - start : 0) * G; r < R; r++) { /* the rows that see position p */
-                const float *qr = qb + r * D;
-                float a = 0.f;
-#pragma omp simd reduction(+ : a)
-                for (int64_t d = 0; d < D; d++) a += qr[d] * kp[d];
-                sc[r * E + p] = a;
-            }
-        }
-    }
-    for (int64_t r = 0; r < R; r++) {
-        float *row = sc + r * E;
-        const int64_t vis = start + r / G + 1;
-        float m = -FLT_MAX;
-        for (int64_t p = 0; p < vis; p++) m = row[p] > m ? row[p] : m;
-        float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t p = 0; p < vis; p++) {
-            row[p] = expf(row[p] - m);
-            sum += row[p];
-        }
-        const float inv = 1.f / sum;
-        for (int64_t p = 0; p < vis; p++) row[p] *= inv;
-    }
-    memset(acc, 0, sizeof(float) * R * D);
-    for (int64_t b0 = 0; b0 < end; b0 += bs) {
-        const float *vblk = vb + (int64_t)table[b0 / bs] * bs * vs;
-        const int64_t nb = end - b0 < bs ? end - b0 : bs;
-        for (int64_t i = 0; i < nb; i++) {
-            const int64_t p = b0 + i;
-            const float *vp = vblk + i * vs;
-            for (int64_t r = (p > start ? p - start : 0) * G; r < R; r++) {
-                const float w = sc[r * E + p];
-                float *o = acc + r * D;
-#pragma omp simd
-                for (int64_t d = 0; d < D; d++) o[d] += w * vp[d];
-            }
-        }
-    }
+    attend_rows(acc, qb, kb, vb, table, start, n, G, D, bs, ks, vs, sc, E);
     for (int64_t r = 0; r < R; r++) memcpy(out + (r / G) * ldo + (r % G) * D, acc + r * D, sizeof(float) * D);
 }
 
