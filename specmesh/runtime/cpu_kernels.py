@@ -13,9 +13,10 @@
 * **One row through a linear layer** (`gemv`, `csrc/gemv_cpu.c`): a decode step's matmuls are matrix-vector
   products, which MKL runs on one thread at ~16 GB/s; this one splits the weights' rows over both threads
   (~34-40 GB/s on the demo target's matrices), with a fixed split so every call rounds the same way.
-* **A whole one-token forward** (`DecodeStep`, `csrc/decode_step_cpu.c`): one sequence's decode step from the
-  embedding row to the logits in one call, one OpenMP region with the same GEMV inside; the operators and
-  thread joins around the matmuls were ~2.5 ms of a ~8 ms step.
+* **A whole forward of one sequence's few tokens** (`DecodeStep`, `csrc/decode_step_cpu.c`): a decode step, a
+  verify block at one stream or a short chunk (up to `STEP_MAX_TOKENS`), token ids to logits in one call, one
+  OpenMP region with the same GEMV inside (a block's rows read the weights once); the operators and thread
+  joins around the matmuls were ~2.5 ms of a ~8 ms step.
 
 All run on torch's own OpenMP team: the library links the libgomp torch has loaded, so the threads still
 spinning after the last operator take the work instead of new threads fighting them for the cores.
