@@ -57,6 +57,21 @@ static void rms(float *y, const float *x, const float *w, float eps, int64_t n) 
             (x4 * s4[(c) + j] + x5 * s5[(c) + j] + x6 * s6[(c) + j] + x7 * s7[(c) + j]);                       \
     } while (0)
 
+/* EIGHT for two token rows at once: each weight read from L1 serves both (the same expression per row) */
+#define EIGHT2(acc, accb, x, xb, c, w)                                                                        \
+    do {                                                                                                       \
+        const float x0 = (x)[0], x1 = (x)[1], x2 = (x)[2], x3 = (x)[3];                                        \
+        const float x4 = (x)[4], x5 = (x)[5], x6 = (x)[6], x7 = (x)[7];                                        \
+        const float y0 = (xb)[0], y1 = (xb)[1], y2 = (xb)[2], y3 = (xb)[3];                                    \
+        const float y4 = (xb)[4], y5 = (xb)[5], y6 = (xb)[6], y7 = (xb)[7];                                    \
+        _Pragma("omp simd") for (int64_t j = 0; j < (w); j++) {                                                \
+            const float a0 = s0[(c) + j], a1 = s1[(c) + j], a2 = s2[(c) + j], a3 = s3[(c) + j];                \
+            const float a4 = s4[(c) + j], a5 = s5[(c) + j], a6 = s6[(c) + j], a7 = s7[(c) + j];                \
+            (acc)[j] += (x0 * a0 + x1 * a1 + x2 * a2 + x3 * a3) + (x4 * a4 + x5 * a5 + x6 * a6 + x7 * a7);     \
+            (accb)[j] += (y0 * a0 + y1 * a1 + y2 * a2 + y3 * a3) + (y4 * a4 + y5 * a5 + y6 * a6 + y7 * a7);    \
+        }                                                                                                      \
+    } while (0)
+
 /* This thread's partials of rows x[0, n) (ldx apart) . S over its fixed range of S's rows (multiples of 8):
  * part[r * lp + (0, out)]. Eight weight rows per pass over a partial: one load and store of it per eight
  * weights read (four rows a pass measured ~34 GB/s over the demo target's matrices on 2 threads, eight ~40);
@@ -72,7 +87,10 @@ static void partial(float *part, int64_t lp, const float *x, int64_t ldx, int64_
         const float *s4 = s3 + out, *s5 = s4 + out, *s6 = s5 + out, *s7 = s6 + out;
         for (int64_t c = 0; c < out; c += tile) {
             const int64_t w = out - c < tile ? out - c : tile;
-            for (int64_t r = 0; r < n; r++) EIGHT(part + r * lp + c, x + r * ldx + i, c, w);
+            int64_t r = 0;
+            for (; r + 2 <= n; r += 2)
+                EIGHT2(part + r * lp + c, part + (r + 1) * lp + c, x + r * ldx + i, x + (r + 1) * ldx + i, c, w);
+            if (r < n) EIGHT(part + r * lp + c, x + r * ldx + i, c, w);
         }
     }
     for (; i < i1; i++) {
