@@ -349,7 +349,7 @@ class DecodeStep:
     A decode step of one stream is 71 matrix-vector products on the demo target plus ~150 small operators
     (norms, rotary, the KV write, attention, the activation), each a Python call and a torch dispatch, and each
     product a fork and join of the thread team: the operators and joins cost the step ~2.5 ms of its ~8 over
-    the weights' reads. Here the forward is one OpenMP region, seven barriers a layer: on the demo target ~5 ms
+    the weights' reads. Here the forward is one OpenMP region, five barriers a layer: on the demo target ~5 ms
     a step against the 4.3 ms its weights take to read at the machine's bandwidth. A block of a few rows reads
     the weights once for all of them (oneDNN's packed GEMM took 6.6-8.0 ms for 5-9 rows).
 

@@ -9,7 +9,8 @@
  * 20-30 % slower), and the partials are summed in thread order where they are used: the attention sums its
  * own heads' q, k and v, the MLP sums gate and up, the residual adds are split by columns. The small steps
  * between products (RMSNorm, SwiGLU) are recomputed by every thread into its own scratch rather than split,
- * which costs less than the barrier a split would need; a layer is seven barriers.
+ * which costs less than the barrier a split would need, and so is the residual stream (each thread keeps a
+ * copy, summed from the partials in the same order): a layer is five barriers.
  *
  * A token's row goes through the same arithmetic in the same order whatever the number of tokens in the call
  * (the products' column tiles only bound the loop; attention is per row over its own visible keys), so a
@@ -122,6 +123,14 @@ static void reduce(float *y, int64_t ldy, const float *parts, int64_t stride, in
     }
 }
 
+/* x[r][j] += x . S + b for every row and every column: the residual stream, which every thread keeps a copy
+ * of (the same sums in the same order, so the copies agree to the bit) rather than split it and wait */
+static void residual(float *x, const float *parts, int64_t stride, int64_t lp, int64_t n, const float *b, int64_t H,
+                     int T) {
+    for (int64_t r = 0; r < n; r++)
+        for (int64_t j = 0; j < H; j++) x[r * H + j] += total(parts + r * lp, stride, T, b, j);
+}
+
 static void rope(float *x, const float *cos, const float *sin, int64_t D) {
     float tmp[512];
     const int64_t half = D / 2;
@@ -166,22 +175,22 @@ int specmesh_decode_step(const int64_t *dims, void *const *ptrs, const float *fl
     /* a partial row's length, padded by a cache line so that the rows of a block do not share cache sets (at
      * a power of two apart, nine rows' partials thrashed one set of the L1); one thread's partials */
     const int64_t lp = widest + 16, stride = n * lp;
-    /* shared: x [n, H], attn [n, nh D], two sets of partials [T, n, widest] (a product's partials are read while
-     * the next product writes the other set); per thread: h [n, H], m [n, I], q [n G, D], k and v [n, D],
-     * qb and acc [n G, D], sc [n G, end] */
-    const int64_t shared = (n * (H + A) + 15) / 16 * 16 + 2 * stride * threads;
-    const int64_t own = (n * (H + I + 3 * G * D + 2 * D + G * ((end + 15) / 16 * 16)) + 15) / 16 * 16;
+    /* shared: attn [n, nh D], two sets of partials [T, n, lp] (a product's partials are read while the next
+     * product writes the other set); per thread: x and h [n, H], m [n, I], q [n G, D], k and v [n, D], qb and
+     * acc [n G, D], sc [n G, end padded] */
+    const int64_t shared = (n * A + 15) / 16 * 16 + 2 * stride * threads;
+    const int64_t own = (n * (2 * H + I + 3 * G * D + 2 * D + G * ((end + 15) / 16 * 16)) + 15) / 16 * 16;
     float *buf = aligned_alloc(64, ((size_t)(shared + own * threads) * sizeof(float) + 63) / 64 * 64);
     if (!buf) return -1;
-    float *x = buf, *attn = x + n * H, *pa = buf + (n * (H + A) + 15) / 16 * 16, *pb = pa + stride * threads;
-    float *priv = buf + shared;
-    for (int64_t r = 0; r < n; r++) memcpy(x + r * H, embed + tokens[r] * H, sizeof(float) * H);
+    float *attn = buf, *pa = buf + (n * A + 15) / 16 * 16, *pb = pa + stride * threads, *priv = buf + shared;
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
         const int t = omp_get_thread_num(), T = omp_get_num_threads();
-        float *h = priv + (int64_t)t * own, *m = h + n * H, *q = m + n * I, *k = q + n * G * D, *v = k + n * D;
+        float *x = priv + (int64_t)t * own, *h = x + n * H, *m = h + n * H, *q = m + n * I, *k = q + n * G * D;
+        float *v = k + n * D;
         float *qb = v + n * D, *acc = qb + n * G * D, *sc = acc + n * G * D;
         float *mine_a = pa + (int64_t)t * stride, *mine_b = pb + (int64_t)t * stride;
+        for (int64_t r = 0; r < n; r++) memcpy(x + r * H, embed + tokens[r] * H, sizeof(float) * H);
         for (int64_t l = 0; l < L; l++) {
             void *const *p = ptrs + l * NPTR;
             const float *f = fl + l * NFL, *bqkv = p[BQKV];
@@ -216,8 +225,7 @@ int specmesh_decode_step(const int64_t *dims, void *const *ptrs, const float *fl
 #pragma omp barrier
             partial(mine_b, lp, attn, A, n, p[WO], A, H, t, T);
 #pragma omp barrier
-            reduce(x, H, pb, stride, lp, n, p[BO], H, 1, t, T);
-#pragma omp barrier
+            residual(x, pb, stride, lp, n, p[BO], H, T);
             for (int64_t r = 0; r < n; r++) rms(h + r * H, x + r * H, p[LN2], f[EPS2], H);
             partial(mine_a, lp, h, H, n, p[WGU], H, 2 * I, t, T);
 #pragma omp barrier
@@ -232,8 +240,7 @@ int specmesh_decode_step(const int64_t *dims, void *const *ptrs, const float *fl
             }
             partial(mine_b, lp, m, I, n, p[WD], I, H, t, T);
 #pragma omp barrier
-            reduce(x, H, pb, stride, lp, n, p[BD], H, 1, t, T);
-#pragma omp barrier
+            residual(x, pb, stride, lp, n, p[BD], H, T);
         }
         if (nlog) {
             const float *last = x + (n - nlog) * H;
