@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from transformers import PreTrainedModel
 
 from specmesh.errors import InvalidArgument, ResourceExhausted
-from specmesh.runtime import PrefillChunk, StepResult, cpu_kernels
+from specmesh.runtime import PrefillChunk, StepResult
 from specmesh.runtime.attention import check_attention_backend, sdpa_context
 from specmesh.runtime.base import RunnerBase, logits_wanted, plain_full_attention
 from specmesh.runtime.sequence import common_prefix
@@ -612,15 +612,17 @@ class BatchedRunner(_RaggedRunner):
 
     def _run(self, work: list[_Work]) -> list[torch.Tensor]:
         """One forward over every sequence's feed; per work item float32 logits [num_logits, V]."""
-        if self.fused_step and len(work) == 1 and len(work[0].feed) <= cpu_kernels.STEP_MAX_TOKENS:
-            w = work[0]
+        dec = self._dec
+        if self.fused_step and dec.step is not None and sum(len(w.feed) for w in work) <= dec.step.max_rows:
             self._host_batch(work)  # the vocabulary check, before anything is written
-            dec = self._dec
             dec.refresh_if_stale()
             if dec.step is not None:
-                # A slot is one block as long as the slot: block 0 holds every position.
-                k, v = [t[w.seq.slot] for t in self._k], [t[w.seq.slot] for t in self._v]
-                out = dec.step(w.feed, w.start, k, v, dec.single_block_table, self.slot_len, w.num_logits)
+                # A slot is one block as long as the slot, numbered in blocks of [slot_len, D] from the pool's
+                # start: slot s of a [slots, n_kv, slot_len, D] pool is block s * n_kv.
+                k0, v0 = self._k[0], self._v[0]
+                strides = (k0.stride(1), k0.stride(2), v0.stride(1), v0.stride(2))
+                seqs = [(w.feed, w.start, (w.seq.slot * dec.n_kv,)) for w in work]
+                out = dec.step(seqs, self._k, self._v, self.slot_len, [w.num_logits for w in work], strides)
                 return self._logits(out, work)
         ids, pos, rows = self._batch(work)
         flat_slot: list[int] = []

@@ -57,9 +57,13 @@ HEADERS = (Path(__file__).with_name("csrc") / "attend_rows.h",)  # included by t
 COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c11", "-D_GNU_SOURCE")
 LINK_FLAGS = ("-shared", "-fopenmp")
 MAX_TOKENS = 16  # a sequence with more new tokens (a prefill chunk) attends by SDPA's flash kernel
-# A forward of one sequence with up to this many tokens goes through the fused step (`DecodeStep`): each row
-# past the first adds ~0.5 ms on the demo target, and from ~9 rows oneDNN's packed GEMM is as fast.
+# A forward of up to this many tokens (one sequence's or several) goes through the fused step (`DecodeStep`):
+# each row past the first adds ~0.4 ms on the demo target, and from ~9 rows oneDNN's packed GEMM is as fast. A
+# model whose weights take at most STEP_SMALL_BYTES (the demo draft's 14 MB stay in the L3) computes a row in a
+# tenth of that, against the ragged forward's fixed cost of a few hundred operators: up to STEP_MAX_TOKENS_SMALL.
 STEP_MAX_TOKENS = 8
+STEP_MAX_TOKENS_SMALL = 16
+STEP_SMALL_BYTES = 32 * 2**20
 GEMV_PARALLEL_MIN = 64 * 1024  # weights below this many elements: one thread
 # Below this much work (rows x keys over the batch) one thread: starting a second costs more than it saves.
 PARALLEL_MIN_WORK = 4096
@@ -140,7 +144,7 @@ def load() -> ctypes.CDLL | None:
         fn.argtypes = [p, p, p, p, i64, i64, i64, ctypes.c_int]
         fn.restype = ctypes.c_int
         fn = lib.specmesh_decode_step
-        fn.argtypes = [p, p, p, p, p, p, p, p, p, ctypes.c_float, p, p, p, ctypes.c_int]
+        fn.argtypes = [p, p, p, p, p, p, p, p, p, p, ctypes.c_float, p, p, p, p, ctypes.c_int]
         fn.restype = ctypes.c_int
         _lib = lib
         return lib
@@ -328,7 +332,7 @@ def _call(fn, out, q, k_pool, v_pool, plan: Plan, block_size: int, scale: float,
 # decode_step_cpu.c's layout of its arguments: per layer these pointers and floats, then the dimensions.
 _LN1, _WQKV, _BQKV, _WO, _BO, _QN, _KN, _LN2, _WGU, _BGU, _WD, _BD, _KPOOL, _VPOOL, _NPTR = range(15)
 _NFL = 5
-_BS, _POS, _K_SH, _K_SS, _V_SH, _V_SS, _NTOK, _NLOG, _NDIM = range(7, 16)
+_BS, _NSEQ, _K_SH, _K_SS, _V_SH, _V_SS, _NTOK, _NLOG, _TW, _NDIM = range(7, 17)
 
 
 def _rows_of(w: torch.Tensor | tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -387,6 +391,9 @@ class DecodeStep:
             keps = kn.variance_epsilon if kn is not None else 0.0
             self.fl[i * _NFL : (i + 1) * _NFL] = [eps1, eps2, scale, qeps, keps]
         hidden, vocab, inter = dec.embed.shape[1], _rows_of(dec.lm_w).shape[0], dec.layers[0][13]
+        mats = [dec.lm_w, *(layer[i] for layer in dec.layers for i in (2, 4, 11, 14))]
+        small = sum(_rows_of(w).numel() * 4 for w in mats) <= STEP_SMALL_BYTES
+        self.max_rows = STEP_MAX_TOKENS_SMALL if small else STEP_MAX_TOKENS  # tokens in one call, all sequences
         self.dims[:7] = [hidden, dec.n_heads, dec.n_kv, dec.head_dim, inter, vocab, n_layers]
         self.hidden, self.vocab = hidden, vocab
         self.lm_w, self.lm_b = _rows_of(dec.lm_w).data_ptr(), _ptr(dec.lm_b)
@@ -420,33 +427,52 @@ class DecodeStep:
 
     def __call__(
         self,
-        tokens: Sequence[int],
-        start: int,
+        seqs: Sequence[tuple[Sequence[int], int, Sequence[int]]],
         k_pools: Sequence[torch.Tensor],
         v_pools: Sequence[torch.Tensor],
-        table: torch.Tensor,
         block_size: int,
-        num_logits: int = 1,
+        num_logits: Sequence[int],
+        strides: tuple[int, int, int, int] | None = None,
     ) -> torch.Tensor | None:
-        """Logits [num_logits, V] of the last `num_logits` of `tokens` (1 to `STEP_MAX_TOKENS`, at positions
-        start, start + 1, ...; None for num_logits 0); their keys and values go to slots table[p // block_size]
-        * block_size + p % block_size of each layer's pools ([n_kv, slots, D] with D contiguous; one tensor per
-        layer), and token i attends over positions [0, start + i] there. The caller has made the decoder's
-        rotary tables reach the last position and checked the tokens against the vocabulary."""
-        n = len(tokens)
-        if not 1 <= n <= STEP_MAX_TOKENS or not 0 <= num_logits <= n:
-            raise ValueError(f"the fused CPU step takes 1 to {STEP_MAX_TOKENS} tokens and up to as many logits rows")
+        """Logits [sum(num_logits), V] (None for none): per sequence (tokens, first position, block table), the
+        last num_logits[i] of its tokens, sequence after sequence. Every token's key and value goes to slot
+        table[p // block_size] * block_size + p % block_size of each layer's pools (one tensor per layer, the
+        head dimension contiguous; `strides`, in elements, (K head, K slot, V head, V slot), by default the
+        pools' first two strides), and a token at position p attends over its sequence's positions [0, p]. At
+        most `max_rows` tokens in all. The caller has made the decoder's rotary tables reach the last position
+        and checked the tokens against the vocabulary."""
+        n = sum(len(t) for t, _, _ in seqs)
+        if (
+            not seqs
+            or not 1 <= n <= self.max_rows
+            or any(not 0 <= k <= len(t) for (t, _, _), k in zip(seqs, num_logits, strict=True))
+        ):
+            raise ValueError(f"the fused CPU step takes 1 to {self.max_rows} tokens and up to as many logits rows")
         # Per call: the draft service steps several sessions at once on worker threads.
         dec, dims, ptrs = self.dec, self._dims_t.from_buffer_copy(self.dims), self._ptrs_t.from_buffer_copy(self.ptrs)
         cos, sin = dec.cos, dec.sin  # held through the call: another thread may grow the tables meanwhile
-        k0, v0 = k_pools[0], v_pools[0]
-        dims[_POS], dims[_BS], dims[_NTOK], dims[_NLOG] = start, block_size, n, num_logits
-        dims[_K_SH], dims[_K_SS], dims[_V_SH], dims[_V_SS] = k0.stride(0), k0.stride(1), v0.stride(0), v0.stride(1)
+        if strides is None:
+            k0, v0 = k_pools[0], v_pools[0]
+            strides = (k0.stride(0), k0.stride(1), v0.stride(0), v0.stride(1))
+        width = max(1, max(len(b) for _, _, b in seqs))
+        tables = torch.zeros((len(seqs), width), dtype=torch.int32)
+        flat: list[int] = []
+        segs: list[int] = []
+        rows: list[int] = []
+        for i, ((tokens, start, blocks), wants) in enumerate(zip(seqs, num_logits, strict=True)):
+            if blocks:
+                tables[i, : len(blocks)] = torch.tensor(list(blocks), dtype=torch.int32)
+            segs += (len(flat), len(tokens), start)
+            flat += tokens
+            rows += range(len(flat) - wants, len(flat))
+        dims[_BS], dims[_NSEQ], dims[_NTOK], dims[_NLOG], dims[_TW] = block_size, len(seqs), n, len(rows), width
+        dims[_K_SH], dims[_K_SS], dims[_V_SH], dims[_V_SS] = strides
         for i, (k, v) in enumerate(zip(k_pools, v_pools, strict=True)):
             ptrs[i * _NPTR + _KPOOL] = k.data_ptr()
             ptrs[i * _NPTR + _VPOOL] = v.data_ptr()
-        ids = torch.tensor(tokens, dtype=torch.int64)
-        out = torch.empty((num_logits, self.vocab), dtype=torch.float32) if num_logits else None
+        ids, seg_t = torch.tensor(flat, dtype=torch.int64), torch.tensor(segs, dtype=torch.int64)
+        row_t = torch.tensor(rows, dtype=torch.int64)
+        out = torch.empty((len(rows), self.vocab), dtype=torch.float32) if rows else None
         with _profiled("specmesh::cpu_decode_step"):
             rc = self.lib.specmesh_decode_step(
                 dims,
@@ -454,13 +480,15 @@ class DecodeStep:
                 self.fl,
                 dec.embed.data_ptr(),
                 ids.data_ptr(),
+                seg_t.data_ptr(),
+                tables.data_ptr(),
                 cos.data_ptr(),
                 sin.data_ptr(),
-                table.data_ptr(),
                 dec.norm_w.data_ptr(),
                 float(dec.norm_eps),
                 self.lm_w,
                 self.lm_b,
+                row_t.data_ptr(),
                 out.data_ptr() if out is not None else None,
                 torch.get_num_threads(),
             )

@@ -477,10 +477,10 @@ class PagedRunner(_RaggedRunner):
             host_ids, host_pos, host_rows = self._host_batch(work)
             self._dec.refresh_if_stale()
             return self._logits(self.graphs.run(work, host_ids, host_pos, host_rows), work)
-        if len(work) == 1 and len(work[0].feed) <= cpu_kernels.STEP_MAX_TOKENS and self.cpu_kernel:
-            out = self._one_sequence(work[0])
-            if out is not None:
-                return self._logits(out if work[0].num_logits else None, work)
+        if self.cpu_kernel:
+            fused = self._fused(work)
+            if fused is not None:
+                return fused
         ids, pos, rows = self._batch(work)
         flat_slot: list[int] = []
         for w in work:
@@ -503,18 +503,21 @@ class PagedRunner(_RaggedRunner):
             out = dec.ragged(kv, ids, pos, rows)
         return self._logits(out, work)
 
-    def _one_sequence(self, w: _Work) -> torch.Tensor | None:
-        """One sequence's few tokens (a decode step, a verify block, a short chunk) through the fused CPU step
-        (`cpu_kernels.DecodeStep`): logits [num_logits, V], an empty [0, V] for none, or None where the step
-        does not serve this decoder."""
-        self._host_batch([w])  # the vocabulary check, before anything is written
+    def _fused(self, work: list[_Work]) -> list[torch.Tensor] | None:
+        """A pass of a few tokens in all (decode steps, verify blocks, short chunks of one or several
+        sequences) through the fused CPU step (`cpu_kernels.DecodeStep`): per work item its logits, or None
+        where the step does not take the pass."""
         dec = self._dec
-        dec.refresh_if_stale()
-        if dec.step is None:
+        if dec.step is None or sum(len(w.feed) for w in work) > dec.step.max_rows:
             return None
-        table = torch.tensor(w.seq.table.blocks, dtype=torch.int32)
-        out = dec.step(w.feed, w.start, self._k, self._v, table, self.pool.block_size, w.num_logits)
-        return out if out is not None else torch.empty((0, self.vocab_size))
+        self._host_batch(work)  # the vocabulary check, before anything is written
+        dec.refresh_if_stale()
+        step = dec.step  # rebuilt with the weights' copies
+        if step is None:
+            return None
+        seqs = [(w.feed, w.start, w.seq.table.blocks) for w in work]
+        out = step(seqs, self._k, self._v, self.pool.block_size, [w.num_logits for w in work])
+        return self._logits(out, work)
 
     def _graph_attention(self, slots: torch.Tensor, plan: tuple[torch.Tensor, torch.Tensor]) -> _BlockAttention:
         """The block-table kernel's attention over the arena, for a CUDA graph's static buffers."""
@@ -617,6 +620,12 @@ class PagedRunner(_RaggedRunner):
                 a.commit([ids[0]])
                 got += self.step([a], [[ids[4]]], prefill=[PrefillChunk(c)]).logits + self.forward([c])
                 fed += [[*a.token_ids, ids[4]], [*c.token_ids]]
+                # Decode blocks past what the fused step takes in one pass: rotary, the KV writes and attention
+                # by the CPU kernel from the projection's output.
+                rows = self._dec.step.max_rows if self._dec.step is not None else cpu_kernels.STEP_MAX_TOKENS
+                more = [[(ids[i % len(ids)] + j) % self.vocab_size for i in range(rows // 2 + 1)] for j in (5, 6)]
+                got += self.forward([a, b], more)
+                fed += [[*a.token_ids, *more[0]], [*b.token_ids, *more[1]]]
                 for logits, f in zip(got, fed, strict=True):
                     with sdpa_context(self.attention_backend, self.device):
                         out = self.model(input_ids=torch.tensor([f], device=self.device))

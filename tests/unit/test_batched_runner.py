@@ -350,6 +350,7 @@ def test_a_failed_forward_leaves_only_the_kept_prefix(model):
     """An error in the middle of the layers (some slots half written): no sequence counts the new tokens,
     and the next forward recomputes them."""
     run = BatchedRunner(model, num_slots=2)
+    run.fused_step = False  # the layers below are the torch path's (the fused step fails before it writes)
     a, b = run.new_sequence([1, 2, 3, 4]), run.new_sequence([5, 6])
     run.prefill(a)
     run.prefill(b)

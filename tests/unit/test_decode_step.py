@@ -76,29 +76,57 @@ def test_a_verify_block_computes_the_steps_bit_for_bit(arch, threads):
     speculation on this path is target-only decoding token for token, near-ties included."""
     model = ARCHS[arch]()
     r = PagedRunner(model, 64, 4)
+    rows_max = r._dec.step.max_rows
     prompt = [(11 * i + 4) % 120 for i in range(13)]
     steps_seq = r.new_sequence(prompt)
     r.prefill(steps_seq)  # as the block's sequence: the prompt's last token is the first of the steps
     rows = []
-    for _ in range(cpu_kernels.STEP_MAX_TOKENS):
+    for _ in range(rows_max):
         logits = r.forward([steps_seq])[0]
         rows.append(logits[-1])
         steps_seq.commit([int(logits[-1].argmax())])
-    drafts = steps_seq.token_ids[len(prompt) : len(prompt) + cpu_kernels.STEP_MAX_TOKENS - 1]
+    drafts = steps_seq.token_ids[len(prompt) : len(prompt) + rows_max - 1]
     block_seq = r.new_sequence(prompt)
     r.prefill(block_seq)
     block = r.forward([block_seq], [drafts])[0]
-    assert block.shape[0] == cpu_kernels.STEP_MAX_TOKENS
+    assert block.shape[0] == rows_max
     assert torch.equal(block, torch.stack(rows))
     close_logits(block, full_logits(model, prompt + drafts, len(drafts) + 1))
 
 
-@pytest.mark.parametrize("n", [2, 5, cpu_kernels.STEP_MAX_TOKENS, cpu_kernels.STEP_MAX_TOKENS + 1])
+@pytest.mark.parametrize("arch", list(ARCHS))
+@pytest.mark.parametrize("make", ["paged", "batched"])
+def test_a_batch_of_sequences_computes_each_alone_bit_for_bit(arch, make):
+    """Several sequences' decode steps and verify blocks in one call (a few streams): each row's logits equal
+    what the sequence computes alone, to the bit (batch invariance), and the HF forward's."""
+    model = ARCHS[arch]()
+    build = {"paged": lambda: PagedRunner(model, 96, 4), "batched": lambda: BatchedRunner(model, 4, max_seq_len=64)}
+    prompts = [[(5 * i + 7 * k + 1) % 120 for i in range(6 + 3 * k)] for k in range(3)]
+    extras = [[], [11, 12], [13]]  # a step, a verify block of 3, one of 2: 6 rows
+    alone = []
+    for p, e in zip(prompts, extras, strict=True):
+        r = build[make]()
+        seq = r.new_sequence(p)
+        r.prefill(seq)
+        alone.append(r.forward([seq], [e])[0])
+    r = build[make]()
+    assert sum(len(e) + 1 for e in extras) <= r._dec.step.max_rows
+    seqs = [r.new_sequence(p) for p in prompts]
+    for seq in seqs:
+        r.prefill(seq)
+    together = r.forward(seqs, extras)
+    for got, want, p, e in zip(together, alone, prompts, extras, strict=True):
+        assert torch.equal(got, want)
+        close_logits(got, full_logits(model, p + e, len(e) + 1))
+
+
+@pytest.mark.parametrize("n", [2, 5, "max", "max + 1"])
 def test_blocks_and_short_chunks_match_hf(n):
     """Verify blocks and prefill chunks of one sequence up to STEP_MAX_TOKENS through the step (past it, the
     ragged forward), rollbacks in between, on the paged and batched runners."""
     model = ARCHS["llama-gqa"]()
     for r in (PagedRunner(model, 64, 4), BatchedRunner(model, 2, max_seq_len=128)):
+        n = {"max": r._dec.step.max_rows, "max + 1": r._dec.step.max_rows + 1}.get(n, n)
         seq = r.new_sequence([(7 * i + 1) % 120 for i in range(3 * n + 2)])
         while r.prefill(seq, max_tokens=n):  # chunks of n tokens, no logits
             pass
@@ -178,8 +206,8 @@ def test_a_step_that_disagrees_is_not_served(monkeypatch):
     (batched) or the hand-written decoder off (static), and all serve the HF forward's logits."""
     model = ARCHS["llama-gqa"]()
 
-    def wrong(self, tokens, start, k, v, table, block_size, num_logits=1):
-        return torch.zeros((num_logits, 128)) if num_logits else None
+    def wrong(self, seqs, k, v, block_size, num_logits, strides=None):
+        return torch.zeros((sum(num_logits), 128)) if sum(num_logits) else None
 
     monkeypatch.setattr(cpu_kernels.DecodeStep, "__call__", wrong)
     r = PagedRunner(model, 64, 4)

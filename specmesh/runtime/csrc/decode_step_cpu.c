@@ -1,7 +1,7 @@
-/* A few tokens of one sequence through a whole Llama-family decoder on the CPU, in one call: token ids in,
- * logits of the last rows out, the new keys and values written where the block table says. A target-only
- * step is one token, a verify block K + 1, a short prefill chunk a few with no logits. See cpu_kernels.py for
- * why.
+/* A few tokens of one or several sequences through a whole Llama-family decoder on the CPU, in one call: token
+ * ids in, the logits of the rows asked for out, the new keys and values written where each sequence's block
+ * table says. A target-only step is one token, a verify block K + 1, a short prefill chunk a few with no
+ * logits; a batch of a few such. See cpu_kernels.py for why.
  *
  * The whole forward is one OpenMP parallel region. Every matrix product splits the weights' rows over the team
  * in fixed ranges (as gemv_cpu.c: each thread streams whole [in, out] rows into private partial sums, eight
@@ -12,12 +12,13 @@
  * which costs less than the barrier a split would need, and so is the residual stream (each thread keeps a
  * copy, summed from the partials in the same order): a layer is five barriers.
  *
- * A token's row goes through the same arithmetic in the same order whatever the number of tokens in the call
- * (the products' column tiles only bound the loop; attention is per row over its own visible keys), so a
- * verify block's rows and the target-only steps that would decode the same positions compute bit-identical
- * logits: greedy speculation on this path is target-only decoding token for token, near-ties included.
+ * A token's row goes through the same arithmetic in the same order whatever the other rows of the call (the
+ * products' column tiles and row pairs only bound and share the loops; attention is per row over its own
+ * visible keys), so a verify block's rows and the target-only steps that would decode the same positions, alone
+ * or beside other sequences, compute bit-identical logits: greedy speculation on this path is target-only
+ * decoding token for token, near-ties included, and a row's result does not depend on its batch.
  *
- * Attention is split by KV head: the thread that owns a KV head applies rotary to its keys and its query
+ * Attention is split by (sequence, KV head): the thread that owns one applies rotary to its keys and its query
  * heads, writes the keys and values into the pool and attends, so nothing it reads is written by another
  * thread; the attention itself is attend_rows.h's, as block_attention_cpu.c's.
  */
@@ -32,7 +33,7 @@
 
 enum { LN1, WQKV, BQKV, WO, BO, QN, KN, LN2, WGU, BGU, WD, BD, KPOOL, VPOOL, NPTR };
 enum { EPS1, EPS2, SCALE, QN_EPS, KN_EPS, NFL };
-enum { HID, NH, NKV, HD, INTER, VOCAB, LAYERS, BS, POS, K_SH, K_SS, V_SH, V_SS, NTOK, NLOG, NDIM };
+enum { HID, NH, NKV, HD, INTER, VOCAB, LAYERS, BS, NSEQ, K_SH, K_SS, V_SH, V_SS, NTOK, NLOG, TW, NDIM };
 
 static void rms(float *y, const float *x, const float *w, float eps, int64_t n) {
     float ss = 0.f;
@@ -153,21 +154,27 @@ static void attend(float *out, int64_t ldo, const float *q, const float *kb, con
     for (int64_t r = 0; r < R; r++) memcpy(out + (r / G) * ldo + (r % G) * D, acc + r * D, sizeof(float) * D);
 }
 
-/* dims: NDIM values (the enum above: the model's sizes; the first position and the number of tokens; the
- * logits rows wanted, the last NLOG; the KV pools' strides in elements, head and slot). ptrs: NPTR per layer
+/* dims: NDIM values (the enum above: the model's sizes; the sequences, the tokens of all of them, the logits
+ * rows wanted; the KV pools' strides in elements, head and slot; the block tables' width). ptrs: NPTR per layer
  * (weights [in, out] with rows `out` floats apart; biases, q/k norms may be NULL; the layer's K and V pools).
- * fl: NFL per layer. embed: the embedding [vocab, H]; tokens: NTOK ids (checked by the caller). cos, sin: the
- * rotary tables [positions, D] (rotate_half's sign folded into sin). table: the sequence's block table.
- * logits: [NLOG, V] (NLOG 0: none). Returns 0, or -1 when scratch could not be allocated (then nothing was
- * written). */
+ * fl: NFL per layer. embed: the embedding [vocab, H]; tokens: NTOK ids (checked by the caller), sequence after
+ * sequence. segs: per sequence (first row, tokens, first position); tables: per sequence TW block ids. cos,
+ * sin: the rotary tables [positions, D] (rotate_half's sign folded into sin). lrows: the NLOG rows whose logits
+ * go to logits [NLOG, V]. Returns 0, or -1 when scratch could not be allocated (then nothing was written). */
 int specmesh_decode_step(const int64_t *dims, void *const *ptrs, const float *fl, const float *embed,
-                         const int64_t *tokens, const float *cos, const float *sin, const int32_t *table,
-                         const float *norm_w, float norm_eps, const float *lm_w, const float *lm_b, float *logits,
-                         int threads) {
+                         const int64_t *tokens, const int64_t *segs, const int32_t *tables, const float *cos,
+                         const float *sin, const float *norm_w, float norm_eps, const float *lm_w, const float *lm_b,
+                         const int64_t *lrows, float *logits, int threads) {
     const int64_t H = dims[HID], nh = dims[NH], nkv = dims[NKV], D = dims[HD], I = dims[INTER], V = dims[VOCAB];
-    const int64_t L = dims[LAYERS], bs = dims[BS], start = dims[POS], n = dims[NTOK], nlog = dims[NLOG];
-    const int64_t G = nh / nkv, end = start + n, nqkv = (nh + 2 * nkv) * D, A = nh * D;
-    if (D > 512 || D % 2 || n < 1 || nlog < 0 || nlog > n) return -2;
+    const int64_t L = dims[LAYERS], bs = dims[BS], S = dims[NSEQ], n = dims[NTOK], nlog = dims[NLOG];
+    const int64_t G = nh / nkv, nqkv = (nh + 2 * nkv) * D, A = nh * D, units = S * nkv;
+    if (D > 512 || D % 2 || n < 1 || S < 1 || nlog < 0 || nlog > n) return -2;
+    int64_t most = 1, far = 16; /* the most tokens of one sequence; its padded end */
+    for (int64_t i = 0; i < S; i++) {
+        const int64_t ns = segs[3 * i + 1], e = (segs[3 * i + 2] + ns + 15) / 16 * 16;
+        most = ns > most ? ns : most;
+        far = e > far ? e : far;
+    }
     if (threads < 1) threads = 1;
     int64_t widest = nqkv > 2 * I ? nqkv : 2 * I;
     widest = widest > V ? widest : V;
@@ -176,19 +183,19 @@ int specmesh_decode_step(const int64_t *dims, void *const *ptrs, const float *fl
      * a power of two apart, nine rows' partials thrashed one set of the L1); one thread's partials */
     const int64_t lp = widest + 16, stride = n * lp;
     /* shared: attn [n, nh D], two sets of partials [T, n, lp] (a product's partials are read while the next
-     * product writes the other set); per thread: x and h [n, H], m [n, I], q [n G, D], k and v [n, D], qb and
-     * acc [n G, D], sc [n G, end padded] */
+     * product writes the other set); per thread: x and h [n, H], m [n, I]; for one sequence's unit q [most G,
+     * D], k and v [most, D], qb and acc [most G, D], sc [most G, far] */
     const int64_t shared = (n * A + 15) / 16 * 16 + 2 * stride * threads;
-    const int64_t own = (n * (2 * H + I + 3 * G * D + 2 * D + G * ((end + 15) / 16 * 16)) + 15) / 16 * 16;
+    const int64_t own = (n * (2 * H + I) + most * (3 * G * D + 2 * D + G * far) + 15) / 16 * 16;
     float *buf = aligned_alloc(64, ((size_t)(shared + own * threads) * sizeof(float) + 63) / 64 * 64);
     if (!buf) return -1;
     float *attn = buf, *pa = buf + (n * A + 15) / 16 * 16, *pb = pa + stride * threads, *priv = buf + shared;
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
         const int t = omp_get_thread_num(), T = omp_get_num_threads();
-        float *x = priv + (int64_t)t * own, *h = x + n * H, *m = h + n * H, *q = m + n * I, *k = q + n * G * D;
-        float *v = k + n * D;
-        float *qb = v + n * D, *acc = qb + n * G * D, *sc = acc + n * G * D;
+        float *x = priv + (int64_t)t * own, *h = x + n * H, *m = h + n * H, *q = m + n * I, *k = q + most * G * D;
+        float *v = k + most * D;
+        float *qb = v + most * D, *acc = qb + most * G * D, *sc = acc + most * G * D;
         float *mine_a = pa + (int64_t)t * stride, *mine_b = pb + (int64_t)t * stride;
         for (int64_t r = 0; r < n; r++) memcpy(x + r * H, embed + tokens[r] * H, sizeof(float) * H);
         for (int64_t l = 0; l < L; l++) {
@@ -197,13 +204,16 @@ int specmesh_decode_step(const int64_t *dims, void *const *ptrs, const float *fl
             for (int64_t r = 0; r < n; r++) rms(h + r * H, x + r * H, p[LN1], f[EPS1], H);
             partial(mine_a, lp, h, H, n, p[WQKV], H, nqkv, t, T);
 #pragma omp barrier
-            for (int64_t kh = nkv * t / T; kh < nkv * (t + 1) / T; kh++) {
-                /* this KV head's query heads, keys and values of every token, summed from the partials */
+            for (int64_t u = units * t / T; u < units * (t + 1) / T; u++) {
+                /* one sequence's KV head: its query heads, keys and values, summed from the partials */
+                const int64_t sq = u / nkv, kh = u % nkv, off = segs[3 * sq], ns = segs[3 * sq + 1];
+                const int64_t start = segs[3 * sq + 2];
+                const int32_t *table = tables + sq * dims[TW];
                 const int64_t qo = kh * G * D, ko = (nh + kh) * D, vo = (nh + nkv + kh) * D;
                 float *kp = (float *)p[KPOOL] + kh * dims[K_SH], *vp = (float *)p[VPOOL] + kh * dims[V_SH];
-                for (int64_t r = 0; r < n; r++) {
-                    const float *pr = pa + r * lp, *c = cos + (start + r) * D, *s = sin + (start + r) * D;
-                    float *qr = q + r * G * D, *kr = k + r * D, *vr = v + r * D;
+                for (int64_t i = 0; i < ns; i++) {
+                    const float *pr = pa + (off + i) * lp, *c = cos + (start + i) * D, *s = sin + (start + i) * D;
+                    float *qr = q + i * G * D, *kr = k + i * D, *vr = v + i * D;
                     for (int64_t d = 0; d < G * D; d++) qr[d] = total(pr, stride, T, bqkv, qo + d);
                     for (int64_t d = 0; d < D; d++) {
                         kr[d] = total(pr, stride, T, bqkv, ko + d);
@@ -215,12 +225,12 @@ int specmesh_decode_step(const int64_t *dims, void *const *ptrs, const float *fl
                     }
                     if (p[KN]) rms(kr, kr, p[KN], f[KN_EPS], D);
                     rope(kr, c, s, D);
-                    const int64_t at = start + r, slot = (int64_t)table[at / bs] * bs + at % bs;
+                    const int64_t at = start + i, slot = (int64_t)table[at / bs] * bs + at % bs;
                     memcpy(kp + slot * dims[K_SS], kr, sizeof(float) * D);
                     memcpy(vp + slot * dims[V_SS], vr, sizeof(float) * D);
                 }
-                attend(attn + qo, A, q, kp, vp, table, start, n, bs, dims[K_SS], dims[V_SS], G, D, f[SCALE], qb, acc,
-                       sc);
+                attend(attn + off * A + qo, A, q, kp, vp, table, start, ns, bs, dims[K_SS], dims[V_SS], G, D,
+                       f[SCALE], qb, acc, sc);
             }
 #pragma omp barrier
             partial(mine_b, lp, attn, A, n, p[WO], A, H, t, T);
@@ -243,8 +253,7 @@ int specmesh_decode_step(const int64_t *dims, void *const *ptrs, const float *fl
             residual(x, pb, stride, lp, n, p[BD], H, T);
         }
         if (nlog) {
-            const float *last = x + (n - nlog) * H;
-            for (int64_t r = 0; r < nlog; r++) rms(h + r * H, last + r * H, norm_w, norm_eps, H);
+            for (int64_t j = 0; j < nlog; j++) rms(h + j * H, x + lrows[j] * H, norm_w, norm_eps, H);
             partial(mine_a, lp, h, H, nlog, lm_w, H, V, t, T);
 #pragma omp barrier
             reduce(logits, V, pa, stride, lp, nlog, lm_b, V, 0, t, T);
