@@ -590,10 +590,13 @@ class PagedRunner(_RaggedRunner):
         seqs: list[PagedSequence] = []
         gather_max, max_len = self.gather_max_tokens, self.max_len
         self.gather_max_tokens = 0  # the probe's sequences are short: check the merge wherever it may run
-        self.max_len = max(max_len, len(ids) + 4)  # a session cap shorter than the probe does not apply to it
+        # A session cap shorter than the probe does not apply to it (its longest sequence: the ids, a few
+        # commits and a block of up to half the fused step's rows).
+        reach = len(ids) + 4 + cpu_kernels.STEP_MAX_TOKENS_SMALL
+        self.max_len = max(max_len, reach)
         self._dec.reserve(self.max_len)
         try:
-            self._alloc(BlockPool(max(16, 4 * (-(-(len(ids) + 4) // bs))), bs))
+            self._alloc(BlockPool(max(16, 4 * (-(-reach // bs))), bs))
             with torch.inference_mode():
                 a = self.new_sequence(ids[:p])
                 seqs.append(a)
