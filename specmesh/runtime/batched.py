@@ -31,7 +31,7 @@ import logging
 import threading
 import weakref
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, Protocol
 
 import torch
@@ -396,6 +396,29 @@ class _RaggedRunner(RunnerBase):
             raise InvalidArgument(f"token id {lo if lo < 0 else hi} is outside the vocabulary [0, {self.vocab_size})")
         return flat_ids, flat_pos, rows
 
+    def _fused_pass(
+        self,
+        work: list[_Work],
+        blocks_of: Callable[[_Work], Sequence[int]],
+        block_size: int,
+        strides: tuple[int, int, int, int] | None = None,
+    ) -> list[torch.Tensor] | None:
+        """A pass of a few tokens in all (decode steps, verify blocks, short chunks of one or several
+        sequences) through the decoder's fused CPU step (`cpu_kernels.DecodeStep`) over the runner's pools:
+        per work item its logits, or None where the step does not take the pass. `blocks_of(w)`: the item's
+        block table in blocks of `block_size` slots."""
+        dec = self._dec  # type: ignore[attr-defined]  # both subclasses have the decoder and the pools
+        if dec.step is None or sum(len(w.feed) for w in work) > dec.step.max_rows:
+            return None
+        self._host_batch(work)  # the vocabulary check, before anything is written
+        dec.refresh_if_stale()
+        step = dec.step  # rebuilt with the weights' copies
+        if step is None:
+            return None
+        seqs = [(w.feed, w.start, blocks_of(w)) for w in work]
+        out = step(seqs, self._k, self._v, block_size, [w.num_logits for w in work], strides)  # type: ignore[attr-defined]
+        return self._logits(out, work)
+
     def _logits(self, out: torch.Tensor | None, work: list[_Work]) -> list[torch.Tensor]:
         """Per work item float32 logits [num_logits, V] from the pass's [R, V]."""
         if out is None:
@@ -612,18 +635,14 @@ class BatchedRunner(_RaggedRunner):
 
     def _run(self, work: list[_Work]) -> list[torch.Tensor]:
         """One forward over every sequence's feed; per work item float32 logits [num_logits, V]."""
-        dec = self._dec
-        if self.fused_step and dec.step is not None and sum(len(w.feed) for w in work) <= dec.step.max_rows:
-            self._host_batch(work)  # the vocabulary check, before anything is written
-            dec.refresh_if_stale()
-            if dec.step is not None:
-                # A slot is one block as long as the slot, numbered in blocks of [slot_len, D] from the pool's
-                # start: slot s of a [slots, n_kv, slot_len, D] pool is block s * n_kv.
-                k0, v0 = self._k[0], self._v[0]
-                strides = (k0.stride(1), k0.stride(2), v0.stride(1), v0.stride(2))
-                seqs = [(w.feed, w.start, (w.seq.slot * dec.n_kv,)) for w in work]
-                out = dec.step(seqs, self._k, self._v, self.slot_len, [w.num_logits for w in work], strides)
-                return self._logits(out, work)
+        if self.fused_step:
+            # A slot is one block as long as the slot, numbered in blocks of [slot_len, D] from the pool's
+            # start: slot s of a [slots, n_kv, slot_len, D] pool is block s * n_kv.
+            k0, v0, nkv = self._k[0], self._v[0], self._dec.n_kv
+            strides = (k0.stride(1), k0.stride(2), v0.stride(1), v0.stride(2))
+            fused = self._fused_pass(work, lambda w: (w.seq.slot * nkv,), self.slot_len, strides)
+            if fused is not None:
+                return fused
         ids, pos, rows = self._batch(work)
         flat_slot: list[int] = []
         segments = []

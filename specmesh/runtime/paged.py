@@ -478,7 +478,7 @@ class PagedRunner(_RaggedRunner):
             self._dec.refresh_if_stale()
             return self._logits(self.graphs.run(work, host_ids, host_pos, host_rows), work)
         if self.cpu_kernel:
-            fused = self._fused(work)
+            fused = self._fused_pass(work, lambda w: w.seq.table.blocks, self.pool.block_size)
             if fused is not None:
                 return fused
         ids, pos, rows = self._batch(work)
@@ -501,22 +501,6 @@ class PagedRunner(_RaggedRunner):
         with sdpa_context(self.attention_backend, dev):
             kv = _BlockAttention(dec, self._k, self._v, slots, segments, plan, self.pool.block_size, cpu)
             out = dec.ragged(kv, ids, pos, rows)
-        return self._logits(out, work)
-
-    def _fused(self, work: list[_Work]) -> list[torch.Tensor] | None:
-        """A pass of a few tokens in all (decode steps, verify blocks, short chunks of one or several
-        sequences) through the fused CPU step (`cpu_kernels.DecodeStep`): per work item its logits, or None
-        where the step does not take the pass."""
-        dec = self._dec
-        if dec.step is None or sum(len(w.feed) for w in work) > dec.step.max_rows:
-            return None
-        self._host_batch(work)  # the vocabulary check, before anything is written
-        dec.refresh_if_stale()
-        step = dec.step  # rebuilt with the weights' copies
-        if step is None:
-            return None
-        seqs = [(w.feed, w.start, w.seq.table.blocks) for w in work]
-        out = step(seqs, self._k, self._v, self.pool.block_size, [w.num_logits for w in work])
         return self._logits(out, work)
 
     def _graph_attention(self, slots: torch.Tensor, plan: tuple[torch.Tensor, torch.Tensor]) -> _BlockAttention:

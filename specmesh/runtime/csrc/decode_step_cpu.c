@@ -113,14 +113,14 @@ static inline float total(const float *parts, int64_t stride, int T, const float
     return b ? v + b[j] : v;
 }
 
-/* y[r][j] (+)= x . S + b for every row r, over this thread's share of the columns, once every partial is in */
+/* y[r][j] = x . S + b for every row r, over this thread's share of the columns, once every partial is in */
 static void reduce(float *y, int64_t ldy, const float *parts, int64_t stride, int64_t lp, int64_t n,
-                   const float *b, int64_t out, int add, int t, int T) {
+                   const float *b, int64_t out, int t, int T) {
     const int64_t j0 = out * t / T, j1 = out * (t + 1) / T;
     for (int64_t r = 0; r < n; r++) {
         float *yr = y + r * ldy;
         const float *pr = parts + r * lp;
-        for (int64_t j = j0; j < j1; j++) yr[j] = add ? yr[j] + total(pr, stride, T, b, j) : total(pr, stride, T, b, j);
+        for (int64_t j = j0; j < j1; j++) yr[j] = total(pr, stride, T, b, j);
     }
 }
 
@@ -256,7 +256,7 @@ int specmesh_decode_step(const int64_t *dims, void *const *ptrs, const float *fl
             for (int64_t j = 0; j < nlog; j++) rms(h + j * H, x + lrows[j] * H, norm_w, norm_eps, H);
             partial(mine_a, lp, h, H, nlog, lm_w, H, V, t, T);
 #pragma omp barrier
-            reduce(logits, V, pa, stride, lp, nlog, lm_b, V, 0, t, T);
+            reduce(logits, V, pa, stride, lp, nlog, lm_b, V, t, T);
         }
     }
     free(buf);
