@@ -1,9 +1,15 @@
 /* The attention core both CPU kernels share (block_attention_cpu.c, decode_step_cpu.c): rows r = t G + g, token t
  * of n at position start + t and query head g of a KV head's G, attend over the KV head's keys and values at
- * positions [0, start + t] where the block table says they lie. Scores are taken key by key (each key read once,
- * dotted with every row that sees it), a row's softmax is exact over its visible keys (max, exp, sum: no
- * running rescale, the scores fit in a scratch row), and the values are read once and accumulated into every
- * row. A row's result depends on its own query and keys only.
+ * positions [0, start + t] where the block table says they lie. A row's softmax is exact over its visible keys
+ * (max, exp, sum: no running rescale, the scores fit in a scratch row). A row's result depends on its own query
+ * and keys only, never on the other rows of the call: a verify block's rows and one-token steps at the same
+ * positions get the same bits.
+ *
+ * For a head size of whole 16-float vectors (the common ones) a row's scores are taken sixteen keys at a time
+ * (the lanes of each key's products summed in one fixed tree for all sixteen: a horizontal sum per key cost more
+ * than the products), and two rows at a time accumulate their values in registers. Otherwise key by key. The
+ * callers fetch the next unit's keys and values ahead (prefetch_kv): on a batch's cold KV, reading on demand
+ * ran at a third of the memory's bandwidth.
  *
  * Masked keys are skipped, never set to -inf, so the code stays finite and may be built with -ffast-math (for
  * glibc's vectorised expf). Inlined into each caller, so a head size the caller passes as a constant unrolls.
@@ -16,12 +22,31 @@
 #include <stdint.h>
 #include <string.h>
 
-/* acc [n G, D] = softmax(qb . K) . V for the rows above; qb: [n G, D], scaled (and rotated). kb, vb: the KV
- * head's keys and values (slot s at kb + s * ks); sc: scratch [n G, stride], stride >= start + n. */
-static inline __attribute__((always_inline)) void attend_rows(float *acc, const float *qb, const float *kb,
-                                                              const float *vb, const int32_t *table, int64_t start,
-                                                              int64_t n, int64_t G, const int64_t D, int64_t bs,
-                                                              int64_t ks, int64_t vs, float *sc, int64_t stride) {
+/* The softmax of each row over its visible scores, in place */
+static inline __attribute__((always_inline)) void softmax_rows(float *sc, int64_t R, int64_t G, int64_t start,
+                                                               int64_t stride) {
+    for (int64_t r = 0; r < R; r++) {
+        float *row = sc + r * stride;
+        const int64_t vis = start + r / G + 1;
+        float m = -FLT_MAX;
+        for (int64_t p = 0; p < vis; p++) m = row[p] > m ? row[p] : m;
+        float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t p = 0; p < vis; p++) {
+            row[p] = expf(row[p] - m);
+            sum += row[p];
+        }
+        const float inv = 1.f / sum;
+        for (int64_t p = 0; p < vis; p++) row[p] *= inv;
+    }
+}
+
+/* acc [n G, D] = softmax(qb . K) . V for the rows above, for any head size, key by key */
+static inline __attribute__((always_inline)) void attend_rows_any(float *acc, const float *qb, const float *kb,
+                                                                  const float *vb, const int32_t *table,
+                                                                  int64_t start, int64_t n, int64_t G, const int64_t D,
+                                                                  int64_t bs, int64_t ks, int64_t vs, float *sc,
+                                                                  int64_t stride) {
     const int64_t R = n * G, end = start + n;
     /* scores, block by block (a block's keys are consecutive slots: no division per key) */
     for (int64_t b0 = 0; b0 < end; b0 += bs) {
@@ -39,20 +64,7 @@ static inline __attribute__((always_inline)) void attend_rows(float *acc, const 
             }
         }
     }
-    for (int64_t r = 0; r < R; r++) {
-        float *row = sc + r * stride;
-        const int64_t vis = start + r / G + 1;
-        float m = -FLT_MAX;
-        for (int64_t p = 0; p < vis; p++) m = row[p] > m ? row[p] : m;
-        float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t p = 0; p < vis; p++) {
-            row[p] = expf(row[p] - m);
-            sum += row[p];
-        }
-        const float inv = 1.f / sum;
-        for (int64_t p = 0; p < vis; p++) row[p] *= inv;
-    }
+    softmax_rows(sc, R, G, start, stride);
     memset(acc, 0, sizeof(float) * R * D);
     for (int64_t b0 = 0; b0 < end; b0 += bs) {
         const float *vblk = vb + (int64_t)table[b0 / bs] * bs * vs;
@@ -68,6 +80,153 @@ static inline __attribute__((always_inline)) void attend_rows(float *acc, const 
             }
         }
     }
+}
+
+typedef float v16f __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+
+static inline __attribute__((always_inline)) v16f ld16(const float *p) {
+    v16f v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+/* s[j] = the sum of a[j]'s sixteen lanes, for j < 16: four rounds of halving, each adding the two halves of a
+ * pair of vectors (x's lanes beside y's), so no lane of one key ever meets another key's. The order of a key's
+ * sums depends only on its own lanes: whatever the other fifteen hold (zeros for an absent key), it is the same. */
+static inline __attribute__((always_inline)) v16f sum16(v16f a[16]) {
+    const v16i lo8 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
+    const v16i hi8 = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
+    const v16i lo4 = {0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27};
+    const v16i hi4 = {4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31};
+    const v16i lo2 = {0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29};
+    const v16i hi2 = {2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31};
+    const v16i lo1 = {0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30};
+    const v16i hi1 = {1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31};
+    v16f b[8], c[4], d[2];
+    for (int j = 0; j < 8; j++) b[j] = __builtin_shuffle(a[j], a[j + 8], lo8) + __builtin_shuffle(a[j], a[j + 8], hi8);
+    /* b[j]: lanes 0-7 key j, 8-15 key j + 8 */
+    for (int j = 0; j < 4; j++) c[j] = __builtin_shuffle(b[j], b[j + 4], lo4) + __builtin_shuffle(b[j], b[j + 4], hi4);
+    /* c[j]: lanes by fours, keys j, j + 4, j + 8, j + 12 */
+    for (int j = 0; j < 2; j++) d[j] = __builtin_shuffle(c[j], c[j + 2], lo2) + __builtin_shuffle(c[j], c[j + 2], hi2);
+    /* d[j]: lanes by twos, keys j, j + 2, ..., j + 14 */
+    return __builtin_shuffle(d[0], d[1], lo1) + __builtin_shuffle(d[0], d[1], hi1);
+}
+
+/* attend_rows_any's result for a head size of whole vectors (a constant, so the rows' vectors stay in
+ * registers). Scores: a row against up to sixteen keys of a block at once, each key's lanes summed by sum16; a
+ * group's keys past the sequence's end are not read. Values: two rows at a time over their visible keys in
+ * order, each row's sum kept in registers (the same sequence of multiply-adds for a row whatever its partner). */
+static inline __attribute__((always_inline)) void attend_rows_vec(float *acc, const float *qb, const float *kb,
+                                                                  const float *vb, const int32_t *table,
+                                                                  int64_t start, int64_t n, int64_t G, const int64_t D,
+                                                                  int64_t bs, int64_t ks, int64_t vs, float *sc,
+                                                                  int64_t stride) {
+    enum { MAXV = 16 };
+    const int64_t R = n * G, end = start + n, VN = D / 16;
+    for (int64_t b0 = 0; b0 < end; b0 += bs) {
+        const float *kblk = kb + (int64_t)table[b0 / bs] * bs * ks;
+        const int64_t nb = end - b0 < bs ? end - b0 : bs;
+        for (int64_t i0 = 0; i0 < nb; i0 += 16) {
+            const int64_t cnt = nb - i0 < 16 ? nb - i0 : 16, p0 = b0 + i0;
+            /* every row that sees the group's first key takes all of the group's keys (scores past a row's own
+             * position are written but never read) */
+            for (int64_t r = (p0 > start ? p0 - start : 0) * G; r < R; r++) {
+                v16f q[MAXV], a[16];
+#pragma GCC unroll 16
+                for (int64_t c = 0; c < VN; c++) q[c] = ld16(qb + r * D + 16 * c);
+                if (cnt == 16) {
+#pragma GCC unroll 16
+                    for (int64_t j = 0; j < 16; j++) {
+                        const float *kp = kblk + (i0 + j) * ks;
+                        v16f s = q[0] * ld16(kp);
+#pragma GCC unroll 16
+                        for (int64_t c = 1; c < VN; c++) s += q[c] * ld16(kp + 16 * c);
+                        a[j] = s;
+                    }
+                } else {
+#pragma GCC unroll 16
+                    for (int64_t j = 0; j < 16; j++) {
+                        v16f s = {0};
+                        if (j < cnt) {
+                            const float *kp = kblk + (i0 + j) * ks;
+                            s = q[0] * ld16(kp);
+#pragma GCC unroll 16
+                            for (int64_t c = 1; c < VN; c++) s += q[c] * ld16(kp + 16 * c);
+                        }
+                        a[j] = s;
+                    }
+                }
+                const v16f t = sum16(a);
+                memcpy(sc + r * stride + p0, &t, sizeof(float) * cnt);
+            }
+        }
+    }
+    softmax_rows(sc, R, G, start, stride);
+    for (int64_t r = 0; r < R; r += 2) {
+        const int64_t two = r + 1 < R, visa = start + r / G + 1, visb = two ? start + (r + 1) / G + 1 : 0;
+        const float *wa = sc + r * stride, *wb = sc + (r + 1) * stride;
+        v16f oa[MAXV], ob[MAXV];
+#pragma GCC unroll 16
+        for (int64_t c = 0; c < VN; c++) oa[c] = ob[c] = (v16f){0};
+        const int64_t both = visb < visa ? visb : visa;
+        int64_t p = 0;
+        for (int64_t b0 = 0; p < visa || p < visb; b0 += bs) {
+            const float *vblk = vb + (int64_t)table[b0 / bs] * bs * vs;
+            const int64_t bend = b0 + bs;
+            for (; p < both && p < bend; p++) {
+                const float *vp = vblk + (p - b0) * vs;
+#pragma GCC unroll 16
+                for (int64_t c = 0; c < VN; c++) {
+                    const v16f x = ld16(vp + 16 * c);
+                    oa[c] += wa[p] * x;
+                    ob[c] += wb[p] * x;
+                }
+            }
+            for (; p >= both && p < bend && (p < visa || p < visb); p++) {
+                const float *vp = vblk + (p - b0) * vs;
+#pragma GCC unroll 16
+                for (int64_t c = 0; c < VN; c++) {
+                    const v16f x = ld16(vp + 16 * c);
+                    if (p < visa) oa[c] += wa[p] * x;
+                    if (p < visb) ob[c] += wb[p] * x;
+                }
+            }
+        }
+#pragma GCC unroll 16
+        for (int64_t c = 0; c < VN; c++) memcpy(acc + r * D + 16 * c, &oa[c], sizeof(v16f));
+        if (two)
+#pragma GCC unroll 16
+            for (int64_t c = 0; c < VN; c++) memcpy(acc + (r + 1) * D + 16 * c, &ob[c], sizeof(v16f));
+    }
+}
+
+/* Every key and value a unit will read, positions [0, end), fetched into the cache ahead of it (the next unit's,
+ * while this one computes): a block is a run of pages of its own, where the hardware's prefetchers stop and
+ * start over, so a unit read on demand waits on memory's latency block after block. */
+static inline void prefetch_kv(const float *kb, const float *vb, const int32_t *table, int64_t end, int64_t bs,
+                               int64_t ks, int64_t vs, int64_t D) {
+    for (int64_t b0 = 0; b0 < end; b0 += bs) {
+        const float *kblk = kb + (int64_t)table[b0 / bs] * bs * ks, *vblk = vb + (int64_t)table[b0 / bs] * bs * vs;
+        const int64_t nb = end - b0 < bs ? end - b0 : bs;
+        for (int64_t i = 0; i < nb; i++)
+            for (int64_t d = 0; d < D; d += 16) {
+                __builtin_prefetch(kblk + i * ks + d, 0, 2);
+                __builtin_prefetch(vblk + i * vs + d, 0, 2);
+            }
+    }
+}
+
+/* acc [n G, D] = softmax(qb . K) . V for the rows above; qb: [n G, D], scaled (and rotated). kb, vb: the KV
+ * head's keys and values (slot s at kb + s * ks); sc: scratch [n G, stride], stride >= start + n. */
+static inline __attribute__((always_inline)) void attend_rows(float *acc, const float *qb, const float *kb,
+                                                              const float *vb, const int32_t *table, int64_t start,
+                                                              int64_t n, int64_t G, const int64_t D, int64_t bs,
+                                                              int64_t ks, int64_t vs, float *sc, int64_t stride) {
+    if (D % 16 == 0 && D <= 256)
+        attend_rows_vec(acc, qb, kb, vb, table, start, n, G, D, bs, ks, vs, sc, stride);
+    else
+        attend_rows_any(acc, qb, kb, vb, table, start, n, G, D, bs, ks, vs, sc, stride);
 }
 
 #endif

@@ -96,7 +96,14 @@ static void work(job_t *j) {
         return;
     }
     float *qb = buf, *acc = buf + max_r * j->D, *sc = acc + max_r * j->D;
-    for (int64_t i = j->u0; i < j->u1; i++) unit(j, j->units[i] / j->nkv, j->units[i] % j->nkv, qb, acc, sc, max_end);
+    for (int64_t i = j->u0; i < j->u1; i++) {
+        if (i + 1 < j->u1) { /* the next unit's keys and values on their way while this one computes */
+            const int64_t s = j->units[i + 1] / j->nkv, h = j->units[i + 1] % j->nkv;
+            prefetch_kv(j->k + h * j->sk_h, j->v + h * j->sv_h, j->tables + s * j->W,
+                        j->segs[3 * s + 2] + j->segs[3 * s + 1], j->bs, j->sk_s, j->sv_s, j->D);
+        }
+        unit(j, j->units[i] / j->nkv, j->units[i] % j->nkv, qb, acc, sc, max_end);
+    }
     free(buf);
 }
 

@@ -78,11 +78,15 @@ static void rms(float *y, const float *x, const float *w, float eps, int64_t n) 
  * part[r * lp + (0, out)]. Eight weight rows per pass over a partial: one load and store of it per eight
  * weights read (four rows a pass measured ~34 GB/s over the demo target's matrices on 2 threads, eight ~40);
  * a block of rows reads the weights from memory once. */
+static inline int64_t share_end(int64_t in, int t, int T) {
+    return t == T - 1 ? in : 8 * (((in + 7) / 8) * (t + 1) / T);
+}
+static inline int64_t share_start(int64_t in, int t, int T) { return 8 * (((in + 7) / 8) * t / T); }
+
 static void partial(float *part, int64_t lp, const float *x, int64_t ldx, int64_t n, const float *S, int64_t in,
                     int64_t out, int t, int T) {
-    const int64_t octs = (in + 7) / 8, tile = n == 1 ? out : TILE;
-    const int64_t i1 = t == T - 1 ? in : 8 * (octs * (t + 1) / T);
-    int64_t i = 8 * (octs * t / T);
+    const int64_t tile = n == 1 ? out : TILE, i1 = share_end(in, t, T);
+    int64_t i = share_start(in, t, T);
     for (int64_t r = 0; r < n; r++) memset(part + r * lp, 0, sizeof(float) * out);
     for (; i + 8 <= i1; i += 8) {
         const float *s0 = S + i * out, *s1 = s0 + out, *s2 = s1 + out, *s3 = s2 + out;
@@ -150,7 +154,12 @@ static void attend(float *out, int64_t ldo, const float *q, const float *kb, con
     const int64_t R = n * G, E = (start + n + 15) / 16 * 16;
     for (int64_t r = 0; r < R; r++)
         for (int64_t d = 0; d < D; d++) qb[r * D + d] = q[r * D + d] * scale;
-    attend_rows(acc, qb, kb, vb, table, start, n, G, D, bs, ks, vs, sc, E);
+    if (D == 64) /* the common head sizes as constants: the rows' vectors stay in registers */
+        attend_rows(acc, qb, kb, vb, table, start, n, G, 64, bs, ks, vs, sc, E);
+    else if (D == 128)
+        attend_rows(acc, qb, kb, vb, table, start, n, G, 128, bs, ks, vs, sc, E);
+    else
+        attend_rows(acc, qb, kb, vb, table, start, n, G, D, bs, ks, vs, sc, E);
     for (int64_t r = 0; r < R; r++) memcpy(out + (r / G) * ldo + (r % G) * D, acc + r * D, sizeof(float) * D);
 }
 
@@ -204,7 +213,13 @@ int specmesh_decode_step(const int64_t *dims, void *const *ptrs, const float *fl
             for (int64_t r = 0; r < n; r++) rms(h + r * H, x + r * H, p[LN1], f[EPS1], H);
             partial(mine_a, lp, h, H, n, p[WQKV], H, nqkv, t, T);
 #pragma omp barrier
-            for (int64_t u = units * t / T; u < units * (t + 1) / T; u++) {
+            for (int64_t u = units * t / T, u1 = units * (t + 1) / T; u < u1; u++) {
+                if (u + 1 < u1) { /* the next unit's keys and values on their way while this one computes */
+                    const int64_t s = (u + 1) / nkv, h = (u + 1) % nkv;
+                    prefetch_kv((float *)p[KPOOL] + h * dims[K_SH], (float *)p[VPOOL] + h * dims[V_SH],
+                                tables + s * dims[TW], segs[3 * s + 2] + segs[3 * s + 1], bs, dims[K_SS], dims[V_SS],
+                                D);
+                }
                 /* one sequence's KV head: its query heads, keys and values, summed from the partials */
                 const int64_t sq = u / nkv, kh = u % nkv, off = segs[3 * sq], ns = segs[3 * sq + 1];
                 const int64_t start = segs[3 * sq + 2];
@@ -239,11 +254,13 @@ int specmesh_decode_step(const int64_t *dims, void *const *ptrs, const float *fl
             for (int64_t r = 0; r < n; r++) rms(h + r * H, x + r * H, p[LN2], f[EPS2], H);
             partial(mine_a, lp, h, H, n, p[WGU], H, 2 * I, t, T);
 #pragma omp barrier
+            /* SwiGLU over this thread's share of the down product's rows only: the only ones it reads */
             const float *bgu = p[BGU];
+            const int64_t m0 = share_start(I, t, T), m1 = share_end(I, t, T);
             for (int64_t r = 0; r < n; r++) {
                 const float *pr = pa + r * lp;
                 float *mr = m + r * I;
-                for (int64_t i = 0; i < I; i++) {
+                for (int64_t i = m0; i < m1; i++) {
                     const float g = total(pr, stride, T, bgu, i), u = total(pr, stride, T, bgu, I + i);
                     mr[i] = g / (1.f + expf(-g)) * u;
                 }
