@@ -373,12 +373,17 @@ class GoodputGuards:
     say nothing of one stream alone). Pooled over every session, the guard compared speculative rounds
     measured in one regime with target-only steps measured in another: after a burst of 4 streams whose
     first rounds waited behind each other's prefills, the next single stream took a whole run of 64
-    target-only steps. Each guard is a GoodputGuard with the same settings, made when first asked for."""
+    target-only steps. Each guard is a GoodputGuard with the same settings, made when first asked for, but for
+    the sampled guards' margin (`sampled_margin`): a greedy guard's band of 5 % keeps it from flapping between
+    two sides that measure alike, while a sampled block's best is near parity, so within the band a sampled
+    session speculated at 0.95x target-only (both edit-loop runs at one stream, T = 0.7). A sampled session
+    speculates only while speculation measures at least as fast as target-only."""
 
     BATCH_EDGES = (1, 2, 4, 8, 16, 32)  # a batch of n sessions shares the guard of the largest edge <= n
 
-    def __init__(self, **settings) -> None:
+    def __init__(self, sampled_margin: float = 0.0, **settings) -> None:
         self.settings = settings
+        self.sampled_settings = settings | {"margin": sampled_margin}
         self.guards: dict[tuple[bool, int], GoodputGuard] = {}
 
     @classmethod
@@ -390,7 +395,7 @@ class GoodputGuards:
         key = (greedy, self.batch_bucket(batch_size))
         guard = self.guards.get(key)
         if guard is None:
-            guard = self.guards[key] = GoodputGuard(**self.settings)
+            guard = self.guards[key] = GoodputGuard(**(self.settings if greedy else self.sampled_settings))
         return guard
 
     @property

@@ -503,6 +503,23 @@ def test_sampled_sessions_are_guarded_apart_from_greedy_ones():
         assert (verifier.runs[:1] == [8]) is held
 
 
+def test_a_sampled_guard_holds_speculation_that_measures_a_little_slower_than_target_only():
+    """The greedy guards keep a 5 % band against flapping; a sampled session, whose blocks are accepted with
+    their probability only and pay near parity at best, speculates only while speculation measures at least
+    as fast as target-only: at 0.96x the sampled guard holds it, the greedy one does not."""
+    guards = GoodputGuards(every=8)
+    greedy, sampled = guards.at(True, 1), guards.at(False, 1)
+    assert (greedy.margin, sampled.margin) == (0.05, 0.0)
+    for guard in (greedy, sampled):
+        for _ in range(10):
+            guard.observe(True, 2, 0.0208)  # 96 tok/s speculating
+            guard.observe(False, 1, 0.010)  # 100 tok/s target-only
+    assert not greedy.speculation_loses() and greedy.speculation_pays()
+    assert sampled.speculation_loses() and sampled.speculation_pays() is False
+    assert sampled.target_only_steps() == 8 and greedy.target_only_steps() == 0
+    assert GoodputGuards(sampled_margin=0.02).at(False, 4).margin == 0.02
+
+
 def test_one_stalled_round_does_not_turn_the_guard_against_speculation():
     """A round that waited out a paused draft for 4 s counts as a round 4x as slow as usual, not as 4 s: a
     fault must not switch speculation off for the next thousand tokens."""
