@@ -286,7 +286,7 @@ class _RaggedDecoder(_FastDecoder):
             x = x + lin(attn.view(t, nh * hd), wo, bo)
             h = rms(x, ln2, eps2)
             gu = lin(h, wgu, bgu)
-            x = x + lin(act(gu[:, :inter]) * gu[:, inter:], wd, bd)
+            x = x + lin(self._swiglu(act, gu, inter), wd, bd)
         if rows is None:
             return None
         return self.head(x[rows]) if head else x[rows]

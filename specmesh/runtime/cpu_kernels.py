@@ -48,7 +48,8 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCES = tuple(
-    Path(__file__).with_name("csrc") / n for n in ("block_attention_cpu.c", "gemv_cpu.c", "decode_step_cpu.c")
+    Path(__file__).with_name("csrc") / n
+    for n in ("block_attention_cpu.c", "gemv_cpu.c", "decode_step_cpu.c", "elementwise_cpu.c")
 )
 HEADERS = (Path(__file__).with_name("csrc") / "attend_rows.h",)  # included by the sources: part of the cache key
 # -ffast-math on the compile step only: it lets gcc call glibc's vectorised expf (the kernel never makes an
@@ -146,6 +147,12 @@ def load() -> ctypes.CDLL | None:
         fn = lib.specmesh_decode_step
         fn.argtypes = [p, p, p, p, p, p, p, p, p, p, ctypes.c_float, p, p, p, p, ctypes.c_int]
         fn.restype = ctypes.c_int
+        fn = lib.specmesh_rms_norm
+        fn.argtypes = [p, p, p, ctypes.c_float, i64, i64, i64, ctypes.c_int]
+        fn.restype = None
+        fn = lib.specmesh_silu_mul
+        fn.argtypes = [p, p, i64, i64, i64, ctypes.c_int]
+        fn.restype = None
         _lib = lib
         return lib
 
@@ -183,6 +190,45 @@ def gemv(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tens
         )
     if rc:
         raise MemoryError("specmesh's CPU gemv could not allocate its partial sums")
+    return y
+
+
+# Elements of a batch below which the elementwise kernels run on one thread (waking the team costs more).
+ELEMENTWISE_PARALLEL_MIN = 1 << 14
+
+
+def _rows_fit(x: torch.Tensor) -> bool:
+    return x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and x.stride(1) == 1
+
+
+def _team(elements: int) -> int:
+    return torch.get_num_threads() if elements >= ELEMENTWISE_PARALLEL_MIN else 1
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor | None:
+    """F.rms_norm(x, w.shape, w, eps) for rows x [n, H] (float32, CPU, each row contiguous) in one call, or
+    None where the kernel does not take these tensors (the caller uses torch's)."""
+    lib = load()
+    if lib is None or not _rows_fit(x) or w.shape != (x.shape[1],) or w.dtype != torch.float32:
+        return None
+    n, h = x.shape
+    w = w.contiguous()
+    y = torch.empty((n, h), dtype=torch.float32)
+    with _profiled("specmesh::cpu_rms_norm"):
+        lib.specmesh_rms_norm(y.data_ptr(), x.data_ptr(), w.data_ptr(), float(eps), n, h, x.stride(0), _team(n * h))
+    return y
+
+
+def silu_mul(gu: torch.Tensor, inter: int) -> torch.Tensor | None:
+    """silu(gu[:, :inter]) * gu[:, inter:] for rows gu [n, 2 inter] (float32, CPU, each row contiguous) in one
+    call, or None where the kernel does not take it."""
+    lib = load()
+    if lib is None or not _rows_fit(gu) or gu.shape[1] != 2 * inter:
+        return None
+    n = gu.shape[0]
+    y = torch.empty((n, inter), dtype=torch.float32)
+    with _profiled("specmesh::cpu_silu_mul"):
+        lib.specmesh_silu_mul(y.data_ptr(), gu.data_ptr(), n, inter, gu.stride(0), _team(n * inter))
     return y
 
 

@@ -334,6 +334,8 @@ class _FastDecoder:
         self.gemv = self.embed.device.type == "cpu" and self.dtype == torch.float32 and cpu_kernels.load() is not None
         if self.gemv:
             self.linear = self._one_row_gemv(self.linear)
+            # A batch's RMSNorm in one call (torch's fp32 one is five operators, a pass over memory each)
+            self._rms = self._rms_cpu  # type: ignore[method-assign]
         self.cos: torch.Tensor  # [pos, 1, D] rotary tables for positions [0, table_len), built by reserve()
         self.sin: torch.Tensor
         self.table_len = 0
@@ -398,8 +400,10 @@ class _FastDecoder:
         if m == 1:
             return F.linear(x, w[0], b)
         # oneDNN builds (~1.5 ms) and caches (1024 entries) a primitive per row count: padded to a few
-        # buckets, a serving process meets ~60 row counts in all rather than every count up to its batch.
-        step = 1 if m <= 16 else 16 if m <= 256 else 128
+        # buckets, a serving process meets ~70 row counts in all rather than every count up to its batch. Its
+        # time grows with the rows from ~16 on (the demo target's gate-up: 20 rows 282 us, 32 rows 456), so
+        # the buckets stay fine where verify batches of a few streams fall (4 x 5 = 20 rows, not 32).
+        step = 1 if m <= 16 else 4 if m <= 64 else 16 if m <= 256 else 128
         padded = -(-m // step) * step
         if padded != m:
             x = F.pad(x, (0, 0, 0, padded - m))
@@ -484,6 +488,19 @@ class _FastDecoder:
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
         return w * h.to(x.dtype)
 
+    @classmethod
+    def _rms_cpu(cls, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+        y = cpu_kernels.rms_norm(x, w, eps)
+        return y if y is not None else cls._rms(x, w, eps)
+
+    def _swiglu(self, act: Callable[[torch.Tensor], torch.Tensor], gu: torch.Tensor, inter: int) -> torch.Tensor:
+        """act(gate) * up from the gate-up product's rows; SiLU's in one call where the CPU kernels build."""
+        if self.gemv and act is F.silu:
+            y = cpu_kernels.silu_mul(gu, inter)
+            if y is not None:
+                return y
+        return act(gu[:, :inter]) * gu[:, inter:]
+
     def __call__(self, cache: _PreallocCache, feed: list[int], num_logits: int, fused: bool = True) -> torch.Tensor:
         """Logits [num_logits, V] of the last rows of `feed`, fed after the cache's tokens; `fused`: a feed of
         up to the step's `max_rows` may go through the fused CPU step (`cpu_kernels.DecodeStep`)."""
@@ -534,7 +551,7 @@ class _FastDecoder:
             x = x + lin(a[0].transpose(0, 1).reshape(n, nh * hd), wo, bo)
             h = rms(x, ln2, eps2)
             gu = lin(h, wgu, bgu)
-            x = x + lin(act(gu[:, :inter]) * gu[:, inter:], wd, bd)
+            x = x + lin(self._swiglu(act, gu, inter), wd, bd)
         cache.set_length(end)
         x = rms(x[n - num_logits :], self.norm_w, self.norm_eps)
         return lin(x, self.lm_w, self.lm_b)

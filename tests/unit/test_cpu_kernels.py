@@ -220,3 +220,39 @@ def test_the_decoders_take_one_row_through_it_and_more_through_torch(monkeypatch
     calls.clear()
     r.forward([seq], [[4, 5, 6]])  # four rows
     assert not calls
+
+
+@pytest.mark.parametrize(("rows", "width"), [(1, 512), (80, 512), (7, 33), (40, 1408)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_rms_norm_and_silu_mul_match_torch(rows, width, threads, monkeypatch):
+    """The batch's RMSNorm and SwiGLU in one call each, against torch's (rows strided as the decoders pass
+    them: a slice of a wider batch), one thread or the team (each row computed alike either way)."""
+    monkeypatch.setattr(cpu_kernels, "ELEMENTWISE_PARALLEL_MIN", 0)
+    torch.set_num_threads(threads)
+    try:
+        g = torch.Generator().manual_seed(rows * width)
+        wide = torch.randn(rows, width + 16, generator=g)
+        x, w = wide[:, 3 : 3 + width], torch.rand(width, generator=g) + 0.5
+        got = cpu_kernels.rms_norm(x, w, 1e-6)
+        assert got is not None
+        torch.testing.assert_close(got, torch.nn.functional.rms_norm(x, (width,), w, 1e-6), rtol=1e-5, atol=1e-6)
+        gu = torch.randn(rows, 2 * width, generator=g) * 4
+        got = cpu_kernels.silu_mul(gu, width)
+        assert got is not None
+        want = torch.nn.functional.silu(gu[:, :width]) * gu[:, width:]
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        one = cpu_kernels.rms_norm(x[:1], w, 1e-6)
+        assert one is not None and torch.equal(one[0], cpu_kernels.rms_norm(x, w, 1e-6)[0])  # type: ignore[index]
+    finally:
+        torch.set_num_threads(2)
+
+
+def test_the_elementwise_kernels_decline_what_they_do_not_take():
+    """None (the caller keeps torch's) for a 3-D slice (Qwen3's per-head norms), a column-strided batch, a
+    weight of another width, a gate-up of another width, another dtype."""
+    w = torch.ones(64)
+    assert cpu_kernels.rms_norm(torch.randn(4, 8, 64), w, 1e-6) is None
+    assert cpu_kernels.rms_norm(torch.randn(64, 4).t(), w, 1e-6) is None
+    assert cpu_kernels.rms_norm(torch.randn(4, 32), w, 1e-6) is None
+    assert cpu_kernels.rms_norm(torch.randn(4, 64, dtype=torch.float64), w, 1e-6) is None
+    assert cpu_kernels.silu_mul(torch.randn(4, 63), 32) is None
