@@ -274,13 +274,26 @@ class GoodputGuard:
 
     TARGET_ONLY, MODEL, FREE = 0, 1, 2  # the sides, indexes of the sums
 
-    def __init__(self, every: int = 64, probe: int = 4, margin: float = 0.05, decay: float = 0.9, min_rounds: int = 4):
+    def __init__(
+        self,
+        every: int = 64,
+        probe: int = 4,
+        margin: float = 0.05,
+        decay: float = 0.9,
+        min_rounds: int = 4,
+        measure_first: bool = False,
+    ):
         if every < 1 or probe < 1 or not 0.0 <= margin < 1.0 or not 0.0 < decay <= 1.0 or min_rounds < 1:
             raise ValueError(
                 "GoodputGuard needs every >= 1, probe >= 1, 0 <= margin < 1, 0 < decay <= 1 and min_rounds >= 1"
             )
         self.every, self.probe, self.margin, self.decay = every, probe, margin, decay
         self.min_rounds = min_rounds
+        # measure_first: the first session to ask takes a probe of target-only steps before any round, so the
+        # guard can judge after min_rounds rounds rather than after `every` (a sampled stream's first requests
+        # otherwise speculated at a loss for ~100 tokens before the first target-only probe measured the other
+        # side); handed out once, the `every` probes measure from then on.
+        self._zero_first = measure_first
         self._rounds = [0, 0, 0]  # speculative rounds observed in all, by side (target-only: unused)
         self._tokens = [0.0, 0.0, 0.0]  # decayed sums, [target-only, model speculation, free blocks]
         self._seconds = [0.0, 0.0, 0.0]
@@ -349,6 +362,11 @@ class GoodputGuard:
         """Target-only steps the asking session should take now instead of speculating (0: speculate).
         `runs` False: a session sent to measure speculation (its caller routes the others past it): it
         speculates as if speculation paid, short target-only probes included, so both sides stay measured."""
+        if self._zero_first:
+            self._zero_first = False
+            if self.rate(False) is None:
+                self.probes += 1
+                return self.probe
         if self.speculation_loses() and runs:
             if self._spec_probe_left:
                 self._spec_probe_left -= 1
@@ -377,13 +395,14 @@ class GoodputGuards:
     the sampled guards' margin (`sampled_margin`): a greedy guard's band of 5 % keeps it from flapping between
     two sides that measure alike, while a sampled block's best is near parity, so within the band a sampled
     session speculated at 0.95x target-only (both edit-loop runs at one stream, T = 0.7). A sampled session
-    speculates only while speculation measures at least as fast as target-only."""
+    speculates only while speculation measures at least as fast as target-only, and its guard measures
+    target-only first (`measure_first`)."""
 
     BATCH_EDGES = (1, 2, 4, 8, 16, 32)  # a batch of n sessions shares the guard of the largest edge <= n
 
     def __init__(self, sampled_margin: float = 0.0, **settings) -> None:
         self.settings = settings
-        self.sampled_settings = settings | {"margin": sampled_margin}
+        self.sampled_settings = settings | {"margin": sampled_margin, "measure_first": True}
         self.guards: dict[tuple[bool, int], GoodputGuard] = {}
 
     @classmethod

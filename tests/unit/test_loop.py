@@ -520,6 +520,23 @@ def test_a_sampled_guard_holds_speculation_that_measures_a_little_slower_than_ta
     assert GoodputGuards(sampled_margin=0.02).at(False, 4).margin == 0.02
 
 
+def test_a_sampled_guard_measures_target_only_before_its_first_round():
+    """A sampled guard hands its first asker a target-only probe (once), so it can judge after min_rounds
+    rounds; a greedy guard speculates from the first round."""
+    guards = GoodputGuards(every=8, probe=3)
+    sampled, greedy = guards.at(False, 1), guards.at(True, 1)
+    assert greedy.target_only_steps() == 0
+    assert sampled.target_only_steps() == 3 and sampled.probes == 1
+    assert sampled.target_only_steps() == 0  # once: the probe's steps are on their way
+    sampled.observe(False, 3, 0.030)  # 100 tok/s target-only
+    for _ in range(4):
+        sampled.observe(True, 2, 0.025)  # 80 tok/s speculating
+    assert sampled.speculation_loses() and sampled.target_only_steps() == 8
+    fresh = GoodputGuards().at(False, 2)
+    fresh.observe(False, 1, 0.01)  # target-only already measured: no probe first
+    assert fresh.target_only_steps() == 0
+
+
 def test_one_stalled_round_does_not_turn_the_guard_against_speculation():
     """A round that waited out a paused draft for 4 s counts as a round 4x as slow as usual, not as 4 s: a
     fault must not switch speculation off for the next thousand tokens."""
