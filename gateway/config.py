@@ -41,7 +41,9 @@ class GatewayConfig:
         8,
         "requests that leave num_speculative_tokens unset decode target-only, straight on the verify replica, "
         "while the draft replica reports that speculation measures slower than target-only (its goodput "
-        "guard); every N-th of them still goes through the draft replica to keep it measuring (0 = off)",
+        "guard), or for sampled requests while the gateway measures the draft path slower end to end; every "
+        "N-th of them still goes through the draft replica to keep it measuring, and every N-th sampled "
+        "request on the draft path goes direct to measure that side (0 = off)",
     )
     max_prompt_tokens: int = flags.option(4096, "longest prompt accepted")
     max_tokens_limit: int = flags.option(4096, "largest max_tokens accepted")

@@ -130,6 +130,7 @@ class Outcome:
     verify_replica: str = ""
     # "direct", "probe" or "draft": where the draft replicas' goodput reports sent the request (gateway.router)
     goodput_route: str = ""
+    goodput_load: int = 0  # generations in flight at the gateway when that was decided
 
 
 def speculative_decoding(stats: SpecStats, detailed: bool) -> dict:
@@ -420,7 +421,9 @@ class Gateway:
             req.metadata = outgoing_metadata()  # the caller's span is current here
         await self.admit()
         self.inflight += 1
+        started = time.monotonic()
         timer = self.stream_metrics.timer(len(req.prompt_ids)) if self.stream_metrics is not None else None
+        finished = False
         try:
             # Closed before this generator's own cleanup (below) says the request is over: the replicas'
             # load and the call downstream are released in there.
@@ -428,10 +431,16 @@ class Gateway:
                 async for chunk in chunks:
                     if timer is not None:
                         timer.tokens(len(chunk.token_ids), chunk.finish_reason)
+                    finished = finished or chunk.finish_reason is not None
                     yield chunk
         finally:
             if timer is not None:
                 timer.end()
+            if finished and not req.params.greedy and not outcome.failovers:  # judged end to end by path
+                side = "direct" if outcome.goodput_route == "direct" else "draft" if outcome.goodput_route else ""
+                self.router.path_rates.observe(
+                    outcome.goodput_load, side, outcome.completion_tokens, time.monotonic() - started
+                )
             self.inflight -= 1
             self._slots.release()
             self.totals.merge(outcome.stats)
@@ -508,6 +517,8 @@ class Gateway:
         route = self.router.route(ask, self.inflight)
         outcome.verify_replica = route.verify.address
         outcome.target_only = route.target_only
+        if route.goodput and not outcome.goodput_route:
+            outcome.goodput_load = self.inflight
         outcome.goodput_route = route.goodput
         return route
 

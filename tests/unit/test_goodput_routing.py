@@ -2,11 +2,14 @@
 straight to the verify replica or through the draft, one decision per request, and a replica that comes back
 starts unmeasured."""
 
+import asyncio
+
 import pytest
 
 from gateway.__main__ import parse_args
 from gateway.config import GatewayConfig
 from gateway.core import Gateway, GenRequest, Outcome
+from gateway.router import PathRates
 from specmesh.sampling import SamplingParams
 
 
@@ -106,3 +109,49 @@ def test_a_replica_back_in_the_pool_has_neither_kind_measured():
     gw.draft_pool._record(a, False)
     gw.draft_pool._record(a, True)
     assert a.pays(False) is None and a.pays(True) is None
+
+
+def test_path_rates_count_each_side_once_it_has_requests():
+    rates = PathRates()
+    assert rates.draft_loses(1) is None
+    rates.observe(1, "draft", 64, 0.8)
+    rates.observe(1, "direct", 64, 0.5)
+    assert rates.rate(1, "draft") is None and rates.draft_loses(1) is None  # one request a side: not yet
+    rates.observe(1, "draft", 64, 0.8)
+    rates.observe(1, "direct", 64, 0.5)
+    assert rates.rate(1, "draft") == pytest.approx(80.0) and rates.draft_loses(1) is True
+    assert rates.draft_loses(4) is None  # another load: measured apart
+    rates.observe(1, "", 64, 0.1)  # a request the goodput routing did not decide: not a side
+    rates.observe(1, "direct", 0, 0.1)
+    assert rates.rate(1, "direct") == pytest.approx(128.0)
+
+
+def test_sampled_requests_go_direct_while_the_draft_path_measures_slower_end_to_end(monkeypatch):
+    """Neither replica reports a loss, but through a draft replica a sampled request takes 10x as long as
+    straight on the verify replica: every 4th goes direct to measure that side, and once both sides count,
+    sampled requests go direct (every 4th of those a probe through the draft); greedy ones are not judged so."""
+    gw = gateway(goodput_probe_every=4)
+    sampled = SamplingParams(temperature=0.7, max_tokens=4)
+
+    async def fake_stream(route, req, emitted, deadline, outcome):
+        await asyncio.sleep(0.002 if route.draft is None else 0.02)
+        yield [5, 6, 7, 8], "length", None
+
+    monkeypatch.setattr(gw, "_stream", fake_stream)
+
+    async def run(n: int, params: SamplingParams) -> list[str]:
+        routes = []
+        for _ in range(n):
+            outcome = Outcome(prompt_tokens=3)
+            async for _chunk in gw.generate(GenRequest([1, 2, 3], params), outcome):
+                pass
+            routes.append(outcome.goodput_route)
+        return routes
+
+    assert asyncio.run(run(8, sampled)) == ["draft"] * 3 + ["direct"] + ["draft"] * 3 + ["direct"]
+    assert gw.draft_pool.decisions["target_only_measured"] == 2
+    assert gw.router.path_rates.draft_loses(1) is True
+    assert asyncio.run(run(8, sampled)) == ["direct"] * 3 + ["probe"] + ["direct"] * 3 + ["probe"]
+    assert gw.draft_pool.decisions["target_only_end_to_end"] == 6
+    assert "target_only_by_goodput" not in gw.draft_pool.decisions
+    assert asyncio.run(run(4, SamplingParams(temperature=0.0, max_tokens=4))) == ["draft"] * 4
