@@ -87,6 +87,11 @@ class PathRates:
         s = self._sums.setdefault((self.bucket(load), side), [0.0, 0.0, 0])
         s[0], s[1], s[2] = self.DECAY * s[0] + tokens, self.DECAY * s[1] + seconds, s[2] + 1
 
+    def counted(self, load: int, side: str) -> bool:
+        """Whether a side has its MIN requests at this load."""
+        s = self._sums.get((self.bucket(load), side))
+        return s is not None and s[2] >= self.MIN
+
     def rate(self, load: int, side: str) -> float | None:
         """Tokens per second of a side at this load, None until it has MIN requests."""
         s = self._sums.get((self.bucket(load), side))
@@ -263,7 +268,8 @@ class Router:
         otherwise. A sampled request is judged end to end as well (`PathRates`, at the load it meets): while
         the draft path measures slower than the direct one it goes direct (probes as above) whatever the
         replica reports, and while it goes through the draft, every --goodput-probe-every-th goes direct
-        instead, so that the direct side stays measured."""
+        instead, so that the direct side stays measured (every other one until that side counts at the load:
+        one in eight took 16 requests to judge)."""
         every = self.goodput_probe_every
         if every <= 0:
             return "draft"
@@ -271,7 +277,8 @@ class Router:
         if sampled and not loses:
             if not self.path_rates.draft_loses(inflight):
                 self._sampled_drafted += 1
-                if self._sampled_drafted % every == 0:
+                # until the direct side counts at this load every other one measures it, then every N-th
+                if self._sampled_drafted % (every if self.path_rates.counted(inflight, "direct") else 2) == 0:
                     self.draft_pool.count("target_only_measured")
                     return "direct"
                 return "draft"

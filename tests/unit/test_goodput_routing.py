@@ -90,6 +90,8 @@ def test_greedy_and_sampled_requests_follow_their_own_kind_s_report():
     ones on it, and the other way round."""
     gw = gateway(goodput_probe_every=1000)
     sampled = SamplingParams(temperature=0.7, max_tokens=4)
+    for side, seconds in (("draft", 0.5), ("direct", 1.0)) * 2:  # sampled: both paths measured end to end
+        gw.router.path_rates.observe(1, side, 64, seconds)
     for r in gw.draft_pool.replicas.values():
         r.report(True, False)
     assert all(choose(gw)[1].goodput_route == "draft" for _ in range(4))
@@ -128,8 +130,9 @@ def test_path_rates_count_each_side_once_it_has_requests():
 
 def test_sampled_requests_go_direct_while_the_draft_path_measures_slower_end_to_end(monkeypatch):
     """Neither replica reports a loss, but through a draft replica a sampled request takes 10x as long as
-    straight on the verify replica: every 4th goes direct to measure that side, and once both sides count,
-    sampled requests go direct (every 4th of those a probe through the draft); greedy ones are not judged so."""
+    straight on the verify replica: every other one goes direct until that side counts (two requests), and
+    once both sides count, sampled requests go direct (every 4th of those a probe through the draft); while
+    the draft path is not slower every 4th measures the direct side; greedy ones are not judged so."""
     gw = gateway(goodput_probe_every=4)
     sampled = SamplingParams(temperature=0.7, max_tokens=4)
 
@@ -148,10 +151,33 @@ def test_sampled_requests_go_direct_while_the_draft_path_measures_slower_end_to_
             routes.append(outcome.goodput_route)
         return routes
 
-    assert asyncio.run(run(8, sampled)) == ["draft"] * 3 + ["direct"] + ["draft"] * 3 + ["direct"]
+    assert asyncio.run(run(4, sampled)) == ["draft", "direct", "draft", "direct"]
     assert gw.draft_pool.decisions["target_only_measured"] == 2
     assert gw.router.path_rates.draft_loses(1) is True
     assert asyncio.run(run(8, sampled)) == ["direct"] * 3 + ["probe"] + ["direct"] * 3 + ["probe"]
     assert gw.draft_pool.decisions["target_only_end_to_end"] == 6
     assert "target_only_by_goodput" not in gw.draft_pool.decisions
     assert asyncio.run(run(4, SamplingParams(temperature=0.0, max_tokens=4))) == ["draft"] * 4
+
+
+def test_while_the_draft_path_is_not_slower_every_nth_sampled_request_measures_the_direct_one(monkeypatch):
+    gw = gateway(goodput_probe_every=4)
+    sampled = SamplingParams(temperature=0.7, max_tokens=4)
+
+    async def fake_stream(route, req, emitted, deadline, outcome):
+        await asyncio.sleep(0.02 if route.draft is None else 0.002)  # the draft path 10x as fast
+        yield [5, 6, 7, 8], "length", None
+
+    monkeypatch.setattr(gw, "_stream", fake_stream)
+
+    async def run(n: int) -> list[str]:
+        routes = []
+        for _ in range(n):
+            outcome = Outcome(prompt_tokens=3)
+            async for _chunk in gw.generate(GenRequest([1, 2, 3], sampled), outcome):
+                pass
+            routes.append(outcome.goodput_route)
+        return routes
+
+    assert asyncio.run(run(12)) == ["draft", "direct", "draft", "direct"] + (["draft"] * 3 + ["direct"]) * 2
+    assert gw.router.path_rates.draft_loses(1) is False
