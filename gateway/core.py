@@ -130,7 +130,22 @@ class Outcome:
     verify_replica: str = ""
     # "direct", "probe" or "draft": where the draft replicas' goodput reports sent the request (gateway.router)
     goodput_route: str = ""
-    goodput_load: int = 0  # generations in flight at the gateway when that was decided
+
+
+async def _judged(gw: Gateway, req: GenRequest, outcome: Outcome):
+    """The generation's chunks; a sampled one that finished without a failover, routed by the goodput
+    decision, adds its tokens per second from admission to its end to its path's side of the router's
+    `PathRates`, at the load it met (the generations in flight as it was routed)."""
+    load, started, finished = gw.inflight, time.monotonic(), False
+    try:
+        async with contextlib.aclosing(gw._generate(req, outcome)) as chunks:
+            async for chunk in chunks:
+                finished = finished or chunk.finish_reason is not None
+                yield chunk
+    finally:
+        if finished and not req.params.greedy and not outcome.failovers and outcome.goodput_route:
+            side = "direct" if outcome.goodput_route == "direct" else "draft"  # probes go through a draft
+            gw.router.path_rates.observe(load, side, outcome.completion_tokens, time.monotonic() - started)
 
 
 def speculative_decoding(stats: SpecStats, detailed: bool) -> dict:
@@ -421,26 +436,18 @@ class Gateway:
             req.metadata = outgoing_metadata()  # the caller's span is current here
         await self.admit()
         self.inflight += 1
-        started = time.monotonic()
         timer = self.stream_metrics.timer(len(req.prompt_ids)) if self.stream_metrics is not None else None
-        finished = False
         try:
             # Closed before this generator's own cleanup (below) says the request is over: the replicas'
             # load and the call downstream are released in there.
-            async with contextlib.aclosing(self._generate(req, outcome)) as chunks:
+            async with contextlib.aclosing(_judged(self, req, outcome)) as chunks:
                 async for chunk in chunks:
                     if timer is not None:
                         timer.tokens(len(chunk.token_ids), chunk.finish_reason)
-                    finished = finished or chunk.finish_reason is not None
                     yield chunk
         finally:
             if timer is not None:
                 timer.end()
-            if finished and not req.params.greedy and not outcome.failovers:  # judged end to end by path
-                side = "direct" if outcome.goodput_route == "direct" else "draft" if outcome.goodput_route else ""
-                self.router.path_rates.observe(
-                    outcome.goodput_load, side, outcome.completion_tokens, time.monotonic() - started
-                )
             self.inflight -= 1
             self._slots.release()
             self.totals.merge(outcome.stats)
@@ -517,8 +524,6 @@ class Gateway:
         route = self.router.route(ask, self.inflight)
         outcome.verify_replica = route.verify.address
         outcome.target_only = route.target_only
-        if route.goodput and not outcome.goodput_route:
-            outcome.goodput_load = self.inflight
         outcome.goodput_route = route.goodput
         return route
 
