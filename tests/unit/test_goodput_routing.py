@@ -113,6 +113,31 @@ def test_a_replica_back_in_the_pool_has_neither_kind_measured():
     assert a.pays(False) is None and a.pays(True) is None
 
 
+def paced(monkeypatch, gw: Gateway, direct_s: float, draft_s: float):
+    """Streams that take `direct_s` straight on the verify replica and `draft_s` through a draft, four tokens
+    each; returns run(n, params), the goodput routes of n requests made one after another."""
+
+    async def fake_stream(route, req, emitted, deadline, outcome):
+        await asyncio.sleep(direct_s if route.draft is None else draft_s)
+        yield [5, 6, 7, 8], "length", None
+
+    monkeypatch.setattr(gw, "_stream", fake_stream)
+
+    def run(n: int, params: SamplingParams) -> list[str]:
+        async def requests() -> list[str]:
+            routes = []
+            for _ in range(n):
+                outcome = Outcome(prompt_tokens=3)
+                async for _chunk in gw.generate(GenRequest([1, 2, 3], params), outcome):
+                    pass
+                routes.append(outcome.goodput_route)
+            return routes
+
+        return asyncio.run(requests())
+
+    return run
+
+
 def test_path_rates_count_each_side_once_it_has_requests():
     rates = PathRates()
     assert rates.draft_loses(1) is None
@@ -135,49 +160,19 @@ def test_sampled_requests_go_direct_while_the_draft_path_measures_slower_end_to_
     the draft path is not slower every 4th measures the direct side; greedy ones are not judged so."""
     gw = gateway(goodput_probe_every=4)
     sampled = SamplingParams(temperature=0.7, max_tokens=4)
-
-    async def fake_stream(route, req, emitted, deadline, outcome):
-        await asyncio.sleep(0.002 if route.draft is None else 0.02)
-        yield [5, 6, 7, 8], "length", None
-
-    monkeypatch.setattr(gw, "_stream", fake_stream)
-
-    async def run(n: int, params: SamplingParams) -> list[str]:
-        routes = []
-        for _ in range(n):
-            outcome = Outcome(prompt_tokens=3)
-            async for _chunk in gw.generate(GenRequest([1, 2, 3], params), outcome):
-                pass
-            routes.append(outcome.goodput_route)
-        return routes
-
-    assert asyncio.run(run(4, sampled)) == ["draft", "direct", "draft", "direct"]
+    run = paced(monkeypatch, gw, direct_s=0.002, draft_s=0.02)
+    assert run(4, sampled) == ["draft", "direct", "draft", "direct"]
     assert gw.draft_pool.decisions["target_only_measured"] == 2
     assert gw.router.path_rates.draft_loses(1) is True
-    assert asyncio.run(run(8, sampled)) == ["direct"] * 3 + ["probe"] + ["direct"] * 3 + ["probe"]
+    assert run(8, sampled) == ["direct"] * 3 + ["probe"] + ["direct"] * 3 + ["probe"]
     assert gw.draft_pool.decisions["target_only_end_to_end"] == 6
     assert "target_only_by_goodput" not in gw.draft_pool.decisions
-    assert asyncio.run(run(4, SamplingParams(temperature=0.0, max_tokens=4))) == ["draft"] * 4
+    assert run(4, SamplingParams(temperature=0.0, max_tokens=4)) == ["draft"] * 4
 
 
 def test_while_the_draft_path_is_not_slower_every_nth_sampled_request_measures_the_direct_one(monkeypatch):
     gw = gateway(goodput_probe_every=4)
-    sampled = SamplingParams(temperature=0.7, max_tokens=4)
-
-    async def fake_stream(route, req, emitted, deadline, outcome):
-        await asyncio.sleep(0.02 if route.draft is None else 0.002)  # the draft path 10x as fast
-        yield [5, 6, 7, 8], "length", None
-
-    monkeypatch.setattr(gw, "_stream", fake_stream)
-
-    async def run(n: int) -> list[str]:
-        routes = []
-        for _ in range(n):
-            outcome = Outcome(prompt_tokens=3)
-            async for _chunk in gw.generate(GenRequest([1, 2, 3], sampled), outcome):
-                pass
-            routes.append(outcome.goodput_route)
-        return routes
-
-    assert asyncio.run(run(12)) == ["draft", "direct", "draft", "direct"] + (["draft"] * 3 + ["direct"]) * 2
+    run = paced(monkeypatch, gw, direct_s=0.02, draft_s=0.002)  # the draft path 10x as fast
+    routes = run(12, SamplingParams(temperature=0.7, max_tokens=4))
+    assert routes == ["draft", "direct", "draft", "direct"] + (["draft"] * 3 + ["direct"]) * 2
     assert gw.router.path_rates.draft_loses(1) is False
