@@ -51,7 +51,8 @@ SOURCES = tuple(
     Path(__file__).with_name("csrc") / n
     for n in ("block_attention_cpu.c", "gemv_cpu.c", "decode_step_cpu.c", "elementwise_cpu.c")
 )
-HEADERS = (Path(__file__).with_name("csrc") / "attend_rows.h",)  # included by the sources: part of the cache key
+# included by the sources: part of the cache key
+HEADERS = tuple(Path(__file__).with_name("csrc") / n for n in ("attend_rows.h", "rms_row.h"))
 # -ffast-math on the compile step only: it lets gcc call glibc's vectorised expf (the kernel never makes an
 # infinity: masked keys are skipped). Linked without it, so no crtfastmath.o turns on flush-to-zero for the
 # whole process on load.

@@ -91,6 +91,14 @@ static inline __attribute__((always_inline)) v16f ld16(const float *p) {
     return v;
 }
 
+/* q . k lane by lane: lane l holds the sum over the row's vectors c of q[c][l] k[16 c + l] */
+static inline __attribute__((always_inline)) v16f dot_lanes(const v16f *q, const float *k, const int64_t VN) {
+    v16f s = q[0] * ld16(k);
+#pragma GCC unroll 16
+    for (int64_t c = 1; c < VN; c++) s += q[c] * ld16(k + 16 * c);
+    return s;
+}
+
 /* s[j] = the sum of a[j]'s sixteen lanes, for j < 16: four rounds of halving, each adding the two halves of a
  * pair of vectors (x's lanes beside y's), so no lane of one key ever meets another key's. The order of a key's
  * sums depends only on its own lanes: whatever the other fifteen hold (zeros for an absent key), it is the same. */
@@ -135,28 +143,9 @@ static inline __attribute__((always_inline)) void attend_rows_vec(float *acc, co
                 v16f q[MAXV], a[16];
 #pragma GCC unroll 16
                 for (int64_t c = 0; c < VN; c++) q[c] = ld16(qb + r * D + 16 * c);
-                if (cnt == 16) {
 #pragma GCC unroll 16
-                    for (int64_t j = 0; j < 16; j++) {
-                        const float *kp = kblk + (i0 + j) * ks;
-                        v16f s = q[0] * ld16(kp);
-#pragma GCC unroll 16
-                        for (int64_t c = 1; c < VN; c++) s += q[c] * ld16(kp + 16 * c);
-                        a[j] = s;
-                    }
-                } else {
-#pragma GCC unroll 16
-                    for (int64_t j = 0; j < 16; j++) {
-                        v16f s = {0};
-                        if (j < cnt) {
-                            const float *kp = kblk + (i0 + j) * ks;
-                            s = q[0] * ld16(kp);
-#pragma GCC unroll 16
-                            for (int64_t c = 1; c < VN; c++) s += q[c] * ld16(kp + 16 * c);
-                        }
-                        a[j] = s;
-                    }
-                }
+                for (int64_t j = 0; j < 16; j++)
+                    a[j] = j < cnt ? dot_lanes(q, kblk + (i0 + j) * ks, VN) : (v16f){0};
                 const v16f t = sum16(a);
                 memcpy(sc + r * stride + p0, &t, sizeof(float) * cnt);
             }

@@ -30,19 +30,11 @@
 #include <string.h>
 
 #include "attend_rows.h"
+#include "rms_row.h"
 
 enum { LN1, WQKV, BQKV, WO, BO, QN, KN, LN2, WGU, BGU, WD, BD, KPOOL, VPOOL, NPTR };
 enum { EPS1, EPS2, SCALE, QN_EPS, KN_EPS, NFL };
 enum { HID, NH, NKV, HD, INTER, VOCAB, LAYERS, BS, NSEQ, K_SH, K_SS, V_SH, V_SS, NTOK, NLOG, TW, NDIM };
-
-static void rms(float *y, const float *x, const float *w, float eps, int64_t n) {
-    float ss = 0.f;
-#pragma omp simd reduction(+ : ss)
-    for (int64_t i = 0; i < n; i++) ss += x[i] * x[i];
-    const float r = 1.f / sqrtf(ss / (float)n + eps);
-#pragma omp simd
-    for (int64_t i = 0; i < n; i++) y[i] = x[i] * r * w[i];
-}
 
 /* With several rows a product's columns go in tiles, so that the eight weight rows' tile stays in L1 while
  * every token's partial takes it; one row streams whole rows. */
@@ -210,7 +202,7 @@ int specmesh_decode_step(const int64_t *dims, void *const *ptrs, const float *fl
         for (int64_t l = 0; l < L; l++) {
             void *const *p = ptrs + l * NPTR;
             const float *f = fl + l * NFL, *bqkv = p[BQKV];
-            for (int64_t r = 0; r < n; r++) rms(h + r * H, x + r * H, p[LN1], f[EPS1], H);
+            for (int64_t r = 0; r < n; r++) rms_row(h + r * H, x + r * H, p[LN1], f[EPS1], H);
             partial(mine_a, lp, h, H, n, p[WQKV], H, nqkv, t, T);
 #pragma omp barrier
             for (int64_t u = units * t / T, u1 = units * (t + 1) / T; u < u1; u++) {
@@ -235,10 +227,10 @@ int specmesh_decode_step(const int64_t *dims, void *const *ptrs, const float *fl
                         vr[d] = total(pr, stride, T, bqkv, vo + d);
                     }
                     for (int64_t g = 0; g < G; g++) {
-                        if (p[QN]) rms(qr + g * D, qr + g * D, p[QN], f[QN_EPS], D);
+                        if (p[QN]) rms_row(qr + g * D, qr + g * D, p[QN], f[QN_EPS], D);
                         rope(qr + g * D, c, s, D);
                     }
-                    if (p[KN]) rms(kr, kr, p[KN], f[KN_EPS], D);
+                    if (p[KN]) rms_row(kr, kr, p[KN], f[KN_EPS], D);
                     rope(kr, c, s, D);
                     const int64_t at = start + i, slot = (int64_t)table[at / bs] * bs + at % bs;
                     memcpy(kp + slot * dims[K_SS], kr, sizeof(float) * D);
@@ -251,7 +243,7 @@ int specmesh_decode_step(const int64_t *dims, void *const *ptrs, const float *fl
             partial(mine_b, lp, attn, A, n, p[WO], A, H, t, T);
 #pragma omp barrier
             residual(x, pb, stride, lp, n, p[BO], H, T);
-            for (int64_t r = 0; r < n; r++) rms(h + r * H, x + r * H, p[LN2], f[EPS2], H);
+            for (int64_t r = 0; r < n; r++) rms_row(h + r * H, x + r * H, p[LN2], f[EPS2], H);
             partial(mine_a, lp, h, H, n, p[WGU], H, 2 * I, t, T);
 #pragma omp barrier
             /* SwiGLU over this thread's share of the down product's rows only: the only ones it reads */
@@ -270,7 +262,7 @@ int specmesh_decode_step(const int64_t *dims, void *const *ptrs, const float *fl
             residual(x, pb, stride, lp, n, p[BD], H, T);
         }
         if (nlog) {
-            for (int64_t j = 0; j < nlog; j++) rms(h + j * H, x + lrows[j] * H, norm_w, norm_eps, H);
+            for (int64_t j = 0; j < nlog; j++) rms_row(h + j * H, x + lrows[j] * H, norm_w, norm_eps, H);
             partial(mine_a, lp, h, H, nlog, lm_w, H, V, t, T);
 #pragma omp barrier
             reduce(logits, V, pa, stride, lp, nlog, lm_b, V, t, T);

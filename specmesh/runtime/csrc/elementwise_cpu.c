@@ -9,20 +9,13 @@
 #include <omp.h>
 #include <stdint.h>
 
+#include "rms_row.h"
+
 /* y[r] = x[r] / sqrt(mean(x[r]^2) + eps) * w for rows [0, n) of H (x's rows ldx apart, y's H) */
 void specmesh_rms_norm(float *y, const float *x, const float *w, float eps, int64_t n, int64_t H, int64_t ldx,
                        int threads) {
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
-    for (int64_t r = 0; r < n; r++) {
-        const float *xr = x + r * ldx;
-        float *yr = y + r * H;
-        float ss = 0.f;
-#pragma omp simd reduction(+ : ss)
-        for (int64_t i = 0; i < H; i++) ss += xr[i] * xr[i];
-        const float s = 1.f / sqrtf(ss / (float)H + eps);
-#pragma omp simd
-        for (int64_t i = 0; i < H; i++) yr[i] = xr[i] * s * w[i];
-    }
+    for (int64_t r = 0; r < n; r++) rms_row(y + r * H, x + r * ldx, w, eps, H);
 }
 
 /* y[r][i] = silu(gu[r][i]) * gu[r][I + i] for rows [0, n) (gu's rows ldg apart, y's I) */
