@@ -25,7 +25,8 @@ The library is compiled on first use with the machine's C compiler (`cc`, or `$C
 this CPU (`-march=native`), and cached under `$SPECMESH_CACHE_DIR` (default `~/.cache/specmesh`) by a hash of
 the sources, the flags and the CPU's feature flags. Without a compiler, or with `SPECMESH_CPU_KERNELS=0` (for
 diagnosis and A/B runs), `load()` says why once and returns None; the runners then use torch's kernels,
-which are slower, not different.
+which are slower, not different. `SPECMESH_CPU_PANELS=0` keeps the fused step on the [in, out] rows where the
+build could pack panels (what a CPU without AVX-512 runs).
 """
 
 from __future__ import annotations
@@ -59,10 +60,14 @@ HEADERS = tuple(Path(__file__).with_name("csrc") / n for n in ("attend_rows.h", 
 COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c11", "-D_GNU_SOURCE")
 LINK_FLAGS = ("-shared", "-fopenmp")
 MAX_TOKENS = 16  # a sequence with more new tokens (a prefill chunk) attends by SDPA's flash kernel
-# A forward of up to this many tokens (one sequence's or several) goes through the fused step (`DecodeStep`):
-# each row past the first adds ~0.4 ms on the demo target, and from ~9 rows oneDNN's packed GEMM is as fast. A
-# model whose weights take at most STEP_SMALL_BYTES (the demo draft's 14 MB stay in the L3) computes a row in a
-# tenth of that, against the ragged forward's fixed cost of a few hundred operators: up to STEP_MAX_TOKENS_SMALL.
+# A forward of up to this many tokens (one sequence's or several) goes through the fused step (`DecodeStep`).
+# With the weights in panels (a build with AVX-512) its products run as fast as oneDNN's packed GEMM from one
+# row to ~80, and without the ragged forward's few hundred operators: on the demo target, interleaved, 4 x 5
+# rows 11.9 ms against 14.6, 8 x 5 20.3 / 22.0, 16 x 5 41.2 / 41.3 (the demo draft 16 x 5 4.8 / 5.2).
+# Without panels each row past the first adds ~0.4 ms on the demo target, and from ~9 rows oneDNN is as fast;
+# a model whose weights take at most STEP_SMALL_BYTES (the demo draft's 14 MB stay in the L3) computes a row in
+# a tenth of that, against the ragged forward's fixed cost: up to STEP_MAX_TOKENS_SMALL.
+STEP_MAX_TOKENS_PANELS = 80
 STEP_MAX_TOKENS = 8
 STEP_MAX_TOKENS_SMALL = 16
 STEP_SMALL_BYTES = 32 * 2**20
@@ -148,6 +153,7 @@ def load() -> ctypes.CDLL | None:
         fn = lib.specmesh_decode_step
         fn.argtypes = [p, p, p, p, p, p, p, p, p, p, ctypes.c_float, p, p, p, p, ctypes.c_int]
         fn.restype = ctypes.c_int
+        lib.specmesh_decode_step_panel.argtypes, lib.specmesh_decode_step_panel.restype = [], ctypes.c_int
         fn = lib.specmesh_rms_norm
         fn.argtypes = [p, p, p, ctypes.c_float, i64, i64, i64, ctypes.c_int]
         fn.restype = None
@@ -379,12 +385,22 @@ def _call(fn, out, q, k_pool, v_pool, plan: Plan, block_size: int, scale: float,
 # decode_step_cpu.c's layout of its arguments: per layer these pointers and floats, then the dimensions.
 _LN1, _WQKV, _BQKV, _WO, _BO, _QN, _KN, _LN2, _WGU, _BGU, _WD, _BD, _KPOOL, _VPOOL, _NPTR = range(15)
 _NFL = 5
-_BS, _NSEQ, _K_SH, _K_SS, _V_SH, _V_SS, _NTOK, _NLOG, _TW, _NDIM = range(7, 17)
+_BS, _NSEQ, _K_SH, _K_SS, _V_SH, _V_SS, _NTOK, _NLOG, _TW, _PANELW, _NDIM = range(7, 18)
 
 
 def _rows_of(w: torch.Tensor | tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     """The [out, in] view of [in, out] rows a decoder keeps (the first of a packed pair)."""
     return w[0] if isinstance(w, tuple) else w
+
+
+def panels(w: torch.Tensor, width: int) -> torch.Tensor:
+    """The [in, out] rows of `w` (an [out, in] view, `_rows_of`) as [ceil(out / width), in, width] panels, the
+    last one's missing columns zero: the fused step's layout where its build packs (decode_step_cpu.c)."""
+    rows = w.t()
+    pad = -rows.shape[1] % width
+    if pad:
+        rows = torch.nn.functional.pad(rows, (0, pad))
+    return rows.reshape(rows.shape[0], -1, width).permute(1, 0, 2).contiguous()
 
 
 def _dense(t: torch.Tensor | None) -> bool:
@@ -401,10 +417,13 @@ class DecodeStep:
     (norms, rotary, the KV write, attention, the activation), each a Python call and a torch dispatch, and each
     product a fork and join of the thread team: the operators and joins cost the step ~2.5 ms of its ~8 over
     the weights' reads. Here the forward is one OpenMP region, five barriers a layer: on the demo target ~5 ms
-    a step against the 4.3 ms its weights take to read at the machine's bandwidth. A block of a few rows reads
-    the weights once for all of them (oneDNN's packed GEMM took 6.6-8.0 ms for 5-9 rows).
+    a step against the 4.3 ms its weights take to read at the machine's bandwidth. A block of rows reads the
+    weights once for all of them; where the build has AVX-512 the step keeps its own copy of the projections in
+    panels of 64 columns (`panels`), whose rows it multiplies in registers (a one-stream verify block of 5 rows
+    ~1.2 one-token steps, against ~1.6 over the [in, out] rows).
 
-    `dec` is a `static._FastDecoder` (its fused [in, out] weights and rotary tables are read, never copied);
+    `dec` is a `static._FastDecoder` (its rotary tables and, without panels, its fused [in, out] weights are read
+    in place);
     `reason(dec)` says why one cannot be built for it (None: it can)."""
 
     def __init__(self, dec) -> None:
@@ -415,9 +434,20 @@ class DecodeStep:
         assert lib is not None  # reason() said it is built
         self.lib = lib
         self.dec = dec
+        # Where this build packs the weights in panels, the step reads its own copy of them (one more copy of
+        # the projections; the decoder's [in, out] rows stay for the ragged forward's one-row products).
+        width = lib.specmesh_decode_step_panel() if os.environ.get("SPECMESH_CPU_PANELS", "1") != "0" else 0
+        copies: list[torch.Tensor] = []
+
+        def weights(w: torch.Tensor | tuple[torch.Tensor, torch.Tensor]) -> int:
+            if not width:
+                return _rows_of(w).data_ptr()
+            copies.append(panels(_rows_of(w), width))
+            return copies[-1].data_ptr()
+
         # The tensors the pointers below point into, alive as long as this step is (the decoder may rebuild
         # its copies while another thread is still inside a call).
-        self._held = (dec.layers, dec.lm_w, dec.lm_b)
+        self._held = (dec.layers, dec.lm_w, dec.lm_b, copies)
         n_layers = len(dec.layers)
         self._ptrs_t, self._dims_t = ctypes.c_void_p * (n_layers * _NPTR), ctypes.c_int64 * _NDIM
         self.ptrs = self._ptrs_t()
@@ -427,12 +457,12 @@ class DecodeStep:
             dec.layers
         ):
             ptr: list[ctypes.c_void_p | int | None] = [None] * _NPTR
-            ptr[_LN1], ptr[_WQKV], ptr[_BQKV] = ln1.data_ptr(), _rows_of(wqkv).data_ptr(), _ptr(bqkv)
-            ptr[_WO], ptr[_BO] = _rows_of(wo).data_ptr(), _ptr(bo)
+            ptr[_LN1], ptr[_WQKV], ptr[_BQKV] = ln1.data_ptr(), weights(wqkv), _ptr(bqkv)
+            ptr[_WO], ptr[_BO] = weights(wo), _ptr(bo)
             ptr[_QN] = qn.weight.data_ptr() if qn is not None else None
             ptr[_KN] = kn.weight.data_ptr() if kn is not None else None
-            ptr[_LN2], ptr[_WGU], ptr[_BGU] = ln2.data_ptr(), _rows_of(wgu).data_ptr(), _ptr(bgu)
-            ptr[_WD], ptr[_BD] = _rows_of(wd).data_ptr(), _ptr(bd)
+            ptr[_LN2], ptr[_WGU], ptr[_BGU] = ln2.data_ptr(), weights(wgu), _ptr(bgu)
+            ptr[_WD], ptr[_BD] = weights(wd), _ptr(bd)
             self.ptrs[i * _NPTR : (i + 1) * _NPTR] = ptr
             qeps = qn.variance_epsilon if qn is not None else 0.0
             keps = kn.variance_epsilon if kn is not None else 0.0
@@ -440,10 +470,13 @@ class DecodeStep:
         hidden, vocab, inter = dec.embed.shape[1], _rows_of(dec.lm_w).shape[0], dec.layers[0][13]
         mats = [dec.lm_w, *(layer[i] for layer in dec.layers for i in (2, 4, 11, 14))]
         small = sum(_rows_of(w).numel() * 4 for w in mats) <= STEP_SMALL_BYTES
-        self.max_rows = STEP_MAX_TOKENS_SMALL if small else STEP_MAX_TOKENS  # tokens in one call, all sequences
+        # tokens in one call, all sequences
+        self.max_rows = STEP_MAX_TOKENS_PANELS if width else STEP_MAX_TOKENS_SMALL if small else STEP_MAX_TOKENS
         self.dims[:7] = [hidden, dec.n_heads, dec.n_kv, dec.head_dim, inter, vocab, n_layers]
+        self.dims[_PANELW] = width
+        self.panel_width = width
         self.hidden, self.vocab = hidden, vocab
-        self.lm_w, self.lm_b = _rows_of(dec.lm_w).data_ptr(), _ptr(dec.lm_b)
+        self.lm_w, self.lm_b = weights(dec.lm_w), _ptr(dec.lm_b)
 
     @staticmethod
     def reason(dec) -> str | None:

@@ -600,18 +600,26 @@ class PagedRunner(_RaggedRunner):
                 b.commit([ids[1]])
                 got += self.forward([a]) + self.forward([b])
                 fed += [[*a.token_ids], [*b.token_ids]]
-                # A decode block in the same pass as another sequence's prefill chunk (rotary in torch, the
-                # chunk by SDPA, the block by the CPU kernel from rotated q, k, v), then that sequence's step.
-                c = self.new_sequence([(5 * i + 2) % self.vocab_size for i in range(cpu_kernels.MAX_TOKENS + 3)])
-                seqs.append(c)
-                a.commit([ids[0]])
-                got += self.step([a], [[ids[4]]], prefill=[PrefillChunk(c)]).logits + self.forward([c])
-                fed += [[*a.token_ids, ids[4]], [*c.token_ids]]
-                # Decode blocks past what the fused step takes in one pass: rotary, the KV writes and attention
-                # by the CPU kernel from the projection's output.
-                rows = self._dec.step.max_rows if self._dec.step is not None else cpu_kernels.STEP_MAX_TOKENS
-                more = [[(ids[i % len(ids)] + j) % self.vocab_size for i in range(rows // 2 + 1)] for j in (5, 6)]
-                got += self.forward([a, b], more)
+                # The ragged forward's passes, the fused step's limit lowered for the probe (so that they stay
+                # short): a decode block in the same pass as another sequence's prefill chunk (rotary in torch,
+                # the chunk by SDPA, the block by the CPU kernel from rotated q, k, v), then that sequence's step;
+                # decode blocks past the limit (rotary, the KV writes and attention by the CPU kernel from the
+                # projection's output).
+                rows, step = cpu_kernels.STEP_MAX_TOKENS, self._dec.step
+                limit = step.max_rows if step is not None else 0
+                if step is not None:
+                    step.max_rows = rows
+                try:
+                    c = self.new_sequence([(5 * i + 2) % self.vocab_size for i in range(cpu_kernels.MAX_TOKENS + 3)])
+                    seqs.append(c)
+                    a.commit([ids[0]])
+                    got += self.step([a], [[ids[4]]], prefill=[PrefillChunk(c)]).logits + self.forward([c])
+                    fed += [[*a.token_ids, ids[4]], [*c.token_ids]]
+                    more = [[(ids[i % len(ids)] + j) % self.vocab_size for i in range(rows // 2 + 1)] for j in (5, 6)]
+                    got += self.forward([a, b], more)
+                finally:
+                    if step is not None:
+                        step.max_rows = limit
                 fed += [[*a.token_ids, *more[0]], [*b.token_ids, *more[1]]]
                 for logits, f in zip(got, fed, strict=True):
                     with sdpa_context(self.attention_backend, self.device):

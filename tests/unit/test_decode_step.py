@@ -25,6 +25,37 @@ ARCHS = {
 }
 
 
+@pytest.fixture(params=["panels", "rows"])
+def layout(request, monkeypatch):
+    """The step's weights in panels (a build with AVX-512, this CPU's) or [in, out] rows (any other CPU's)."""
+    monkeypatch.setenv("SPECMESH_CPU_PANELS", "1" if request.param == "panels" else "0")
+    return request.param
+
+
+def test_panels_hold_the_rows_columns_in_order():
+    """`panels` lays [in, out] rows out as [ceil(out / w), in, w], the last panel's missing columns zero."""
+    w = torch.arange(5 * 7, dtype=torch.float32).reshape(5, 7).t()  # an [out, in] view of [in = 5, out = 7] rows
+    p = cpu_kernels.panels(w, 4)
+    assert p.shape == (2, 5, 4) and p.is_contiguous()
+    rows = w.t()
+    assert torch.equal(p[0], rows[:, :4]) and torch.equal(p[1, :, :3], rows[:, 4:])
+    assert not p[1, :, 3].any()
+
+
+@pytest.mark.parametrize("layout", ["panels", "rows"], indirect=True)
+def test_the_step_packs_panels_where_the_build_can(layout):
+    r = PagedRunner(ARCHS["llama-gqa"](), 16, 4)
+    built = cpu_kernels.load().specmesh_decode_step_panel()
+    assert built in (0, 64)
+    assert r._dec.step.panel_width == (built if layout == "panels" else 0)
+    limits = (
+        (cpu_kernels.STEP_MAX_TOKENS_PANELS,)
+        if r._dec.step.panel_width
+        else (cpu_kernels.STEP_MAX_TOKENS, cpu_kernels.STEP_MAX_TOKENS_SMALL)
+    )
+    assert r._dec.step.max_rows in limits
+
+
 @pytest.fixture
 def threads(request):
     before = torch.get_num_threads()
@@ -70,7 +101,7 @@ def test_paged_one_token_steps_match_hf_and_the_torch_ops(arch, threads):
 
 @pytest.mark.parametrize("arch", list(ARCHS))
 @pytest.mark.parametrize("threads", [1, 2], indirect=True)
-def test_a_verify_block_computes_the_steps_bit_for_bit(arch, threads):
+def test_a_verify_block_computes_the_steps_bit_for_bit(arch, threads, layout):
     """A block of K + 1 tokens of one sequence (a verify round at one stream) and the one-token steps that
     decode the same positions go through the same arithmetic: their logits are equal to the bit, so greedy
     speculation on this path is target-only decoding token for token, near-ties included."""
@@ -96,13 +127,22 @@ def test_a_verify_block_computes_the_steps_bit_for_bit(arch, threads):
 
 @pytest.mark.parametrize("arch", list(ARCHS))
 @pytest.mark.parametrize("make", ["paged", "batched"])
-def test_a_batch_of_sequences_computes_each_alone_bit_for_bit(arch, make):
+@pytest.mark.parametrize("streams", [3, 8])
+def test_a_batch_of_sequences_computes_each_alone_bit_for_bit(arch, make, streams, layout):
     """Several sequences' decode steps and verify blocks in one call (a few streams): each row's logits equal
     what the sequence computes alone, to the bit (batch invariance), and the HF forward's."""
     model = ARCHS[arch]()
-    build = {"paged": lambda: PagedRunner(model, 96, 4), "batched": lambda: BatchedRunner(model, 4, max_seq_len=64)}
-    prompts = [[(5 * i + 7 * k + 1) % 120 for i in range(6 + 3 * k)] for k in range(3)]
-    extras = [[], [11, 12], [13]]  # a step, a verify block of 3, one of 2: 6 rows
+    build = {
+        "paged": lambda: PagedRunner(model, 160, 4),
+        "batched": lambda: BatchedRunner(model, streams, max_seq_len=64),
+    }
+    prompts = [[(5 * i + 7 * k + 1) % 120 for i in range(6 + 3 * k)] for k in range(streams)]
+    # three streams: a step, a verify block of 3, one of 2 (6 rows); eight: blocks of 1 to 8 rows (36 rows, so
+    # the panels' groups of rows straddle sequences), or of 1 and 2 (12 rows, within the rows step's limit)
+    widths = range(8) if layout == "panels" else [k % 2 for k in range(8)]
+    extras = (
+        [[], [11, 12], [13]] if streams == 3 else [[(3 * k + j) % 120 for j in range(w)] for k, w in enumerate(widths)]
+    )
     alone = []
     for p, e in zip(prompts, extras, strict=True):
         r = build[make]()
@@ -121,11 +161,11 @@ def test_a_batch_of_sequences_computes_each_alone_bit_for_bit(arch, make):
 
 
 @pytest.mark.parametrize("n", [2, 5, "max", "max + 1"])
-def test_blocks_and_short_chunks_match_hf(n):
+def test_blocks_and_short_chunks_match_hf(n, layout):
     """Verify blocks and prefill chunks of one sequence up to STEP_MAX_TOKENS through the step (past it, the
     ragged forward), rollbacks in between, on the paged and batched runners."""
     model = ARCHS["llama-gqa"]()
-    for r in (PagedRunner(model, 64, 4), BatchedRunner(model, 2, max_seq_len=128)):
+    for r in (PagedRunner(model, 128, 4), BatchedRunner(model, 2, max_seq_len=512)):
         n = {"max": r._dec.step.max_rows, "max + 1": r._dec.step.max_rows + 1}.get(n, n)
         seq = r.new_sequence([(7 * i + 1) % 120 for i in range(3 * n + 2)])
         while r.prefill(seq, max_tokens=n):  # chunks of n tokens, no logits

@@ -4,19 +4,20 @@
  * logits; a batch of a few such. See cpu_kernels.py for why.
  *
  * The whole forward is one OpenMP parallel region. Every matrix product splits the weights' rows over the team
- * in fixed ranges (as gemv_cpu.c: each thread streams whole [in, out] rows into private partial sums, eight
- * rows a pass, one pass over the weights for every token of the call; splitting the columns instead read
- * 20-30 % slower), and the partials are summed in thread order where they are used: the attention sums its
- * own heads' q, k and v, the MLP sums gate and up, the residual adds are split by columns. The small steps
- * between products (RMSNorm, SwiGLU) are recomputed by every thread into its own scratch rather than split,
- * which costs less than the barrier a split would need, and so is the residual stream (each thread keeps a
- * copy, summed from the partials in the same order): a layer is five barriers.
+ * in fixed ranges (as gemv_cpu.c: each thread streams its rows of the weights into private partial sums, one
+ * pass over the weights from memory for every token of the call; splitting the columns instead read 20-30 %
+ * slower), over [in, out] rows eight a pass, or over panels of columns with the rows' partials in registers
+ * (partial_panels, where the build has AVX-512), and the partials are summed in thread order where they are
+ * used: the attention sums its own heads' q, k and v, the MLP sums gate and up, the residual adds are split by
+ * columns. The small steps between products (RMSNorm, SwiGLU) are recomputed by every thread into its own
+ * scratch rather than split, which costs less than the barrier a split would need, and so is the residual
+ * stream (each thread keeps a copy, summed from the partials in the same order): a layer is five barriers.
  *
  * A token's row goes through the same arithmetic in the same order whatever the other rows of the call (the
- * products' column tiles and row pairs only bound and share the loops; attention is per row over its own
- * visible keys), so a verify block's rows and the target-only steps that would decode the same positions, alone
- * or beside other sequences, compute bit-identical logits: greedy speculation on this path is target-only
- * decoding token for token, near-ties included, and a row's result does not depend on its batch.
+ * products' column tiles, row pairs and panels' groups of rows only bound and share the loops; attention is per
+ * row over its own visible keys), so a verify block's rows and the target-only steps that would decode the same
+ * positions, alone or beside other sequences, compute bit-identical logits: greedy speculation on this path is
+ * target-only decoding token for token, near-ties included, and a row's result does not depend on its batch.
  *
  * Attention is split by (sequence, KV head): the thread that owns one applies rotary to its keys and its query
  * heads, writes the keys and values into the pool and attends, so nothing it reads is written by another
@@ -34,7 +35,7 @@
 
 enum { LN1, WQKV, BQKV, WO, BO, QN, KN, LN2, WGU, BGU, WD, BD, KPOOL, VPOOL, NPTR };
 enum { EPS1, EPS2, SCALE, QN_EPS, KN_EPS, NFL };
-enum { HID, NH, NKV, HD, INTER, VOCAB, LAYERS, BS, NSEQ, K_SH, K_SS, V_SH, V_SS, NTOK, NLOG, TW, NDIM };
+enum { HID, NH, NKV, HD, INTER, VOCAB, LAYERS, BS, NSEQ, K_SH, K_SS, V_SH, V_SS, NTOK, NLOG, TW, PANELW, NDIM };
 
 /* With several rows a product's columns go in tiles, so that the eight weight rows' tile stays in L1 while
  * every token's partial takes it; one row streams whole rows. */
@@ -102,6 +103,82 @@ static void partial(float *part, int64_t lp, const float *x, int64_t ldx, int64_
     }
 }
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+/* Weights packed in panels (specmesh_decode_step_panel): S [in, out] as [out / PANEL][in][PANEL], the last
+ * panel's missing columns zero. A thread's share of a panel (its rows of S, PANEL columns) is one contiguous
+ * run, which it streams once from memory for the call's first rows and then again from its L2 for each further
+ * group of rows. In registers, up to six rows' partials of the panel's four vectors, one fused multiply-add a
+ * weight and row: a verify block costs little more than its weights' read (5 rows of the demo target's matrices
+ * 3.5-3.9 ms against 6.2 for the eight-row passes over [in, out] rows, whose every partial goes through the
+ * L1 once per eight weight rows; 16 rows 7.3 against 9.5, as oneDNN's packed GEMM). Each row's partial is the
+ * same chain of multiply-adds over the share's rows in order, whatever the other rows of the call: the
+ * intrinsics' fused multiply-adds are never regrouped by the compiler, so the bits do not depend on the batch. */
+enum { PANEL = 64, PV = PANEL / 16 };
+
+#define PANEL_ROWS(R)                                                                                          \
+    static inline __attribute__((always_inline)) void panel_rows##R(float *part, int64_t lp, const float *x,  \
+                                                                    int64_t ldx, const float *P, int64_t i0,   \
+                                                                    int64_t i1) {                              \
+        __m512 acc[R][PV];                                                                                     \
+        for (int r = 0; r < R; r++)                                                                            \
+            for (int v = 0; v < PV; v++) acc[r][v] = _mm512_setzero_ps();                                      \
+        for (int64_t k = i0; k < i1; k++) {                                                                    \
+            __m512 w[PV];                                                                                      \
+            for (int v = 0; v < PV; v++) w[v] = _mm512_loadu_ps(P + k * PANEL + 16 * v);                       \
+            for (int r = 0; r < R; r++) {                                                                      \
+                const __m512 xr = _mm512_set1_ps(x[r * ldx + k]);                                              \
+                for (int v = 0; v < PV; v++) acc[r][v] = _mm512_fmadd_ps(xr, w[v], acc[r][v]);                 \
+            }                                                                                                  \
+        }                                                                                                      \
+        for (int r = 0; r < R; r++)                                                                            \
+            for (int v = 0; v < PV; v++) _mm512_storeu_ps(part + r * lp + 16 * v, acc[r][v]);                  \
+    }
+PANEL_ROWS(1)
+PANEL_ROWS(2)
+PANEL_ROWS(3)
+PANEL_ROWS(4)
+PANEL_ROWS(5)
+PANEL_ROWS(6)
+
+/* partial()'s result over packed panels: part[r * lp + (0, out rounded up to PANEL)] */
+static void partial_panels(float *part, int64_t lp, const float *x, int64_t ldx, int64_t n, const float *S,
+                           int64_t in, int64_t out, int t, int T) {
+    const int64_t i0 = share_start(in, t, T), i1 = share_end(in, t, T);
+    for (int64_t c = 0; c < out; c += PANEL) {
+        const float *P = S + c * in;
+        int64_t r = 0;
+        for (; r + 6 <= n; r += 6) panel_rows6(part + r * lp + c, lp, x + r * ldx, ldx, P, i0, i1);
+        switch (n - r) {
+        case 5: panel_rows5(part + r * lp + c, lp, x + r * ldx, ldx, P, i0, i1); break;
+        case 4: panel_rows4(part + r * lp + c, lp, x + r * ldx, ldx, P, i0, i1); break;
+        case 3: panel_rows3(part + r * lp + c, lp, x + r * ldx, ldx, P, i0, i1); break;
+        case 2: panel_rows2(part + r * lp + c, lp, x + r * ldx, ldx, P, i0, i1); break;
+        case 1: panel_rows1(part + r * lp + c, lp, x + r * ldx, ldx, P, i0, i1); break;
+        default: break;
+        }
+    }
+}
+#else
+enum { PANEL = 0 };
+static void partial_panels(float *part, int64_t lp, const float *x, int64_t ldx, int64_t n, const float *S,
+                           int64_t in, int64_t out, int t, int T) {
+    partial(part, lp, x, ldx, n, S, in, out, t, T); /* never called: the caller packs no panels here */
+}
+#endif
+
+/* The panel width the weights are to be packed in for this build (0: [in, out] rows, no packing) */
+int specmesh_decode_step_panel(void) { return PANEL; }
+
+/* A product's partials in the weights' layout (panels: dims[PANELW] != 0) */
+static inline void product(int panels, float *part, int64_t lp, const float *x, int64_t ldx, int64_t n,
+                           const float *S, int64_t in, int64_t out, int t, int T) {
+    if (panels)
+        partial_panels(part, lp, x, ldx, n, S, in, out, t, T);
+    else
+        partial(part, lp, x, ldx, n, S, in, out, t, T);
+}
+
 /* The team's partials of one output summed in thread order, plus the bias */
 static inline float total(const float *parts, int64_t stride, int T, const float *b, int64_t j) {
     float v = 0.f;
@@ -156,8 +233,9 @@ static void attend(float *out, int64_t ldo, const float *q, const float *kb, con
 }
 
 /* dims: NDIM values (the enum above: the model's sizes; the sequences, the tokens of all of them, the logits
- * rows wanted; the KV pools' strides in elements, head and slot; the block tables' width). ptrs: NPTR per layer
- * (weights [in, out] with rows `out` floats apart; biases, q/k norms may be NULL; the layer's K and V pools).
+ * rows wanted; the KV pools' strides in elements, head and slot; the block tables' width; the weights' panel
+ * width, 0 for rows). ptrs: NPTR per layer (weights [in, out] with rows `out` floats apart, or packed in panels
+ * of specmesh_decode_step_panel() columns; biases, q/k norms may be NULL; the layer's K and V pools).
  * fl: NFL per layer. embed: the embedding [vocab, H]; tokens: NTOK ids (checked by the caller), sequence after
  * sequence. segs: per sequence (first row, tokens, first position); tables: per sequence TW block ids. cos,
  * sin: the rotary tables [positions, D] (rotate_half's sign folded into sin). lrows: the NLOG rows whose logits
@@ -169,7 +247,8 @@ int specmesh_decode_step(const int64_t *dims, void *const *ptrs, const float *fl
     const int64_t H = dims[HID], nh = dims[NH], nkv = dims[NKV], D = dims[HD], I = dims[INTER], V = dims[VOCAB];
     const int64_t L = dims[LAYERS], bs = dims[BS], S = dims[NSEQ], n = dims[NTOK], nlog = dims[NLOG];
     const int64_t G = nh / nkv, nqkv = (nh + 2 * nkv) * D, A = nh * D, units = S * nkv;
-    if (D > 512 || D % 2 || n < 1 || S < 1 || nlog < 0 || nlog > n) return -2;
+    const int pw = dims[PANELW] != 0; /* the weights in panels of PANEL columns */
+    if (D > 512 || D % 2 || n < 1 || S < 1 || nlog < 0 || nlog > n || (pw && dims[PANELW] != PANEL)) return -2;
     int64_t most = 1, far = 16; /* the most tokens of one sequence; its padded end */
     for (int64_t i = 0; i < S; i++) {
         const int64_t ns = segs[3 * i + 1], e = (segs[3 * i + 2] + ns + 15) / 16 * 16;
@@ -179,15 +258,15 @@ int specmesh_decode_step(const int64_t *dims, void *const *ptrs, const float *fl
     if (threads < 1) threads = 1;
     int64_t widest = nqkv > 2 * I ? nqkv : 2 * I;
     widest = widest > V ? widest : V;
-    widest = ((widest > H ? widest : H) + 15) / 16 * 16;
+    widest = ((widest > H ? widest : H) + 63) / 64 * 64; /* panels write whole panels' columns */
     /* a partial row's length, padded by a cache line so that the rows of a block do not share cache sets (at
      * a power of two apart, nine rows' partials thrashed one set of the L1); one thread's partials */
     const int64_t lp = widest + 16, stride = n * lp;
     /* shared: attn [n, nh D], two sets of partials [T, n, lp] (a product's partials are read while the next
      * product writes the other set); per thread: x and h [n, H], m [n, I]; for one sequence's unit q [most G,
-     * D], k and v [most, D], qb and acc [most G, D], sc [most G, far] */
+     * D], k and v [most, D], qb and acc [most G, D], sc [most G, far]; up, a row's up projections [I] */
     const int64_t shared = (n * A + 15) / 16 * 16 + 2 * stride * threads;
-    const int64_t own = (n * (2 * H + I) + most * (3 * G * D + 2 * D + G * far) + 15) / 16 * 16;
+    const int64_t own = (n * (2 * H + I) + I + most * (3 * G * D + 2 * D + G * far) + 15) / 16 * 16;
     float *buf = aligned_alloc(64, ((size_t)(shared + own * threads) * sizeof(float) + 63) / 64 * 64);
     if (!buf) return -1;
     float *attn = buf, *pa = buf + (n * A + 15) / 16 * 16, *pb = pa + stride * threads, *priv = buf + shared;
@@ -196,14 +275,14 @@ int specmesh_decode_step(const int64_t *dims, void *const *ptrs, const float *fl
         const int t = omp_get_thread_num(), T = omp_get_num_threads();
         float *x = priv + (int64_t)t * own, *h = x + n * H, *m = h + n * H, *q = m + n * I, *k = q + most * G * D;
         float *v = k + most * D;
-        float *qb = v + most * D, *acc = qb + most * G * D, *sc = acc + most * G * D;
+        float *qb = v + most * D, *acc = qb + most * G * D, *sc = acc + most * G * D, *up = sc + most * G * far;
         float *mine_a = pa + (int64_t)t * stride, *mine_b = pb + (int64_t)t * stride;
         for (int64_t r = 0; r < n; r++) memcpy(x + r * H, embed + tokens[r] * H, sizeof(float) * H);
         for (int64_t l = 0; l < L; l++) {
             void *const *p = ptrs + l * NPTR;
             const float *f = fl + l * NFL, *bqkv = p[BQKV];
             for (int64_t r = 0; r < n; r++) rms_row(h + r * H, x + r * H, p[LN1], f[EPS1], H);
-            partial(mine_a, lp, h, H, n, p[WQKV], H, nqkv, t, T);
+            product(pw, mine_a, lp, h, H, n, p[WQKV], H, nqkv, t, T);
 #pragma omp barrier
             for (int64_t u = units * t / T, u1 = units * (t + 1) / T; u < u1; u++) {
                 if (u + 1 < u1) { /* the next unit's keys and values on their way while this one computes */
@@ -240,11 +319,11 @@ int specmesh_decode_step(const int64_t *dims, void *const *ptrs, const float *fl
                        f[SCALE], qb, acc, sc);
             }
 #pragma omp barrier
-            partial(mine_b, lp, attn, A, n, p[WO], A, H, t, T);
+            product(pw, mine_b, lp, attn, A, n, p[WO], A, H, t, T);
 #pragma omp barrier
             residual(x, pb, stride, lp, n, p[BO], H, T);
             for (int64_t r = 0; r < n; r++) rms_row(h + r * H, x + r * H, p[LN2], f[EPS2], H);
-            partial(mine_a, lp, h, H, n, p[WGU], H, 2 * I, t, T);
+            product(pw, mine_a, lp, h, H, n, p[WGU], H, 2 * I, t, T);
 #pragma omp barrier
             /* SwiGLU over this thread's share of the down product's rows only: the only ones it reads */
             const float *bgu = p[BGU];
@@ -253,17 +332,19 @@ int specmesh_decode_step(const int64_t *dims, void *const *ptrs, const float *fl
                 const float *pr = pa + r * lp;
                 float *mr = m + r * I;
                 for (int64_t i = m0; i < m1; i++) {
-                    const float g = total(pr, stride, T, bgu, i), u = total(pr, stride, T, bgu, I + i);
-                    mr[i] = g / (1.f + expf(-g)) * u;
+                    mr[i] = total(pr, stride, T, bgu, i);
+                    up[i] = total(pr, stride, T, bgu, I + i);
                 }
+                /* apart from the sums, so that it vectorises (glibc's vector expf: a row's share is ~700 calls) */
+                for (int64_t i = m0; i < m1; i++) mr[i] = mr[i] / (1.f + expf(-mr[i])) * up[i];
             }
-            partial(mine_b, lp, m, I, n, p[WD], I, H, t, T);
+            product(pw, mine_b, lp, m, I, n, p[WD], I, H, t, T);
 #pragma omp barrier
             residual(x, pb, stride, lp, n, p[BD], H, T);
         }
         if (nlog) {
             for (int64_t j = 0; j < nlog; j++) rms_row(h + j * H, x + lrows[j] * H, norm_w, norm_eps, H);
-            partial(mine_a, lp, h, H, nlog, lm_w, H, V, t, T);
+            product(pw, mine_a, lp, h, H, nlog, lm_w, H, V, t, T);
 #pragma omp barrier
             reduce(logits, V, pa, stride, lp, nlog, lm_b, V, t, T);
         }
