@@ -8,8 +8,8 @@
  * For a head size of whole 16-float vectors (the common ones) a row's scores are taken sixteen keys at a time
  * (the lanes of each key's products summed in one fixed tree for all sixteen: a horizontal sum per key cost more
  * than the products), and two rows at a time accumulate their values in registers. Otherwise key by key. The
- * callers fetch the next unit's keys and values ahead (prefetch_kv): on a batch's cold KV, reading on demand
- * ran at a third of the memory's bandwidth.
+ * next unit's keys and values are fetched while a unit takes its scores (next_unit): on a batch's cold KV,
+ * reading on demand ran at a third of the memory's bandwidth.
  *
  * Masked keys are skipped, never set to -inf, so the code stays finite and may be built with -ffast-math (for
  * glibc's vectorised expf). Inlined into each caller, so a head size the caller passes as a constant unrolls.
@@ -41,15 +41,47 @@ static inline __attribute__((always_inline)) void softmax_rows(float *sc, int64_
     }
 }
 
+/* The unit (sequence, KV head) the caller runs next: its keys and values, block table and length, fetched into
+ * the cache block by block while this one computes its scores. A block is a run of pages of its own, where the
+ * hardware's prefetchers stop and start over, so a unit read on demand waits on memory's latency block after
+ * block; and fetched all at once ahead of a unit, the requests filled the core's miss queue and the fetching
+ * waited for memory before the computing began (a cold 16 x 5 batch's attention took its compute time plus its
+ * KV's read time). Spread over the scores' blocks, the two overlap. */
+typedef struct {
+    const float *k, *v;
+    const int32_t *table;
+    int64_t end;
+} next_unit;
+
+static inline __attribute__((always_inline)) void prefetch_block(const next_unit *nx, int64_t b0, int64_t bs,
+                                                                 int64_t ks, int64_t vs, const int64_t D) {
+    if (!nx || b0 >= nx->end) return;
+    const int64_t blk = nx->table[b0 / bs], nb = nx->end - b0 < bs ? nx->end - b0 : bs;
+    const float *kp = nx->k + blk * bs * ks, *vp = nx->v + blk * bs * vs;
+    for (int64_t i = 0; i < nb; i++)
+        for (int64_t d = 0; d < D; d += 16) {
+            __builtin_prefetch(kp + i * ks + d, 0, 2);
+            __builtin_prefetch(vp + i * vs + d, 0, 2);
+        }
+}
+
+/* The next unit's blocks from b0 on (those past this unit's own) */
+static inline __attribute__((always_inline)) void prefetch_rest(const next_unit *nx, int64_t b0, int64_t bs,
+                                                                int64_t ks, int64_t vs, const int64_t D) {
+    for (; nx && b0 < nx->end; b0 += bs) prefetch_block(nx, b0, bs, ks, vs, D);
+}
+
 /* acc [n G, D] = softmax(qb . K) . V for the rows above, for any head size, key by key */
 static inline __attribute__((always_inline)) void attend_rows_any(float *acc, const float *qb, const float *kb,
                                                                   const float *vb, const int32_t *table,
                                                                   int64_t start, int64_t n, int64_t G, const int64_t D,
                                                                   int64_t bs, int64_t ks, int64_t vs, float *sc,
-                                                                  int64_t stride) {
+                                                                  int64_t stride, const next_unit *nx) {
     const int64_t R = n * G, end = start + n;
     /* scores, block by block (a block's keys are consecutive slots: no division per key) */
-    for (int64_t b0 = 0; b0 < end; b0 += bs) {
+    int64_t b0 = 0;
+    for (; b0 < end; b0 += bs) {
+        prefetch_block(nx, b0, bs, ks, vs, D);
         const float *kblk = kb + (int64_t)table[b0 / bs] * bs * ks;
         const int64_t nb = end - b0 < bs ? end - b0 : bs;
         for (int64_t i = 0; i < nb; i++) {
@@ -64,6 +96,7 @@ static inline __attribute__((always_inline)) void attend_rows_any(float *acc, co
             }
         }
     }
+    prefetch_rest(nx, b0, bs, ks, vs, D);
     softmax_rows(sc, R, G, start, stride);
     memset(acc, 0, sizeof(float) * R * D);
     for (int64_t b0 = 0; b0 < end; b0 += bs) {
@@ -129,10 +162,12 @@ static inline __attribute__((always_inline)) void attend_rows_vec(float *acc, co
                                                                   const float *vb, const int32_t *table,
                                                                   int64_t start, int64_t n, int64_t G, const int64_t D,
                                                                   int64_t bs, int64_t ks, int64_t vs, float *sc,
-                                                                  int64_t stride) {
+                                                                  int64_t stride, const next_unit *nx) {
     enum { MAXV = 16 };
     const int64_t R = n * G, end = start + n, VN = D / 16;
-    for (int64_t b0 = 0; b0 < end; b0 += bs) {
+    int64_t b0 = 0;
+    for (; b0 < end; b0 += bs) {
+        prefetch_block(nx, b0, bs, ks, vs, D);
         const float *kblk = kb + (int64_t)table[b0 / bs] * bs * ks;
         const int64_t nb = end - b0 < bs ? end - b0 : bs;
         for (int64_t i0 = 0; i0 < nb; i0 += 16) {
@@ -151,6 +186,7 @@ static inline __attribute__((always_inline)) void attend_rows_vec(float *acc, co
             }
         }
     }
+    prefetch_rest(nx, b0, bs, ks, vs, D);
     softmax_rows(sc, R, G, start, stride);
     for (int64_t r = 0; r < R; r += 2) {
         const int64_t two = r + 1 < R, visa = start + r / G + 1, visb = two ? start + (r + 1) / G + 1 : 0;
@@ -190,32 +226,18 @@ static inline __attribute__((always_inline)) void attend_rows_vec(float *acc, co
     }
 }
 
-/* Every key and value a unit will read, positions [0, end), fetched into the cache ahead of it (the next unit's,
- * while this one computes): a block is a run of pages of its own, where the hardware's prefetchers stop and
- * start over, so a unit read on demand waits on memory's latency block after block. */
-static inline void prefetch_kv(const float *kb, const float *vb, const int32_t *table, int64_t end, int64_t bs,
-                               int64_t ks, int64_t vs, int64_t D) {
-    for (int64_t b0 = 0; b0 < end; b0 += bs) {
-        const float *kblk = kb + (int64_t)table[b0 / bs] * bs * ks, *vblk = vb + (int64_t)table[b0 / bs] * bs * vs;
-        const int64_t nb = end - b0 < bs ? end - b0 : bs;
-        for (int64_t i = 0; i < nb; i++)
-            for (int64_t d = 0; d < D; d += 16) {
-                __builtin_prefetch(kblk + i * ks + d, 0, 2);
-                __builtin_prefetch(vblk + i * vs + d, 0, 2);
-            }
-    }
-}
-
 /* acc [n G, D] = softmax(qb . K) . V for the rows above; qb: [n G, D], scaled (and rotated). kb, vb: the KV
- * head's keys and values (slot s at kb + s * ks); sc: scratch [n G, stride], stride >= start + n. */
+ * head's keys and values (slot s at kb + s * ks); sc: scratch [n G, stride], stride >= start + n; nx: the unit
+ * the caller runs next, or NULL. */
 static inline __attribute__((always_inline)) void attend_rows(float *acc, const float *qb, const float *kb,
                                                               const float *vb, const int32_t *table, int64_t start,
                                                               int64_t n, int64_t G, const int64_t D, int64_t bs,
-                                                              int64_t ks, int64_t vs, float *sc, int64_t stride) {
+                                                              int64_t ks, int64_t vs, float *sc, int64_t stride,
+                                                              const next_unit *nx) {
     if (D % 16 == 0 && D <= 256)
-        attend_rows_vec(acc, qb, kb, vb, table, start, n, G, D, bs, ks, vs, sc, stride);
+        attend_rows_vec(acc, qb, kb, vb, table, start, n, G, D, bs, ks, vs, sc, stride, nx);
     else
-        attend_rows_any(acc, qb, kb, vb, table, start, n, G, D, bs, ks, vs, sc, stride);
+        attend_rows_any(acc, qb, kb, vb, table, start, n, G, D, bs, ks, vs, sc, stride, nx);
 }
 
 #endif

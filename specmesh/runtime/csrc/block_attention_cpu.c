@@ -42,7 +42,7 @@ static inline __attribute__((always_inline)) void rotate(float *y, const float *
 
 static inline __attribute__((always_inline)) void unit_d(const job_t *j, int64_t s, int64_t h, float *qb,
                                                          float *acc, float *sc, int64_t stride,
-                                                         const int64_t D) {
+                                                         const next_unit *nx, const int64_t D) {
     const int64_t off = j->segs[3 * s], n = j->segs[3 * s + 1], start = j->segs[3 * s + 2];
     const int64_t G = j->group, bs = j->bs;
     const int32_t *table = j->tables + s * j->W;
@@ -64,20 +64,21 @@ static inline __attribute__((always_inline)) void unit_d(const job_t *j, int64_t
             else
                 for (int64_t d = 0; d < D; d++) dst[d] = src[d] * j->scale;
         }
-    attend_rows(acc, qb, kb, vb, table, start, n, G, D, bs, j->sk_s, j->sv_s, sc, stride);
+    attend_rows(acc, qb, kb, vb, table, start, n, G, D, bs, j->sk_s, j->sv_s, sc, stride, nx);
     for (int64_t t = 0; t < n; t++)
         for (int64_t g = 0; g < G; g++)
             memcpy(j->out + (off + t) * j->so_t + (h * G + g) * j->so_h, acc + (t * G + g) * D, sizeof(float) * D);
 }
 
 /* The common head sizes as constants, so the compiler unrolls the dot and the update completely. */
-static void unit(const job_t *j, int64_t s, int64_t h, float *qb, float *acc, float *sc, int64_t stride) {
+static void unit(const job_t *j, int64_t s, int64_t h, float *qb, float *acc, float *sc, int64_t stride,
+                 const next_unit *nx) {
     if (j->D == 64)
-        unit_d(j, s, h, qb, acc, sc, stride, 64);
+        unit_d(j, s, h, qb, acc, sc, stride, nx, 64);
     else if (j->D == 128)
-        unit_d(j, s, h, qb, acc, sc, stride, 128);
+        unit_d(j, s, h, qb, acc, sc, stride, nx, 128);
     else
-        unit_d(j, s, h, qb, acc, sc, stride, j->D);
+        unit_d(j, s, h, qb, acc, sc, stride, nx, j->D);
 }
 
 static void work(job_t *j) {
@@ -97,12 +98,13 @@ static void work(job_t *j) {
     }
     float *qb = buf, *acc = buf + max_r * j->D, *sc = acc + max_r * j->D;
     for (int64_t i = j->u0; i < j->u1; i++) {
+        next_unit nx = {NULL, NULL, NULL, 0};
         if (i + 1 < j->u1) { /* the next unit's keys and values on their way while this one computes */
             const int64_t s = j->units[i + 1] / j->nkv, h = j->units[i + 1] % j->nkv;
-            prefetch_kv(j->k + h * j->sk_h, j->v + h * j->sv_h, j->tables + s * j->W,
-                        j->segs[3 * s + 2] + j->segs[3 * s + 1], j->bs, j->sk_s, j->sv_s, j->D);
+            nx = (next_unit){j->k + h * j->sk_h, j->v + h * j->sv_h, j->tables + s * j->W,
+                             j->segs[3 * s + 2] + j->segs[3 * s + 1]};
         }
-        unit(j, j->units[i] / j->nkv, j->units[i] % j->nkv, qb, acc, sc, max_end);
+        unit(j, j->units[i] / j->nkv, j->units[i] % j->nkv, qb, acc, sc, max_end, i + 1 < j->u1 ? &nx : NULL);
     }
     free(buf);
 }

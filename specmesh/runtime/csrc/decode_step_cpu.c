@@ -217,18 +217,18 @@ static void rope(float *x, const float *cos, const float *sin, int64_t D) {
  * [0, start + t]: out row r (ldo apart per token) = softmax(q_r . K) . V. q: [n G, D], rotated. */
 static void attend(float *out, int64_t ldo, const float *q, const float *kb, const float *vb, const int32_t *table,
                    int64_t start, int64_t n, int64_t bs, int64_t ks, int64_t vs, int64_t G, int64_t D, float scale,
-                   float *qb, float *acc, float *sc) {
+                   float *qb, float *acc, float *sc, const next_unit *nx) {
     /* a score row's stride padded to whole cache lines: every row starts aligned, so a row's sums (the
      * softmax's) group the same way whatever the call's length (an alignment peel would regroup them) */
     const int64_t R = n * G, E = (start + n + 15) / 16 * 16;
     for (int64_t r = 0; r < R; r++)
         for (int64_t d = 0; d < D; d++) qb[r * D + d] = q[r * D + d] * scale;
     if (D == 64) /* the common head sizes as constants: the rows' vectors stay in registers */
-        attend_rows(acc, qb, kb, vb, table, start, n, G, 64, bs, ks, vs, sc, E);
+        attend_rows(acc, qb, kb, vb, table, start, n, G, 64, bs, ks, vs, sc, E, nx);
     else if (D == 128)
-        attend_rows(acc, qb, kb, vb, table, start, n, G, 128, bs, ks, vs, sc, E);
+        attend_rows(acc, qb, kb, vb, table, start, n, G, 128, bs, ks, vs, sc, E, nx);
     else
-        attend_rows(acc, qb, kb, vb, table, start, n, G, D, bs, ks, vs, sc, E);
+        attend_rows(acc, qb, kb, vb, table, start, n, G, D, bs, ks, vs, sc, E, nx);
     for (int64_t r = 0; r < R; r++) memcpy(out + (r / G) * ldo + (r % G) * D, acc + r * D, sizeof(float) * D);
 }
 
@@ -285,11 +285,11 @@ int specmesh_decode_step(const int64_t *dims, void *const *ptrs, const float *fl
             product(pw, mine_a, lp, h, H, n, p[WQKV], H, nqkv, t, T);
 #pragma omp barrier
             for (int64_t u = units * t / T, u1 = units * (t + 1) / T; u < u1; u++) {
+                next_unit nx = {NULL, NULL, NULL, 0};
                 if (u + 1 < u1) { /* the next unit's keys and values on their way while this one computes */
                     const int64_t s = (u + 1) / nkv, h = (u + 1) % nkv;
-                    prefetch_kv((float *)p[KPOOL] + h * dims[K_SH], (float *)p[VPOOL] + h * dims[V_SH],
-                                tables + s * dims[TW], segs[3 * s + 2] + segs[3 * s + 1], bs, dims[K_SS], dims[V_SS],
-                                D);
+                    nx = (next_unit){(float *)p[KPOOL] + h * dims[K_SH], (float *)p[VPOOL] + h * dims[V_SH],
+                                     tables + s * dims[TW], segs[3 * s + 2] + segs[3 * s + 1]};
                 }
                 /* one sequence's KV head: its query heads, keys and values, summed from the partials */
                 const int64_t sq = u / nkv, kh = u % nkv, off = segs[3 * sq], ns = segs[3 * sq + 1];
@@ -316,7 +316,7 @@ int specmesh_decode_step(const int64_t *dims, void *const *ptrs, const float *fl
                     memcpy(vp + slot * dims[V_SS], vr, sizeof(float) * D);
                 }
                 attend(attn + off * A + qo, A, q, kp, vp, table, start, ns, bs, dims[K_SS], dims[V_SS], G, D,
-                       f[SCALE], qb, acc, sc);
+                       f[SCALE], qb, acc, sc, u + 1 < u1 ? &nx : NULL);
             }
 #pragma omp barrier
             product(pw, mine_b, lp, attn, A, n, p[WO], A, H, t, T);
