@@ -541,32 +541,17 @@ class VerifyEngine:
         session = self.sessions.get(opened.session_id)
         self._attach(session)
         failed = True
-        step: asyncio.Future[Verdict] | None = None
         try:
             yield opened
-            # Each step goes to the scheduler before the previous one's tokens go out (its input is the
-            # committed sequence, already whole): its forward overlaps their way to the client (this stream's
-            # write, the hops downstream) instead of waiting for it, as SGLang's overlap scheduler does. So
-            # whether to go on is each verdict's to say (the session may have finished since, by the step
-            # submitted after it), and a stream that ends early waits for the step in flight before the
-            # session is let go (cancelled while its pass ran, it still committed).
-            step = None if session.finished else self._step(session)
-            while step is not None:
-                verdict = await step
-                step = self._step(session) if verdict.finish_reason is None and not session.finished else None
+            while not session.finished:
+                verdict = await self.scheduler.submit(session, self._target_only(session))
                 if verdict.tokens:
                     yield Tokens(verdict.tokens, verdict.logprobs)
             reason = session.stop.finish_reason if session.stop is not None else None
             yield Finished(reason or "stop")  # the loop ends only once the stop checker has set it
             failed = False
         finally:
-            if step is not None:
-                await asyncio.gather(step, return_exceptions=True)
             self._detach(session, failed)
-
-    def _step(self, session: Session) -> asyncio.Future[Verdict]:
-        """A target-only step of `session`, submitted now."""
-        return asyncio.ensure_future(self.scheduler.submit(session, self._target_only(session)))
 
     async def prompt_logprobs(self, prompt_ids: list[int], top: int) -> list[TokenLogprob | None]:
         """The target's raw log-probability of each prompt token given the ones before it (None for the first,
