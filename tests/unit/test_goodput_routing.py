@@ -147,10 +147,25 @@ def test_path_rates_count_each_side_once_it_has_requests():
     rates.observe(1, "draft", 64, 0.8)
     rates.observe(1, "direct", 64, 0.5)
     assert rates.rate(1, "draft") == pytest.approx(80.0) and rates.draft_loses(1) is True
-    assert rates.draft_loses(4) is None  # another load: measured apart
     rates.observe(1, "", 64, 0.1)  # a request the goodput routing did not decide: not a side
     rates.observe(1, "direct", 0, 0.1)
     assert rates.rate(1, "direct") == pytest.approx(128.0)
+
+
+def test_path_rates_judge_an_unmeasured_load_by_the_nearest_measured_one():
+    rates = PathRates()
+    for _ in range(2):
+        rates.observe(1, "draft", 64, 0.8)
+        rates.observe(1, "direct", 64, 0.5)
+        rates.observe(16, "draft", 64, 0.2)
+        rates.observe(16, "direct", 64, 0.5)
+    assert rates.rate(4, "draft") is None  # each load is measured apart ...
+    assert rates.draft_loses(2) is True and rates.draft_loses(8) is False  # ... and judged by the nearest
+    assert rates.draft_loses(4) is True  # two levels from either: the lower one
+    for _ in range(2):
+        rates.observe(4, "draft", 64, 0.2)
+        rates.observe(4, "direct", 64, 0.5)
+    assert rates.draft_loses(4) is False and rates.draft_loses(2) is True  # its own verdict once both count
 
 
 def test_sampled_requests_go_direct_while_the_draft_path_measures_slower_end_to_end(monkeypatch):
