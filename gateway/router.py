@@ -100,8 +100,8 @@ class PathRates:
     def draft_loses(self, load: int) -> bool | None:
         """Whether the draft path measures slower than the direct one at this load or, until both sides count
         here, at the nearest load where they do (the lower one on a tie); None where no load has both. A new
-        load level would otherwise spend its first requests measuring both paths: at four streams, T = 0.7,
-        eight requests a level, sampled requests ran at 0.92x target-only."""
+        level of load would otherwise spend its first requests measuring both paths (every other one direct,
+        the rest through the draft, until each side has its MIN), whatever the levels around it measured."""
         here = self.EDGES.index(self.bucket(load))
         for edge in sorted(self.EDGES, key=lambda e: (abs(self.EDGES.index(e) - here), e)):
             draft, direct = self.rate(edge, "draft"), self.rate(edge, "direct")
