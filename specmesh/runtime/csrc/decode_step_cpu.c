@@ -161,22 +161,22 @@ static void partial_panels(float *part, int64_t lp, const float *x, int64_t ldx,
 }
 #else
 enum { PANEL = 0 };
-static void partial_panels(float *part, int64_t lp, const float *x, int64_t ldx, int64_t n, const float *S,
-                           int64_t in, int64_t out, int t, int T) {
-    partial(part, lp, x, ldx, n, S, in, out, t, T); /* never called: the caller packs no panels here */
-}
 #endif
 
 /* The panel width the weights are to be packed in for this build (0: [in, out] rows, no packing) */
 int specmesh_decode_step_panel(void) { return PANEL; }
 
-/* A product's partials in the weights' layout (panels: dims[PANELW] != 0) */
+/* A product's partials in the weights' layout (panels: dims[PANELW] != 0, never without AVX-512) */
 static inline void product(int panels, float *part, int64_t lp, const float *x, int64_t ldx, int64_t n,
                            const float *S, int64_t in, int64_t out, int t, int T) {
-    if (panels)
+#if defined(__AVX512F__)
+    if (panels) {
         partial_panels(part, lp, x, ldx, n, S, in, out, t, T);
-    else
-        partial(part, lp, x, ldx, n, S, in, out, t, T);
+        return;
+    }
+#endif
+    (void)panels;
+    partial(part, lp, x, ldx, n, S, in, out, t, T);
 }
 
 /* The team's partials of one output summed in thread order, plus the bias */
