@@ -35,6 +35,7 @@ import contextlib
 import ctypes
 import hashlib
 import logging
+import mmap
 import os
 import platform
 import shutil
@@ -393,14 +394,46 @@ def _rows_of(w: torch.Tensor | tuple[torch.Tensor, torch.Tensor]) -> torch.Tenso
     return w[0] if isinstance(w, tuple) else w
 
 
-def panels(w: torch.Tensor, width: int) -> torch.Tensor:
+def panels(w: torch.Tensor, width: int, out: torch.Tensor | None = None) -> torch.Tensor:
     """The [in, out] rows of `w` (an [out, in] view, `_rows_of`) as [ceil(out / width), in, width] panels, the
-    last one's missing columns zero: the fused step's layout where its build packs (decode_step_cpu.c)."""
+    last one's missing columns zero: the fused step's layout where its build packs (decode_step_cpu.c). Into
+    `out` (contiguous, that shape) where given."""
     rows = w.t()
     pad = -rows.shape[1] % width
     if pad:
         rows = torch.nn.functional.pad(rows, (0, pad))
-    return rows.reshape(rows.shape[0], -1, width).permute(1, 0, 2).contiguous()
+    packed = rows.reshape(rows.shape[0], -1, width).permute(1, 0, 2)
+    return packed.contiguous() if out is None else out.copy_(packed)
+
+
+HUGE_PAGE = 2 * 2**20
+
+
+def huge_page_floats(n: int) -> torch.Tensor:
+    """n float32 elements of fresh memory starting on a 2 MiB boundary, asked of the kernel in transparent huge
+    pages where it offers them (`madvise`; Linux's default THP mode gives them only to regions that ask).
+    Streamed weights read faster from huge pages: a 4 KiB page is 160 ns of one core's stream here, and each
+    new one costs a TLB miss; the demo target's one-token step took 5 % less (a 512 MiB sum reads 10-35 %
+    faster). Elsewhere, ordinary pages."""
+    region = mmap.mmap(-1, n * 4 + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        with contextlib.suppress(OSError):  # a kernel built without THP refuses the advice
+            region.madvise(mmap.MADV_HUGEPAGE)
+    raw = torch.frombuffer(region, dtype=torch.uint8)  # holds the mapping as long as any view of it lives
+    start = -raw.data_ptr() % HUGE_PAGE
+    return raw[start : start + n * 4].view(torch.float32)
+
+
+def pack_panels(ws: Sequence[torch.Tensor], width: int) -> list[torch.Tensor]:
+    """`panels` of each [out, in] view in `ws`, one after another (64-byte aligned) in one huge-page region."""
+    shapes = [(-(-w.shape[0] // width), w.shape[1], width) for w in ws]
+    sizes = [-(-(a * b * c) // 16) * 16 for a, b, c in shapes]
+    arena = huge_page_floats(sum(sizes))
+    out, at = [], 0
+    for w, shape, size in zip(ws, shapes, sizes, strict=True):
+        out.append(panels(w, width, arena[at : at + shape[0] * shape[1] * shape[2]].view(shape)))
+        at += size
+    return out
 
 
 def _dense(t: torch.Tensor | None) -> bool:
@@ -435,15 +468,15 @@ class DecodeStep:
         self.lib = lib
         self.dec = dec
         # Where this build packs the weights in panels, the step reads its own copy of them (one more copy of
-        # the projections; the decoder's [in, out] rows stay for the ragged forward's one-row products).
+        # the projections, in one huge-page region; the decoder's [in, out] rows stay for the ragged forward's
+        # one-row products).
         width = lib.specmesh_decode_step_panel() if os.environ.get("SPECMESH_CPU_PANELS", "1") != "0" else 0
-        copies: list[torch.Tensor] = []
+        mats = [_rows_of(w) for w in (*(layer[i] for layer in dec.layers for i in (2, 4, 11, 14)), dec.lm_w)]
+        copies = pack_panels(mats, width) if width else []
+        packed = dict(zip(map(id, mats), copies, strict=False))  # none without panels
 
         def weights(w: torch.Tensor | tuple[torch.Tensor, torch.Tensor]) -> int:
-            if not width:
-                return _rows_of(w).data_ptr()
-            copies.append(panels(_rows_of(w), width))
-            return copies[-1].data_ptr()
+            return (packed[id(_rows_of(w))] if width else _rows_of(w)).data_ptr()
 
         # The tensors the pointers below point into, alive as long as this step is (the decoder may rebuild
         # its copies while another thread is still inside a call).
@@ -468,8 +501,7 @@ class DecodeStep:
             keps = kn.variance_epsilon if kn is not None else 0.0
             self.fl[i * _NFL : (i + 1) * _NFL] = [eps1, eps2, scale, qeps, keps]
         hidden, vocab, inter = dec.embed.shape[1], _rows_of(dec.lm_w).shape[0], dec.layers[0][13]
-        mats = [dec.lm_w, *(layer[i] for layer in dec.layers for i in (2, 4, 11, 14))]
-        small = sum(_rows_of(w).numel() * 4 for w in mats) <= STEP_SMALL_BYTES
+        small = sum(w.numel() * 4 for w in mats) <= STEP_SMALL_BYTES
         # tokens in one call, all sequences
         self.max_rows = STEP_MAX_TOKENS_PANELS if width else STEP_MAX_TOKENS_SMALL if small else STEP_MAX_TOKENS
         self.dims[:7] = [hidden, dec.n_heads, dec.n_kv, dec.head_dim, inter, vocab, n_layers]

@@ -42,6 +42,38 @@ def test_panels_hold_the_rows_columns_in_order():
     assert not p[1, :, 3].any()
 
 
+def test_packed_panels_share_one_region_from_a_huge_page_boundary():
+    ws = [torch.randn(70, 9).t(), torch.randn(64, 5).t(), torch.randn(3, 2).t()]  # [out, in] views
+    packed = cpu_kernels.pack_panels(ws, 64)
+    assert packed[0].data_ptr() % cpu_kernels.HUGE_PAGE == 0
+    for w, p in zip(ws, packed, strict=True):
+        assert torch.equal(p, cpu_kernels.panels(w, 64)) and p.data_ptr() % 64 == 0
+    # one after another, none overlapping
+    ends = [p.data_ptr() + p.numel() * 4 for p in packed]
+    assert all(end <= nxt.data_ptr() for end, nxt in zip(ends, packed[1:], strict=False))
+
+
+@pytest.mark.skipif(not cpu_kernels.load().specmesh_decode_step_panel(), reason="this build packs no panels")
+@pytest.mark.parametrize("layout", ["panels"], indirect=True)
+def test_over_panels_the_logits_do_not_depend_on_the_thread_count(layout):
+    """Each thread computes whole columns over panels (no partial sums across the team): 1, 2 and 3 threads give
+    the same bits, one token or a block."""
+    model = ARCHS["qwen2-bias"]()
+    got = {}
+    before = torch.get_num_threads()
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            r = PagedRunner(model, 64, 4)
+            seq = r.new_sequence([(7 * i + 2) % 120 for i in range(11)])
+            r.prefill(seq)
+            got[n] = (r.forward([seq])[0], r.forward([seq], [[5, 9, 13]])[0])
+    finally:
+        torch.set_num_threads(before)
+    for n in (2, 3):
+        assert all(torch.equal(a, b) for a, b in zip(got[1], got[n], strict=True)), n
+
+
 @pytest.mark.parametrize("layout", ["panels", "rows"], indirect=True)
 def test_the_step_packs_panels_where_the_build_can(layout):
     r = PagedRunner(ARCHS["llama-gqa"](), 16, 4)

@@ -3,15 +3,16 @@
  * table says. A target-only step is one token, a verify block K + 1, a short prefill chunk a few with no
  * logits; a batch of a few such. See cpu_kernels.py for why.
  *
- * The whole forward is one OpenMP parallel region. Every matrix product splits the weights' rows over the team
- * in fixed ranges (as gemv_cpu.c: each thread streams its rows of the weights into private partial sums, one
- * pass over the weights from memory for every token of the call; splitting the columns instead read 20-30 %
- * slower), over [in, out] rows eight a pass, or over panels of columns with the rows' partials in registers
- * (partial_panels, where the build has AVX-512), and the partials are summed in thread order where they are
- * used: the attention sums its own heads' q, k and v, the MLP sums gate and up, the residual adds are split by
- * columns. The small steps between products (RMSNorm, SwiGLU) are recomputed by every thread into its own
- * scratch rather than split, which costs less than the barrier a split would need, and so is the residual
- * stream (each thread keeps a copy, summed from the partials in the same order): a layer is five barriers.
+ * The whole forward is one OpenMP parallel region, one pass over the weights from memory for every token of
+ * the call. Where the build has AVX-512 the weights are packed in panels of columns (partial_panels) and the
+ * team splits a product's panels: each thread streams one contiguous run of the matrix and writes whole
+ * columns, with the rows' sums in registers. Without panels a product splits the weights' [in, out] rows over
+ * the team in fixed ranges (as gemv_cpu.c: splitting the columns of rows read 20-30 % slower), eight rows a
+ * pass into private partial sums, which are summed in thread order where they are used (the attention sums
+ * its own heads' q, k and v, the MLP gate and up). The small steps between products (RMSNorm, SwiGLU) are
+ * recomputed by every thread into its own scratch rather than split, which costs less than the barrier a split
+ * would need, and so is the residual stream (each thread keeps a copy, summed the same way, so the copies
+ * agree to the bit): a layer is five barriers.
  *
  * A token's row goes through the same arithmetic in the same order whatever the other rows of the call (the
  * products' column tiles, row pairs and panels' groups of rows only bound and share the loops; attention is per
@@ -106,14 +107,17 @@ static void partial(float *part, int64_t lp, const float *x, int64_t ldx, int64_
 #if defined(__AVX512F__)
 #include <immintrin.h>
 /* Weights packed in panels (specmesh_decode_step_panel): S [in, out] as [out / PANEL][in][PANEL], the last
- * panel's missing columns zero. A thread's share of a panel (its rows of S, PANEL columns) is one contiguous
- * run, which it streams once from memory for the call's first rows and then again from its L2 for each further
- * group of rows. In registers, up to six rows' partials of the panel's four vectors, one fused multiply-add a
- * weight and row: a verify block costs little more than its weights' read (5 rows of the demo target's matrices
- * 3.5-3.9 ms against 6.2 for the eight-row passes over [in, out] rows, whose every partial goes through the
- * L1 once per eight weight rows; 16 rows 7.3 against 9.5, as oneDNN's packed GEMM). Each row's partial is the
- * same chain of multiply-adds over the share's rows in order, whatever the other rows of the call: the
- * intrinsics' fused multiply-adds are never regrouped by the compiler, so the bits do not depend on the batch. */
+ * panel's missing columns zero. A thread takes a fixed range of whole panels, one contiguous run of the
+ * matrix, which it streams once from memory for the call's first rows and then again from its L2 (a panel is
+ * in x 256 bytes) for each further group of rows. Splitting the panels' rows instead (each thread half of every
+ * panel, partials summed across the team) was 5-20 % slower on the demo target, one token to 16 x 5, the more
+ * so the faster the memory. In registers, up to six rows' sums of the panel's four vectors, one fused
+ * multiply-add a weight and row: a verify block costs little more than its weights' read (5 rows of the demo
+ * target's matrices 3.5-3.9 ms against 6.2 for the eight-row passes over [in, out] rows, whose every partial
+ * goes through the L1 once per eight weight rows; 16 rows 7.3 against 9.5, as oneDNN's packed GEMM). Each row's
+ * sum is the same chain of multiply-adds over all of S's rows in order, whatever the other rows of the call and
+ * the number of threads: the intrinsics' fused multiply-adds are never regrouped by the compiler, so the bits
+ * depend on neither. */
 enum { PANEL = 64, PV = PANEL / 16 };
 
 #define PANEL_ROWS(R)                                                                                          \
@@ -141,11 +145,12 @@ PANEL_ROWS(4)
 PANEL_ROWS(5)
 PANEL_ROWS(6)
 
-/* partial()'s result over packed panels: part[r * lp + (0, out rounded up to PANEL)] */
+/* The whole products x . S of this thread's panels, written into the one set of sums the team shares:
+ * part[r * lp + c, for the panels' columns c] (the last panel's padding columns included) */
 static void partial_panels(float *part, int64_t lp, const float *x, int64_t ldx, int64_t n, const float *S,
                            int64_t in, int64_t out, int t, int T) {
-    const int64_t i0 = share_start(in, t, T), i1 = share_end(in, t, T);
-    for (int64_t c = 0; c < out; c += PANEL) {
+    const int64_t i0 = 0, i1 = in, np = (out + PANEL - 1) / PANEL;
+    for (int64_t c = np * t / T * PANEL, c1 = np * (t + 1) / T * PANEL; c < c1; c += PANEL) {
         const float *P = S + c * in;
         int64_t r = 0;
         for (; r + 6 <= n; r += 6) panel_rows6(part + r * lp + c, lp, x + r * ldx, ldx, P, i0, i1);
@@ -166,7 +171,8 @@ enum { PANEL = 0 };
 /* The panel width the weights are to be packed in for this build (0: [in, out] rows, no packing) */
 int specmesh_decode_step_panel(void) { return PANEL; }
 
-/* A product's partials in the weights' layout (panels: dims[PANELW] != 0, never without AVX-512) */
+/* A product in the weights' layout: panels (dims[PANELW] != 0, never without AVX-512) write whole sums into
+ * the team's one set, rows this thread's partials into its own */
 static inline void product(int panels, float *part, int64_t lp, const float *x, int64_t ldx, int64_t n,
                            const float *S, int64_t in, int64_t out, int t, int T) {
 #if defined(__AVX512F__)
@@ -179,21 +185,21 @@ static inline void product(int panels, float *part, int64_t lp, const float *x, 
     partial(part, lp, x, ldx, n, S, in, out, t, T);
 }
 
-/* The team's partials of one output summed in thread order, plus the bias */
+/* An output's `sets` partials summed in thread order (one with panels), plus the bias */
 static inline float total(const float *parts, int64_t stride, int T, const float *b, int64_t j) {
     float v = 0.f;
     for (int u = 0; u < T; u++) v += parts[u * stride + j];
     return b ? v + b[j] : v;
 }
 
-/* y[r][j] = x . S + b for every row r, over this thread's share of the columns, once every partial is in */
+/* y[r][j] = x . S + b for every row r, over this thread's share of the columns, once every sum is in */
 static void reduce(float *y, int64_t ldy, const float *parts, int64_t stride, int64_t lp, int64_t n,
-                   const float *b, int64_t out, int t, int T) {
+                   const float *b, int64_t out, int t, int T, int sets) {
     const int64_t j0 = out * t / T, j1 = out * (t + 1) / T;
     for (int64_t r = 0; r < n; r++) {
         float *yr = y + r * ldy;
         const float *pr = parts + r * lp;
-        for (int64_t j = j0; j < j1; j++) yr[j] = total(pr, stride, T, b, j);
+        for (int64_t j = j0; j < j1; j++) yr[j] = total(pr, stride, sets, b, j);
     }
 }
 
@@ -272,11 +278,12 @@ int specmesh_decode_step(const int64_t *dims, void *const *ptrs, const float *fl
     float *attn = buf, *pa = buf + (n * A + 15) / 16 * 16, *pb = pa + stride * threads, *priv = buf + shared;
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
-        const int t = omp_get_thread_num(), T = omp_get_num_threads();
+        /* sets: how many partial sums a product leaves per output (panels write whole sums) */
+        const int t = omp_get_thread_num(), T = omp_get_num_threads(), sets = pw ? 1 : T;
         float *x = priv + (int64_t)t * own, *h = x + n * H, *m = h + n * H, *q = m + n * I, *k = q + most * G * D;
         float *v = k + most * D;
         float *qb = v + most * D, *acc = qb + most * G * D, *sc = acc + most * G * D, *up = sc + most * G * far;
-        float *mine_a = pa + (int64_t)t * stride, *mine_b = pb + (int64_t)t * stride;
+        float *mine_a = pa + (pw ? 0 : (int64_t)t) * stride, *mine_b = pb + (pw ? 0 : (int64_t)t) * stride;
         for (int64_t r = 0; r < n; r++) memcpy(x + r * H, embed + tokens[r] * H, sizeof(float) * H);
         for (int64_t l = 0; l < L; l++) {
             void *const *p = ptrs + l * NPTR;
@@ -300,10 +307,10 @@ int specmesh_decode_step(const int64_t *dims, void *const *ptrs, const float *fl
                 for (int64_t i = 0; i < ns; i++) {
                     const float *pr = pa + (off + i) * lp, *c = cos + (start + i) * D, *s = sin + (start + i) * D;
                     float *qr = q + i * G * D, *kr = k + i * D, *vr = v + i * D;
-                    for (int64_t d = 0; d < G * D; d++) qr[d] = total(pr, stride, T, bqkv, qo + d);
+                    for (int64_t d = 0; d < G * D; d++) qr[d] = total(pr, stride, sets, bqkv, qo + d);
                     for (int64_t d = 0; d < D; d++) {
-                        kr[d] = total(pr, stride, T, bqkv, ko + d);
-                        vr[d] = total(pr, stride, T, bqkv, vo + d);
+                        kr[d] = total(pr, stride, sets, bqkv, ko + d);
+                        vr[d] = total(pr, stride, sets, bqkv, vo + d);
                     }
                     for (int64_t g = 0; g < G; g++) {
                         if (p[QN]) rms_row(qr + g * D, qr + g * D, p[QN], f[QN_EPS], D);
@@ -321,32 +328,33 @@ int specmesh_decode_step(const int64_t *dims, void *const *ptrs, const float *fl
 #pragma omp barrier
             product(pw, mine_b, lp, attn, A, n, p[WO], A, H, t, T);
 #pragma omp barrier
-            residual(x, pb, stride, lp, n, p[BO], H, T);
+            residual(x, pb, stride, lp, n, p[BO], H, sets);
             for (int64_t r = 0; r < n; r++) rms_row(h + r * H, x + r * H, p[LN2], f[EPS2], H);
             product(pw, mine_a, lp, h, H, n, p[WGU], H, 2 * I, t, T);
 #pragma omp barrier
-            /* SwiGLU over this thread's share of the down product's rows only: the only ones it reads */
+            /* SwiGLU over the down product's rows this thread reads: its share of them over [in, out] rows,
+             * all of them over panels */
             const float *bgu = p[BGU];
-            const int64_t m0 = share_start(I, t, T), m1 = share_end(I, t, T);
+            const int64_t m0 = pw ? 0 : share_start(I, t, T), m1 = pw ? I : share_end(I, t, T);
             for (int64_t r = 0; r < n; r++) {
                 const float *pr = pa + r * lp;
                 float *mr = m + r * I;
                 for (int64_t i = m0; i < m1; i++) {
-                    mr[i] = total(pr, stride, T, bgu, i);
-                    up[i] = total(pr, stride, T, bgu, I + i);
+                    mr[i] = total(pr, stride, sets, bgu, i);
+                    up[i] = total(pr, stride, sets, bgu, I + i);
                 }
                 /* apart from the sums, so that it vectorises (glibc's vector expf: a row's share is ~700 calls) */
                 for (int64_t i = m0; i < m1; i++) mr[i] = mr[i] / (1.f + expf(-mr[i])) * up[i];
             }
             product(pw, mine_b, lp, m, I, n, p[WD], I, H, t, T);
 #pragma omp barrier
-            residual(x, pb, stride, lp, n, p[BD], H, T);
+            residual(x, pb, stride, lp, n, p[BD], H, sets);
         }
         if (nlog) {
             for (int64_t j = 0; j < nlog; j++) rms_row(h + j * H, x + lrows[j] * H, norm_w, norm_eps, H);
             product(pw, mine_a, lp, h, H, nlog, lm_w, H, V, t, T);
 #pragma omp barrier
-            reduce(logits, V, pa, stride, lp, nlog, lm_b, V, t, T);
+            reduce(logits, V, pa, stride, lp, nlog, lm_b, V, t, T, sets);
         }
     }
     free(buf);
