@@ -423,7 +423,8 @@ class _RaggedRunner(RunnerBase):
         """Per work item float32 logits [num_logits, V] from the pass's [R, V]."""
         if out is None:
             return [_no_logits(self.vocab_size, self.device) for _ in work]
-        return list(out.float().split([w.num_logits for w in work]))
+        out = out if out.dtype == torch.float32 else out.float()
+        return [out] if len(work) == 1 else list(out.split([w.num_logits for w in work]))
 
 
 class BatchedRunner(_RaggedRunner):
