@@ -110,6 +110,12 @@ class DraftConfig:
         "the gateway's flag of that name decides it for new requests)",
     )
     pipeline: bool = flags.option(True, "keep drafting the next block while one is being verified")
+    chain_blocks: bool = flags.option(
+        True,
+        "send the suffix trees' next block right behind the one being verified, drafted as if its verdict took "
+        "it whole (the verifier verifies it at once where the guess holds, answers it stale where not); costs no "
+        "draft forward, so unlike --pipeline it pays on a CPU the verifier saturates (not for seeded requests)",
+    )
     draft_topk: int = flags.option(
         16, "sampled drafts: the support of the sparse draft distribution sent with each token"
     )
@@ -585,6 +591,7 @@ class _Generation:
             else FixedK(k_max)
         )
         self.pipeline = engine.config.pipeline and not seeded
+        self.chain = engine.config.chain_blocks and not seeded
         self.parent = otel_context.get_current()  # the Generate server span: rounds are its children
 
     def _opened(self, resp) -> None:
@@ -605,6 +612,7 @@ class _Generation:
                 stop,
                 on_tokens=lambda toks, logprobs: self.queue.put_nowait(Tokens(toks, logprobs)),
                 pipeline=self.pipeline,
+                chain=self.chain,
                 on_round=self._trace_round,
             )
             # Before the final event goes out: a caller's next turn must find the session free on the

@@ -95,9 +95,18 @@ class FeedbackVerifier:
         await self.inner.start(prompt_ids, replace(params, logprobs=max(params.logprobs or 0, k)))
         self.feedback = self.loop.distiller.session(prompt_ids)
 
-    async def submit(self, proposal: DraftBlock) -> Verdict:
+    @property
+    def chains(self) -> bool:
+        return getattr(self.inner, "chains", False)
+
+    async def submit(
+        self, proposal: DraftBlock, then: tuple[DraftBlock, int] | None = None, sent: bool = False
+    ) -> Verdict:
         version = self.loop.distiller.serving_version  # the block was drafted by the weights live now
-        return self._learn(await self.inner.submit(proposal), proposal, version)
+        if then is None and not sent:
+            return self._learn(await self.inner.submit(proposal), proposal, version)
+        chained = self.inner.submit(proposal, then, sent)  # type: ignore[call-arg]  # chains: see the property
+        return self._learn(await chained, proposal, version)
 
     async def target_only(self, steps: int) -> AsyncGenerator[Verdict, None]:
         # Target-only steps teach the draft as much as verified blocks: the target's distribution at each.

@@ -46,6 +46,7 @@ class RemoteVerifier:
     epoch: int = field(default=0, init=False)
     position: int = field(default=0, init=False)
     runs: bool = field(default=False, init=False)  # the replica takes runs of target-only steps
+    chains: bool = field(default=False, init=False)  # the replica takes chained blocks (`submit`'s `then`)
     # verdicts in arrival order, then _ENDED or the stream's error
     _inbox: asyncio.Queue = field(default_factory=asyncio.Queue, init=False)
     _reader: asyncio.Task | None = field(default=None, init=False)
@@ -64,6 +65,7 @@ class RemoteVerifier:
         )
         self.session_id, self.epoch, self.position = resp.session_id, resp.epoch, resp.base_position
         self.runs = resp.target_only_runs
+        self.chains = resp.chained_blocks
         self.call = self.stub.Verify(metadata=self.metadata)
         self._reader = asyncio.get_running_loop().create_task(self._read_all())
         if self.on_open is not None:
@@ -82,8 +84,19 @@ class RemoteVerifier:
         except (asyncio.InvalidStateError, asyncio.CancelledError):  # the call was cancelled here
             self._inbox.put_nowait(Unavailable("the session stream was cancelled"))
 
-    async def submit(self, proposal: DraftBlock) -> Verdict:
-        return await self._verdict(wire.block_to_pb(proposal, self.session_id, self.epoch, self.position))
+    async def submit(
+        self, proposal: DraftBlock, then: tuple[DraftBlock, int] | None = None, sent: bool = False
+    ) -> Verdict:
+        """Send `proposal` (unless `sent`: it went out chained to the block before) and return its verdict.
+        `then`: a chained block and the token it assumes this verdict ends with, sent right behind it, at the
+        epoch and position this verdict leaves if it takes the whole proposal (VerifyRequest.chained_after);
+        where the guess fails the service answers it stale, which the next round's read skips."""
+        msgs = [] if sent else [wire.block_to_pb(proposal, self.session_id, self.epoch, self.position)]
+        if then is not None:
+            block, after = then
+            base = self.position + proposal.k + 1
+            msgs.append(wire.block_to_pb(block, self.session_id, self.epoch + 1, base, chained_after=after))
+        return await self._verdict(msgs)
 
     async def target_only(self, steps: int) -> AsyncGenerator[Verdict, None]:
         """One message asks for the whole run, and the replica streams a verdict per step as it takes it; a
@@ -93,21 +106,23 @@ class RemoteVerifier:
         for i in range(steps):
             ask = not (self.runs and i)  # a run is asked once; a block per step is sent at each
             msg = wire.block_to_pb(DraftBlock([]), self.session_id, self.epoch, self.position, run) if ask else None
-            verdict = await self._verdict(msg)
+            verdict = await self._verdict([msg] if msg is not None else [])
             yield verdict
             if verdict.finish_reason is not None:
                 return
 
-    async def _verdict(self, msg: verify_pb2.VerifyRequest | None) -> Verdict:
-        """Send `msg` (if any) and return the next verdict, both within the timeout."""
+    async def _verdict(self, msgs: list[verify_pb2.VerifyRequest]) -> Verdict:
+        """Send `msgs` in order and return the next verdict, both within the timeout."""
         try:
-            return await within(self._round(msg), self.timeout)
+            return await within(self._round(msgs), self.timeout)
         except TimeoutError:
             raise Unavailable(f"the verify service did not answer a block within {self.timeout} s") from None
 
-    async def _round(self, msg: verify_pb2.VerifyRequest | None) -> Verdict:
+    async def _round(self, msgs: list[verify_pb2.VerifyRequest]) -> Verdict:
         assert self.call is not None  # start() comes first
-        if msg is not None and self._ended is None:
+        for msg in msgs:
+            if self._ended is not None:
+                break
             # A failed write means the stream has ended: what it sent before it did is in the inbox.
             with contextlib.suppress(asyncio.InvalidStateError, grpc.aio.AioRpcError):
                 await self.call.write(msg)

@@ -36,6 +36,14 @@ class DraftMetrics(ServiceMetrics):
         )
         pipelined.add_metric(["used"], e.totals.pipelined_used)
         pipelined.add_metric(["discarded"], e.totals.pipelined_discarded)
+        chained = CounterMetricFamily(
+            "specmesh_draft_chained_blocks",
+            "Blocks of the suffix trees sent right behind the block before them, before its verdict, by outcome "
+            "(used: the verdict took that block whole and ended as guessed; discarded: answered stale)",
+            labels=["outcome"],
+        )
+        chained.add_metric(["used"], e.totals.chained_used)
+        chained.add_metric(["discarded"], e.totals.chained_discarded)
         cached_doc = "Per-session draft KV caches kept for later turns"
         goodput = g(
             "specmesh_draft_goodput_tokens_per_second",
@@ -61,6 +69,7 @@ class DraftMetrics(ServiceMetrics):
             g("specmesh_draft_cached_sessions", cached_doc, value=e.cached_sessions),
             g("specmesh_draft_seconds_per_token", "Mean time to draft one token", value=e.draft_seconds_per_token()),
             pipelined,
+            chained,
             # Finished generations' rounds and where their time went (`specmesh profile`'s round budget).
             CounterMetricFamily("specmesh_draft_generation_rounds", "Rounds, K = 0 included", value=e.totals.rounds),
             CounterMetricFamily(

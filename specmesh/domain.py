@@ -41,6 +41,8 @@ class SpecStats(AcceptanceRates):
     verify_seconds: float = 0.0  # waiting for verdicts (network and queueing included)
     pipelined_used: int = 0  # blocks drafted ahead during verification and then sent
     pipelined_discarded: int = 0
+    chained_used: int = 0  # blocks sent ahead of the verdict before them whose guess held (chained_after)
+    chained_discarded: int = 0  # ... whose guess failed: answered stale
     num_spec_tokens: int = 0  # the K cap: the most draft tokens one round could hold (the largest, merged)
     # The rounds that verified a draft block, by its length k: [k + 1] counts, j = the rounds of that length
     # that accepted exactly j (vLLM's acceptance_histogram_by_draft_length); as many rows as lengths seen.
@@ -91,6 +93,8 @@ class SpecStats(AcceptanceRates):
             "verify_seconds",
             "pipelined_used",
             "pipelined_discarded",
+            "chained_used",
+            "chained_discarded",
         ):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self._cover(len(other.drafted_per_pos))
@@ -139,6 +143,8 @@ class SpecStats(AcceptanceRates):
             "verify_seconds": round(self.verify_seconds, 4),
             "pipelined_used": self.pipelined_used,
             "pipelined_discarded": self.pipelined_discarded,
+            "chained_used": self.chained_used,
+            "chained_discarded": self.chained_discarded,
             "by_method": self.method_dicts(),
         }
 

@@ -51,7 +51,9 @@ class Verifier(Protocol):
     async def start(self, prompt_ids: list[int], params: SamplingParams) -> None: ...
 
     def submit(self, proposal: DraftBlock) -> Awaitable[Verdict]:
-        """Start verifying now; the awaitable's result is the Verdict."""
+        """Start verifying now; the awaitable's result is the Verdict. A verifier with `chains` set also
+        takes `then` (a chained block and the token it assumes this verdict ends with, sent right behind)
+        and `sent` (the proposal went out chained already: await its verdict)."""
         ...
 
     def target_only(self, steps: int) -> AsyncGenerator[Verdict, None]:
@@ -600,19 +602,21 @@ async def speculative_generate(
     stop: StopChecker,
     on_tokens: Callable[[list[int], list[TokenLogprob] | None], None] | None = None,
     pipeline: bool = False,
+    chain: bool = False,
     cancelled: Callable[[], bool] | None = None,
     on_round: Callable[[RoundRecord], None] | None = None,
 ) -> GenerationResult:
     """Run rounds until `stop` (or the verifier's verdict) says so. Tokens past a stop condition are
     dropped, never emitted. `on_tokens` receives each round's kept tokens (and their log-probabilities when
     the request asks for them) as soon as they are known;
-    `on_round` a RoundRecord per round (tracing)."""
+    `on_round` a RoundRecord per round (tracing). `pipeline`: draft the next block while one is verified;
+    `chain`: send a free block's successor right behind it (where the verifier takes chained blocks)."""
     policy = num_speculative_tokens if not isinstance(num_speculative_tokens, int) else FixedK(num_speculative_tokens)
     if drafter is None:
         policy = FixedK(0)
     stats = SpecStats.per_generation(policy.k_max)
     # A drafter that chooses its method per round learns from each verdict (before its tokens commit).
-    observe: Callable[[int, int, float], None] | None = getattr(drafter, "observe", None)
+    observe: Callable[[int, int, float | None], None] | None = getattr(drafter, "observe", None)
     # A drafter with proposals that cost no draft forward (suffix trees) is asked for one every round, however
     # small the policy's K (0 under load, or while the goodput guard holds the model's drafting off): it weighs
     # the block's length against `round_s`, the policy's model of a round's time, and such a block is sent
@@ -621,6 +625,14 @@ async def speculative_generate(
     free_block: Callable[..., DraftBlock | None] | None = getattr(drafter, "free_block", None)
     round_s = getattr(policy, "round_seconds", None)
     free_ahead = False  # `ahead` is such a block
+    # Such a block's successor costs nothing to guess either, so with a verifier that takes chained blocks it
+    # goes on the wire right behind it, drafted as if the verdict took the block whole and ended with the
+    # trees' next token: where the guess holds, the verifier verifies it as soon as the verdict is out, and
+    # the verdict's trip back and the next block's trip out overlap a verification instead of following it.
+    chain_block: Callable[..., tuple[DraftBlock, int] | None] | None = (
+        getattr(drafter, "chained_block", None) if chain else None
+    )
+    chained: DraftBlock | None = None  # a block on the wire already, whose guess the last verdict held
     # The generation's first verdict is no measure of a round: the verifier may answer the open while the pass
     # computing the prompt's end runs, and the first block then waits for that pass as well as its own (its
     # time, several rounds' worth for a long prompt, seeded the round model and the goodput guard).
@@ -697,6 +709,9 @@ async def speculative_generate(
         k = min(policy.next_k() if first_k is None else first_k, budget)
         first_k = None
         held = getattr(policy, "free_held", False)
+        sent = chained is not None
+        if sent:
+            ahead, free_ahead, chained = chained, True, None
         if free_block is not None and ahead is None and not held:
             ahead = free_block(k, budget, round_s)
             free_ahead = ahead is not None
@@ -723,7 +738,15 @@ async def speculative_generate(
         else:
             proposal = DraftBlock([])
         t1 = time.perf_counter()
-        pending = asyncio.ensure_future(verifier.submit(proposal))
+        then = None
+        # (a remote verifier says whether it takes chained blocks once its session is open)
+        if chain_block is not None and free_ahead and proposal.k and not held and getattr(verifier, "chains", False):
+            after_budget = params.draft_budget(len(stop.token_ids) + proposal.k + 1)
+            then = chain_block(proposal.token_ids, policy.next_k(), after_budget, round_s)
+        if then is not None or sent:
+            pending = asyncio.ensure_future(verifier.submit(proposal, then, sent))  # type: ignore[call-arg]
+        else:
+            pending = asyncio.ensure_future(verifier.submit(proposal))
         guess = None
         try:
             if pipeline and not free_ahead and proposal.k and proposal.k == k and budget - k > 1:
@@ -740,8 +763,8 @@ async def speculative_generate(
         stats.draft_seconds += (t1 - t0) + (t2 - t1)
         stats.verify_seconds += t3 - t2
         stats.record(drafted, verdict.num_accepted)
-        if observe is not None:
-            observe(drafted, verdict.num_accepted, t3 - t1)
+        if observe is not None:  # a chained round's wait is no measure of a round
+            observe(drafted, verdict.num_accepted, None if sent else t3 - t1)
         # A block drafted during the previous verification cost no time here: no draft-speed sample. A free
         # block says nothing of the model's acceptance or speed: the round's timing and batch alone.
         policy.observe(
@@ -750,7 +773,7 @@ async def speculative_generate(
             0.0 if from_ahead or free_ahead else t1 - t0,
             t3 - t1,
             verdict.load if verdict.load.batch_size else None,
-            timed,
+            timed and not sent,
         )
         if timed:
             policy.observe_goodput(drafted, len(verdict.tokens), t3 - t0, free_ahead)
@@ -771,6 +794,14 @@ async def speculative_generate(
             )
         take(verdict)
         ahead, free_ahead = None, False
+        if then is not None:
+            # the verifier checks the same: the block taken whole, ending with the guessed token
+            whole = verdict.num_drafted in (None, proposal.k) and verdict.num_accepted == proposal.k
+            if whole and len(verdict.tokens) == proposal.k + 1 and verdict.tokens[-1] == then[1]:
+                chained = then[0]
+                stats.chained_used += 1
+            else:
+                stats.chained_discarded += 1
         if guess is not None:
             full = verdict.num_drafted in (None, proposal.k) and verdict.num_accepted == proposal.k
             if full and guess.k > 1 and verdict.tokens[-1] == guess.token_ids[0]:

@@ -180,16 +180,23 @@ def spec_len_from_pb(pb) -> int | None:
 
 
 def block_to_pb(
-    block: DraftBlock, session_id: str, epoch: int, base_position: int, target_only_steps: int = 0
+    block: DraftBlock,
+    session_id: str,
+    epoch: int,
+    base_position: int,
+    target_only_steps: int = 0,
+    chained_after: int | None = None,
 ) -> verify_pb2.VerifyRequest:
     """One VerifyRequest: the block's ids and, when it has them, its sparse q flattened row-major [K * S];
-    an empty block may ask for a run of `target_only_steps`."""
+    an empty block may ask for a run of `target_only_steps`; `chained_after`: a chained block's assumed last
+    token (see the proto)."""
     pb = verify_pb2.VerifyRequest(
         session_id=session_id,
         epoch=epoch,
         base_position=base_position,
         draft_ids=block.token_ids,
         target_only_steps=target_only_steps,
+        chained_after=chained_after,
     )
     if block.q_ids is not None and block.q_probs is not None and block.k:
         pb.q_ids.extend(block.q_ids.flatten().tolist())

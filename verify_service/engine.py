@@ -175,6 +175,7 @@ class BlockIn:
     base_position: int
     block: DraftBlock
     target_only_steps: int = 0  # an empty block's run of target-only steps (0 and 1: one)
+    chained_after: int | None = None  # a chained block's assumed last committed token (None: not chained)
 
 
 @dataclass
@@ -182,6 +183,8 @@ class Counters:
     deadline_steps: int = 0
     run_steps: int = 0  # target-only steps of runs a client asked for
     stale_blocks: int = 0
+    chained_blocks: int = 0  # blocks sent ahead of the verdict before them
+    chained_stale: int = 0  # of which the guess failed: answered stale
     superseded_streams: int = 0  # silent streams whose session a newer turn took over
     prefill_chunks: int = 0
     requests: dict[str, int] = field(default_factory=dict)
@@ -500,6 +503,18 @@ class VerifyEngine:
             return verdict
 
     async def _verify_block(self, session: Session, block_in: BlockIn) -> Verdict:
+        if block_in.chained_after is not None:
+            # Drafted on a guess about the verdict before it: verified only where the guess held. Any draft
+            # of the committed tokens is a valid draft, so one that lands where it assumed is as good as one
+            # sent after the verdict.
+            self.counters.chained_blocks += 1
+            if (
+                block_in.epoch != session.epoch
+                or block_in.base_position != session.position
+                or session.seq.token_ids[-1] != block_in.chained_after
+            ):
+                self.counters.chained_stale += 1
+                return Verdict([], 0, 0, epoch=block_in.epoch, stale=True)
         if block_in.epoch < session.epoch:
             self.counters.stale_blocks += 1  # crossed a verdict on the wire, or sent twice
             return Verdict([], 0, 0, epoch=block_in.epoch, stale=True)

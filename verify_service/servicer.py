@@ -35,6 +35,7 @@ class VerifyServicer(verify_pb2_grpc.VerifyServiceServicer):
             cached_prompt_tokens=opened.cached_prompt_tokens,
             prefill_seconds=opened.prefill_seconds,
             target_only_runs=True,
+            chained_blocks=True,
         )
 
     async def Verify(self, request_iterator, context):
@@ -48,7 +49,10 @@ class VerifyServicer(verify_pb2_grpc.VerifyServiceServicer):
                     except ValueError as e:
                         inbox.put_nowait(e)
                         return
-                    inbox.put_nowait(BlockIn(pb.session_id, pb.epoch, pb.base_position, block, pb.target_only_steps))
+                    chained = pb.chained_after if pb.HasField("chained_after") else None
+                    inbox.put_nowait(
+                        BlockIn(pb.session_id, pb.epoch, pb.base_position, block, pb.target_only_steps, chained)
+                    )
                 # A client's cancel ends the request iterator as quietly as a half-close, and the handler
                 # is cancelled only a moment later: wait that moment, so a cancelled stream is not taken
                 # for a finished one (whose session would be kept). Only early half-closes pay it.

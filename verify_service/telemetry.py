@@ -119,6 +119,16 @@ class VerifyMetrics:
             ),
             ("specmesh_verify_stale_blocks", "Blocks that arrived for a past epoch", e.counters.stale_blocks),
             (
+                "specmesh_verify_chained_blocks",
+                "Blocks a draft sent ahead of the verdict before them (chained_after)",
+                e.counters.chained_blocks,
+            ),
+            (
+                "specmesh_verify_chained_stale_blocks",
+                "Chained blocks whose guess of the verdict before them failed: answered stale, not verified",
+                e.counters.chained_stale,
+            ),
+            (
                 "specmesh_verify_superseded_streams",
                 "Silent Verify streams whose session a newer turn took over",
                 e.counters.superseded_streams,

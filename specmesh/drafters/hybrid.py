@@ -193,8 +193,27 @@ class HybridDrafter:
             return None
         return self._suffix_block(self.committed, draft)
 
+    def chained_block(
+        self, after: Sequence[int], k: int, budget: int, round_s: RoundSeconds | None = None
+    ) -> tuple[DraftBlock, int] | None:
+        """The trees' block for the round after the one verifying `after` and the bonus token it assumes
+        (`SuffixDrafter.chained_block`), when it wins that round by `free_block`'s rule (its probabilities
+        given the guess); None otherwise."""
+        cap = min(self.cap or k, budget)
+        if self._model_only or cap <= 0:
+            return None
+        guess = self.suffix.speculate(cap + 1, after)
+        if guess.k < 2:
+            return None
+        draft = guess.past_first()
+        if not self.chooser.prefers_suffix(k, draft.match_len, draft.score, draft.k, round_s):
+            return None
+        return self._suffix_block(self.committed + len(after) + 1, draft), guess.token_ids[0]
+
     def _suffix_block(self, at: int, draft) -> DraftBlock:
         self.chooser.chosen["suffix"] += 1
+        for later in [p for p in self._by_position if p > at]:  # a chained guess that failed
+            del self._by_position[later]
         self._by_position[at] = _Proposed("suffix", draft.match_len, draft.score)
         self.suffix.count(draft)
         tokens = draft.token_ids
@@ -204,9 +223,11 @@ class HybridDrafter:
         ids = torch.tensor(tokens, dtype=torch.int64).unsqueeze(1)
         return DraftBlock(tokens, ids, torch.ones(len(tokens), 1), "suffix")
 
-    def observe(self, drafted: int, accepted: int, verify_seconds: float) -> None:
-        """A verdict on the block that starts at the committed position (before `commit`)."""
-        self.chooser.observe_verify(verify_seconds)
+    def observe(self, drafted: int, accepted: int, verify_seconds: float | None) -> None:
+        """A verdict on the block that starts at the committed position (before `commit`); `verify_seconds`
+        None: its wait measured no round (a chained block's)."""
+        if verify_seconds is not None:
+            self.chooser.observe_verify(verify_seconds)
         proposed = self._covering(self.committed)
         if proposed is None or drafted == 0:
             return

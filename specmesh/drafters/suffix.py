@@ -107,6 +107,13 @@ class SuffixDraft:
     def k(self) -> int:
         return len(self.token_ids)
 
+    def past_first(self) -> SuffixDraft:
+        """The proposal after its first token, given that token: each probability divided by the first's
+        (a chained block's, whose first token is the bonus token it assumes; see `chained_block`)."""
+        first = self.probs[0] if self.probs and self.probs[0] > 0 else 1.0
+        probs = [p / first for p in self.probs[1:]]
+        return SuffixDraft(self.token_ids[1:], probs, sum(probs), self.match_len + 1, self.source)
+
 
 def _dict_bytes(n: int) -> int:
     """What CPython allocates for a dict of n int keys grown one insertion at a time (the table doubles)."""
@@ -943,6 +950,28 @@ class SuffixDrafter:
                 return None
         self.count(draft)
         return DraftBlock(draft.token_ids, method="suffix")
+
+    def chained_block(
+        self, after: Sequence[int], k: int, budget: int, round_s: Callable[[int, int], float | None] | None = None
+    ) -> tuple[DraftBlock, int] | None:
+        """The block for the round after the one verifying `after` (a block in flight), drafted as if that
+        round took it whole and ended with the trees' next token, and that token: sent before the verdict
+        (VerifyRequest.chained_after), it is verified as soon as the verdict is out when the guess holds. None
+        where the trees guess no bonus token and block, or where the block would not be sent after the
+        verdict either (`free_block`'s rule, its probabilities given the guess)."""
+        cap = min(self.cap or k, budget)
+        if cap <= 0:
+            return None
+        guess = self.speculate(cap + 1, after)
+        if guess.k < 2:
+            return None
+        draft = guess.past_first()
+        if round_s is not None:
+            t_block, t_step = round_s(draft.k + 1, 0), round_s(1, 0)
+            if t_block and t_step and (1.0 + draft.score) / t_block < 1.0 / t_step:
+                return None
+        self.count(draft)
+        return DraftBlock(draft.token_ids, method="suffix"), guess.token_ids[0]
 
     def count(self, draft: SuffixDraft) -> None:
         """A proposal that was sent, in the replica's counts by source tree."""

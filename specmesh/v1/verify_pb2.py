@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from specmesh.v1 import common_pb2 as specmesh_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18specmesh/v1/verify.proto\x12\x0bspecmesh.v1\x1a\x18specmesh/v1/common.proto\"~\n\x12OpenSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\x12+\n\x06params\x18\x03 \x01(\x0b\x32\x1b.specmesh.v1.SamplingParams\x12\x13\n\x0b\x63\x61\x63he_scope\x18\x04 \x01(\t\"\xa0\x01\n\x13OpenSessionResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x15\n\rbase_position\x18\x03 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x04 \x01(\r\x12\x17\n\x0fprefill_seconds\x18\x05 \x01(\x01\x12\x18\n\x10target_only_runs\x18\x06 \x01(\x08\"\xa8\x01\n\rVerifyRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x15\n\rbase_position\x18\x03 \x01(\r\x12\x11\n\tdraft_ids\x18\x04 \x03(\x05\x12\r\n\x05q_ids\x18\x05 \x03(\x05\x12\x0f\n\x07q_probs\x18\x06 \x03(\x02\x12\x0f\n\x07q_width\x18\x07 \x01(\r\x12\x19\n\x11target_only_steps\x18\x08 \x01(\r\"\x8a\x02\n\x0eVerifyResponse\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x13\n\x0bnum_drafted\x18\x02 \x01(\r\x12\x14\n\x0cnum_accepted\x18\x03 \x01(\r\x12\x11\n\ttoken_ids\x18\x04 \x03(\x05\x12\x30\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x19.specmesh.v1.FinishReason\x12\r\n\x05stale\x18\x06 \x01(\x08\x12\x10\n\x08\x64\x65\x61\x64line\x18\x07 \x01(\x08\x12+\n\x07timings\x18\x08 \x01(\x0b\x32\x1a.specmesh.v1.VerifyTimings\x12+\n\x08logprobs\x18\t \x03(\x0b\x32\x19.specmesh.v1.TokenLogprob\"|\n\rVerifyTimings\x12\x15\n\rqueue_seconds\x18\x01 \x01(\x01\x12\x15\n\rbatch_seconds\x18\x02 \x01(\x01\x12\x12\n\nbatch_size\x18\x03 \x01(\r\x12\x14\n\x0c\x62\x61tch_tokens\x18\x04 \x01(\r\x12\x13\n\x0bqueue_depth\x18\x05 \x01(\r\"\x88\x01\n\x1cVerifyServiceGenerateRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\x12+\n\x06params\x18\x03 \x01(\x0b\x32\x1b.specmesh.v1.SamplingParams\x12\x13\n\x0b\x63\x61\x63he_scope\x18\x04 \x01(\t\"\xbf\x01\n\x1dVerifyServiceGenerateResponse\x12/\n\x06opened\x18\x01 \x01(\x0b\x32\x1d.specmesh.v1.GenerationOpenedH\x00\x12/\n\x06tokens\x18\x02 \x01(\x0b\x32\x1d.specmesh.v1.GenerationTokensH\x00\x12\x33\n\x08\x66inished\x18\x03 \x01(\x0b\x32\x1f.specmesh.v1.GenerationFinishedH\x00\x42\x07\n\x05\x63hunk\"+\n\x15ReleaseSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"*\n\x16ReleaseSessionResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"A\n\x15PromptLogprobsRequest\x12\x12\n\nprompt_ids\x18\x01 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x02 \x01(\r\"E\n\x16PromptLogprobsResponse\x12+\n\x08logprobs\x18\x01 \x03(\x0b\x32\x19.specmesh.v1.TokenLogprob\"\x1a\n\x18VerifyServiceInfoRequest\"\xe9\x03\n\x19VerifyServiceInfoResponse\x12\x12\n\nmodel_path\x18\x01 \x01(\t\x12\x12\n\nmodel_type\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x1a\n\x12max_context_length\x18\x04 \x01(\r\x12\x14\n\x0cmax_spec_len\x18\x05 \x01(\r\x12\x16\n\x0emax_batch_size\x18\x06 \x01(\r\x12\x14\n\x0cmax_sessions\x18\x07 \x01(\r\x12\x15\n\reos_token_ids\x18\x08 \x03(\x05\x12\x17\n\x0fsampler_backend\x18\t \x01(\t\x12\x10\n\x08sessions\x18\n \x01(\r\x12\x17\n\x0f\x61\x63tive_sessions\x18\x0b \x01(\r\x12\x16\n\x0ekv_cache_bytes\x18\x0c \x01(\x04\x12\x0f\n\x07\x62\x61tches\x18\r \x01(\x04\x12\x16\n\x0e\x62\x61tched_blocks\x18\x0e \x01(\x04\x12\x1b\n\x13max_batch_size_seen\x18\x0f \x01(\r\x12\x16\n\x0e\x64\x65\x61\x64line_steps\x18\x10 \x01(\x04\x12\x14\n\x0cstale_blocks\x18\x11 \x01(\x04\x12\x1c\n\x14prefix_tokens_reused\x18\x12 \x01(\x04\x12\x18\n\x10\x65victed_sessions\x18\x13 \x01(\x04\x12\x11\n\trun_steps\x18\x14 \x01(\x04\x32\x9a\x04\n\rVerifyService\x12P\n\x0bOpenSession\x12\x1f.specmesh.v1.OpenSessionRequest\x1a .specmesh.v1.OpenSessionResponse\x12\x45\n\x06Verify\x12\x1a.specmesh.v1.VerifyRequest\x1a\x1b.specmesh.v1.VerifyResponse(\x01\x30\x01\x12\x63\n\x08Generate\x12).specmesh.v1.VerifyServiceGenerateRequest\x1a*.specmesh.v1.VerifyServiceGenerateResponse0\x01\x12Y\n\x0eReleaseSession\x12\".specmesh.v1.ReleaseSessionRequest\x1a#.specmesh.v1.ReleaseSessionResponse\x12Y\n\x0ePromptLogprobs\x12\".specmesh.v1.PromptLogprobsRequest\x1a#.specmesh.v1.PromptLogprobsResponse\x12U\n\x04Info\x12%.specmesh.v1.VerifyServiceInfoRequest\x1a&.specmesh.v1.VerifyServiceInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18specmesh/v1/verify.proto\x12\x0bspecmesh.v1\x1a\x18specmesh/v1/common.proto\"~\n\x12OpenSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\x12+\n\x06params\x18\x03 \x01(\x0b\x32\x1b.specmesh.v1.SamplingParams\x12\x13\n\x0b\x63\x61\x63he_scope\x18\x04 \x01(\t\"\xb8\x01\n\x13OpenSessionResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x15\n\rbase_position\x18\x03 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x04 \x01(\r\x12\x17\n\x0fprefill_seconds\x18\x05 \x01(\x01\x12\x18\n\x10target_only_runs\x18\x06 \x01(\x08\x12\x16\n\x0e\x63hained_blocks\x18\x07 \x01(\x08\"\xd6\x01\n\rVerifyRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x15\n\rbase_position\x18\x03 \x01(\r\x12\x11\n\tdraft_ids\x18\x04 \x03(\x05\x12\r\n\x05q_ids\x18\x05 \x03(\x05\x12\x0f\n\x07q_probs\x18\x06 \x03(\x02\x12\x0f\n\x07q_width\x18\x07 \x01(\r\x12\x19\n\x11target_only_steps\x18\x08 \x01(\r\x12\x1a\n\rchained_after\x18\t \x01(\x05H\x00\x88\x01\x01\x42\x10\n\x0e_chained_after\"\x8a\x02\n\x0eVerifyResponse\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x13\n\x0bnum_drafted\x18\x02 \x01(\r\x12\x14\n\x0cnum_accepted\x18\x03 \x01(\r\x12\x11\n\ttoken_ids\x18\x04 \x03(\x05\x12\x30\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x19.specmesh.v1.FinishReason\x12\r\n\x05stale\x18\x06 \x01(\x08\x12\x10\n\x08\x64\x65\x61\x64line\x18\x07 \x01(\x08\x12+\n\x07timings\x18\x08 \x01(\x0b\x32\x1a.specmesh.v1.VerifyTimings\x12+\n\x08logprobs\x18\t \x03(\x0b\x32\x19.specmesh.v1.TokenLogprob\"|\n\rVerifyTimings\x12\x15\n\rqueue_seconds\x18\x01 \x01(\x01\x12\x15\n\rbatch_seconds\x18\x02 \x01(\x01\x12\x12\n\nbatch_size\x18\x03 \x01(\r\x12\x14\n\x0c\x62\x61tch_tokens\x18\x04 \x01(\r\x12\x13\n\x0bqueue_depth\x18\x05 \x01(\r\"\x88\x01\n\x1cVerifyServiceGenerateRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\x12+\n\x06params\x18\x03 \x01(\x0b\x32\x1b.specmesh.v1.SamplingParams\x12\x13\n\x0b\x63\x61\x63he_scope\x18\x04 \x01(\t\"\xbf\x01\n\x1dVerifyServiceGenerateResponse\x12/\n\x06opened\x18\x01 \x01(\x0b\x32\x1d.specmesh.v1.GenerationOpenedH\x00\x12/\n\x06tokens\x18\x02 \x01(\x0b\x32\x1d.specmesh.v1.GenerationTokensH\x00\x12\x33\n\x08\x66inished\x18\x03 \x01(\x0b\x32\x1f.specmesh.v1.GenerationFinishedH\x00\x42\x07\n\x05\x63hunk\"+\n\x15ReleaseSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"*\n\x16ReleaseSessionResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"A\n\x15PromptLogprobsRequest\x12\x12\n\nprompt_ids\x18\x01 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x02 \x01(\r\"E\n\x16PromptLogprobsResponse\x12+\n\x08logprobs\x18\x01 \x03(\x0b\x32\x19.specmesh.v1.TokenLogprob\"\x1a\n\x18VerifyServiceInfoRequest\"\xe9\x03\n\x19VerifyServiceInfoResponse\x12\x12\n\nmodel_path\x18\x01 \x01(\t\x12\x12\n\nmodel_type\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x1a\n\x12max_context_length\x18\x04 \x01(\r\x12\x14\n\x0cmax_spec_len\x18\x05 \x01(\r\x12\x16\n\x0emax_batch_size\x18\x06 \x01(\r\x12\x14\n\x0cmax_sessions\x18\x07 \x01(\r\x12\x15\n\reos_token_ids\x18\x08 \x03(\x05\x12\x17\n\x0fsampler_backend\x18\t \x01(\t\x12\x10\n\x08sessions\x18\n \x01(\r\x12\x17\n\x0f\x61\x63tive_sessions\x18\x0b \x01(\r\x12\x16\n\x0ekv_cache_bytes\x18\x0c \x01(\x04\x12\x0f\n\x07\x62\x61tches\x18\r \x01(\x04\x12\x16\n\x0e\x62\x61tched_blocks\x18\x0e \x01(\x04\x12\x1b\n\x13max_batch_size_seen\x18\x0f \x01(\r\x12\x16\n\x0e\x64\x65\x61\x64line_steps\x18\x10 \x01(\x04\x12\x14\n\x0cstale_blocks\x18\x11 \x01(\x04\x12\x1c\n\x14prefix_tokens_reused\x18\x12 \x01(\x04\x12\x18\n\x10\x65victed_sessions\x18\x13 \x01(\x04\x12\x11\n\trun_steps\x18\x14 \x01(\x04\x32\x9a\x04\n\rVerifyService\x12P\n\x0bOpenSession\x12\x1f.specmesh.v1.OpenSessionRequest\x1a .specmesh.v1.OpenSessionResponse\x12\x45\n\x06Verify\x12\x1a.specmesh.v1.VerifyRequest\x1a\x1b.specmesh.v1.VerifyResponse(\x01\x30\x01\x12\x63\n\x08Generate\x12).specmesh.v1.VerifyServiceGenerateRequest\x1a*.specmesh.v1.VerifyServiceGenerateResponse0\x01\x12Y\n\x0eReleaseSession\x12\".specmesh.v1.ReleaseSessionRequest\x1a#.specmesh.v1.ReleaseSessionResponse\x12Y\n\x0ePromptLogprobs\x12\".specmesh.v1.PromptLogprobsRequest\x1a#.specmesh.v1.PromptLogprobsResponse\x12U\n\x04Info\x12%.specmesh.v1.VerifyServiceInfoRequest\x1a&.specmesh.v1.VerifyServiceInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,29 +35,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_OPENSESSIONREQUEST']._serialized_start=67
   _globals['_OPENSESSIONREQUEST']._serialized_end=193
   _globals['_OPENSESSIONRESPONSE']._serialized_start=196
-  _globals['_OPENSESSIONRESPONSE']._serialized_end=356
-  _globals['_VERIFYREQUEST']._serialized_start=359
-  _globals['_VERIFYREQUEST']._serialized_end=527
-  _globals['_VERIFYRESPONSE']._serialized_start=530
-  _globals['_VERIFYRESPONSE']._serialized_end=796
-  _globals['_VERIFYTIMINGS']._serialized_start=798
-  _globals['_VERIFYTIMINGS']._serialized_end=922
-  _globals['_VERIFYSERVICEGENERATEREQUEST']._serialized_start=925
-  _globals['_VERIFYSERVICEGENERATEREQUEST']._serialized_end=1061
-  _globals['_VERIFYSERVICEGENERATERESPONSE']._serialized_start=1064
-  _globals['_VERIFYSERVICEGENERATERESPONSE']._serialized_end=1255
-  _globals['_RELEASESESSIONREQUEST']._serialized_start=1257
-  _globals['_RELEASESESSIONREQUEST']._serialized_end=1300
-  _globals['_RELEASESESSIONRESPONSE']._serialized_start=1302
-  _globals['_RELEASESESSIONRESPONSE']._serialized_end=1344
-  _globals['_PROMPTLOGPROBSREQUEST']._serialized_start=1346
-  _globals['_PROMPTLOGPROBSREQUEST']._serialized_end=1411
-  _globals['_PROMPTLOGPROBSRESPONSE']._serialized_start=1413
-  _globals['_PROMPTLOGPROBSRESPONSE']._serialized_end=1482
-  _globals['_VERIFYSERVICEINFOREQUEST']._serialized_start=1484
-  _globals['_VERIFYSERVICEINFOREQUEST']._serialized_end=1510
-  _globals['_VERIFYSERVICEINFORESPONSE']._serialized_start=1513
-  _globals['_VERIFYSERVICEINFORESPONSE']._serialized_end=2002
-  _globals['_VERIFYSERVICE']._serialized_start=2005
-  _globals['_VERIFYSERVICE']._serialized_end=2543
+  _globals['_OPENSESSIONRESPONSE']._serialized_end=380
+  _globals['_VERIFYREQUEST']._serialized_start=383
+  _globals['_VERIFYREQUEST']._serialized_end=597
+  _globals['_VERIFYRESPONSE']._serialized_start=600
+  _globals['_VERIFYRESPONSE']._serialized_end=866
+  _globals['_VERIFYTIMINGS']._serialized_start=868
+  _globals['_VERIFYTIMINGS']._serialized_end=992
+  _globals['_VERIFYSERVICEGENERATEREQUEST']._serialized_start=995
+  _globals['_VERIFYSERVICEGENERATEREQUEST']._serialized_end=1131
+  _globals['_VERIFYSERVICEGENERATERESPONSE']._serialized_start=1134
+  _globals['_VERIFYSERVICEGENERATERESPONSE']._serialized_end=1325
+  _globals['_RELEASESESSIONREQUEST']._serialized_start=1327
+  _globals['_RELEASESESSIONREQUEST']._serialized_end=1370
+  _globals['_RELEASESESSIONRESPONSE']._serialized_start=1372
+  _globals['_RELEASESESSIONRESPONSE']._serialized_end=1414
+  _globals['_PROMPTLOGPROBSREQUEST']._serialized_start=1416
+  _globals['_PROMPTLOGPROBSREQUEST']._serialized_end=1481
+  _globals['_PROMPTLOGPROBSRESPONSE']._serialized_start=1483
+  _globals['_PROMPTLOGPROBSRESPONSE']._serialized_end=1552
+  _globals['_VERIFYSERVICEINFOREQUEST']._serialized_start=1554
+  _globals['_VERIFYSERVICEINFOREQUEST']._serialized_end=1580
+  _globals['_VERIFYSERVICEINFORESPONSE']._serialized_start=1583
+  _globals['_VERIFYSERVICEINFORESPONSE']._serialized_end=2072
+  _globals['_VERIFYSERVICE']._serialized_start=2075
+  _globals['_VERIFYSERVICE']._serialized_end=2613
 # @@protoc_insertion_point(module_scope)

@@ -20,23 +20,25 @@ class OpenSessionRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., cache_scope: _Optional[str] = ...) -> None: ...
 
 class OpenSessionResponse(_message.Message):
-    __slots__ = ("session_id", "epoch", "base_position", "cached_prompt_tokens", "prefill_seconds", "target_only_runs")
+    __slots__ = ("session_id", "epoch", "base_position", "cached_prompt_tokens", "prefill_seconds", "target_only_runs", "chained_blocks")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     BASE_POSITION_FIELD_NUMBER: _ClassVar[int]
     CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     TARGET_ONLY_RUNS_FIELD_NUMBER: _ClassVar[int]
+    CHAINED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     epoch: int
     base_position: int
     cached_prompt_tokens: int
     prefill_seconds: float
     target_only_runs: bool
-    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., base_position: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., prefill_seconds: _Optional[float] = ..., target_only_runs: _Optional[bool] = ...) -> None: ...
+    chained_blocks: bool
+    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., base_position: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., prefill_seconds: _Optional[float] = ..., target_only_runs: _Optional[bool] = ..., chained_blocks: _Optional[bool] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
-    __slots__ = ("session_id", "epoch", "base_position", "draft_ids", "q_ids", "q_probs", "q_width", "target_only_steps")
+    __slots__ = ("session_id", "epoch", "base_position", "draft_ids", "q_ids", "q_probs", "q_width", "target_only_steps", "chained_after")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     BASE_POSITION_FIELD_NUMBER: _ClassVar[int]
@@ -45,6 +47,7 @@ class VerifyRequest(_message.Message):
     Q_PROBS_FIELD_NUMBER: _ClassVar[int]
     Q_WIDTH_FIELD_NUMBER: _ClassVar[int]
     TARGET_ONLY_STEPS_FIELD_NUMBER: _ClassVar[int]
+    CHAINED_AFTER_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     epoch: int
     base_position: int
@@ -53,7 +56,8 @@ class VerifyRequest(_message.Message):
     q_probs: _containers.RepeatedScalarFieldContainer[float]
     q_width: int
     target_only_steps: int
-    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., base_position: _Optional[int] = ..., draft_ids: _Optional[_Iterable[int]] = ..., q_ids: _Optional[_Iterable[int]] = ..., q_probs: _Optional[_Iterable[float]] = ..., q_width: _Optional[int] = ..., target_only_steps: _Optional[int] = ...) -> None: ...
+    chained_after: int
+    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., base_position: _Optional[int] = ..., draft_ids: _Optional[_Iterable[int]] = ..., q_ids: _Optional[_Iterable[int]] = ..., q_probs: _Optional[_Iterable[float]] = ..., q_width: _Optional[int] = ..., target_only_steps: _Optional[int] = ..., chained_after: _Optional[int] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
     __slots__ = ("epoch", "num_drafted", "num_accepted", "token_ids", "finish_reason", "stale", "deadline", "timings", "logprobs")

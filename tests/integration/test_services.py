@@ -278,7 +278,9 @@ def test_a_replica_without_runs_gets_an_empty_block_per_step(target, reference, 
     step asked for in a run, each step after the first would wait out the 5 s draft deadline)."""
     import verify_service.servicer as servicer
 
-    monkeypatch.setattr(servicer, "BlockIn", lambda sid, epoch, base, block, steps=0: BlockIn(sid, epoch, base, block))
+    monkeypatch.setattr(
+        servicer, "BlockIn", lambda sid, epoch, base, block, steps=0, chained=None: BlockIn(sid, epoch, base, block)
+    )
     open_session = servicer.VerifyServicer.OpenSession
 
     async def old_open_session(self, request, context):
@@ -299,9 +301,9 @@ def slow_link(monkeypatch):
 
     submit = RemoteVerifier.submit
 
-    async def slow_submit(self, proposal):
+    async def slow_submit(self, proposal, *chained):
         await asyncio.sleep(0.03)
-        return await submit(self, proposal)
+        return await submit(self, proposal, *chained)
 
     monkeypatch.setattr(RemoteVerifier, "submit", slow_submit)
 

@@ -12,7 +12,7 @@ import torch
 
 from specmesh.engine import SpeculativeEngine
 from specmesh.sampling import SamplingParams
-from specmesh.v1 import common_pb2, draft_pb2
+from specmesh.v1 import common_pb2, draft_pb2, verify_pb2, verify_pb2_grpc
 from tests.support.laws import LAW_PROMPT, LAW_VOCAB, first_two_counts, law_target, pooled_chisquare
 from tests.support.models import ROOT, tiny_model
 from tests.support.services import (
@@ -72,6 +72,86 @@ def test_greedy_through_the_services_equals_target_only(tiny_target, reference):
         assert m[("specmesh_draft_suffix_cached_requests", ())] == 16
         assert m[("specmesh_draft_suffix_cache_bytes", ())] > 0
         assert m[("specmesh_draft_suffix_proposals_total", (("source", "global"),))] == cache.proposals["global"]
+        # The second runs' blocks went chained behind the ones before them, and the guesses that held saved
+        # their round trips (the verify service counts what came chained and what it answered stale).
+        used = m[("specmesh_draft_chained_blocks_total", (("outcome", "used"),))]
+        stale = m[("specmesh_draft_chained_blocks_total", (("outcome", "discarded"),))]
+        counters = verify.server.engine.counters
+        assert used > 0 and counters.chained_blocks == used + stale and counters.chained_stale == stale
+    finally:
+        draft.stop()
+        verify.stop()
+
+
+def test_a_chained_block_is_verified_where_its_guess_holds_and_answered_stale_where_not(tiny_target, reference):
+    """Through the verify service's own gRPC API: blocks sent ahead of the verdict before them
+    (`chained_after`), each at the epoch and position that verdict leaves if it takes its block whole."""
+    verify = start_verify(tiny_target, max_batch_size=4)
+    channel = grpc.insecure_channel(verify.address)
+    try:
+        stub = verify_pb2_grpc.VerifyServiceStub(channel)
+        prompt = [5, 6, 7, 8] * 4
+        want = reference(prompt)  # the target's greedy output: blocks of it are accepted whole
+        opened = stub.OpenSession(verify_pb2.OpenSessionRequest(prompt_ids=prompt, params=GREEDY))
+        assert opened.chained_blocks
+        sid, n = opened.session_id, opened.base_position
+
+        def block(epoch, base, ids, after=None):
+            return verify_pb2.VerifyRequest(
+                session_id=sid, epoch=epoch, base_position=base, draft_ids=ids, chained_after=after
+            )
+
+        wrong = (want[7] + 1) % VOCAB
+        verdicts = list(
+            stub.Verify(
+                iter(
+                    [
+                        block(0, n, want[0:3]),
+                        block(1, n + 4, want[4:7], after=want[3]),  # the guess holds: verified at once
+                        block(2, n + 8, want[8:10], after=wrong),  # the bonus guessed wrong
+                        block(5, n + 8, want[8:10], after=want[7]),  # an epoch ahead: stale, not an error
+                        block(2, n + 8, want[8:10]),  # what the draft sends after the verdict
+                    ]
+                ),
+                timeout=60,
+            )
+        )
+        assert [(v.stale, v.epoch, v.num_accepted, list(v.token_ids)) for v in verdicts] == [
+            (False, 0, 3, want[0:4]),
+            (False, 1, 3, want[4:8]),
+            (True, 2, 0, []),
+            (True, 5, 0, []),
+            (False, 2, 2, want[8:11]),
+        ]
+        counters = verify.server.engine.counters
+        assert counters.chained_blocks == 3 and counters.chained_stale == 2
+    finally:
+        channel.close()
+        verify.stop()
+
+
+def test_a_replica_without_chained_blocks_gets_none(tiny_target, reference, monkeypatch):
+    """Version skew (draft services upgraded first): a verify replica from before chained blocks leaves
+    OpenSessionResponse.chained_blocks false, and would take a chained block for one ahead of its epoch."""
+    import verify_service.servicer as servicer
+
+    open_session = servicer.VerifyServicer.OpenSession
+
+    async def old_open_session(self, request, context):
+        resp = await open_session(self, request, context)
+        resp.ClearField("chained_blocks")
+        return resp
+
+    monkeypatch.setattr(servicer.VerifyServicer, "OpenSession", old_open_session)
+    verify = start_verify(tiny_target, max_batch_size=4)
+    draft = start_draft(None, verify.address, speculative_algorithm="suffix", speculative_num_steps=8)
+    try:
+        stub = draft_stub(draft)
+        p = [5, 6, 7, 8] * 4
+        for _ in range(2):
+            assert generate(stub, p, GREEDY)[0] == reference(p)
+        assert stub.Info(draft_pb2.DraftServiceInfoRequest()).accepted > 0
+        assert verify.server.engine.counters.chained_blocks == 0
     finally:
         draft.stop()
         verify.stop()
