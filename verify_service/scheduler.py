@@ -108,6 +108,14 @@ class SchedulerStats:
     busy_seconds: float = 0.0  # the model thread's time in passes (prefill-only passes too)
     preemptions: int = 0  # sessions whose KV blocks were taken back for older sessions (vLLM's num_preemptions)
     recomputed_tokens: int = 0  # positions prefilled again for preempted sessions
+    folded_prefills: int = 0  # openings whose short uncached tail went to their first step (FOLD_TOKENS)
+
+
+# An opening whose prompt the cache holds but for at most this many tokens is answered at once, and its first
+# step computes the tail with its block (a step feeds whatever its session's cache lacks): a turn of a cached
+# conversation, or a prompt sent again, costs one pass to its first token rather than a pass of its own for
+# the tail and then one for the block (~4.5 ms a pass on the demo target at one stream).
+FOLD_TOKENS = 32
 
 
 def _rank(session: Session) -> float:
@@ -350,6 +358,11 @@ class Scheduler:
                     break  # first come, first served: no new session overtakes one that waits for blocks
                 n = fit
                 kept.add(id(p.session))
+                if p.future is not None and p.chunks == 0 and p.found > 0 and p.left <= FOLD_TOKENS:
+                    p.future.set_result((p.found, 0))
+                    self._opening.remove(p)
+                    self.stats.folded_prefills += 1
+                    continue
             plan.append((p, n))
             budget -= min(n, p.left)
         return plan

@@ -239,3 +239,30 @@ def test_a_turn_released_while_its_last_chunk_is_computed_gives_its_blocks_back_
     assert engine.runner.pool.num_used == 0
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]  # no pass failed
     assert engine.scheduler.stats.prefill_tokens >= len(prompt) - 1  # the released turn's chunk ran whole
+
+
+@pytest.mark.parametrize("tail", [1, 9, 33, 40])
+def test_a_prompt_cached_but_for_a_short_tail_is_computed_by_its_first_step(model, tail):
+    """A turn whose prompt the cache holds but for at most FOLD_TOKENS tokens is answered at once (no chunk),
+    and its first step computes the tail with its block, one pass to the first token; a longer tail is a
+    chunk of its own. Either way the output is the target's and the cached prefix is reported."""
+    from verify_service.scheduler import FOLD_TOKENS
+
+    engine = make_engine(model)
+    base = [(3 * i + 1) % VOCAB for i in range(4 * BLOCK)]
+    prompt = base + [(7 * i + 5) % VOCAB for i in range(tail)]  # the tail: uncached, the last token aside
+    truth = reference(model, prompt, 8)
+
+    async def body(engine):
+        await generate(engine, base + [0], 2)  # caches base's blocks
+        stats = engine.scheduler.stats
+        chunks, tokens, forwards = stats.prefill_chunks, stats.prefill_tokens, stats.forwards
+        opened, out = await generate(engine, prompt, 8)
+        return opened, out, stats.prefill_chunks - chunks, stats.prefill_tokens - tokens, stats.forwards - forwards
+
+    opened, out, chunks, tokens, forwards = run(engine, body)
+    assert out == truth and opened.cached_prompt_tokens == len(base)
+    folded = tail - 1 <= FOLD_TOKENS
+    assert engine.scheduler.stats.folded_prefills == (1 if folded else 0)
+    assert (chunks, tokens) == ((0, 0) if folded else (1, tail - 1))
+    assert forwards == 8 if folded else forwards == 9  # a pass per token, plus the tail's own when not folded
