@@ -7,8 +7,11 @@ never shapes another's drafts (a faster or more-accepted answer would reveal it)
 hold at most `suffix_decoding_max_cached_requests` generations, evicted first in, first out. As in vLLM they
 hold outputs, not prompts: a prompt is in its own request's local tree already, a conversation re-sends
 its history with every turn (indexed each time it would count once per turn), and prompts are most of the
-tokens. Unlike vLLM an output joins its scope's tree when its generation ends, not token by token: a
-session keeps its context's match state in the tree from round to round, valid while the tree is unchanged.
+tokens. Each output is led by its prompt's last max_tree_depth - 1 tokens, though, so that a context ending
+as that prompt did matches into the output from its first token (vLLM's trees find an output's start only
+once a few of its tokens are committed). Unlike vLLM an output joins its scope's tree when its generation
+ends, not token by token: a session keeps its context's match state in the tree from round to round, valid
+while the tree is unchanged.
 
 A proposal matches the longest suffix of the context, up to `suffix_decoding_max_tree_depth` tokens, and
 follows the most frequent continuation, as Arctic's `SuffixTree.speculate` does: for every match length m
@@ -987,7 +990,13 @@ class SuffixDrafter:
             self._gstate = tree.advance(self._gstate, tokens)
 
     async def finish(self, output_ids: Sequence[int]) -> None:
-        """The generation ended with `output_ids`: they join the scope's global tree (not a seeded one's)."""
+        """The generation ended with `output_ids`: they join the scope's global tree (not a seeded one's),
+        led by the prompt's last max_tree_depth - 1 tokens, so that a context ending as this prompt did
+        matches into the output from its first token (a request sent again, an agent's step that repeats its
+        predecessor's last words); without them an output's start is found only once a few of its tokens
+        are committed, and the first rounds are the model's."""
         if self.use_global and self.cache is not None:
-            await self.cache.aadd(self.scope, list(output_ids))
+            lead = max(0, self.prompt_tokens - (self.params.max_tree_depth - 1))
+            context = self.local.sequence(LOCAL_SEQ)[lead : self.prompt_tokens]
+            await self.cache.aadd(self.scope, [*context, *output_ids])
         self.use_global = False

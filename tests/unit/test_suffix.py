@@ -238,6 +238,20 @@ def test_the_global_trees_keep_the_latest_generations_first_in_first_out():
     assert off.cached_requests == 0 and off.tree("") is None
 
 
+def test_a_context_ending_as_a_cached_generations_prompt_did_is_continued_from_its_first_token():
+    """An output joins the global tree led by its prompt's last max_tree_depth - 1 tokens (no more of it), so
+    the same request sent again is drafted from its first round; without them a walk finds nothing until a few
+    of the output's tokens are committed."""
+    cache = SuffixCache()
+    prompt, out = list(range(10, 60)), list(range(200, 240))
+    asyncio.run(drafter(cache, "", prompt).finish(out))
+    assert cache.tokens() == 23 + len(out)
+    again = drafter(cache, "", [1, *prompt[-30:]])
+    proposal = again.speculate(12)
+    assert proposal.token_ids == out[:12] and proposal.source == "global"
+    assert drafter(cache, "", [1, *prompt[:20]]).speculate(12).token_ids == []  # an earlier part: not held
+
+
 def test_one_tenants_generations_never_shape_anothers_drafts():
     cache = SuffixCache()
     secret = list(range(300, 340))
