@@ -21,7 +21,14 @@ from tests.support.laws import (
     two_token_law,
 )
 from tests.support.models import noisy_copy, tiny_model
-from tests.support.services import draft_stub, generate, start_draft, start_verify, verify_stub
+from tests.support.services import (
+    draft_stub,
+    generate,
+    start_draft,
+    start_verify,
+    verify_replica_without,
+    verify_stub,
+)
 from verify_service.engine import BlockIn
 
 VOCAB = 128
@@ -281,14 +288,7 @@ def test_a_replica_without_runs_gets_an_empty_block_per_step(target, reference, 
     monkeypatch.setattr(
         servicer, "BlockIn", lambda sid, epoch, base, block, steps=0, chained=None: BlockIn(sid, epoch, base, block)
     )
-    open_session = servicer.VerifyServicer.OpenSession
-
-    async def old_open_session(self, request, context):
-        resp = await open_session(self, request, context)
-        resp.ClearField("target_only_runs")
-        return resp
-
-    monkeypatch.setattr(servicer.VerifyServicer, "OpenSession", old_open_session)
+    verify_replica_without(monkeypatch, "target_only_runs", "chained_blocks")  # it predates both
     ps, outs, info = batch_limited_burst(target)
     assert [tokens for tokens, _ in outs] == [reference(p) for p in ps]
     assert info.max_batch_size_seen > 1 and info.run_steps == 0 and info.deadline_steps == 0

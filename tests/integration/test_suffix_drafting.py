@@ -24,6 +24,7 @@ from tests.support.services import (
     service_metrics,
     start_draft,
     start_verify,
+    verify_replica_without,
 )
 
 VOCAB = 128
@@ -133,16 +134,7 @@ def test_a_chained_block_is_verified_where_its_guess_holds_and_answered_stale_wh
 def test_a_replica_without_chained_blocks_gets_none(tiny_target, reference, monkeypatch):
     """Version skew (draft services upgraded first): a verify replica from before chained blocks leaves
     OpenSessionResponse.chained_blocks false, and would take a chained block for one ahead of its epoch."""
-    import verify_service.servicer as servicer
-
-    open_session = servicer.VerifyServicer.OpenSession
-
-    async def old_open_session(self, request, context):
-        resp = await open_session(self, request, context)
-        resp.ClearField("chained_blocks")
-        return resp
-
-    monkeypatch.setattr(servicer.VerifyServicer, "OpenSession", old_open_session)
+    verify_replica_without(monkeypatch, "chained_blocks")
     verify = start_verify(tiny_target, max_batch_size=4)
     draft = start_draft(None, verify.address, speculative_algorithm="suffix", speculative_num_steps=8)
     try:

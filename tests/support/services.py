@@ -231,3 +231,19 @@ def speculative_gateway(target, tokenizer, draft_tokenizer=None) -> Iterator[Gat
         gw.stop()
         draft.stop()
         verify.stop()
+
+
+def verify_replica_without(monkeypatch, *fields: str) -> None:
+    """Make the in-process verify service answer OpenSession as a replica from before `fields` of
+    OpenSessionResponse (the capabilities it advertises) were added: they are left unset."""
+    import verify_service.servicer as servicer
+
+    open_session = servicer.VerifyServicer.OpenSession
+
+    async def old_open_session(self, request, context):
+        resp = await open_session(self, request, context)
+        for name in fields:
+            resp.ClearField(name)
+        return resp
+
+    monkeypatch.setattr(servicer.VerifyServicer, "OpenSession", old_open_session)
