@@ -199,16 +199,13 @@ class HybridDrafter:
         """The trees' block for the round after the one verifying `after` and the bonus token it assumes
         (`SuffixDrafter.chained_block`), when it wins that round by `free_block`'s rule (its probabilities
         given the guess); None otherwise."""
-        cap = min(self.cap or k, budget)
-        if self._model_only or cap <= 0:
+        found = None if self._model_only else self.suffix.guess_after(after, min(self.cap or k, budget))
+        if found is None:
             return None
-        guess = self.suffix.speculate(cap + 1, after)
-        if guess.k < 2:
-            return None
-        draft = guess.past_first()
+        bonus, draft = found
         if not self.chooser.prefers_suffix(k, draft.match_len, draft.score, draft.k, round_s):
             return None
-        return self._suffix_block(self.committed + len(after) + 1, draft), guess.token_ids[0]
+        return self._suffix_block(self.committed + len(after) + 1, draft), bonus
 
     def _suffix_block(self, at: int, draft) -> DraftBlock:
         self.chooser.chosen["suffix"] += 1

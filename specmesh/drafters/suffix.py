@@ -848,6 +848,15 @@ class SuffixCache:
 LOCAL_SEQ = 0  # the local tree's one sequence
 
 
+def _beats_a_step(draft: SuffixDraft, round_s: Callable[[int, int], float | None] | None) -> bool:
+    """Whether a block of the trees promises at least a target-only step's tokens per second (1 + score for
+    its round, by `round_s`, the policy's model of a round's time by positions verified; True unmodelled)."""
+    if round_s is None:
+        return True
+    t_block, t_step = round_s(draft.k + 1, 0), round_s(1, 0)
+    return not (t_block and t_step and (1.0 + draft.score) / t_block < 1.0 / t_step)
+
+
 class SuffixDrafter:
     """One generation's suffix drafting: its local tree over prompt + output, and its scope's global tree
     in `cache` (None: local only), which gets the output when the generation ends (`finish`). A seeded
@@ -942,17 +951,20 @@ class SuffixDrafter:
         hybrid's). None without a proposal, or when by `round_s` (the policy's model of a round's time by the
         positions verified) its expected tokens, 1 + score, per second fall below a target-only step's."""
         cap = min(self.cap or k, budget)
-        if cap <= 0:
+        draft = self.speculate(cap) if cap > 0 else None
+        if draft is None or not draft.token_ids or not _beats_a_step(draft, round_s):
             return None
-        draft = self.speculate(cap)
-        if not draft.token_ids:
-            return None
-        if round_s is not None:
-            t_block, t_step = round_s(draft.k + 1, 0), round_s(1, 0)
-            if t_block and t_step and (1.0 + draft.score) / t_block < 1.0 / t_step:
-                return None
         self.count(draft)
         return DraftBlock(draft.token_ids, method="suffix")
+
+    def guess_after(self, after: Sequence[int], cap: int) -> tuple[int, SuffixDraft] | None:
+        """The trees' next token after the context + `after` (the bonus token of a round that takes `after`
+        whole) and their proposal of up to `cap` tokens past it, its probabilities given that token; None
+        where they guess no such pair."""
+        if cap <= 0:
+            return None
+        guess = self.speculate(cap + 1, after)
+        return (guess.token_ids[0], guess.past_first()) if guess.k >= 2 else None
 
     def chained_block(
         self, after: Sequence[int], k: int, budget: int, round_s: Callable[[int, int], float | None] | None = None
@@ -962,19 +974,11 @@ class SuffixDrafter:
         (VerifyRequest.chained_after), it is verified as soon as the verdict is out when the guess holds. None
         where the trees guess no bonus token and block, or where the block would not be sent after the
         verdict either (`free_block`'s rule, its probabilities given the guess)."""
-        cap = min(self.cap or k, budget)
-        if cap <= 0:
+        found = self.guess_after(after, min(self.cap or k, budget))
+        if found is None or not _beats_a_step(found[1], round_s):
             return None
-        guess = self.speculate(cap + 1, after)
-        if guess.k < 2:
-            return None
-        draft = guess.past_first()
-        if round_s is not None:
-            t_block, t_step = round_s(draft.k + 1, 0), round_s(1, 0)
-            if t_block and t_step and (1.0 + draft.score) / t_block < 1.0 / t_step:
-                return None
-        self.count(draft)
-        return DraftBlock(draft.token_ids, method="suffix"), guess.token_ids[0]
+        self.count(found[1])
+        return DraftBlock(found[1].token_ids, method="suffix"), found[0]
 
     def count(self, draft: SuffixDraft) -> None:
         """A proposal that was sent, in the replica's counts by source tree."""

@@ -122,12 +122,12 @@ enum { PANEL = 64, PV = PANEL / 16 };
 
 #define PANEL_ROWS(R)                                                                                          \
     static inline __attribute__((always_inline)) void panel_rows##R(float *part, int64_t lp, const float *x,  \
-                                                                    int64_t ldx, const float *P, int64_t i0,   \
-                                                                    int64_t i1) {                              \
+                                                                    int64_t ldx, const float *P,               \
+                                                                    int64_t in) {                              \
         __m512 acc[R][PV];                                                                                     \
         for (int r = 0; r < R; r++)                                                                            \
             for (int v = 0; v < PV; v++) acc[r][v] = _mm512_setzero_ps();                                      \
-        for (int64_t k = i0; k < i1; k++) {                                                                    \
+        for (int64_t k = 0; k < in; k++) {                                                                    \
             __m512 w[PV];                                                                                      \
             for (int v = 0; v < PV; v++) w[v] = _mm512_loadu_ps(P + k * PANEL + 16 * v);                       \
             for (int r = 0; r < R; r++) {                                                                      \
@@ -149,17 +149,17 @@ PANEL_ROWS(6)
  * part[r * lp + c, for the panels' columns c] (the last panel's padding columns included) */
 static void partial_panels(float *part, int64_t lp, const float *x, int64_t ldx, int64_t n, const float *S,
                            int64_t in, int64_t out, int t, int T) {
-    const int64_t i0 = 0, i1 = in, np = (out + PANEL - 1) / PANEL;
+    const int64_t np = (out + PANEL - 1) / PANEL;
     for (int64_t c = np * t / T * PANEL, c1 = np * (t + 1) / T * PANEL; c < c1; c += PANEL) {
         const float *P = S + c * in;
         int64_t r = 0;
-        for (; r + 6 <= n; r += 6) panel_rows6(part + r * lp + c, lp, x + r * ldx, ldx, P, i0, i1);
+        for (; r + 6 <= n; r += 6) panel_rows6(part + r * lp + c, lp, x + r * ldx, ldx, P, in);
         switch (n - r) {
-        case 5: panel_rows5(part + r * lp + c, lp, x + r * ldx, ldx, P, i0, i1); break;
-        case 4: panel_rows4(part + r * lp + c, lp, x + r * ldx, ldx, P, i0, i1); break;
-        case 3: panel_rows3(part + r * lp + c, lp, x + r * ldx, ldx, P, i0, i1); break;
-        case 2: panel_rows2(part + r * lp + c, lp, x + r * ldx, ldx, P, i0, i1); break;
-        case 1: panel_rows1(part + r * lp + c, lp, x + r * ldx, ldx, P, i0, i1); break;
+        case 5: panel_rows5(part + r * lp + c, lp, x + r * ldx, ldx, P, in); break;
+        case 4: panel_rows4(part + r * lp + c, lp, x + r * ldx, ldx, P, in); break;
+        case 3: panel_rows3(part + r * lp + c, lp, x + r * ldx, ldx, P, in); break;
+        case 2: panel_rows2(part + r * lp + c, lp, x + r * ldx, ldx, P, in); break;
+        case 1: panel_rows1(part + r * lp + c, lp, x + r * ldx, ldx, P, in); break;
         default: break;
         }
     }
