@@ -192,23 +192,48 @@ static inline float total(const float *parts, int64_t stride, int T, const float
     return b ? v + b[j] : v;
 }
 
+/* y[d] = total(pr, stride, T, b, o + d) for d < cnt (y += that where add): with one set (panels) as plain
+ * vector loops, the same sums as total's; the per-element loop over the sets kept 80 rows' worth of them scalar */
+static inline void totals(float *y, const float *pr, int64_t stride, int T, const float *b, int64_t o, int64_t cnt,
+                          int add) {
+    pr += o;
+    if (T == 1 && b) {
+        b += o;
+        if (add) {
+#pragma omp simd
+            for (int64_t d = 0; d < cnt; d++) y[d] += (0.f + pr[d]) + b[d];
+        } else {
+#pragma omp simd
+            for (int64_t d = 0; d < cnt; d++) y[d] = (0.f + pr[d]) + b[d];
+        }
+    } else if (T == 1) {
+        if (add) {
+#pragma omp simd
+            for (int64_t d = 0; d < cnt; d++) y[d] += 0.f + pr[d];
+        } else {
+#pragma omp simd
+            for (int64_t d = 0; d < cnt; d++) y[d] = 0.f + pr[d];
+        }
+    } else {
+        for (int64_t d = 0; d < cnt; d++) {
+            const float v = total(pr, stride, T, b ? b + o : NULL, d);
+            y[d] = add ? y[d] + v : v;
+        }
+    }
+}
+
 /* y[r][j] = x . S + b for every row r, over this thread's share of the columns, once every sum is in */
 static void reduce(float *y, int64_t ldy, const float *parts, int64_t stride, int64_t lp, int64_t n,
                    const float *b, int64_t out, int t, int T, int sets) {
     const int64_t j0 = out * t / T, j1 = out * (t + 1) / T;
-    for (int64_t r = 0; r < n; r++) {
-        float *yr = y + r * ldy;
-        const float *pr = parts + r * lp;
-        for (int64_t j = j0; j < j1; j++) yr[j] = total(pr, stride, sets, b, j);
-    }
+    for (int64_t r = 0; r < n; r++) totals(y + r * ldy + j0, parts + r * lp, stride, sets, b, j0, j1 - j0, 0);
 }
 
 /* x[r][j] += x . S + b for every row and every column: the residual stream, which every thread keeps a copy
  * of (the same sums in the same order, so the copies agree to the bit) rather than split it and wait */
 static void residual(float *x, const float *parts, int64_t stride, int64_t lp, int64_t n, const float *b, int64_t H,
                      int T) {
-    for (int64_t r = 0; r < n; r++)
-        for (int64_t j = 0; j < H; j++) x[r * H + j] += total(parts + r * lp, stride, T, b, j);
+    for (int64_t r = 0; r < n; r++) totals(x + r * H, parts + r * lp, stride, T, b, 0, H, 1);
 }
 
 static void rope(float *x, const float *cos, const float *sin, int64_t D) {
@@ -307,11 +332,9 @@ int specmesh_decode_step(const int64_t *dims, void *const *ptrs, const float *fl
                 for (int64_t i = 0; i < ns; i++) {
                     const float *pr = pa + (off + i) * lp, *c = cos + (start + i) * D, *s = sin + (start + i) * D;
                     float *qr = q + i * G * D, *kr = k + i * D, *vr = v + i * D;
-                    for (int64_t d = 0; d < G * D; d++) qr[d] = total(pr, stride, sets, bqkv, qo + d);
-                    for (int64_t d = 0; d < D; d++) {
-                        kr[d] = total(pr, stride, sets, bqkv, ko + d);
-                        vr[d] = total(pr, stride, sets, bqkv, vo + d);
-                    }
+                    totals(qr, pr, stride, sets, bqkv, qo, G * D, 0);
+                    totals(kr, pr, stride, sets, bqkv, ko, D, 0);
+                    totals(vr, pr, stride, sets, bqkv, vo, D, 0);
                     for (int64_t g = 0; g < G; g++) {
                         if (p[QN]) rms_row(qr + g * D, qr + g * D, p[QN], f[QN_EPS], D);
                         rope(qr + g * D, c, s, D);
@@ -339,10 +362,8 @@ int specmesh_decode_step(const int64_t *dims, void *const *ptrs, const float *fl
             for (int64_t r = 0; r < n; r++) {
                 const float *pr = pa + r * lp;
                 float *mr = m + r * I;
-                for (int64_t i = m0; i < m1; i++) {
-                    mr[i] = total(pr, stride, sets, bgu, i);
-                    up[i] = total(pr, stride, sets, bgu, I + i);
-                }
+                totals(mr + m0, pr, stride, sets, bgu, m0, m1 - m0, 0);
+                totals(up + m0, pr, stride, sets, bgu, I + m0, m1 - m0, 0);
                 /* apart from the sums, so that it vectorises (glibc's vector expf: a row's share is ~700 calls) */
                 for (int64_t i = m0; i < m1; i++) mr[i] = mr[i] / (1.f + expf(-mr[i])) * up[i];
             }
