@@ -686,3 +686,32 @@ def test_past_the_batch_limit_a_greedy_request_asks_the_trees_every_few_steps_a_
     r = asyncio.run(speculative_generate(verifier, drafter, [1], params, policy, StopChecker(params)))
     assert len(r.token_ids) == 150
     assert verifier.runs[:-1] == [run] * (len(verifier.runs) - 1)
+
+
+def test_free_blocks_judged_losing_are_measured_again_after_every_target_only_steps():
+    """A free side judged losing on its first blocks (text new to the trees) is not held for good: after every
+    `every` target-only steps the trees offer `probe` blocks, and once those pay the blocks go on."""
+    guard = GoodputGuard(every=8, probe=2, margin=0.05)
+    for _ in range(8):
+        guard.observe(True, 3, 0.040)  # the model's rounds lose: 75 tok/s
+        guard.observe(False, 1, 0.004)  # target-only 250 tok/s
+        guard.observe(True, 1, 0.010, free=True)  # the trees' first blocks: 100 tok/s
+    assert guard.free_loses() and guard.free_held()
+    guard.observe(False, 7, 0.028)
+    assert guard.free_held()  # 7 target-only steps since the last free round: not yet
+    guard.observe(False, 1, 0.004)
+    probes = guard.probes
+    assert not guard.free_held() and not guard.free_held() and guard.probes == probes + 1  # a probe, asked once
+    guard.observe(True, 9, 0.010, free=True)
+    assert not guard.free_held()  # the probe's second block
+    guard.observe(True, 9, 0.010, free=True)
+    assert guard.free_held() == guard.free_loses()  # the probe is over: the measure decides again
+
+    params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+    verifier = MethodTimedVerifier(0.040, 0.004, 0.004)  # the trees' blocks now commit 5 tokens in 4 ms
+    drafter = FreeDrafter(4)
+    r = asyncio.run(speculative_generate(verifier, drafter, [1], params, GoodputK(4, guard=guard), StopChecker(params)))
+    assert r.token_ids == list(range(2, 202))
+    assert not guard.free_loses() and guard.speculation_pays() is True
+    free = [b for b in verifier.blocks if len(b) == 4]
+    assert len(free) * 5 > 100  # most of the tokens came from the trees' blocks once measured again
