@@ -182,23 +182,35 @@ static inline __attribute__((always_inline)) void attend_rows_vec(float *acc, co
                 for (int64_t j = 0; j < 16; j++)
                     a[j] = j < cnt ? dot_lanes(q, kblk + (i0 + j) * ks, VN) : (v16f){0};
                 const v16f t = sum16(a);
-                memcpy(sc + r * stride + p0, &t, sizeof(float) * cnt);
+                if (cnt == 16) /* a whole vector's store; a copy of a variable length took a slow string move */
+                    memcpy(sc + r * stride + p0, &t, sizeof t);
+                else
+                    for (int64_t j = 0; j < cnt; j++) sc[r * stride + p0 + j] = t[j];
             }
         }
     }
     prefetch_rest(nx, b0, bs, ks, vs, D);
     softmax_rows(sc, R, G, start, stride);
-    for (int64_t r = 0; r < R; r += 2) {
-        const int64_t two = r + 1 < R, visa = start + r / G + 1, visb = two ? start + (r + 1) / G + 1 : 0;
-        const float *wa = sc + r * stride, *wb = sc + (r + 1) * stride;
-        v16f oa[MAXV], ob[MAXV];
+    /* Values a block of keys at a time, for every pair of rows that sees the block: the block's values are
+     * read from memory once and from the L1 for each further pair (pair by pair over all the keys, each pair
+     * read them again from the L2, and at 9 rows of 560 keys that bounded the loop). A pair's sums stay in
+     * registers within a block and in acc between blocks, so each row's sum is the same sequence of
+     * multiply-adds over its keys in order as a whole pass would make. */
+    for (int64_t b0 = 0; b0 < end; b0 += bs) {
+        const float *vblk = vb + (int64_t)table[b0 / bs] * bs * vs;
+        const int64_t bend = end - b0 < bs ? end : b0 + bs;
+        for (int64_t r = (b0 > start ? b0 - start : 0) * G; r < R; r += 2) {
+            const int64_t two = r + 1 < R, visa = start + r / G + 1, visb = two ? start + (r + 1) / G + 1 : 0;
+            const float *wa = sc + r * stride, *wb = sc + (r + 1) * stride;
+            float *ra = acc + r * D, *rb = acc + (r + 1) * D;
+            v16f oa[MAXV], ob[MAXV];
 #pragma GCC unroll 16
-        for (int64_t c = 0; c < VN; c++) oa[c] = ob[c] = (v16f){0};
-        const int64_t both = visb < visa ? visb : visa;
-        int64_t p = 0;
-        for (int64_t b0 = 0; p < visa || p < visb; b0 += bs) {
-            const float *vblk = vb + (int64_t)table[b0 / bs] * bs * vs;
-            const int64_t bend = b0 + bs;
+            for (int64_t c = 0; c < VN; c++) {
+                oa[c] = b0 ? ld16(ra + 16 * c) : (v16f){0};
+                ob[c] = b0 && two ? ld16(rb + 16 * c) : (v16f){0};
+            }
+            const int64_t both = visb < visa ? visb : visa;
+            int64_t p = b0;
             for (; p < both && p < bend; p++) {
                 const float *vp = vblk + (p - b0) * vs;
 #pragma GCC unroll 16
@@ -208,7 +220,7 @@ static inline __attribute__((always_inline)) void attend_rows_vec(float *acc, co
                     ob[c] += wb[p] * x;
                 }
             }
-            for (; p >= both && p < bend && (p < visa || p < visb); p++) {
+            for (; p < bend && (p < visa || p < visb); p++) {
                 const float *vp = vblk + (p - b0) * vs;
 #pragma GCC unroll 16
                 for (int64_t c = 0; c < VN; c++) {
@@ -217,12 +229,12 @@ static inline __attribute__((always_inline)) void attend_rows_vec(float *acc, co
                     if (p < visb) ob[c] += wb[p] * x;
                 }
             }
+#pragma GCC unroll 16
+            for (int64_t c = 0; c < VN; c++) memcpy(ra + 16 * c, &oa[c], sizeof(v16f));
+            if (two)
+#pragma GCC unroll 16
+                for (int64_t c = 0; c < VN; c++) memcpy(rb + 16 * c, &ob[c], sizeof(v16f));
         }
-#pragma GCC unroll 16
-        for (int64_t c = 0; c < VN; c++) memcpy(acc + r * D + 16 * c, &oa[c], sizeof(v16f));
-        if (two)
-#pragma GCC unroll 16
-            for (int64_t c = 0; c < VN; c++) memcpy(acc + (r + 1) * D + 16 * c, &ob[c], sizeof(v16f));
     }
 }
 
