@@ -20,11 +20,14 @@ CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 # Speculating at every load (on a CPU the stack would turn it off past one stream, and the gateway would send
 # requests past a slow draft once its goodput guard says speculation loses): the advice under test is about K
 # and the draft, which the concurrency-4 phase must see speculating. The draft model drafts every round (the
-# per-round choice would rightly go around a slow draft with suffix proposals).
+# per-round choice would rightly go around a slow draft with suffix proposals). One verify thread: beside the
+# suite's other worker on two cores, a two-thread OpenMP team waits at each of its barriers for a thread the
+# scheduler has descheduled, and the forward went from ~2.5 to ~40 ms, so slow that any K's drafts cost nothing
+# beside it and lowering K gained under the profiler's 2 % (a machine whose last-level cache holds the target).
 DEMO_STACK = [
     "--model-path", str(DEMO / "target"), "--speculative-draft-model-path", str(DEMO / "draft"),
     "--speculative-disable-by-batch-size", "0", "--gateway-arg=--goodput-probe-every=0",
-    "--draft-arg=--no-enable-suffix-decoding",
+    "--draft-arg=--no-enable-suffix-decoding", "--verify-threads", "1",
 ]  # fmt: skip
 
 
