@@ -109,7 +109,10 @@ def test_slow_draft_is_named_the_bottleneck(slow_draft_report, k12_report):
     # The same demo pair, only the set-up differs: the measured draft cost and the advice follow it.
     k12 = k12_report
     assert report["cost_ratio"] > 3 * k12["cost_ratio"]
-    assert k12["bottleneck"] != "draft"
+    # ... and so does what a faster draft would give. (Whether the demo draft at K = 12 is itself the
+    # bottleneck depends on the machine: with one verify thread its token costs 0.24-0.33 of a target forward,
+    # which caps speculation near 1.5x, and the profiler may rightly say so.)
+    assert report["sensitivity"]["draft"] > k12["sensitivity"]["draft"]
 
 
 @pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (Debian: apt-get install chromium)")
