@@ -2,6 +2,7 @@
 
 import asyncio
 import json
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -306,8 +307,12 @@ def test_a_hybrid_draft_replica_takes_requests_past_the_batch_size_and_a_full_on
         prompt = "for item in items:\n"
         want_text = greedy(tokenizer(prompt, add_special_tokens=False)["input_ids"], 32).text
         client = gw.openai()
+        # All eight sent at once: started one by one as the pool's threads came up, the first requests of this
+        # tiny pair could finish before the third arrived, and the replica was never full.
+        start = threading.Barrier(8)
 
         def one(_):
+            start.wait(timeout=60)
             r = client.completions.create(model="demo", prompt=prompt, max_tokens=32, temperature=0)
             return r.choices[0].text, r.model_extra["specmesh"]["target_only"]
 
