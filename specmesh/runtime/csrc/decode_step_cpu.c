@@ -155,24 +155,29 @@ PANEL_ROWS(6)
  * of its arithmetic (16 x 5 over the demo target's matrices 17.2 -> 13.8 ms, 335 -> 420 GFLOP/s on two
  * cores). One group (a step or a verify block of up to 6 rows) streams the weights from memory anyway, and
  * there the fetching ahead measured slower. Nothing it does touches the arithmetic. */
+/* The part of the next panel group g of rows fetches (`lines` lines per k of its in rows), NULL past the panel */
+static inline const float *ahead(const float *next, int64_t g, int lines, int64_t in) {
+    return next && g * lines < PV ? next + g * in * 16 * lines : NULL;
+}
+
 static void partial_panels(float *part, int64_t lp, const float *x, int64_t ldx, int64_t n, const float *S,
                            int64_t in, int64_t out, int t, int T) {
     const int64_t np = (out + PANEL - 1) / PANEL, groups = (n + 5) / 6;
     const int lines = groups >= PV ? 1 : (int)((PV + groups - 1) / groups); /* of the next panel, per k */
     for (int64_t c = np * t / T * PANEL, c1 = np * (t + 1) / T * PANEL; c < c1; c += PANEL) {
         const float *P = S + c * in, *next = c + PANEL < c1 && groups > 1 ? P + PANEL * in : NULL;
-#define NEXT(g) (next && (g) * lines < PV ? next + (g) * in * 16 * lines : NULL)
         int64_t r = 0, g = 0;
-        for (; r + 6 <= n; r += 6, g++) panel_rows6(part + r * lp + c, lp, x + r * ldx, ldx, P, in, NEXT(g), lines);
+        for (; r + 6 <= n; r += 6, g++)
+            panel_rows6(part + r * lp + c, lp, x + r * ldx, ldx, P, in, ahead(next, g, lines, in), lines);
+        const float *pf = ahead(next, g, lines, in);
         switch (n - r) {
-        case 5: panel_rows5(part + r * lp + c, lp, x + r * ldx, ldx, P, in, NEXT(g), lines); break;
-        case 4: panel_rows4(part + r * lp + c, lp, x + r * ldx, ldx, P, in, NEXT(g), lines); break;
-        case 3: panel_rows3(part + r * lp + c, lp, x + r * ldx, ldx, P, in, NEXT(g), lines); break;
-        case 2: panel_rows2(part + r * lp + c, lp, x + r * ldx, ldx, P, in, NEXT(g), lines); break;
-        case 1: panel_rows1(part + r * lp + c, lp, x + r * ldx, ldx, P, in, NEXT(g), lines); break;
+        case 5: panel_rows5(part + r * lp + c, lp, x + r * ldx, ldx, P, in, pf, lines); break;
+        case 4: panel_rows4(part + r * lp + c, lp, x + r * ldx, ldx, P, in, pf, lines); break;
+        case 3: panel_rows3(part + r * lp + c, lp, x + r * ldx, ldx, P, in, pf, lines); break;
+        case 2: panel_rows2(part + r * lp + c, lp, x + r * ldx, ldx, P, in, pf, lines); break;
+        case 1: panel_rows1(part + r * lp + c, lp, x + r * ldx, ldx, P, in, pf, lines); break;
         default: break;
         }
-#undef NEXT
     }
 }
 #else
@@ -208,28 +213,18 @@ static inline float total(const float *parts, int64_t stride, int T, const float
 static inline void totals(float *y, const float *pr, int64_t stride, int T, const float *b, int64_t o, int64_t cnt,
                           int add) {
     pr += o;
-    if (T == 1 && b) {
-        b += o;
-        if (add) {
+    b = b ? b + o : NULL;
+    if (T == 1) {
 #pragma omp simd
-            for (int64_t d = 0; d < cnt; d++) y[d] += (0.f + pr[d]) + b[d];
-        } else {
-#pragma omp simd
-            for (int64_t d = 0; d < cnt; d++) y[d] = (0.f + pr[d]) + b[d];
-        }
-    } else if (T == 1) {
-        if (add) {
-#pragma omp simd
-            for (int64_t d = 0; d < cnt; d++) y[d] += 0.f + pr[d];
-        } else {
-#pragma omp simd
-            for (int64_t d = 0; d < cnt; d++) y[d] = 0.f + pr[d];
-        }
-    } else {
         for (int64_t d = 0; d < cnt; d++) {
-            const float v = total(pr, stride, T, b ? b + o : NULL, d);
+            const float v = b ? (0.f + pr[d]) + b[d] : 0.f + pr[d];
             y[d] = add ? y[d] + v : v;
         }
+        return;
+    }
+    for (int64_t d = 0; d < cnt; d++) {
+        const float v = total(pr, stride, T, b, d);
+        y[d] = add ? y[d] + v : v;
     }
 }
 
