@@ -23,7 +23,15 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from specmesh.config import EnvArgumentParser, GatewayListen, Logging, add_config_flags, option, to_argv
+from specmesh.config import (
+    KV_CACHE_DTYPES,
+    EnvArgumentParser,
+    GatewayListen,
+    Logging,
+    add_config_flags,
+    option,
+    to_argv,
+)
 from specmesh.errors import ConfigError
 from specmesh.placement import add_thread_flags
 from specmesh.stack import StackPlan, StackSecurity, serve
@@ -117,6 +125,12 @@ class ServePlacement:
         "auto",
         "vLLM's --dtype for both models: auto (bfloat16 on CUDA, float32 on a CPU), float32, bfloat16, float16",
         choices=("auto", "float32", "float", "bfloat16", "float16", "half"),
+    )
+    kv_cache_dtype: str = option(
+        "auto",
+        "vLLM's and SGLang's --kv-cache-dtype for the target's KV (the verify service's): auto = the model's dtype; "
+        "bfloat16 (bf16) halves a float32 model's KV on a CPU (see python -m verify_service --help)",
+        choices=tuple(KV_CACHE_DTYPES),
     )
 
 

@@ -242,6 +242,22 @@ def dtype_option() -> Any:
     )
 
 
+# --kv-cache-dtype's names (vLLM's and SGLang's) -> the cache's element; auto: the model's dtype
+KV_CACHE_DTYPES = {"auto": None, "float32": "float32", "float": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16"}
+
+
+def kv_cache_dtype_option() -> Any:
+    """The verify service's KV element, vLLM's and SGLang's --kv-cache-dtype (the names both take)."""
+    return option(
+        "auto",
+        "KV cache dtype: auto = the model's (--dtype); bfloat16 (bf16) keeps a float32 model's keys and values in "
+        "bfloat16 (paged runner on a CPU): half the bytes a long context's attention reads and twice the tokens "
+        "per --kv-cache-budget-mb. Logits then differ from a float32 cache's by bfloat16's rounding of K and V; "
+        "greedy speculation still equals target-only decoding in the same cache dtype token for token",
+        choices=tuple(KV_CACHE_DTYPES),
+    )
+
+
 def cuda_graph_max_bs_option() -> Any:
     """SGLang's --cuda-graph-max-bs for a model service's decode steps (specmesh.runtime.graphs)."""
     return option(

@@ -140,6 +140,7 @@ class StackPlan:
     device: str | None = None
     draft_device: str | None = None
     dtype: str = "auto"
+    kv_cache_dtype: str = "auto"  # the verify replicas' (the draft's KV keeps its model's dtype)
     cuda_graph_max_bs: int | None = None  # None: the services' default
     disable_cuda_graph: bool = False
     model_name: str = ""
@@ -460,6 +461,7 @@ def verify_argv(plan: StackPlan) -> list[str]:
         **BACKEND,
         "device": plan.device,
         "dtype": plan.dtype,
+        "kv_cache_dtype": None if plan.kv_cache_dtype == "auto" else plan.kv_cache_dtype,
         **_graphs(plan),
         **_threads(plan)[0],
     }

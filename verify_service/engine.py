@@ -68,6 +68,7 @@ class VerifyConfig:
     port: int = flags.grpc_port_option(50061)
     device: str | None = flags.device_option()
     dtype: str = flags.dtype_option()
+    kv_cache_dtype: str = flags.kv_cache_dtype_option()
     max_batch_size: int = flags.option(32, "most draft blocks (sessions) verified in one batched target forward")
     max_sessions: int = flags.option(64, "concurrent session streams and generate calls; more get RESOURCE_EXHAUSTED")
     kv_cache_budget_mb: float = flags.option(
@@ -210,6 +211,7 @@ class VerifyEngine:
             block_size=config.block_size,
             cuda_graph_max_bs=config.graph_max_bs,
             graph_tokens_per_seq=config.max_spec_len + 1,
+            kv_cache_dtype=config.kv_cache_dtype,
         )
         self.runner = model_thread.submit(build, *args).result()
         self.tokenizer = tokenizer

@@ -24,8 +24,10 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from transformers import PreTrainedModel
 
+from specmesh.config import KV_CACHE_DTYPES
 from specmesh.errors import ConfigError
 from specmesh.runtime import Runner, registry
 from specmesh.runtime.base import kv_bytes_per_token
@@ -118,11 +120,14 @@ def build_runner(
     block_size: int = 16,
     cuda_graph_max_bs: int = 0,
     graph_tokens_per_seq: int = 1,
+    kv_cache_dtype: str = "auto",
 ) -> Runner[Any]:
     """The runner `--runner` asks for (see the module docstring); BudgetError when the budget does not fit,
-    ValueError when the runner cannot serve the model."""
+    ConfigError naming --kv-cache-dtype when the runner cannot keep its KV in that dtype, ValueError when the
+    runner cannot serve the model."""
     if runner not in RUNNERS:
         raise ValueError(f"runner must be one of {', '.join(RUNNERS)}, not {runner!r}")
+    kv_dtype = _kv_dtype(model, runner, kv_cache_dtype)
     if runner == "hf":
         return registry.build_runner(model, "hf")
     if runner == "gguf":
@@ -137,7 +142,7 @@ def build_runner(
         log.info("no batched decoder for %s: serving with the HF runner", type(model).__name__)
         return registry.build_runner(model, "hf")
     model_len = int(getattr(model.config, "max_position_embeddings", 0) or 0)
-    bpt = kv_bytes_per_token(model.config, next(model.parameters()).dtype)
+    bpt = kv_bytes_per_token(model.config, kv_dtype or next(model.parameters()).dtype)
     if runner == "batched":
         plan = plan_slots(model_len, bpt, budget_bytes, max_sessions, max_model_len)
         batched = registry.build_runner(
@@ -162,6 +167,27 @@ def build_runner(
         attention_backend=attention_backend,
         cuda_graph_max_bs=cuda_graph_max_bs,
         graph_tokens_per_seq=graph_tokens_per_seq,
+        kv_cache_dtype=kv_dtype,
     )
     log.info("%s (%.1f MiB)", blocks.describe(), (paged.kv_account().pool_bytes or 0) / 2**20)
     return paged
+
+
+def _kv_dtype(model: PreTrainedModel, runner: str, name: str) -> torch.dtype | None:
+    """--kv-cache-dtype as the paged runner's `kv_cache_dtype`: None where the cache keeps the model's dtype;
+    ConfigError naming the flag where the asked dtype cannot serve this model, runner and device."""
+    if name not in KV_CACHE_DTYPES:
+        raise ConfigError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, not {name!r}")
+    wanted = KV_CACHE_DTYPES[name]
+    param = next(model.parameters())
+    if wanted is None or getattr(torch, wanted) == param.dtype:
+        return None
+    kv = getattr(torch, wanted)
+    if kv != torch.bfloat16 or param.dtype != torch.float32 or param.device.type != "cpu":
+        raise ConfigError(
+            f"--kv-cache-dtype {name} with a {param.dtype} model on {param.device.type}: the cache keeps the "
+            "model's dtype (--dtype), or bfloat16 for a float32 model on a CPU"
+        )
+    if runner not in ("auto", "paged") or not registry.batched_supported(model):
+        raise ConfigError(f"--kv-cache-dtype {name}: only the paged runner keeps its KV in a dtype not the model's")
+    return kv

@@ -53,6 +53,10 @@ SOURCES = tuple(
     Path(__file__).with_name("csrc") / n
     for n in ("block_attention_cpu.c", "gemv_cpu.c", "decode_step_cpu.c", "elementwise_cpu.c")
 )
+# built a second time over bfloat16 KV pools (SPECMESH_KV_BF16: `--kv-cache-dtype bfloat16`, attend_rows.h)
+KV_SOURCES = tuple(Path(__file__).with_name("csrc") / n for n in ("block_attention_cpu.c", "decode_step_cpu.c"))
+# The pools' dtypes the kernels read and write, and the suffix of the entries built for each
+KV_DTYPES = {torch.float32: "", torch.bfloat16: "_bf16"}
 # included by the sources: part of the cache key
 HEADERS = tuple(Path(__file__).with_name("csrc") / n for n in ("attend_rows.h", "rms_row.h"))
 # -ffast-math on the compile step only: it lets gcc call glibc's vectorised expf (the kernel never makes an
@@ -103,8 +107,11 @@ def _build(cc: str, out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         objs = [Path(tmp) / f"{src.stem}.o" for src in SOURCES]
-        lib = Path(tmp) / "k.so"
         cmds = [[cc, *COMPILE_FLAGS, "-c", str(src), "-o", str(obj)] for src, obj in zip(SOURCES, objs, strict=True)]
+        for src in KV_SOURCES:
+            objs.append(Path(tmp) / f"{src.stem}_bf16.o")
+            cmds.append([cc, *COMPILE_FLAGS, "-DSPECMESH_KV_BF16", "-c", str(src), "-o", str(objs[-1])])
+        lib = Path(tmp) / "k.so"
         cmds.append([cc, *LINK_FLAGS, *map(str, objs), "-o", str(lib), "-lm"])
         for cmd in cmds:
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False)
@@ -131,7 +138,8 @@ def load() -> ctypes.CDLL | None:
             log.warning("no C compiler (cc) here: specmesh's CPU kernels are off, torch's serve instead")
             return None
         parts = [src.read_bytes() for src in (*SOURCES, *HEADERS)]
-        parts += [" ".join(COMPILE_FLAGS + LINK_FLAGS).encode(), cc.encode(), _cpu_flags().encode()]
+        parts += [" ".join(COMPILE_FLAGS + LINK_FLAGS + tuple(KV_DTYPES.values())).encode(), cc.encode()]
+        parts.append(_cpu_flags().encode())
         key = hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
         path = cache_dir() / f"cpu_kernels-{platform.machine()}-{key}.so"
         try:
@@ -142,17 +150,18 @@ def load() -> ctypes.CDLL | None:
             log.warning("specmesh's CPU kernels could not be built (%s): torch's serve instead", e)
             return None
         p, i64 = ctypes.c_void_p, ctypes.c_int64
-        fn = lib.specmesh_block_attention
-        fn.argtypes = [p, p, p, p, p, p, i64, i64, i64, i64, i64, p, ctypes.c_float, p, p, ctypes.c_int]
-        fn.restype = ctypes.c_int
-        fn = lib.specmesh_block_attention_rope
-        fn.argtypes = [p, p, p, p, p, p, i64, i64, i64, i64, i64, p, ctypes.c_float, p, p, ctypes.c_int, p, p]
-        fn.restype = ctypes.c_int
+        for kv in KV_DTYPES.values():
+            fn = getattr(lib, f"specmesh_block_attention{kv}")
+            fn.argtypes = [p, p, p, p, p, p, i64, i64, i64, i64, i64, p, ctypes.c_float, p, p, ctypes.c_int]
+            fn.restype = ctypes.c_int
+            fn = getattr(lib, f"specmesh_block_attention_rope{kv}")
+            fn.argtypes = [p, p, p, p, p, p, i64, i64, i64, i64, i64, p, ctypes.c_float, p, p, ctypes.c_int, p, p]
+            fn.restype = ctypes.c_int
+            fn = getattr(lib, f"specmesh_decode_step{kv}")
+            fn.argtypes = [p, p, p, p, p, p, p, p, p, p, ctypes.c_float, p, p, p, p, ctypes.c_int]
+            fn.restype = ctypes.c_int
         fn = lib.specmesh_gemv
         fn.argtypes = [p, p, p, p, i64, i64, i64, ctypes.c_int]
-        fn.restype = ctypes.c_int
-        fn = lib.specmesh_decode_step
-        fn.argtypes = [p, p, p, p, p, p, p, p, p, p, ctypes.c_float, p, p, p, p, ctypes.c_int]
         fn.restype = ctypes.c_int
         lib.specmesh_decode_step_panel.argtypes, lib.specmesh_decode_step_panel.restype = [], ctypes.c_int
         fn = lib.specmesh_rms_norm
@@ -291,18 +300,26 @@ def block_attention(
     scale: float,
 ) -> None:
     """out[rows of the plan's sequences] = attention of q ([T, nh, D]) over each sequence's keys and values
-    in the pool (k_pool, v_pool: [n_kv, slots, D]) up to its own position. Rows of other sequences are left
-    as they are."""
+    in the pool (k_pool, v_pool: [n_kv, slots, D], float32 or bfloat16) up to its own position. Rows of other
+    sequences are left as they are."""
     lib = load()
     if lib is None:
         raise RuntimeError("specmesh's CPU kernels are not built here")
     _, nh, d = q.shape
     n_kv = k_pool.shape[0]
-    if not (supports(q) and out.dtype == k_pool.dtype == v_pool.dtype == torch.float32):
-        raise ValueError("the CPU block-table attention kernel takes float32 CPU tensors")
+    kv = _kv_suffix(k_pool, v_pool)
+    if not (supports(q) and out.dtype == torch.float32 and kv is not None):
+        raise ValueError("the CPU block-table attention kernel takes float32 CPU tensors (float32 or bfloat16 pools)")
     if nh % n_kv or n_kv != plan.n_kv or out.shape != q.shape or k_pool.shape != v_pool.shape or k_pool.shape[2] != d:
         raise ValueError(f"CPU block attention: q {tuple(q.shape)} against a pool {tuple(k_pool.shape)}")
-    _call(lib.specmesh_block_attention, out, q, k_pool, v_pool, plan, block_size, scale)
+    _call(getattr(lib, f"specmesh_block_attention{kv}"), out, q, k_pool, v_pool, plan, block_size, scale)
+
+
+def _kv_suffix(k_pool: torch.Tensor, v_pool: torch.Tensor) -> str | None:
+    """The suffix of the kernels' entries built for these pools' dtype (`KV_DTYPES`), None for none."""
+    if k_pool.device.type != "cpu" or k_pool.dtype != v_pool.dtype:
+        return None
+    return KV_DTYPES.get(k_pool.dtype)
 
 
 def block_attention_rope(
@@ -326,11 +343,12 @@ def block_attention_rope(
         raise RuntimeError("specmesh's CPU kernels are not built here")
     n_kv, d = k_pool.shape[0], k_pool.shape[2]
     nh = out.shape[1]
-    if not (supports(qkv) and out.dtype == k_pool.dtype == v_pool.dtype == cos.dtype == sin.dtype == torch.float32):
-        raise ValueError("the CPU block-table attention kernel takes float32 CPU tensors")
+    kv = _kv_suffix(k_pool, v_pool)
+    if not (supports(qkv) and out.dtype == cos.dtype == sin.dtype == torch.float32 and kv is not None):
+        raise ValueError("the CPU block-table attention kernel takes float32 CPU tensors (float32 or bfloat16 pools)")
     if qkv.shape != (out.shape[0], nh + 2 * n_kv, d) or out.shape[2] != d or k_pool.shape != v_pool.shape:
         raise ValueError(f"CPU block attention: qkv {tuple(qkv.shape)} against a pool {tuple(k_pool.shape)}")
-    if nh % n_kv or n_kv != plan.n_kv or d % 2:
+    if nh % n_kv or n_kv != plan.n_kv or d % 2 or d > 512:
         raise ValueError(f"CPU block attention: {nh} query heads over {n_kv} KV heads of {d}")
     if (
         cos.shape != sin.shape
@@ -339,7 +357,8 @@ def block_attention_rope(
         or not (cos.is_contiguous() and sin.is_contiguous())
     ):
         raise ValueError(f"CPU block attention: rotary tables {tuple(cos.shape)} for {plan.end} positions of {d}")
-    _call(lib.specmesh_block_attention_rope, out, qkv, k_pool, v_pool, plan, block_size, scale, cos, sin)
+    fn = getattr(lib, f"specmesh_block_attention_rope{kv}")
+    _call(fn, out, qkv, k_pool, v_pool, plan, block_size, scale, cos, sin)
 
 
 def _profiled(name: str) -> contextlib.AbstractContextManager:
@@ -548,12 +567,16 @@ class DecodeStep:
     ) -> torch.Tensor | None:
         """Logits [sum(num_logits), V] (None for none): per sequence (tokens, first position, block table), the
         last num_logits[i] of its tokens, sequence after sequence. Every token's key and value goes to slot
-        table[p // block_size] * block_size + p % block_size of each layer's pools (one tensor per layer, the
-        head dimension contiguous; `strides`, in elements, (K head, K slot, V head, V slot), by default the
-        pools' first two strides), and a token at position p attends over its sequence's positions [0, p]. At
-        most `max_rows` tokens in all. The caller has made the decoder's rotary tables reach the last position
-        and checked the tokens against the vocabulary."""
+        table[p // block_size] * block_size + p % block_size of each layer's pools (one tensor per layer, float32
+        or bfloat16, the head dimension contiguous; `strides`, in elements, (K head, K slot, V head, V slot), by
+        default the pools' first two strides), and a token at position p attends over its sequence's positions
+        [0, p]. At most `max_rows` tokens in all. The caller has made the decoder's rotary tables reach the last
+        position and checked the tokens against the vocabulary."""
         n = sum(len(t) for t, _, _ in seqs)
+        kv = _kv_suffix(k_pools[0], v_pools[0])
+        pairs = zip(k_pools, v_pools, strict=True)
+        if kv is None or any(k.dtype != k_pools[0].dtype or v.dtype != k.dtype for k, v in pairs):
+            raise ValueError(f"the fused CPU step's KV pools are CPU {' or '.join(map(str, KV_DTYPES))} tensors")
         if (
             not seqs
             or not 1 <= n <= self.max_rows
@@ -587,7 +610,7 @@ class DecodeStep:
         i64 = ctypes.c_int64
         out = torch.empty((len(rows), self.vocab), dtype=torch.float32) if rows else None
         with _profiled("specmesh::cpu_decode_step"):
-            rc = self.lib.specmesh_decode_step(
+            rc = getattr(self.lib, f"specmesh_decode_step{kv}")(
                 dims,
                 ptrs,
                 self.fl,

@@ -152,9 +152,11 @@ class _BlockAttention:
     ) -> None:
         k_layer, v_layer = self.k_pool[layer], self.v_pool[layer]
         nkv, g = self.nkv, self.g
+        if k_layer.dtype != k.dtype:  # a narrower cache: every read of a new key sees it as the pool holds it
+            k, v = k.to(k_layer.dtype).to(k.dtype), v.to(v_layer.dtype).to(v.dtype)
         # Every new key/value of the batch at its physical slot: one index_put per tensor.
-        k_layer[:, self.slots] = k.transpose(0, 1)
-        v_layer[:, self.slots] = v.transpose(0, 1)
+        k_layer[:, self.slots] = k.transpose(0, 1).to(k_layer.dtype)
+        v_layer[:, self.slots] = v.transpose(0, 1).to(v_layer.dtype)
         if self.plan is not None:
             kernel.block_attention(attn, q, k_layer, v_layer, *self.plan, self.block_size, scale)
             return
@@ -166,10 +168,11 @@ class _BlockAttention:
             if seg.view is not None:
                 s, e = seg.view
                 keys, values = k_layer[:, s:e][None], v_layer[:, s:e][None]  # [1, n_kv, end, D], a view
+                keys, values = keys.to(qs.dtype), values.to(qs.dtype)  # widened where the cache is narrower
                 a = F.scaled_dot_product_attention(qs, keys, values, attn_mask=seg.mask, scale=scale)
             elif seg.gather is not None:
-                keys = k_layer.index_select(1, seg.gather)[None]  # [1, n_kv, end, D], gathered
-                values = v_layer.index_select(1, seg.gather)[None]
+                keys = k_layer.index_select(1, seg.gather)[None].to(qs.dtype)  # [1, n_kv, end, D], gathered
+                values = v_layer.index_select(1, seg.gather)[None].to(qs.dtype)
                 a = F.scaled_dot_product_attention(qs, keys, values, attn_mask=seg.mask, scale=scale)
             else:
                 a = self._runs(seg, qs, k[off : off + n], v[off : off + n], k_layer, v_layer, scale)
@@ -190,7 +193,8 @@ class _BlockAttention:
         assert _flash_lse is not None  # segments plan runs only where the kernel exists
         outs, lses = [], []
         for s, e in seg.prefix:  # every new query sees the whole cached prefix
-            o, lse = _flash_lse(qs, k_layer[:, s:e][None], v_layer[:, s:e][None], 0.0, False, scale=scale)
+            keys, values = k_layer[:, s:e][None].to(qs.dtype), v_layer[:, s:e][None].to(qs.dtype)
+            o, lse = _flash_lse(qs, keys, values, 0.0, False, scale=scale)
             outs.append(o)
             lses.append(lse.float())
         # The new keys: causal among the new queries (square, so is_causal is exact; a GQA fold needs the mask).
@@ -211,7 +215,13 @@ class PagedRunner(_RaggedRunner):
 
     A sequence may reach the model's `max_position_embeddings`, capped by `max_model_len` (and by the pool).
     `check`, `packed`, `prefault` and `attention_backend` as in `BatchedRunner`. `cuda_graph_max_bs`,
-    `graph_tokens_per_seq`, `graph_capture`: decode steps from CUDA graphs (`_graphs`).
+    `graph_tokens_per_seq`, `graph_capture`: decode steps from CUDA graphs (`_graphs`). `kv_cache_dtype`: the
+    pools' element (None: the model's dtype); a float32 model on a CPU may keep its KV in bfloat16, which halves
+    the bytes a long context's attention reads and doubles the tokens the same pool memory holds (vLLM's and
+    SGLang's `--kv-cache-dtype`). Keys and values are rounded once, when written, and read back widened: every
+    path (the fused step, the CPU kernel, SDPA) sees the same values, so a verify block and the target-only steps
+    at the same positions still agree to the bit; against a float32 cache the logits move by bfloat16's rounding
+    of K and V.
     """
 
     graphs: DecodeGraphs | None = None  # decode steps from CUDA graphs, once built (after the probes)
@@ -231,6 +241,7 @@ class PagedRunner(_RaggedRunner):
         cuda_graph_max_bs: int = 0,
         graph_tokens_per_seq: int = 1,
         graph_capture: bool = True,
+        kv_cache_dtype: torch.dtype | None = None,
     ):
         if not self.supports(model):
             raise ValueError(f"PagedRunner has no decoder for {type(model).__name__} with this config; use ModelRunner")
@@ -240,6 +251,14 @@ class PagedRunner(_RaggedRunner):
         self._dec = _RaggedDecoder(model, packed, padded=False)
         self._dec.reserve(self.max_len)
         self.num_layers = len(self._dec.layers)
+        self.kv_dtype = self._dec.dtype if kv_cache_dtype is None else kv_cache_dtype
+        if self.kv_dtype != self._dec.dtype and not (
+            self.kv_dtype == torch.bfloat16 and self._dec.dtype == torch.float32 and self.device.type == "cpu"
+        ):
+            raise ValueError(
+                f"kv_cache_dtype {self.kv_dtype} with a {self._dec.dtype} model on {self.device.type}: the cache "
+                "keeps the model's dtype, or bfloat16 for a float32 model on a CPU"
+            )
         self._prefault = prefault
         # Whether multi-run sequences attend run by run (the CPU flash kernel returns the log-sum-exp the
         # merge needs); otherwise their keys are gathered. "math" asks for the reference kernel everywhere.
@@ -311,8 +330,8 @@ class PagedRunner(_RaggedRunner):
         shape = (d.n_kv, (pool.num_blocks + 1) * pool.block_size, d.head_dim)
         # Attention reads only written positions, so the arena needs no zeroing (prefault: resident at once).
         alloc = torch.zeros if self._prefault else torch.empty
-        self._k = [alloc(shape, dtype=d.dtype, device=self.device) for _ in range(self.num_layers)]
-        self._v = [alloc(shape, dtype=d.dtype, device=self.device) for _ in range(self.num_layers)]
+        self._k = [alloc(shape, dtype=self.kv_dtype, device=self.device) for _ in range(self.num_layers)]
+        self._v = [alloc(shape, dtype=self.kv_dtype, device=self.device) for _ in range(self.num_layers)]
         self._elem = self._k[0].element_size()
 
     @staticmethod
@@ -624,7 +643,9 @@ class PagedRunner(_RaggedRunner):
                 for logits, f in zip(got, fed, strict=True):
                     with sdpa_context(self.attention_backend, self.device):
                         out = self.model(input_ids=torch.tensor([f], device=self.device))
-                    if not logits_agree(out.logits[0, -len(logits) :].float(), logits, self._dec.dtype):
+                    # a bfloat16 cache under a float32 model: bfloat16's bound
+                    bound = self.kv_dtype if self.kv_dtype.itemsize < self._dec.dtype.itemsize else self._dec.dtype
+                    if not logits_agree(out.logits[0, -len(logits) :].float(), logits, bound):
                         return False
             return True
         finally:

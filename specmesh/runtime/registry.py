@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from transformers import PreTrainedModel
 
 from specmesh.runtime import Runner
@@ -48,17 +49,21 @@ def build_runner(
     attention_backend: str = "auto",
     cuda_graph_max_bs: int = 0,
     graph_tokens_per_seq: int = 1,
+    kv_cache_dtype: torch.dtype | None = None,
 ) -> Runner[Any]:
     """A runner of `kind` for `model` (see the module docstring); ValueError for an unknown kind or a model
     the kind cannot serve. `num_slots`, `max_seq_len` and `prefault` size the batched runner's pool
     (`num_blocks`, `block_size`, `max_seq_len` and `prefault` the paged runner's);
     `attention_backend` (`specmesh.runtime.attention`) applies to the hand-written decoders;
     `cuda_graph_max_bs` and `graph_tokens_per_seq` bound the paged runner's CUDA graphs on CUDA
-    (`specmesh.runtime.graphs`; 0: none; the other kinds have none)."""
+    (`specmesh.runtime.graphs`; 0: none; the other kinds have none); `kv_cache_dtype` the paged runner's KV
+    element (None: the model's dtype; the other kinds keep the model's)."""
     if kind not in KINDS:
         raise ValueError(f"runner kind must be one of {', '.join(KINDS)}, not {kind!r}")
     if kind == "auto":
         kind = "batched" if batched_supported(model) else "hf"
+    if kv_cache_dtype not in (None, model.dtype) and kind != "paged":
+        raise ValueError(f"kv_cache_dtype {kv_cache_dtype}: only the paged runner keeps its KV in another dtype")
     if kind == "batched":
         return BatchedRunner(model, num_slots, max_seq_len, prefault=prefault, attention_backend=attention_backend)
     if kind == "paged":
@@ -73,6 +78,7 @@ def build_runner(
             attention_backend=attention_backend,
             cuda_graph_max_bs=cuda_graph_max_bs,
             graph_tokens_per_seq=graph_tokens_per_seq,
+            kv_cache_dtype=kv_cache_dtype,
         )
     if kind == "gguf":
         from specmesh.runtime.gguf import GgufRunner  # optional: llama-cpp-python

@@ -152,6 +152,10 @@ def test_sigterm_drains_in_flight_work(processes):
         (["--block-size", "24"], "--block-size: block_size must be a power of two in [1, 256], not 24"),
         # the demo target's whole context (2,048 tokens) takes 80 MiB of KV in fp32: 10 MiB holds 256 tokens
         (["--kv-cache-budget-mb", "10"], "fewer than one sequence of max_model_len 2048: raise --kv-cache-budget-mb"),
+        # vLLM's fp8 caches are not kept here; bfloat16 is the paged runner's, under a float32 model
+        (["--kv-cache-dtype", "fp8"], "argument --kv-cache-dtype: invalid choice: 'fp8'"),
+        (["--kv-cache-dtype", "bf16", "--runner", "batched"], "--kv-cache-dtype bf16: only the paged runner"),
+        (["--kv-cache-dtype", "bfloat16", "--dtype", "float16"], "--kv-cache-dtype bfloat16 with a torch.float16"),
     ],
 )
 def test_bad_kv_settings_are_a_clear_error_at_start_and_exit_2(args, message):

@@ -100,6 +100,26 @@ def test_fixed_k_without_pipelining_is_lossless_too(target, reference):
         verify.stop()
 
 
+def test_over_a_bfloat16_kv_cache_greedy_through_the_pair_equals_target_only_in_it(target):
+    """`--kv-cache-dtype bfloat16`: the replica's pool in bfloat16 at half the bytes, and greedy speculation
+    through the pair, several sessions at once, equals the replica's own target-only decoding over the same
+    cache dtype token for token (each key and value is rounded once, when written, whichever path writes it)."""
+    verify = start_verify(target, kv_cache_dtype="bfloat16", max_batch_size=16)
+    draft = start_draft(noisy_copy(target, 0.03, seed=2), verify.address)
+    try:
+        runner = verify.server.engine.runner
+        assert runner._k[0].dtype == torch.bfloat16 and runner.cpu_kernel
+        batch = prompts(6, seed=5)
+        want = [generate(verify_stub(verify), p, GREEDY)[0] for p in batch]
+        with ThreadPoolExecutor(len(batch)) as pool:
+            got = list(pool.map(lambda p: generate(draft_stub(draft), p, GREEDY), batch))
+        assert [tokens for tokens, _ in got] == want
+        assert sum(chunks[-1].finished.stats.accepted for _, chunks in got) > 0  # the drafts were verified
+    finally:
+        draft.stop()
+        verify.stop()
+
+
 def test_target_only_generate_equals_reference(stack, reference):
     verify, _, _ = stack
     for p in prompts(3, seed=2):

@@ -95,6 +95,21 @@ def test_dtype_reaches_both_model_services_and_is_checked():
         plan("--model-path", "T", "--draft-model", "D", "--dtype", "int8")
 
 
+def test_kv_cache_dtype_reaches_the_verify_service_only_and_is_checked():
+    """vLLM's and SGLang's --kv-cache-dtype: the target's KV (the verify service's config); the draft keeps its
+    model's; names neither takes are refused."""
+    from draft_service.__main__ import parse_args as draft_args
+    from verify_service.__main__ import parse_args as verify_args
+
+    p = plan("--model-path", "T", "--draft-model", "D", "--kv-cache-dtype", "bf16")
+    assert verify_args(verify_argv(p))[0].kv_cache_dtype == "bf16"
+    assert "--kv-cache-dtype" not in draft_argv(p, "v:1", ["v:1"])
+    draft_args(draft_argv(p, "v:1", ["v:1"]))  # parses: nothing of the target's cache reaches it
+    assert verify_args(verify_argv(plan("--model-path", "T", "--draft-model", "D")))[0].kv_cache_dtype == "auto"
+    with pytest.raises(SystemExit):
+        plan("--model-path", "T", "--draft-model", "D", "--kv-cache-dtype", "fp8")
+
+
 def test_cuda_graph_flags_reach_both_model_services_as_configs():
     """SGLang's --cuda-graph-max-bs / --disable-cuda-graph: parsed by each model service into its runner's
     bound; a draft without a model (suffix) gets none; a negative bound is refused."""

@@ -156,6 +156,64 @@ def test_from_the_projection_bad_input_is_refused():
         cpu_kernels.block_attention_rope(out, qkv.half(), k, v, plan, 8, 0.125, cos, cos)
 
 
+@pytest.mark.parametrize(("nh", "n_kv", "d"), SHAPES)
+def test_bfloat16_pools_read_as_float_pools_holding_their_values(nh, n_kv, d, monkeypatch):
+    """A bfloat16 pool (`--kv-cache-dtype bfloat16`) widens each key and value exactly on load, and the
+    arithmetic after it is the float pools': for head sizes of whole vectors the rows equal, to the bit, those
+    over a float32 pool that holds the same values (other sizes go key by key, where the compiler may group a
+    dot's sums differently around the widening)."""
+    monkeypatch.setattr(cpu_kernels, "PARALLEL_MIN_WORK", 0)
+    q, k, v, tables, segments = case(2 * d + nh, nh, n_kv, d, 8, [(1, 0), (5, 37), (3, 12), (16, 90), (1, 200)])
+    k16, v16 = k.bfloat16(), v.bfloat16()
+    plan = cpu_kernels.Plan(segments, tables, n_kv, nh // n_kv)
+    out16, out32 = torch.zeros_like(q), torch.zeros_like(q)
+    cpu_kernels.block_attention(out16, q, k16, v16, plan, 8, d**-0.5)
+    cpu_kernels.block_attention(out32, q, k16.float(), v16.float(), plan, 8, d**-0.5)
+    assert torch.equal(out16, out32) or d % 16
+    ref = block_attention.reference(q, k16.float(), v16.float(), tables, segments, 8, d**-0.5)
+    torch.testing.assert_close(out16, ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out16, out32, rtol=1e-6, atol=1e-6)
+
+
+def test_into_bfloat16_pools_keys_and_values_round_as_torch_rounds_them():
+    """`block_attention_rope` writes each new key and value into a bfloat16 pool rounded to nearest even, as
+    `.to(torch.bfloat16)` rounds (ties, signs, subnormals, infinities, NaN), so the C kernels and the torch path
+    cache the same values; then attends over the pool as a float pool holding them."""
+    n_kv, nh, d = 2, 4, 64
+    _, k, v, tables, segments = case(7, nh, n_kv, d, 8, [(4, 10), (3, 0)])
+    t = 7
+    g = torch.Generator().manual_seed(8)
+    qkv = torch.randn(t, nh + 2 * n_kv, d, generator=g)
+    one = 1.0 + 2.0**-8  # halfway between two bfloat16 values: to the even one
+    special = [one, -one, 1.0 + 3 * 2.0**-8, 3e-39, -3e-39, 1e38 * 3, float("inf"), float("-inf"), float("nan")]
+    qkv[0, nh + n_kv, : len(special)] = torch.tensor(special)  # a new value, written as it is (no rotary)
+    cos, sin = torch.ones(32, 1, d), torch.zeros(32, 1, d)  # rotary as the identity: the keys as they are too
+    qkv[1, nh, : len(special) - 1] = torch.tensor(special[:-1])
+    k16, v16 = k.bfloat16(), v.bfloat16()
+    k32, v32 = k16.float(), v16.float()
+    plan = cpu_kernels.Plan(segments, tables, n_kv, nh // n_kv)
+    out16, out32 = torch.zeros(t, nh, d), torch.zeros(t, nh, d)
+    cpu_kernels.block_attention_rope(out16, qkv, k16, v16, plan, 8, 0.125, cos, sin)
+    cpu_kernels.block_attention_rope(out32, qkv, k32, v32, plan, 8, 0.125, cos, sin)
+    for got, want in ((k16, k32.bfloat16()), (v16, v32.bfloat16())):
+        nan = want.isnan()
+        assert nan.any() and torch.equal(got.isnan(), nan)  # a NaN stays one, whatever its payload
+        assert torch.equal(got.view(torch.int16)[~nan], want.view(torch.int16)[~nan])
+    finite = torch.isfinite(out32).all(-1).all(-1)  # rows that saw an infinite or NaN value are not compared
+    want = torch.zeros(t, nh, d)
+    cpu_kernels.block_attention(want, (qkv[:, :nh] * 1.0).contiguous(), k16.float(), v16.float(), plan, 8, 0.125)
+    torch.testing.assert_close(out16[finite], want[finite], rtol=1e-5, atol=1e-5)
+
+
+def test_float16_pools_are_refused():
+    q, k, v, tables, segments = case(9, 8, 8, 64, 8, [(2, 4)])
+    plan = cpu_kernels.Plan(segments, tables, 8, 1)
+    with pytest.raises(ValueError, match="bfloat16 pools"):
+        cpu_kernels.block_attention(q, q, k.half(), v.half(), plan, 8, 0.125)
+    with pytest.raises(ValueError, match="bfloat16 pools"):
+        cpu_kernels.block_attention(q, q, k.bfloat16(), v, plan, 8, 0.125)
+
+
 # --- one row through a linear layer ---------------------------------------------------------------------------
 
 

@@ -209,6 +209,27 @@ def test_registry_builds_paged(gqa):
         build_runner(gpt2, "paged", num_blocks=8)
 
 
+def test_a_bfloat16_cache_takes_half_the_bytes_and_is_refused_where_it_cannot_serve(gqa):
+    """`kv_cache_dtype=torch.bfloat16` under a float32 model on a CPU: pools of half the bytes (the same budget
+    holds twice the blocks), the HF probe passed within bfloat16's bound, prefix sharing as in float32; any
+    other pairing is refused by name."""
+    half, full = PagedRunner(gqa, 32, 4, kv_cache_dtype=torch.bfloat16), PagedRunner(gqa, 32, 4)
+    assert half._k[0].dtype == torch.bfloat16 and half.cpu_kernel  # the probe served the kernels with it
+    assert 2 * half.block_bytes == full.block_bytes
+    assert 2 * half.kv_account().pool_bytes == full.kv_account().pool_bytes
+    prompt = ids_of(11, seed=12)
+    a = half.new_sequence(prompt)
+    first = half.forward([a])[0]
+    b = half.new_sequence(prompt)  # two full blocks from a's: only the rest is computed
+    res = half.step([b])
+    assert half.prefix_cache_hit_tokens == 8 and res.tokens == 3
+    torch.testing.assert_close(res.logits[0], first, atol=1e-4 * max(1.0, float(first.abs().max())), rtol=0)
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        PagedRunner(gqa, 32, 4, kv_cache_dtype=torch.float16)
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        build_runner(gqa, "batched", num_slots=2, max_seq_len=64, kv_cache_dtype=torch.bfloat16)
+
+
 def test_greedy_on_demo_target_equals_batched():
     """64 greedy tokens through `forward`, token for token as BatchedRunner's, on the demo checkpoint."""
     target = AutoModelForCausalLM.from_pretrained(ROOT / "models" / "demo" / "target", dtype=torch.float32).eval()

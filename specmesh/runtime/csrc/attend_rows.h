@@ -21,6 +21,47 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+/* The KV pools' element: float, or (built with SPECMESH_KV_BF16, `--kv-cache-dtype bfloat16`) bfloat16, which
+ * halves the bytes attention reads (at a batch's long contexts it is bound by that read). A bfloat16 key or value
+ * widens to float exactly on load, and everything after it is float32 arithmetic, the same as for a float pool;
+ * a float is narrowed once, when written, rounding to nearest even as torch's `.to(torch.bfloat16)` does, so the
+ * C kernels and the torch path write the same bits. KV_NAME gives each exported entry its own name per build. */
+#ifdef SPECMESH_KV_BF16
+typedef uint16_t kv_t;
+#define KV_NAME(f) f##_bf16
+static inline __attribute__((always_inline)) float kvf(kv_t h) {
+    const uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+/* Rounded to nearest even as torch's tensor conversion rounds (its NaN: 0xffff), in integers (-ffast-math may
+ * assume no NaN in float tests) */
+static inline __attribute__((always_inline)) kv_t kv_of(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (kv_t)0xffff;
+    return (kv_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+#else
+typedef float kv_t;
+#define KV_NAME(f) f
+static inline __attribute__((always_inline)) float kvf(kv_t x) { return x; }
+static inline __attribute__((always_inline)) kv_t kv_of(float f) { return f; }
+#endif
+
+/* dst[0, D) = src[0, D) in the pools' element */
+static inline __attribute__((always_inline)) void kv_put(kv_t *dst, const float *src, int64_t D) {
+#ifdef SPECMESH_KV_BF16
+    for (int64_t d = 0; d < D; d++) dst[d] = kv_of(src[d]);
+#else
+    memcpy(dst, src, sizeof(float) * D);
+#endif
+}
 
 /* The softmax of each row over its visible scores, in place */
 static inline __attribute__((always_inline)) void softmax_rows(float *sc, int64_t R, int64_t G, int64_t start,
@@ -48,7 +89,7 @@ static inline __attribute__((always_inline)) void softmax_rows(float *sc, int64_
  * waited for memory before the computing began (a cold 16 x 5 batch's attention took its compute time plus its
  * KV's read time). Spread over the scores' blocks, the two overlap. */
 typedef struct {
-    const float *k, *v;
+    const kv_t *k, *v;
     const int32_t *table;
     int64_t end;
 } next_unit;
@@ -57,9 +98,9 @@ static inline __attribute__((always_inline)) void prefetch_block(const next_unit
                                                                  int64_t ks, int64_t vs, const int64_t D) {
     if (!nx || b0 >= nx->end) return;
     const int64_t blk = nx->table[b0 / bs], nb = nx->end - b0 < bs ? nx->end - b0 : bs;
-    const float *kp = nx->k + blk * bs * ks, *vp = nx->v + blk * bs * vs;
+    const kv_t *kp = nx->k + blk * bs * ks, *vp = nx->v + blk * bs * vs;
     for (int64_t i = 0; i < nb; i++)
-        for (int64_t d = 0; d < D; d += 16) {
+        for (int64_t d = 0; d < D; d += 64 / (int64_t)sizeof(kv_t)) { /* a line at a time */
             __builtin_prefetch(kp + i * ks + d, 0, 2);
             __builtin_prefetch(vp + i * vs + d, 0, 2);
         }
@@ -72,8 +113,8 @@ static inline __attribute__((always_inline)) void prefetch_rest(const next_unit 
 }
 
 /* acc [n G, D] = softmax(qb . K) . V for the rows above, for any head size, key by key */
-static inline __attribute__((always_inline)) void attend_rows_any(float *acc, const float *qb, const float *kb,
-                                                                  const float *vb, const int32_t *table,
+static inline __attribute__((always_inline)) void attend_rows_any(float *acc, const float *qb, const kv_t *kb,
+                                                                  const kv_t *vb, const int32_t *table,
                                                                   int64_t start, int64_t n, int64_t G, const int64_t D,
                                                                   int64_t bs, int64_t ks, int64_t vs, float *sc,
                                                                   int64_t stride, const next_unit *nx) {
@@ -82,16 +123,16 @@ static inline __attribute__((always_inline)) void attend_rows_any(float *acc, co
     int64_t b0 = 0;
     for (; b0 < end; b0 += bs) {
         prefetch_block(nx, b0, bs, ks, vs, D);
-        const float *kblk = kb + (int64_t)table[b0 / bs] * bs * ks;
+        const kv_t *kblk = kb + (int64_t)table[b0 / bs] * bs * ks;
         const int64_t nb = end - b0 < bs ? end - b0 : bs;
         for (int64_t i = 0; i < nb; i++) {
             const int64_t p = b0 + i;
-            const float *kp = kblk + i * ks;
+            const kv_t *kp = kblk + i * ks;
             for (int64_t r = (p > start ? p - start : 0) * G; r < R; r++) { /* the rows that see position p */
                 const float *qr = qb + r * D;
                 float a = 0.f;
 #pragma omp simd reduction(+ : a)
-                for (int64_t d = 0; d < D; d++) a += qr[d] * kp[d];
+                for (int64_t d = 0; d < D; d++) a += qr[d] * kvf(kp[d]);
                 sc[r * stride + p] = a;
             }
         }
@@ -100,16 +141,16 @@ static inline __attribute__((always_inline)) void attend_rows_any(float *acc, co
     softmax_rows(sc, R, G, start, stride);
     memset(acc, 0, sizeof(float) * R * D);
     for (int64_t b0 = 0; b0 < end; b0 += bs) {
-        const float *vblk = vb + (int64_t)table[b0 / bs] * bs * vs;
+        const kv_t *vblk = vb + (int64_t)table[b0 / bs] * bs * vs;
         const int64_t nb = end - b0 < bs ? end - b0 : bs;
         for (int64_t i = 0; i < nb; i++) {
             const int64_t p = b0 + i;
-            const float *vp = vblk + i * vs;
+            const kv_t *vp = vblk + i * vs;
             for (int64_t r = (p > start ? p - start : 0) * G; r < R; r++) {
                 const float w = sc[r * stride + p];
                 float *o = acc + r * D;
 #pragma omp simd
-                for (int64_t d = 0; d < D; d++) o[d] += w * vp[d];
+                for (int64_t d = 0; d < D; d++) o[d] += w * kvf(vp[d]);
             }
         }
     }
@@ -124,11 +165,27 @@ static inline __attribute__((always_inline)) v16f ld16(const float *p) {
     return v;
 }
 
+/* Sixteen of the pools' elements as floats (exact) */
+static inline __attribute__((always_inline)) v16f ldkv(const kv_t *p) {
+#ifdef SPECMESH_KV_BF16
+#if defined(__AVX512F__)
+    const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
+    return (v16f)_mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+#else
+    v16f v;
+    for (int l = 0; l < 16; l++) v[l] = kvf(p[l]);
+    return v;
+#endif
+#else
+    return ld16(p);
+#endif
+}
+
 /* q . k lane by lane: lane l holds the sum over the row's vectors c of q[c][l] k[16 c + l] */
-static inline __attribute__((always_inline)) v16f dot_lanes(const v16f *q, const float *k, const int64_t VN) {
-    v16f s = q[0] * ld16(k);
+static inline __attribute__((always_inline)) v16f dot_lanes(const v16f *q, const kv_t *k, const int64_t VN) {
+    v16f s = q[0] * ldkv(k);
 #pragma GCC unroll 16
-    for (int64_t c = 1; c < VN; c++) s += q[c] * ld16(k + 16 * c);
+    for (int64_t c = 1; c < VN; c++) s += q[c] * ldkv(k + 16 * c);
     return s;
 }
 
@@ -158,8 +215,8 @@ static inline __attribute__((always_inline)) v16f sum16(v16f a[16]) {
  * registers). Scores: a row against up to sixteen keys of a block at once, each key's lanes summed by sum16; a
  * group's keys past the sequence's end are not read. Values: two rows at a time over their visible keys in
  * order, each row's sum kept in registers (the same sequence of multiply-adds for a row whatever its partner). */
-static inline __attribute__((always_inline)) void attend_rows_vec(float *acc, const float *qb, const float *kb,
-                                                                  const float *vb, const int32_t *table,
+static inline __attribute__((always_inline)) void attend_rows_vec(float *acc, const float *qb, const kv_t *kb,
+                                                                  const kv_t *vb, const int32_t *table,
                                                                   int64_t start, int64_t n, int64_t G, const int64_t D,
                                                                   int64_t bs, int64_t ks, int64_t vs, float *sc,
                                                                   int64_t stride, const next_unit *nx) {
@@ -168,7 +225,7 @@ static inline __attribute__((always_inline)) void attend_rows_vec(float *acc, co
     int64_t b0 = 0;
     for (; b0 < end; b0 += bs) {
         prefetch_block(nx, b0, bs, ks, vs, D);
-        const float *kblk = kb + (int64_t)table[b0 / bs] * bs * ks;
+        const kv_t *kblk = kb + (int64_t)table[b0 / bs] * bs * ks;
         const int64_t nb = end - b0 < bs ? end - b0 : bs;
         for (int64_t i0 = 0; i0 < nb; i0 += 16) {
             const int64_t cnt = nb - i0 < 16 ? nb - i0 : 16, p0 = b0 + i0;
@@ -197,7 +254,7 @@ static inline __attribute__((always_inline)) void attend_rows_vec(float *acc, co
      * registers within a block and in acc between blocks, so each row's sum is the same sequence of
      * multiply-adds over its keys in order as a whole pass would make. */
     for (int64_t b0 = 0; b0 < end; b0 += bs) {
-        const float *vblk = vb + (int64_t)table[b0 / bs] * bs * vs;
+        const kv_t *vblk = vb + (int64_t)table[b0 / bs] * bs * vs;
         const int64_t bend = end - b0 < bs ? end : b0 + bs;
         for (int64_t r = (b0 > start ? b0 - start : 0) * G; r < R; r += 2) {
             const int64_t two = r + 1 < R, visa = start + r / G + 1, visb = two ? start + (r + 1) / G + 1 : 0;
@@ -212,19 +269,19 @@ static inline __attribute__((always_inline)) void attend_rows_vec(float *acc, co
             const int64_t both = visb < visa ? visb : visa;
             int64_t p = b0;
             for (; p < both && p < bend; p++) {
-                const float *vp = vblk + (p - b0) * vs;
+                const kv_t *vp = vblk + (p - b0) * vs;
 #pragma GCC unroll 16
                 for (int64_t c = 0; c < VN; c++) {
-                    const v16f x = ld16(vp + 16 * c);
+                    const v16f x = ldkv(vp + 16 * c);
                     oa[c] += wa[p] * x;
                     ob[c] += wb[p] * x;
                 }
             }
             for (; p < bend && (p < visa || p < visb); p++) {
-                const float *vp = vblk + (p - b0) * vs;
+                const kv_t *vp = vblk + (p - b0) * vs;
 #pragma GCC unroll 16
                 for (int64_t c = 0; c < VN; c++) {
-                    const v16f x = ld16(vp + 16 * c);
+                    const v16f x = ldkv(vp + 16 * c);
                     if (p < visa) oa[c] += wa[p] * x;
                     if (p < visb) ob[c] += wb[p] * x;
                 }
@@ -241,8 +298,8 @@ static inline __attribute__((always_inline)) void attend_rows_vec(float *acc, co
 /* acc [n G, D] = softmax(qb . K) . V for the rows above; qb: [n G, D], scaled (and rotated). kb, vb: the KV
  * head's keys and values (slot s at kb + s * ks); sc: scratch [n G, stride], stride >= start + n; nx: the unit
  * the caller runs next, or NULL. */
-static inline __attribute__((always_inline)) void attend_rows(float *acc, const float *qb, const float *kb,
-                                                              const float *vb, const int32_t *table, int64_t start,
+static inline __attribute__((always_inline)) void attend_rows(float *acc, const float *qb, const kv_t *kb,
+                                                              const kv_t *vb, const int32_t *table, int64_t start,
                                                               int64_t n, int64_t G, const int64_t D, int64_t bs,
                                                               int64_t ks, int64_t vs, float *sc, int64_t stride,
                                                               const next_unit *nx) {

@@ -5,7 +5,7 @@
  * Per (sequence, KV head), the unit of work: the rows are the sequence's new tokens x the query heads sharing
  * that KV head (GQA folded, so each key is read once per group), each at its token's position, attending as
  * attend_rows.h says. A row's result depends on its own query and keys only, never on the batch around it or
- * on how the units are split over threads.
+ * on how the units are split over threads. Built twice, over float and over bfloat16 pools (attend_rows.h).
  */
 #include <float.h>
 #include <math.h>
@@ -18,7 +18,7 @@
 typedef struct {
     float *out;               /* [T, nh, D] strided */
     const float *q;           /* [T, nh, D] strided */
-    const float *k, *v;       /* [n_kv, slots, D] strided */
+    const kv_t *k, *v;        /* [n_kv, slots, D] strided */
     const int32_t *tables;    /* [S, W] block ids */
     const int64_t *segs;      /* [S, 3]: first batch row, new tokens, first new position */
     int64_t W, nkv, group, D, bs;
@@ -46,13 +46,15 @@ static inline __attribute__((always_inline)) void unit_d(const job_t *j, int64_t
     const int64_t off = j->segs[3 * s], n = j->segs[3 * s + 1], start = j->segs[3 * s + 2];
     const int64_t G = j->group, bs = j->bs;
     const int32_t *table = j->tables + s * j->W;
-    const float *kb = j->k + h * j->sk_h, *vb = j->v + h * j->sv_h;
+    const kv_t *kb = j->k + h * j->sk_h, *vb = j->v + h * j->sv_h;
     if (j->cos) /* this KV head's new keys (rotated) and values into their slots: only this unit writes them */
         for (int64_t t = 0; t < n; t++) {
             const int64_t p = start + t, slot = (int64_t)table[p / bs] * bs + p % bs;
             const float *ks = j->kn + (off + t) * j->sq_t + h * j->sq_h;
-            rotate((float *)kb + slot * j->sk_s, ks, j->cos + p * D, j->sin + p * D, 1.f, D);
-            memcpy((float *)vb + slot * j->sv_s, j->vn + (off + t) * j->sq_t + h * j->sq_h, sizeof(float) * D);
+            float kr[512];
+            rotate(kr, ks, j->cos + p * D, j->sin + p * D, 1.f, D);
+            kv_put((kv_t *)kb + slot * j->sk_s, kr, D);
+            kv_put((kv_t *)vb + slot * j->sv_s, j->vn + (off + t) * j->sq_t + h * j->sq_h, D);
         }
     /* the rows' queries, scaled (and rotated), packed contiguously: they stay in L1 while the keys stream past */
     for (int64_t t = 0; t < n; t++)
@@ -128,7 +130,7 @@ static int run(const job_t *proto, const int64_t *bounds, int shares) {
  * an OpenMP team (torch's own: the library links the libgomp torch has loaded, so the team is the one whose
  * threads are still spinning after the last matmul, not new threads fighting them for the cores). Returns
  * 0, or -1 when a worker could not allocate its scratch (nothing is then guaranteed about out). */
-int specmesh_block_attention(float *out, const float *q, const float *k, const float *v, const int32_t *tables,
+int KV_NAME(specmesh_block_attention)(float *out, const float *q, const kv_t *k, const kv_t *v, const int32_t *tables,
                              const int64_t *segs, int64_t W, int64_t nkv, int64_t group, int64_t D, int64_t bs,
                              const int64_t *strides, float scale, const int64_t *units, const int64_t *bounds,
                              int shares) {
@@ -141,7 +143,7 @@ int specmesh_block_attention(float *out, const float *q, const float *k, const f
 /* The same over a projection's output qkv [T, nkv * group + 2 nkv, D] (queries, then keys, then values; strides
  * (token, head) in place of q's): rotary applied to the queries and the new keys on the way in, the new keys and
  * values written into their slots (k and v are written), then attention as above. cos, sin: [positions, D]. */
-int specmesh_block_attention_rope(float *out, const float *qkv, float *k, float *v, const int32_t *tables,
+int KV_NAME(specmesh_block_attention_rope)(float *out, const float *qkv, kv_t *k, kv_t *v, const int32_t *tables,
                                   const int64_t *segs, int64_t W, int64_t nkv, int64_t group, int64_t D, int64_t bs,
                                   const int64_t *strides, float scale, const int64_t *units, const int64_t *bounds,
                                   int shares, const float *cos, const float *sin) {

@@ -22,7 +22,8 @@
  *
  * Attention is split by (sequence, KV head): the thread that owns one applies rotary to its keys and its query
  * heads, writes the keys and values into the pool and attends, so nothing it reads is written by another
- * thread; the attention itself is attend_rows.h's, as block_attention_cpu.c's.
+ * thread; the attention itself is attend_rows.h's, as block_attention_cpu.c's. Built twice: once over float
+ * pools, once over bfloat16 ones (SPECMESH_KV_BF16, the entries' names ending in _bf16; attend_rows.h).
  */
 #include <float.h>
 #include <math.h>
@@ -185,7 +186,7 @@ enum { PANEL = 0 };
 #endif
 
 /* The panel width the weights are to be packed in for this build (0: [in, out] rows, no packing) */
-int specmesh_decode_step_panel(void) { return PANEL; }
+int KV_NAME(specmesh_decode_step_panel)(void) { return PANEL; }
 
 /* A product in the weights' layout: panels (dims[PANELW] != 0, never without AVX-512) write whole sums into
  * the team's one set, rows this thread's partials into its own */
@@ -252,7 +253,7 @@ static void rope(float *x, const float *cos, const float *sin, int64_t D) {
 
 /* Rows r = t G + g (token t of n at position start + t, query head g of the KV head's G) attend over positions
  * [0, start + t]: out row r (ldo apart per token) = softmax(q_r . K) . V. q: [n G, D], rotated. */
-static void attend(float *out, int64_t ldo, const float *q, const float *kb, const float *vb, const int32_t *table,
+static void attend(float *out, int64_t ldo, const float *q, const kv_t *kb, const kv_t *vb, const int32_t *table,
                    int64_t start, int64_t n, int64_t bs, int64_t ks, int64_t vs, int64_t G, int64_t D, float scale,
                    float *qb, float *acc, float *sc, const next_unit *nx) {
     /* a score row's stride padded to whole cache lines: every row starts aligned, so a row's sums (the
@@ -277,7 +278,7 @@ static void attend(float *out, int64_t ldo, const float *q, const float *kb, con
  * sequence. segs: per sequence (first row, tokens, first position); tables: per sequence TW block ids. cos,
  * sin: the rotary tables [positions, D] (rotate_half's sign folded into sin). lrows: the NLOG rows whose logits
  * go to logits [NLOG, V]. Returns 0, or -1 when scratch could not be allocated (then nothing was written). */
-int specmesh_decode_step(const int64_t *dims, void *const *ptrs, const float *fl, const float *embed,
+int KV_NAME(specmesh_decode_step)(const int64_t *dims, void *const *ptrs, const float *fl, const float *embed,
                          const int64_t *tokens, const int64_t *segs, const int32_t *tables, const float *cos,
                          const float *sin, const float *norm_w, float norm_eps, const float *lm_w, const float *lm_b,
                          const int64_t *lrows, float *logits, int threads) {
@@ -326,7 +327,7 @@ int specmesh_decode_step(const int64_t *dims, void *const *ptrs, const float *fl
                 next_unit nx = {NULL, NULL, NULL, 0};
                 if (u + 1 < u1) { /* the next unit's keys and values on their way while this one computes */
                     const int64_t s = (u + 1) / nkv, h = (u + 1) % nkv;
-                    nx = (next_unit){(float *)p[KPOOL] + h * dims[K_SH], (float *)p[VPOOL] + h * dims[V_SH],
+                    nx = (next_unit){(kv_t *)p[KPOOL] + h * dims[K_SH], (kv_t *)p[VPOOL] + h * dims[V_SH],
                                      tables + s * dims[TW], segs[3 * s + 2] + segs[3 * s + 1]};
                 }
                 /* one sequence's KV head: its query heads, keys and values, summed from the partials */
@@ -334,7 +335,7 @@ int specmesh_decode_step(const int64_t *dims, void *const *ptrs, const float *fl
                 const int64_t start = segs[3 * sq + 2];
                 const int32_t *table = tables + sq * dims[TW];
                 const int64_t qo = kh * G * D, ko = (nh + kh) * D, vo = (nh + nkv + kh) * D;
-                float *kp = (float *)p[KPOOL] + kh * dims[K_SH], *vp = (float *)p[VPOOL] + kh * dims[V_SH];
+                kv_t *kp = (kv_t *)p[KPOOL] + kh * dims[K_SH], *vp = (kv_t *)p[VPOOL] + kh * dims[V_SH];
                 for (int64_t i = 0; i < ns; i++) {
                     const float *pr = pa + (off + i) * lp, *c = cos + (start + i) * D, *s = sin + (start + i) * D;
                     float *qr = q + i * G * D, *kr = k + i * D, *vr = v + i * D;
@@ -348,8 +349,8 @@ int specmesh_decode_step(const int64_t *dims, void *const *ptrs, const float *fl
                     if (p[KN]) rms_row(kr, kr, p[KN], f[KN_EPS], D);
                     rope(kr, c, s, D);
                     const int64_t at = start + i, slot = (int64_t)table[at / bs] * bs + at % bs;
-                    memcpy(kp + slot * dims[K_SS], kr, sizeof(float) * D);
-                    memcpy(vp + slot * dims[V_SS], vr, sizeof(float) * D);
+                    kv_put(kp + slot * dims[K_SS], kr, D);
+                    kv_put(vp + slot * dims[V_SS], vr, D);
                 }
                 attend(attn + off * A + qo, A, q, kp, vp, table, start, ns, bs, dims[K_SS], dims[V_SS], G, D,
                        f[SCALE], qb, acc, sc, u + 1 < u1 ? &nx : NULL);
