@@ -1,8 +1,8 @@
 """Where the verify forward's time goes against what the machine allows: the memory roofline and the compute
 floor, measured here, beside the forward at decode shapes.
 
-    python -m bench.roofline [--target DIR] [--dtype float32] [--runners paged,gguf] [--streams 16] [--k 4]
-        [--context 128] [--repeats 40] [--threads N] [--out bench/results/roofline.json]
+    python -m bench.roofline [--target DIR] [--dtype float32] [--kv-cache-dtype auto] [--runners paged,gguf]
+        [--streams 16] [--k 4] [--context 128] [--repeats 40] [--threads N] [--out bench/results/roofline.json]
 
 Measures, in this process, with the torch threads a verify service gets:
 - the memory bandwidth: a read of a buffer far larger than the caches (the best of several passes, the fastest of
@@ -38,6 +38,7 @@ import torch
 
 from bench.output import machine, write_json
 from bench.plots import pyplot, save
+from specmesh.config import KV_CACHE_DTYPES
 from specmesh.models import load_model
 from specmesh.runtime import Runner, cpu_kernels
 from specmesh.runtime.registry import build_runner
@@ -153,7 +154,8 @@ def measure(args) -> dict:
     cfg = model.config
     heads = cfg.num_attention_heads
     hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-    kv_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * hd * dtype.itemsize
+    kv_dtype = None if args.kv_cache_dtype == "auto" else getattr(torch, KV_CACHE_DTYPES[args.kv_cache_dtype])
+    kv_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * hd * (kv_dtype or dtype).itemsize
     runners = {}
     for kind in args.runners:
         blocks = streams * (-(-(ctx + k + 2) // 16)) + 32
@@ -164,6 +166,7 @@ def measure(args) -> dict:
             block_size=16,
             max_seq_len=ctx + 64,
             attention_backend=args.attention_backend,
+            kv_cache_dtype=kv_dtype,
         )
         runners[kind] = measure_runner(args, runner, bw, gflops, kv_per_token, heads, hd)
         del runner
@@ -171,6 +174,7 @@ def measure(args) -> dict:
         "bench": "roofline",
         "target": str(args.target),
         "dtype": str(dtype).replace("torch.", ""),
+        "kv_cache_dtype": str(kv_dtype or dtype).replace("torch.", ""),
         "threads": args.threads,
         "context": ctx,
         "attention_backend": args.attention_backend,
@@ -238,9 +242,10 @@ def measure_runner(args, runner: Runner, bw: float, gflops: float, kv_per_token:
 
 
 def markdown(r: dict) -> str:
+    kv = r.get("kv_cache_dtype", r["dtype"])
     lines = [
-        f"Memory {r['bandwidth_gbs']} GB/s, GEMM {r['gemm_gflops']} GFLOP/s ({r['dtype']}, {r['threads']} threads); "
-        f"weights {r['weight_bytes'] / 1e6:.1f} MB",
+        f"Memory {r['bandwidth_gbs']} GB/s, GEMM {r['gemm_gflops']} GFLOP/s ({r['dtype']}, KV {kv}, "
+        f"{r['threads']} threads); weights {r['weight_bytes'] / 1e6:.1f} MB",
         "",
         "| shape | ms p50 | memory floor | compute floor | x floor | fused step (C) | matmul | attention | KV "
         "| elementwise | other | Python and dispatch |",
@@ -274,7 +279,8 @@ def plot(r: dict, path: Path) -> None:
         ax.set_title(f"{name}: {s['ms_p50']:.2f} ms = {s['x_floor']:.2f}x the floor", fontsize=8)
         ax.set_ylabel("ms")
     axes[0].legend(fontsize=7)
-    fig.suptitle(f"verify forward against the roofline ({r['dtype']}, {r['threads']} threads)")
+    kv = r.get("kv_cache_dtype", r["dtype"])
+    fig.suptitle(f"verify forward against the roofline ({r['dtype']}, KV {kv}, {r['threads']} threads)")
     save(fig, path)
 
 
@@ -282,6 +288,12 @@ def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", type=Path, default=ROOT / "models/demo/target")
     ap.add_argument("--dtype", default="float32", help="--dtype of the verify service (float32, bfloat16, ...)")
+    ap.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=tuple(KV_CACHE_DTYPES),
+        help="--kv-cache-dtype of the verify service (bfloat16: the paged runner's pools under a float32 model)",
+    )
     ap.add_argument(
         "--runners", type=lambda v: v.split(","), default=["paged", "gguf"], help="verify runners (registry kinds)"
     )
