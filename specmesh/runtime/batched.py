@@ -408,7 +408,11 @@ class _RaggedRunner(RunnerBase):
         per work item its logits, or None where the step does not take the pass. `blocks_of(w)`: the item's
         block table in blocks of `block_size` slots."""
         dec = self._dec  # type: ignore[attr-defined]  # both subclasses have the decoder and the pools
-        if dec.step is None or sum(len(w.feed) for w in work) > dec.step.max_rows:
+        if (
+            dec.step is None
+            or sum(len(w.feed) for w in work) > dec.step.max_rows
+            or max(len(w.feed) for w in work) > dec.step.max_seq_rows
+        ):
             return None
         self._host_batch(work)  # the vocabulary check, before anything is written
         dec.refresh_if_stale()

@@ -625,9 +625,9 @@ class PagedRunner(_RaggedRunner):
                 # decode blocks past the limit (rotary, the KV writes and attention by the CPU kernel from the
                 # projection's output).
                 rows, step = cpu_kernels.STEP_MAX_TOKENS, self._dec.step
-                limit = step.max_rows if step is not None else 0
+                limit = (step.max_rows, step.max_seq_rows) if step is not None else (0, 0)
                 if step is not None:
-                    step.max_rows = rows
+                    step.max_rows = step.max_seq_rows = rows
                 try:
                     c = self.new_sequence([(5 * i + 2) % self.vocab_size for i in range(cpu_kernels.MAX_TOKENS + 3)])
                     seqs.append(c)
@@ -638,7 +638,7 @@ class PagedRunner(_RaggedRunner):
                     got += self.forward([a, b], more)
                 finally:
                     if step is not None:
-                        step.max_rows = limit
+                        step.max_rows, step.max_seq_rows = limit
                 fed += [[*a.token_ids, *more[0]], [*b.token_ids, *more[1]]]
                 for logits, f in zip(got, fed, strict=True):
                     with sdpa_context(self.attention_backend, self.device):

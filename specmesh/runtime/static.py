@@ -15,7 +15,7 @@ sequence's ids, and each forward keeps the longest common prefix of the cached i
   Python overhead, is most of the gain on CPU); any other causal LM ModelRunner supports runs the stock
   HF forward over the same preallocated cache. The hand-written loop is checked against the HF forward
   on a probe when the runner is built and is not used (with a warning) if they disagree. On a CPU in float32
-  (attention backend `auto`) a feed of up to the step's `max_rows` tokens goes through the fused C
+  (attention backend `auto`) a feed of up to the step's `max_seq_rows` tokens goes through the fused C
   step instead (`cpu_kernels.DecodeStep`, the buffer as one block): the demo draft's one-token step ~0.22 ms.
 
 Logits equal ModelRunner's up to float rounding (~1e-5 absolute on the tests' tiny models; bitwise with
@@ -503,13 +503,13 @@ class _FastDecoder:
 
     def __call__(self, cache: _PreallocCache, feed: list[int], num_logits: int, fused: bool = True) -> torch.Tensor:
         """Logits [num_logits, V] of the last rows of `feed`, fed after the cache's tokens; `fused`: a feed of
-        up to the step's `max_rows` may go through the fused CPU step (`cpu_kernels.DecodeStep`)."""
+        up to the step's `max_seq_rows` may go through the fused CPU step (`cpu_kernels.DecodeStep`)."""
         n = len(feed)
         start = cache.length
         end = start + n
         self.reserve(end)
         step = self.step if fused else None
-        if step is not None and n <= step.max_rows and min(feed) >= 0 and max(feed) < self.embed.shape[0]:
+        if step is not None and n <= step.max_seq_rows and min(feed) >= 0 and max(feed) < self.embed.shape[0]:
             first = cache.layers[0]
             pools = [layer.k_buf[0] for layer in cache.layers], [layer.v_buf[0] for layer in cache.layers]
             # The buffer is one block as long as its capacity: block 0 holds every position.

@@ -85,7 +85,9 @@ def test_the_step_packs_panels_where_the_build_can(layout):
         if r._dec.step.panel_width
         else (cpu_kernels.STEP_MAX_TOKENS, cpu_kernels.STEP_MAX_TOKENS_SMALL)
     )
-    assert r._dec.step.max_rows in limits
+    assert r._dec.step.max_seq_rows in limits
+    batch = cpu_kernels.STEP_MAX_BATCH_TOKENS_PANELS if r._dec.step.panel_width else r._dec.step.max_seq_rows
+    assert r._dec.step.max_rows == batch
 
 
 @pytest.fixture
@@ -131,6 +133,45 @@ def test_paged_one_token_steps_match_hf_and_the_torch_ops(arch, threads):
             ref_seq.commit([seq.token_ids[len(ids)]])
 
 
+@pytest.mark.skipif(not cpu_kernels.load().specmesh_decode_step_panel(), reason="this build packs no panels")
+@pytest.mark.parametrize("layout", ["panels"], indirect=True)
+def test_a_batch_past_one_sequences_limit_goes_through_the_step_in_one_call(layout, monkeypatch):
+    """Sixteen verify blocks of 9 rows (144, past a sequence's STEP_MAX_TOKENS_PANELS, within the batch's
+    STEP_MAX_BATCH_TOKENS_PANELS): one call of the step, each row as the sequence alone to the bit; a block past
+    a sequence's limit sends the pass to the ragged forward."""
+    model = ARCHS["llama-gqa"]()
+    calls = []
+    step_call = cpu_kernels.DecodeStep.__call__
+
+    def counted(self, seqs, *args, **kw):
+        calls.append(sum(len(t) for t, _, _ in seqs))
+        return step_call(self, seqs, *args, **kw)
+
+    monkeypatch.setattr(cpu_kernels.DecodeStep, "__call__", counted)
+    prompts = [[(5 * i + 7 * k + 1) % 120 for i in range(5 + k)] for k in range(16)]
+    extras = [[(3 * k + j) % 120 for j in range(8)] for k in range(16)]
+    alone = []
+    for p, e in zip(prompts, extras, strict=True):
+        r = PagedRunner(model, 64, 4)
+        seq = r.new_sequence(p)
+        r.prefill(seq)
+        alone.append(r.forward([seq], [e])[0])
+    r = PagedRunner(model, 400, 4)
+    seqs = [r.new_sequence(p) for p in prompts]
+    for seq in seqs:
+        r.prefill(seq)
+    calls.clear()
+    together = r.forward(seqs, extras)
+    assert calls == [144] and 144 > r._dec.step.max_seq_rows
+    for got, want, p, e in zip(together, alone, prompts, extras, strict=True):
+        assert torch.equal(got, want)
+        close_logits(got, full_logits(model, p + e, len(e) + 1))
+    calls.clear()
+    long = [(j * 7) % 120 for j in range(r._dec.step.max_seq_rows)]  # one block of max_seq_rows + 1 tokens
+    r.forward(seqs[:2], [long, extras[1]])
+    assert calls == []
+
+
 def near_logits(got: torch.Tensor, ref: torch.Tensor) -> None:
     """Logits over a bfloat16 KV cache against the HF forward's (float32 keys and values): within bfloat16's
     rounding of K and V, a few tenths of a percent of the logits' scale on these models."""
@@ -152,7 +193,7 @@ def test_a_verify_block_computes_the_steps_bit_for_bit(arch, threads, layout, kv
     model = ARCHS[arch]()
     r = PagedRunner(model, 64, 4, kv_cache_dtype=KV[kv])
     assert r._k[0].dtype == (KV[kv] or torch.float32) and r.cpu_kernel  # the probe passed with the kernels
-    rows_max = r._dec.step.max_rows
+    rows_max = r._dec.step.max_seq_rows
     prompt = [(11 * i + 4) % 120 for i in range(13)]
     steps_seq = r.new_sequence(prompt)
     r.prefill(steps_seq)  # as the block's sequence: the prompt's last token is the first of the steps
@@ -242,7 +283,7 @@ def test_blocks_and_short_chunks_match_hf(n, layout):
     ragged forward), rollbacks in between, on the paged and batched runners."""
     model = ARCHS["llama-gqa"]()
     for r in (PagedRunner(model, 128, 4), BatchedRunner(model, 2, max_seq_len=512)):
-        n = {"max": r._dec.step.max_rows, "max + 1": r._dec.step.max_rows + 1}.get(n, n)
+        n = {"max": r._dec.step.max_seq_rows, "max + 1": r._dec.step.max_seq_rows + 1}.get(n, n)
         seq = r.new_sequence([(7 * i + 1) % 120 for i in range(3 * n + 2)])
         while r.prefill(seq, max_tokens=n):  # chunks of n tokens, no logits
             pass

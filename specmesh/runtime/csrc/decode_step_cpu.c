@@ -300,14 +300,16 @@ int KV_NAME(specmesh_decode_step)(const int64_t *dims, void *const *ptrs, const 
     /* a partial row's length, padded by a cache line so that the rows of a block do not share cache sets (at
      * a power of two apart, nine rows' partials thrashed one set of the L1); one thread's partials */
     const int64_t lp = widest + 16, stride = n * lp;
-    /* shared: attn [n, nh D], two sets of partials [T, n, lp] (a product's partials are read while the next
-     * product writes the other set); per thread: x and h [n, H], m [n, I]; for one sequence's unit q [most G,
-     * D], k and v [most, D], qb and acc [most G, D], sc [most G, far]; up, a row's up projections [I] */
-    const int64_t shared = (n * A + 15) / 16 * 16 + 2 * stride * threads;
+    /* shared: attn [n, nh D], two sets of partials [T, n, lp], [n, lp] over panels (a product's partials are
+     * read while the next product writes the other set); per thread: x and h [n, H], m [n, I]; for one
+     * sequence's unit q [most G, D], k and v [most, D], qb and acc [most G, D], sc [most G, far]; up, a row's
+     * up projections [I] */
+    const int64_t sets_max = pw ? 1 : threads; /* panels write whole sums: one set whatever the team */
+    const int64_t shared = (n * A + 15) / 16 * 16 + 2 * stride * sets_max;
     const int64_t own = (n * (2 * H + I) + I + most * (3 * G * D + 2 * D + G * far) + 15) / 16 * 16;
     float *buf = aligned_alloc(64, ((size_t)(shared + own * threads) * sizeof(float) + 63) / 64 * 64);
     if (!buf) return -1;
-    float *attn = buf, *pa = buf + (n * A + 15) / 16 * 16, *pb = pa + stride * threads, *priv = buf + shared;
+    float *attn = buf, *pa = buf + (n * A + 15) / 16 * 16, *pb = pa + stride * sets_max, *priv = buf + shared;
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
         /* sets: how many partial sums a product leaves per output (panels write whole sums) */
