@@ -162,7 +162,7 @@ def test_a_batch_past_one_sequences_limit_goes_through_the_step_in_one_call(layo
         r.prefill(seq)
     calls.clear()
     together = r.forward(seqs, extras)
-    assert calls == [144] and 144 > r._dec.step.max_seq_rows
+    assert calls == [144] and r._dec.step.max_seq_rows < 144
     for got, want, p, e in zip(together, alone, prompts, extras, strict=True):
         assert torch.equal(got, want)
         close_logits(got, full_logits(model, p + e, len(e) + 1))
