@@ -500,6 +500,17 @@ class DraftEngine:
     def active(self) -> int:
         return self._active
 
+    def model_drafts_unlikely(self, greedy: bool) -> bool:
+        """Whether a generation starting now would likely draft by the trees or not at all: this replica runs
+        more generations than --speculative-disable-by-batch-size (the verifier's batch is at least as large,
+        and every round's model K is 0 there), or its goodput guard at this load measures the model's
+        speculation losing. Such a generation's model prefill waits for its first model proposal."""
+        limit = self.config.speculative_disable_by_batch_size
+        if limit and self._active > limit:
+            return True
+        guard = self.goodput_guards.at(greedy, self._active) if self.goodput_guards is not None else None
+        return guard is not None and guard.speculation_loses()
+
     def draft_seconds_per_token(self) -> float:
         st = self.batcher.stats if self.batcher is not None else None
         return st.seconds / st.rows if st is not None and st.rows else 0.0
@@ -579,6 +590,8 @@ class _Generation:
             cache_scope=cache_scope,
         )
         self.drafter = engine._drafter(session_id, cache_scope, params.greedy)
+        if isinstance(self.drafter, HybridDrafter):
+            self.drafter.defer_model = engine.model_drafts_unlikely(params.greedy)
         # A seeded request must replay exactly: its random draws may not depend on timing, so it gets a
         # fixed K and no drafting ahead (both adapt to how fast verdicts come back).
         seeded = params.seed is not None

@@ -142,6 +142,10 @@ class HybridDrafter:
         self._by_position: dict[int, _Proposed] = {}  # a block's first position -> what drafted it
         self._greedy = True
         self._model_only = False
+        # The model's prefill waits for its first proposal: set by the caller for a turn whose rounds will
+        # likely draft by the trees or not at all (under load the model's K is 0), so a turn that never drafts
+        # by the model never pays its prefill.
+        self.defer_model = False
         self.by_method: dict[str, SpecStats] = {}
 
     async def start(self, prompt_ids: list[int], params: SamplingParams) -> None:
@@ -154,7 +158,7 @@ class HybridDrafter:
         if self._model_only:
             await self.model.start(prompt_ids, params)
         else:  # the first rounds may be the trees': they need not wait for the model's prefill
-            await self.model.begin(prompt_ids, params)
+            await self.model.begin(prompt_ids, params, defer=self.defer_model)
 
     async def propose(
         self, k: int, after: Sequence[int] = (), should_stop: Callable[[], bool] | None = None

@@ -28,6 +28,7 @@ class ModelDrafter:
         self.state: DraftState | None = None  # made by the first start(), then reused turn after turn
         self._prefill: asyncio.Future | None = None  # begin()'s prefill, until ready() has seen it end
         self._pending: list[int] = []  # tokens committed while it ran, committed after it
+        self._deferred = False  # begin() left the prefill to the first ready()
 
     @property
     def tokens_drafted(self) -> int:
@@ -41,18 +42,30 @@ class ModelDrafter:
         await self.begin(prompt_ids, params)
         await self.ready()
 
-    async def begin(self, prompt_ids: list[int], params: SamplingParams) -> None:
+    async def begin(self, prompt_ids: list[int], params: SamplingParams, defer: bool = False) -> None:
         """Open the turn's sequence now (a full pool raises here) and prefill it in the background, for a
         caller that drafts by other means meanwhile (the suffix trees): `propose` waits for it, and tokens
-        committed before it ends are committed after it (the model thread owns the ids while it runs)."""
+        committed before it ends are committed after it (the model thread owns the ids while it runs).
+        `defer`: the prefill waits for the first `ready` (or `propose`), and covers what was committed by then;
+        a turn whose rounds never draft by the model never computes it."""
         await self.settle()  # the previous turn's prefill, if it still runs
         self.state = self.batcher.new_state(prompt_ids, params, reuse=self.state, scope=self.scope)
         self._pending = []
+        self._deferred = defer
+        if not defer:
+            self._start_prefill()
+
+    def _start_prefill(self) -> None:
+        assert self.state is not None
+        self._deferred = False
         self._prefill = asyncio.ensure_future(self.batcher.prefill(self.state))
         self._prefill.add_done_callback(_retrieved)
 
     async def ready(self) -> None:
-        """Wait for begin()'s prefill; a cancelled caller leaves it running (it owns the ids)."""
+        """Wait for begin()'s prefill (a deferred one starts now); a cancelled caller leaves it running (it
+        owns the ids)."""
+        if self._deferred and self.state is not None:
+            self._start_prefill()
         prefill = self._prefill
         if prefill is None:
             return
@@ -91,7 +104,10 @@ class ModelDrafter:
         return DraftBlock(drafted, torch.stack([i for i, _ in q]), torch.stack([p for _, p in q]))
 
     async def settle(self) -> None:
-        """Wait for a prefill still running (its error was its turn's): after this `release` frees at once."""
+        """Wait for a prefill still running (its error was its turn's): after this `release` frees at once. A
+        deferred one is not started."""
+        if self._deferred:
+            return
         with contextlib.suppress(Exception):
             await self.ready()
 
@@ -112,6 +128,7 @@ class ModelDrafter:
         if self.state is not None:
             self.batcher.runner.free(self.state.seq)
         self.state = None
+        self._deferred = False
 
 
 def _retrieved(future: asyncio.Future) -> None:
