@@ -131,11 +131,7 @@ def build_runner(
     if runner == "hf":
         return registry.build_runner(model, "hf")
     if runner == "gguf":
-        from specmesh.runtime.gguf import unsupported
-
-        why = unsupported(model)
-        if why is not None:
-            raise ValueError(f"--runner gguf cannot serve this model: {why}")
+        _check_gguf(model)
     if not registry.batched_supported(model):
         if runner != "auto":
             raise ValueError(f"--runner {runner} has no decoder for {type(model).__name__}; use auto or hf")
@@ -171,6 +167,15 @@ def build_runner(
     )
     log.info("%s (%.1f MiB)", blocks.describe(), (paged.kv_account().pool_bytes or 0) / 2**20)
     return paged
+
+
+def _check_gguf(model: PreTrainedModel) -> None:
+    """ValueError naming --runner gguf where llama.cpp's runner cannot serve the model."""
+    from specmesh.runtime.gguf import unsupported
+
+    why = unsupported(model)
+    if why is not None:
+        raise ValueError(f"--runner gguf cannot serve this model: {why}")
 
 
 def _kv_dtype(model: PreTrainedModel, runner: str, name: str) -> torch.dtype | None:

@@ -476,6 +476,8 @@ def serve_command(record: dict, **changes) -> str:
         ("draft_replicas", "draft_replicas", 1),
         ("device", "device", None),
         ("draft_device", "draft_device", None),
+        ("dtype", "dtype", "auto"),
+        ("kv_cache_dtype", "kv_cache_dtype", "auto"),
         ("port", "port", 8000),
         ("grpc_port", "grpc_port", 50070),
     ):
@@ -859,6 +861,22 @@ def _suffix_advice(spec: list[PhaseSummary], record: dict) -> list[Recommendatio
     return []
 
 
+def _kv_halving(record: dict) -> str:
+    """The words that offer --kv-cache-dtype bfloat16 where the profiled stack could take it (a float32
+    target's KV in float32, not on CUDA), else none."""
+    plan = (record or {}).get("plan") or {}
+    if str(plan.get("device") or "").startswith("cuda") or not str(plan.get("device") or "cpu").startswith("cpu"):
+        return ""
+    if plan.get("dtype", "auto") not in ("auto", "float32", "float"):
+        return ""
+    if plan.get("kv_cache_dtype", "auto") not in ("auto", "float32", "float"):
+        return ""
+    return (
+        "; on a CPU, --verify-arg=--kv-cache-dtype=bfloat16 (specmesh serve --kv-cache-dtype bfloat16) keeps the "
+        "float32 target's KV in bfloat16: twice the tokens in the same budget"
+    )
+
+
 def _kv_advice(summaries: list[PhaseSummary], record: dict) -> list[Recommendation]:
     recs: list[Recommendation] = []
     kv = [(s, s.kv) for s in summaries if s.kv is not None]
@@ -866,6 +884,7 @@ def _kv_advice(summaries: list[PhaseSummary], record: dict) -> list[Recommendati
         return recs
     budget = max(k.budget_bytes for _, k in kv)
     raise_budget = serve_command(record, verify_arg=f"--kv-cache-budget-mb={math.ceil(2 * budget / 2**20)}")
+    halve = _kv_halving(record)
     preempted = [(s, k) for s, k in kv if k.preemptions > 0]
     if preempted:
         s, k = max(preempted, key=lambda sk: sk[1].preemptions)
@@ -875,7 +894,7 @@ def _kv_advice(summaries: list[PhaseSummary], record: dict) -> list[Recommendati
                 "for the load — raise --kv-cache-budget-mb or lower --max-sessions",
                 f"the verify service ran out of KV blocks ({k.usage_peak * 100:.0f} % of {k.num_blocks:.0f} blocks of "
                 f"{k.block_size} tokens in use at the peak) and took running sessions' blocks back; each resumes by "
-                "recomputing its prompt and output so far, so its stream stalls and that prefill is paid twice",
+                f"recomputing its prompt and output so far, so its stream stalls and that prefill is paid twice{halve}",
                 raise_budget if budget else serve_command(record, verify_arg="--max-sessions=N"),
                 None,
                 "kv",
@@ -915,7 +934,7 @@ def _kv_advice(summaries: list[PhaseSummary], record: dict) -> list[Recommendati
                 Recommendation(
                     f"{where}: cached prefix blocks are evicted before they are reused — raise --kv-cache-budget-mb",
                     f"{k.evictions:.0f} cached blocks were taken for new KV during the phase: with no free block left, "
-                    "the pool gives up the least recently released prefixes first",
+                    f"the pool gives up the least recently released prefixes first{halve}",
                     raise_budget,
                     None,
                     "kv",

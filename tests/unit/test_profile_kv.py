@@ -94,6 +94,16 @@ def test_preemptions_advise_a_larger_kv_budget():
     assert "5 session(s) preempted at 4 stream(s)" in rec.title and "--max-sessions" in rec.title
     assert "--kv-cache-budget-mb=128" in rec.command and "100 % of 100 blocks" in rec.why
     assert rec.gain is None
+    # A CPU stack's float32 target may keep its KV in bfloat16 instead; one on CUDA, or already so, is not told.
+    cpu = {"plan": {"target": "T", "draft": "D", "algorithm": "standalone", "device": "cpu"}}
+    (rec,) = [r for r in analyze([p], VERIFY, cpu).recommendations if r.kind == "kv"]
+    assert "--kv-cache-dtype bfloat16" in rec.why
+    for plan in ({"device": "cuda"}, {"device": "cpu", "kv_cache_dtype": "bfloat16"}, {"dtype": "bfloat16"}):
+        record = {"plan": {**cpu["plan"], **plan}}
+        (rec,) = [r for r in analyze([p], VERIFY, record).recommendations if r.kind == "kv"]
+        assert "kv-cache-dtype" not in rec.why
+        # the command it suggests is the profiled stack's, its cache dtype included
+        assert ("--kv-cache-dtype bfloat16" in rec.command) == ("kv_cache_dtype" in plan)
 
 
 def prefix_phase(replicas: int, evictions: int = 0, hits: int = 64) -> tuple[Phase, list[Endpoint]]:
