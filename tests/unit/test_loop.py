@@ -572,6 +572,24 @@ def test_a_goodput_probe_speculates_while_the_guard_says_speculation_loses():
     assert guard.speculation_pays() is True
 
 
+def test_a_goodput_probe_takes_the_guards_runs_after_its_own_rounds():
+    """A probe where speculation keeps losing speculates PROBE_ROUNDS rounds (fresh measures for the guard),
+    then takes the guard's target-only runs like any session rather than lose on the rest of its tokens."""
+    guard = GoodputGuard(every=8, probe=2, margin=0.05)
+    for _ in range(8):
+        guard.observe(True, 3, 0.030)
+    guard.observe(False, 2, 0.010)
+    assert guard.speculation_loses()
+    params = SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True)
+    verifier = TimedVerifier(0.040, 0.002)  # a round 40 ms, a target-only step 2 ms: speculation loses
+    probe = GoodputK(4, guard=guard, guard_runs=False)
+    r = asyncio.run(speculative_generate(verifier, CountingDrafter(), [1], params, probe, StopChecker(params)))
+    assert r.token_ids == list(range(2, 122))
+    assert r.stats.drafts >= GoodputK.PROBE_ROUNDS and probe.guard_runs
+    assert 8 in verifier.runs  # the guard's run of `every` steps, once the probe's rounds were in
+    assert r.stats.drafts < 120 // 2  # not a whole request of rounds
+
+
 class FreeDrafter(CountingDrafter):
     """CountingDrafter with blocks that cost no draft forward (as the hybrid's suffix trees): `free_block`
     offers `length` tokens every time it is asked, and counts the asks."""
