@@ -158,6 +158,9 @@ def measure(args) -> dict:
     kv_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * hd * (kv_dtype or dtype).itemsize
     runners = {}
     for kind in args.runners:
+        if kv_dtype not in (None, dtype) and kind != "paged":
+            print(f"{kind}: skipped, its KV keeps the model's dtype (--kv-cache-dtype is the paged runner's)")
+            continue
         blocks = streams * (-(-(ctx + k + 2) // 16)) + 32
         runner = build_runner(
             model,

@@ -446,7 +446,8 @@ class DraftEngine:
     ) -> AsyncGenerator[GenerationEvent, None]:
         """Yields Opened, then Tokens as rounds commit them, then Finished. `goodput_probe`: the caller sends
         most requests past this service while its guard says speculation loses, and this one to measure
-        speculation (it takes none of the guard's target-only runs). `cache_scope`: the verify replica's
+        speculation (it takes none of the guard's target-only runs for its first `GoodputK.PROBE_ROUNDS` measured
+        rounds). `cache_scope`: the verify replica's
         prefix-cache scope for the request, passed on as it came."""
         k_max = self.check(prompt_ids, params, num_speculative_tokens)
         self._admit(session_id)

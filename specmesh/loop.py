@@ -477,8 +477,10 @@ class GoodputK(AdaptiveK):
         self.batch_limit = batch_limit
         self.sampled = sampled  # the request samples (T > 0): its runs under the batch limit are longer
         self.guard = guard
-        self.guard_runs = guard_runs  # False: a goodput probe, which takes none of the guard's target-only runs
-        self._probe_rounds = 0  # ... until it has speculated PROBE_ROUNDS rounds
+        # False: a goodput probe, which takes none of the guard's target-only runs until it has speculated
+        # PROBE_ROUNDS measured rounds (the first, which waited for the prompt's prefill, is not one)
+        self.guard_runs = guard_runs
+        self._probe_rounds = 0
         self._guard_steps = 0  # target-only steps the guard asked for, taken as the next run
         self._guard_probe = False  # ... to measure the target-only side (not because speculation loses)
         self.last_batch_size = 0
@@ -576,7 +578,7 @@ class GoodputK(AdaptiveK):
             return self.guard.at(not self.sampled, self.last_batch_size)
         return self.guard
 
-    # A goodput probe speculates this many rounds whatever the guard says, enough for the guard to measure its
+    # A goodput probe speculates this many measured rounds whatever the guard says, enough for the guard to measure its
     # side afresh (it weighs about the last ten rounds), then takes the guard's runs like any session: a probe
     # that speculated through its whole request where speculation measured losing paid that loss on all of its
     # tokens (sampled edit loop and HumanEval at one stream, one request in eight a probe: 0.91-0.93x

@@ -871,6 +871,14 @@ def _kv_halving(record: dict) -> str:
         return ""
     if plan.get("kv_cache_dtype", "auto") not in ("auto", "float32", "float"):
         return ""
+    words, runner = list(plan.get("verify_args") or []), "auto"
+    for i, word in enumerate(words):
+        if word.startswith("--runner="):
+            runner = word.split("=", 1)[1]
+        elif word == "--runner" and i + 1 < len(words):
+            runner = words[i + 1]
+    if runner not in ("auto", "paged"):
+        return ""  # only the paged runner keeps its KV in another dtype
     return (
         "; on a CPU, --verify-arg=--kv-cache-dtype=bfloat16 (specmesh serve --kv-cache-dtype bfloat16) keeps the "
         "float32 target's KV in bfloat16: twice the tokens in the same budget"

@@ -65,7 +65,8 @@ HEADERS = tuple(Path(__file__).with_name("csrc") / n for n in ("attend_rows.h", 
 COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c11", "-D_GNU_SOURCE")
 LINK_FLAGS = ("-shared", "-fopenmp")
 MAX_TOKENS = 16  # a sequence with more new tokens (a prefill chunk) attends by SDPA's flash kernel
-# A forward of up to this many tokens (one sequence's or several) goes through the fused step (`DecodeStep`).
+# A forward of up to this many tokens of one sequence goes through the fused step (`DecodeStep`; of several
+# sequences, up to STEP_MAX_BATCH_TOKENS_PANELS in all where the weights are in panels, else this many).
 # With the weights in panels (a build with AVX-512) its products run as fast as oneDNN's packed GEMM from one
 # row to ~80, and without the ragged forward's few hundred operators: on the demo target, interleaved, 4 x 5
 # rows 11.9 ms against 14.6, 8 x 5 20.3 / 22.0, 16 x 5 41.2 / 41.3 (the demo draft 16 x 5 4.8 / 5.2).
@@ -74,10 +75,11 @@ MAX_TOKENS = 16  # a sequence with more new tokens (a prefill chunk) attends by 
 # a tenth of that, against the ragged forward's fixed cost: up to STEP_MAX_TOKENS_SMALL.
 STEP_MAX_TOKENS_PANELS = 80
 # With panels a batch of several sequences' blocks goes through the step up to this many tokens in all (each
-# sequence up to STEP_MAX_TOKENS_PANELS): on a host whose cores have two 512-bit FMA units the panels' products
-# keep the GEMM's rate past 80 rows, and the step beat the ragged forward at every batch of verify blocks
-# measured (demo target, interleaved, ms: 12 x 8 at 560 cached tokens 48.0 against 53.4, 16 x 9 66.1 / 69.5,
-# 16 x 6 at 128 28.6 / 34.1, 32 x 5 at 300 66.8 / 70.7, 32 x 9 117.5 / 141.5, 24 x 17 at 200 150.8 / 153.8).
+# sequence up to STEP_MAX_TOKENS_PANELS). Measured on a host whose cores have two 512-bit FMA units (where the
+# panels' products keep the GEMM's rate past 80 rows; a host with one was not measured at these shapes), the
+# step beat the ragged forward at every batch of verify blocks (demo target, interleaved, ms: 12 x 8 at 560
+# cached tokens 48.0 against 53.4, 16 x 9 66.1 / 69.5, 16 x 6 at 128 28.6 / 34.1, 32 x 5 at 300 66.8 / 70.7,
+# 32 x 9 117.5 / 141.5, 24 x 17 at 200 150.8 / 153.8).
 STEP_MAX_BATCH_TOKENS_PANELS = 256
 STEP_MAX_TOKENS = 8
 STEP_MAX_TOKENS_SMALL = 16

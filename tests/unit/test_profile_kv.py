@@ -98,7 +98,8 @@ def test_preemptions_advise_a_larger_kv_budget():
     cpu = {"plan": {"target": "T", "draft": "D", "algorithm": "standalone", "device": "cpu"}}
     (rec,) = [r for r in analyze([p], VERIFY, cpu).recommendations if r.kind == "kv"]
     assert "--kv-cache-dtype bfloat16" in rec.why
-    for plan in ({"device": "cuda"}, {"device": "cpu", "kv_cache_dtype": "bfloat16"}, {"dtype": "bfloat16"}):
+    others = ({"device": "cuda"}, {"device": "cpu", "kv_cache_dtype": "bfloat16"}, {"dtype": "bfloat16"})
+    for plan in (*others, {"verify_args": ["--runner", "batched"]}, {"verify_args": ["--runner=gguf"]}):
         record = {"plan": {**cpu["plan"], **plan}}
         (rec,) = [r for r in analyze([p], VERIFY, record).recommendations if r.kind == "kv"]
         assert "kv-cache-dtype" not in rec.why
