@@ -89,6 +89,7 @@ GEMV_PARALLEL_MIN = 64 * 1024  # weights below this many elements: one thread
 PARALLEL_MIN_WORK = 4096
 
 _lock = threading.Lock()
+_KV_ENTRIES: dict = {}  # filled by load()
 _lib: ctypes.CDLL | None = None
 _tried = False
 
@@ -158,16 +159,19 @@ def load() -> ctypes.CDLL | None:
             log.warning("specmesh's CPU kernels could not be built (%s): torch's serve instead", e)
             return None
         p, i64 = ctypes.c_void_p, ctypes.c_int64
-        for kv in KV_DTYPES.values():
-            fn = getattr(lib, f"specmesh_block_attention{kv}")
-            fn.argtypes = [p, p, p, p, p, p, i64, i64, i64, i64, i64, p, ctypes.c_float, p, p, ctypes.c_int]
-            fn.restype = ctypes.c_int
-            fn = getattr(lib, f"specmesh_block_attention_rope{kv}")
-            fn.argtypes = [p, p, p, p, p, p, i64, i64, i64, i64, i64, p, ctypes.c_float, p, p, ctypes.c_int, p, p]
-            fn.restype = ctypes.c_int
-            fn = getattr(lib, f"specmesh_decode_step{kv}")
-            fn.argtypes = [p, p, p, p, p, p, p, p, p, p, ctypes.c_float, p, p, p, p, ctypes.c_int]
-            fn.restype = ctypes.c_int
+        f32, i32 = ctypes.c_float, ctypes.c_int
+        attention = [p, p, p, p, p, p, i64, i64, i64, i64, i64, p, f32, p, p, i32]
+        by_kv = {
+            "specmesh_block_attention": attention,
+            "specmesh_block_attention_rope": [*attention, p, p],
+            "specmesh_decode_step": [p, p, p, p, p, p, p, p, p, p, f32, p, p, p, p, i32],
+        }
+        _KV_ENTRIES.clear()  # (name, pools' dtype) -> the entry built for it, looked up once per call
+        for name, argtypes in by_kv.items():
+            for dtype, suffix in KV_DTYPES.items():
+                fn = getattr(lib, name + suffix)
+                fn.argtypes, fn.restype = argtypes, ctypes.c_int
+                _KV_ENTRIES[name, dtype] = fn
         fn = lib.specmesh_gemv
         fn.argtypes = [p, p, p, p, i64, i64, i64, ctypes.c_int]
         fn.restype = ctypes.c_int
@@ -315,19 +319,19 @@ def block_attention(
         raise RuntimeError("specmesh's CPU kernels are not built here")
     _, nh, d = q.shape
     n_kv = k_pool.shape[0]
-    kv = _kv_suffix(k_pool, v_pool)
-    if not (supports(q) and out.dtype == torch.float32 and kv is not None):
+    fn = _kv_entry("specmesh_block_attention", k_pool, v_pool)
+    if not (supports(q) and out.dtype == torch.float32 and fn is not None):
         raise ValueError("the CPU block-table attention kernel takes float32 CPU tensors (float32 or bfloat16 pools)")
     if nh % n_kv or n_kv != plan.n_kv or out.shape != q.shape or k_pool.shape != v_pool.shape or k_pool.shape[2] != d:
         raise ValueError(f"CPU block attention: q {tuple(q.shape)} against a pool {tuple(k_pool.shape)}")
-    _call(getattr(lib, f"specmesh_block_attention{kv}"), out, q, k_pool, v_pool, plan, block_size, scale)
+    _call(fn, out, q, k_pool, v_pool, plan, block_size, scale)
 
 
-def _kv_suffix(k_pool: torch.Tensor, v_pool: torch.Tensor) -> str | None:
-    """The suffix of the kernels' entries built for these pools' dtype (`KV_DTYPES`), None for none."""
+def _kv_entry(name: str, k_pool: torch.Tensor, v_pool: torch.Tensor):
+    """The kernel entry `name` built for these pools' dtype (`KV_DTYPES`), None for pools it does not take."""
     if k_pool.device.type != "cpu" or k_pool.dtype != v_pool.dtype:
         return None
-    return KV_DTYPES.get(k_pool.dtype)
+    return _KV_ENTRIES.get((name, k_pool.dtype))
 
 
 def block_attention_rope(
@@ -351,8 +355,8 @@ def block_attention_rope(
         raise RuntimeError("specmesh's CPU kernels are not built here")
     n_kv, d = k_pool.shape[0], k_pool.shape[2]
     nh = out.shape[1]
-    kv = _kv_suffix(k_pool, v_pool)
-    if not (supports(qkv) and out.dtype == cos.dtype == sin.dtype == torch.float32 and kv is not None):
+    fn = _kv_entry("specmesh_block_attention_rope", k_pool, v_pool)
+    if not (supports(qkv) and out.dtype == cos.dtype == sin.dtype == torch.float32 and fn is not None):
         raise ValueError("the CPU block-table attention kernel takes float32 CPU tensors (float32 or bfloat16 pools)")
     if qkv.shape != (out.shape[0], nh + 2 * n_kv, d) or out.shape[2] != d or k_pool.shape != v_pool.shape:
         raise ValueError(f"CPU block attention: qkv {tuple(qkv.shape)} against a pool {tuple(k_pool.shape)}")
@@ -365,7 +369,6 @@ def block_attention_rope(
         or not (cos.is_contiguous() and sin.is_contiguous())
     ):
         raise ValueError(f"CPU block attention: rotary tables {tuple(cos.shape)} for {plan.end} positions of {d}")
-    fn = getattr(lib, f"specmesh_block_attention_rope{kv}")
     _call(fn, out, qkv, k_pool, v_pool, plan, block_size, scale, cos, sin)
 
 
@@ -582,9 +585,8 @@ class DecodeStep:
         [0, p]. At most `max_rows` tokens in all, `max_seq_rows` of one sequence. The caller has made the
         decoder's rotary tables reach the last position and checked the tokens against the vocabulary."""
         n = sum(len(t) for t, _, _ in seqs)
-        kv = _kv_suffix(k_pools[0], v_pools[0])
-        pairs = zip(k_pools, v_pools, strict=True)
-        if kv is None or any(k.dtype != k_pools[0].dtype or v.dtype != k.dtype for k, v in pairs):
+        step = _kv_entry("specmesh_decode_step", k_pools[0], v_pools[0])  # a runner's pools share one dtype
+        if step is None:
             raise ValueError(f"the fused CPU step's KV pools are CPU {' or '.join(map(str, KV_DTYPES))} tensors")
         if (
             not seqs
@@ -623,7 +625,7 @@ class DecodeStep:
         i64 = ctypes.c_int64
         out = torch.empty((len(rows), self.vocab), dtype=torch.float32) if rows else None
         with _profiled("specmesh::cpu_decode_step"):
-            rc = getattr(self.lib, f"specmesh_decode_step{kv}")(
+            rc = step(
                 dims,
                 ptrs,
                 self.fl,

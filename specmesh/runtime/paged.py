@@ -152,11 +152,12 @@ class _BlockAttention:
     ) -> None:
         k_layer, v_layer = self.k_pool[layer], self.v_pool[layer]
         nkv, g = self.nkv, self.g
-        if k_layer.dtype != k.dtype:  # a narrower cache: every read of a new key sees it as the pool holds it
-            k, v = k.to(k_layer.dtype).to(k.dtype), v.to(v_layer.dtype).to(v.dtype)
+        kw, vw = k.to(k_layer.dtype), v.to(v_layer.dtype)  # rounded once where the cache is narrower
         # Every new key/value of the batch at its physical slot: one index_put per tensor.
-        k_layer[:, self.slots] = k.transpose(0, 1).to(k_layer.dtype)
-        v_layer[:, self.slots] = v.transpose(0, 1).to(v_layer.dtype)
+        k_layer[:, self.slots] = kw.transpose(0, 1)
+        v_layer[:, self.slots] = vw.transpose(0, 1)
+        if kw is not k:  # every later read of a new key sees it as the pool holds it
+            k, v = kw.to(k.dtype), vw.to(v.dtype)
         if self.plan is not None:
             kernel.block_attention(attn, q, k_layer, v_layer, *self.plan, self.block_size, scale)
             return
@@ -640,11 +641,11 @@ class PagedRunner(_RaggedRunner):
                     if step is not None:
                         step.max_rows, step.max_seq_rows = limit
                 fed += [[*a.token_ids, *more[0]], [*b.token_ids, *more[1]]]
+                # a bfloat16 cache under a float32 model: bfloat16's bound
+                bound = self.kv_dtype if self.kv_dtype.itemsize < self._dec.dtype.itemsize else self._dec.dtype
                 for logits, f in zip(got, fed, strict=True):
                     with sdpa_context(self.attention_backend, self.device):
                         out = self.model(input_ids=torch.tensor([f], device=self.device))
-                    # a bfloat16 cache under a float32 model: bfloat16's bound
-                    bound = self.kv_dtype if self.kv_dtype.itemsize < self._dec.dtype.itemsize else self._dec.dtype
                     if not logits_agree(out.logits[0, -len(logits) :].float(), logits, bound):
                         return False
             return True
