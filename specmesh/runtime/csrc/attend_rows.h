@@ -51,7 +51,6 @@ static inline __attribute__((always_inline)) kv_t kv_of(float f) {
 typedef float kv_t;
 #define KV_NAME(f) f
 static inline __attribute__((always_inline)) float kvf(kv_t x) { return x; }
-static inline __attribute__((always_inline)) kv_t kv_of(float f) { return f; }
 #endif
 
 /* dst[0, D) = src[0, D) in the pools' element */
