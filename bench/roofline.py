@@ -21,7 +21,9 @@ Measures, in this process, with the torch threads a verify service gets:
 - a breakdown of each shape's time by torch's profiler: matmuls, attention, KV writes and reads, norms and
   rotary (elementwise), everything else (the Python and dispatch between kernels shows as the gap between
   the wall time and the operators' own time). llama.cpp's kernels are invisible to torch's profiler: there
-  the whole forward shows as the gap.
+  the whole forward shows as the gap. Where the forward is specmesh's fused CPU step (one C call, one line in
+  torch's profiler), the step's own clock splits it (`step_phases_ms`): the products, attention, the norms and
+  sums between them, the wait at barriers, the logits; and the products' GFLOP/s against the GEMM's.
 
 Writes the JSON and a PNG beside it (measured against the floors, and the breakdown), prints a markdown table.
 """
@@ -142,6 +144,16 @@ def breakdown(runner: Runner, seqs, extra: list[list[int]], n: int = 10) -> dict
     return {k: round(v, 3) for k, v in cats.items()} | {"wall_ms_under_profiler": round(wall, 3)}
 
 
+def step_phases(runner: Runner, seqs, extra: list[list[int]], n: int = 10) -> dict[str, float]:
+    """ms per forward in each of the fused CPU step's phases (cpu_kernels.STEP_PHASES), {} where the forward
+    makes no fused step call."""
+    runner.forward(seqs, extra)
+    with cpu_kernels.record_step_phases() as rec:
+        for _ in range(n):
+            runner.forward(seqs, extra)
+    return {k: round(1e3 * v / n, 3) for k, v in rec.seconds.items()} if rec.calls else {}
+
+
 def measure(args) -> dict:
     load = os.getloadavg()
     torch.set_num_threads(args.threads)
@@ -235,6 +247,12 @@ def measure_runner(args, runner: Runner, bw: float, gflops: float, kv_per_token:
             "x_memory_floor": round(median / mem_floor, 3),
             "breakdown_ms": breakdown(runner, batch, extra),
         }
+        phases = step_phases(runner, batch, extra)
+        if phases:
+            # the layers' products (the LM head is the logits phase's), against the GEMM's rate
+            layer_params = params - vocab * cfg.hidden_size
+            shapes[name]["step_phases_ms"] = phases
+            shapes[name]["products_gflops"] = round(2 * layer_params * n_rows / (phases["products"] * 1e6), 1)
         kind = type(runner).__name__
         print(
             f"{kind} {name}: {median:.2f} ms (floors: memory {mem_floor:.2f}, compute {compute_floor:.2f})", flush=True
@@ -263,6 +281,21 @@ def markdown(r: dict) -> str:
             f"| {b['norm, rotary, activation']:.2f} | {b['other']:.2f} "
             f"| {b['python and dispatch (wall - operators)']:.2f} |"
         )
+    phased = [(kind, name, s) for kind, shapes in r["runners"].items() for name, s in shapes.items()]
+    phased = [(kind, name, s) for kind, name, s in phased if s.get("step_phases_ms")]
+    if phased:
+        names = list(phased[0][2]["step_phases_ms"])
+        lines += [
+            "",
+            f"The fused step's phases, ms (products' GFLOP/s against the GEMM's {r['gemm_gflops']}):",
+            "",
+            "| shape | " + " | ".join(names) + " | products GFLOP/s |",
+            "|---" * (len(names) + 2) + "|",
+        ]
+        for kind, name, s in phased:
+            ph = s["step_phases_ms"]
+            cells = " | ".join(f"{ph[k]:.2f}" for k in names)
+            lines.append(f"| {kind} {name} | {cells} | {s['products_gflops']:.0f} |")
     return "\n".join(lines)
 
 
@@ -276,6 +309,10 @@ def plot(r: dict, path: Path) -> None:
         bottom = 0.0
         for cat, v in b.items():
             ax.bar(["forward"], [v], bottom=bottom, label=cat)
+            bottom += v
+        bottom = 0.0
+        for cat, v in s.get("step_phases_ms", {}).items():
+            ax.bar(["C step phases"], [v], bottom=bottom, label=f"step: {cat}", hatch="//")
             bottom += v
         ax.bar(["memory floor"], [s["memory_floor_ms"]], color="grey")
         ax.bar(["compute floor"], [s["compute_floor_ms"]], color="silver")

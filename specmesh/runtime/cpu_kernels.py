@@ -42,7 +42,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import torch
@@ -164,7 +164,7 @@ def load() -> ctypes.CDLL | None:
         by_kv = {
             "specmesh_block_attention": attention,
             "specmesh_block_attention_rope": [*attention, p, p],
-            "specmesh_decode_step": [p, p, p, p, p, p, p, p, p, p, f32, p, p, p, p, i32],
+            "specmesh_decode_step": [p, p, p, p, p, p, p, p, p, p, f32, p, p, p, p, i32, p],
         }
         _KV_ENTRIES.clear()  # (name, pools' dtype) -> the entry built for it, looked up once per call
         for name, argtypes in by_kv.items():
@@ -176,6 +176,7 @@ def load() -> ctypes.CDLL | None:
         fn.argtypes = [p, p, p, p, i64, i64, i64, ctypes.c_int]
         fn.restype = ctypes.c_int
         lib.specmesh_decode_step_panel.argtypes, lib.specmesh_decode_step_panel.restype = [], ctypes.c_int
+        lib.specmesh_decode_step_phases.argtypes, lib.specmesh_decode_step_phases.restype = [], ctypes.c_int
         fn = lib.specmesh_rms_norm
         fn.argtypes = [p, p, p, ctypes.c_float, i64, i64, i64, ctypes.c_int]
         fn.restype = None
@@ -470,6 +471,49 @@ def _dense(t: torch.Tensor | None) -> bool:
     return t is None or (t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous())
 
 
+# The fused step's phases, in decode_step_cpu.c's order (its NPHASE): what `record_step_phases` reports.
+STEP_PHASES = ("products", "attention", "norms and sums", "barrier wait", "logits")
+
+
+class StepPhases:
+    """Seconds the fused step spent in each of STEP_PHASES, summed over the calls made while it records (each
+    call's time is its threads' mean: the phases of one call add up to its parallel region's wall time)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.seconds = dict.fromkeys(STEP_PHASES, 0.0)
+        self._lock = threading.Lock()  # the draft service steps several sessions at once
+
+    def add(self, times, threads: int) -> None:
+        k = len(STEP_PHASES)
+        with self._lock:
+            self.calls += 1
+            for c, name in enumerate(STEP_PHASES):
+                self.seconds[name] += sum(times[t * k + c] for t in range(threads)) / threads
+
+    def ms_per_call(self) -> dict[str, float]:
+        return {name: 1e3 * s / max(1, self.calls) for name, s in self.seconds.items()}
+
+
+_recording: StepPhases | None = None
+
+
+@contextlib.contextmanager
+def record_step_phases() -> Iterator[StepPhases]:
+    """Time the fused step's phases in every call made inside the block (a few clock reads a layer; off
+    otherwise), into the StepPhases it yields."""
+    global _recording
+    lib = load()
+    if lib is not None and lib.specmesh_decode_step_phases() != len(STEP_PHASES):
+        raise RuntimeError("decode_step_cpu.c's phases are not STEP_PHASES")
+    rec, before = StepPhases(), _recording
+    _recording = rec
+    try:
+        yield rec
+    finally:
+        _recording = before
+
+
 class DecodeStep:
     """A few tokens of one sequence through a whole decoder in one call (`csrc/decode_step_cpu.c`): token ids
     in, the last rows' logits out, the keys and values written into the KV where the block table says. A
@@ -624,6 +668,8 @@ class DecodeStep:
             ptrs[i * _NPTR + _VPOOL] = v.data_ptr()
         i64 = ctypes.c_int64
         out = torch.empty((len(rows), self.vocab), dtype=torch.float32) if rows else None
+        threads, recording = torch.get_num_threads(), _recording
+        times = (ctypes.c_double * (threads * len(STEP_PHASES)))() if recording is not None else None
         with _profiled("specmesh::cpu_decode_step"):
             rc = step(
                 dims,
@@ -641,10 +687,13 @@ class DecodeStep:
                 self.lm_b,
                 (i64 * len(rows))(*rows),
                 out.data_ptr() if out is not None else None,
-                torch.get_num_threads(),
+                threads,
+                ctypes.cast(times, ctypes.c_void_p) if times is not None else None,
             )
         if rc:
             raise MemoryError("specmesh's fused CPU decode step could not allocate its scratch")
+        if times is not None and recording is not None:
+            recording.add(times, threads)
         return out
 
 

@@ -5,6 +5,7 @@ blocks, 1-3 threads, a growing single-sequence buffer and rollbacks; the runners
 disagrees; concurrent calls (the draft service's workers) each keep their own arguments."""
 
 import threading
+import time
 
 import pytest
 import torch
@@ -209,6 +210,52 @@ def test_a_verify_block_computes_the_steps_bit_for_bit(arch, threads, layout, kv
     assert block.shape[0] == rows_max
     assert torch.equal(block, torch.stack(rows))
     (near_logits if KV[kv] else close_logits)(block, full_logits(model, prompt + drafts, len(drafts) + 1))
+
+
+@pytest.mark.parametrize("threads", [1, 2], indirect=True)
+def test_a_vocabulary_of_part_of_a_panel_sums_its_logits_the_same(threads, layout):
+    """Over panels the LM head writes its sums straight into the logits where the vocabulary is whole panels
+    (the other tests' 128); 120 is a panel and 56 columns, whose sums go through the team's partials: the same
+    arithmetic either way, so a verify block's rows equal its steps' to the bit, and the HF forward's."""
+    model = tiny_model("llama", vocab=120, seed=9)
+    r = PagedRunner(model, 64, 4)
+    assert r.cpu_kernel
+    prompt = [(7 * i + 2) % 120 for i in range(11)]
+    steps_seq = r.new_sequence(prompt)
+    r.prefill(steps_seq)
+    rows = []
+    for _ in range(6):
+        logits = r.forward([steps_seq])[0]
+        rows.append(logits[-1])
+        steps_seq.commit([int(logits[-1].argmax())])
+    drafts = steps_seq.token_ids[len(prompt) : len(prompt) + 5]
+    block_seq = r.new_sequence(prompt)
+    r.prefill(block_seq)
+    block = r.forward([block_seq], [drafts])[0]
+    assert block.shape == (6, 120) and torch.equal(block, torch.stack(rows))
+    close_logits(block, full_logits(model, prompt + drafts, 6))
+
+
+def test_the_steps_phases_add_up_within_its_time_and_change_no_bit(layout):
+    """`record_step_phases` times each phase of the calls made inside it (and only those): every phase a call
+    goes through is timed, they add up to no more than the call's wall time, and the logits are the same bits
+    as untimed."""
+    model = ARCHS["llama-gqa"]()
+    r = PagedRunner(model, 64, 4)
+    seq = r.new_sequence([(3 * i + 1) % 120 for i in range(9)])
+    r.prefill(seq)
+    extra = [5, 6, 7, 8]
+    plain = r.forward([seq], [extra])[0]  # not committed: each forward below computes the same positions
+    t = time.perf_counter()
+    with cpu_kernels.record_step_phases() as rec:
+        timed = r.forward([seq], [extra])[0]
+    wall = time.perf_counter() - t
+    assert torch.equal(timed, plain)
+    assert rec.calls == 1 and list(rec.seconds) == list(cpu_kernels.STEP_PHASES)
+    assert all(rec.seconds[p] > 0 for p in ("products", "attention", "norms and sums", "logits"))
+    assert rec.seconds["barrier wait"] >= 0 and sum(rec.seconds.values()) <= wall
+    r.forward([seq], [extra])
+    assert rec.calls == 1 and cpu_kernels._recording is None
 
 
 @pytest.mark.parametrize("arch", list(ARCHS))

@@ -12,7 +12,8 @@
  * its own heads' q, k and v, the MLP gate and up). The small steps between products (RMSNorm, SwiGLU) are
  * recomputed by every thread into its own scratch rather than split, which costs less than the barrier a split
  * would need, and so is the residual stream (each thread keeps a copy, summed the same way, so the copies
- * agree to the bit): a layer is five barriers.
+ * agree to the bit): a layer is five barriers. The exception is a batch's SwiGLU over panels (split_mlp), where
+ * the exponentials of every row made by every thread cost more than a sixth barrier (16 x 5: -1-2 %).
  *
  * A token's row goes through the same arithmetic in the same order whatever the other rows of the call (the
  * products' column tiles, row pairs and panels' groups of rows only bound and share the loops; attention is per
@@ -42,6 +43,9 @@ enum { HID, NH, NKV, HD, INTER, VOCAB, LAYERS, BS, NSEQ, K_SH, K_SS, V_SH, V_SS,
 /* With several rows a product's columns go in tiles, so that the eight weight rows' tile stays in L1 while
  * every token's partial takes it; one row streams whole rows. */
 #define TILE 512
+
+/* From this many rows in a call the team splits the SwiGLU's rows over panels (see split_mlp) */
+#define SPLIT_MLP_ROWS 4
 
 /* acc[j] += x[0..8) . the eight weight rows' column j, for j in [0, w): the one expression every token's row
  * goes through, whatever the number of rows (the same arithmetic for a verify block and a one-token step). */
@@ -270,6 +274,27 @@ static void attend(float *out, int64_t ldo, const float *q, const kv_t *kb, cons
     for (int64_t r = 0; r < R; r++) memcpy(out + (r / G) * ldo + (r % G) * D, acc + r * D, sizeof(float) * D);
 }
 
+/* Where a call's time goes, per thread (the `phases` argument): the products of the layers, attention (a unit's
+ * sums, norm, rotary, KV write and attend), the small steps between products (norms, residual sums, SwiGLU), the
+ * wait at barriers (the team's imbalance), and the logits (final norm, LM head, their sums). */
+enum { PH_PRODUCTS, PH_ATTENTION, PH_ELEMENTWISE, PH_BARRIER, PH_LOGITS, NPHASE };
+int KV_NAME(specmesh_decode_step_phases)(void) { return NPHASE; }
+/* the time since the last mark to phase c (when timing) */
+#define PHASE(c)                                                                                               \
+    do {                                                                                                       \
+        if (phases) {                                                                                          \
+            const double now_ = omp_get_wtime();                                                               \
+            ph[c] += now_ - mark;                                                                              \
+            mark = now_;                                                                                       \
+        }                                                                                                      \
+    } while (0)
+#define BARRIER(c)                                                                                             \
+    do {                                                                                                       \
+        PHASE(c);                                                                                              \
+        _Pragma("omp barrier");                                                                                \
+        PHASE(PH_BARRIER);                                                                                     \
+    } while (0)
+
 /* dims: NDIM values (the enum above: the model's sizes; the sequences, the tokens of all of them, the logits
  * rows wanted; the KV pools' strides in elements, head and slot; the block tables' width; the weights' panel
  * width, 0 for rows). ptrs: NPTR per layer (weights [in, out] with rows `out` floats apart, or packed in panels
@@ -277,11 +302,13 @@ static void attend(float *out, int64_t ldo, const float *q, const kv_t *kb, cons
  * fl: NFL per layer. embed: the embedding [vocab, H]; tokens: NTOK ids (checked by the caller), sequence after
  * sequence. segs: per sequence (first row, tokens, first position); tables: per sequence TW block ids. cos,
  * sin: the rotary tables [positions, D] (rotate_half's sign folded into sin). lrows: the NLOG rows whose logits
- * go to logits [NLOG, V]. Returns 0, or -1 when scratch could not be allocated (then nothing was written). */
+ * go to logits [NLOG, V]. phases: NULL, or [threads, NPHASE] seconds each thread spent in each phase (added to
+ * what is there; bench.roofline's breakdown), which costs the call ~25 clock reads a layer per thread.
+ * Returns 0, or -1 when scratch could not be allocated (then nothing was written). */
 int KV_NAME(specmesh_decode_step)(const int64_t *dims, void *const *ptrs, const float *fl, const float *embed,
                          const int64_t *tokens, const int64_t *segs, const int32_t *tables, const float *cos,
                          const float *sin, const float *norm_w, float norm_eps, const float *lm_w, const float *lm_b,
-                         const int64_t *lrows, float *logits, int threads) {
+                         const int64_t *lrows, float *logits, int threads, double *phases) {
     const int64_t H = dims[HID], nh = dims[NH], nkv = dims[NKV], D = dims[HD], I = dims[INTER], V = dims[VOCAB];
     const int64_t L = dims[LAYERS], bs = dims[BS], S = dims[NSEQ], n = dims[NTOK], nlog = dims[NLOG];
     const int64_t G = nh / nkv, nqkv = (nh + 2 * nkv) * D, A = nh * D, units = S * nkv;
@@ -305,11 +332,16 @@ int KV_NAME(specmesh_decode_step)(const int64_t *dims, void *const *ptrs, const 
      * sequence's unit q [most G, D], k and v [most, D], qb and acc [most G, D], sc [most G, far]; up, a row's
      * up projections [I] */
     const int64_t sets_max = pw ? 1 : threads; /* panels write whole sums: one set whatever the team */
-    const int64_t shared = (n * A + 15) / 16 * 16 + 2 * stride * sets_max;
+    /* Over panels every thread's share of the down product reads every row of the SwiGLU's output: for a batch
+     * the team splits those rows and shares them [n, I] (one more barrier), for a few rows each thread makes
+     * them all, which costs less than the barrier */
+    const int split_mlp = pw && threads > 1 && n >= SPLIT_MLP_ROWS;
+    const int64_t shared = (n * A + 15) / 16 * 16 + 2 * stride * sets_max + (split_mlp ? (n * I + 15) / 16 * 16 : 0);
     const int64_t own = (n * (2 * H + I) + I + most * (3 * G * D + 2 * D + G * far) + 15) / 16 * 16;
     float *buf = aligned_alloc(64, ((size_t)(shared + own * threads) * sizeof(float) + 63) / 64 * 64);
     if (!buf) return -1;
     float *attn = buf, *pa = buf + (n * A + 15) / 16 * 16, *pb = pa + stride * sets_max, *priv = buf + shared;
+    float *ms = pb + stride * sets_max; /* the shared SwiGLU rows, where split_mlp */
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
         /* sets: how many partial sums a product leaves per output (panels write whole sums) */
@@ -318,13 +350,15 @@ int KV_NAME(specmesh_decode_step)(const int64_t *dims, void *const *ptrs, const 
         float *v = k + most * D;
         float *qb = v + most * D, *acc = qb + most * G * D, *sc = acc + most * G * D, *up = sc + most * G * far;
         float *mine_a = pa + (pw ? 0 : (int64_t)t) * stride, *mine_b = pb + (pw ? 0 : (int64_t)t) * stride;
+        double ph[NPHASE] = {0}, mark = phases ? omp_get_wtime() : 0.0;
         for (int64_t r = 0; r < n; r++) memcpy(x + r * H, embed + tokens[r] * H, sizeof(float) * H);
         for (int64_t l = 0; l < L; l++) {
             void *const *p = ptrs + l * NPTR;
             const float *f = fl + l * NFL, *bqkv = p[BQKV];
             for (int64_t r = 0; r < n; r++) rms_row(h + r * H, x + r * H, p[LN1], f[EPS1], H);
+            PHASE(PH_ELEMENTWISE);
             product(pw, mine_a, lp, h, H, n, p[WQKV], H, nqkv, t, T);
-#pragma omp barrier
+            BARRIER(PH_PRODUCTS);
             for (int64_t u = units * t / T, u1 = units * (t + 1) / T; u < u1; u++) {
                 next_unit nx = {NULL, NULL, NULL, 0};
                 if (u + 1 < u1) { /* the next unit's keys and values on their way while this one computes */
@@ -357,35 +391,53 @@ int KV_NAME(specmesh_decode_step)(const int64_t *dims, void *const *ptrs, const 
                 attend(attn + off * A + qo, A, q, kp, vp, table, start, ns, bs, dims[K_SS], dims[V_SS], G, D,
                        f[SCALE], qb, acc, sc, u + 1 < u1 ? &nx : NULL);
             }
-#pragma omp barrier
+            BARRIER(PH_ATTENTION);
             product(pw, mine_b, lp, attn, A, n, p[WO], A, H, t, T);
-#pragma omp barrier
+            BARRIER(PH_PRODUCTS);
             residual(x, pb, stride, lp, n, p[BO], H, sets);
             for (int64_t r = 0; r < n; r++) rms_row(h + r * H, x + r * H, p[LN2], f[EPS2], H);
+            PHASE(PH_ELEMENTWISE);
             product(pw, mine_a, lp, h, H, n, p[WGU], H, 2 * I, t, T);
-#pragma omp barrier
+            BARRIER(PH_PRODUCTS);
             /* SwiGLU over the down product's rows this thread reads: its share of them over [in, out] rows,
-             * all of them over panels */
+             * all of them over panels (split_mlp: this thread's share of the rows, for the team) */
             const float *bgu = p[BGU];
             const int64_t m0 = pw ? 0 : share_start(I, t, T), m1 = pw ? I : share_end(I, t, T);
-            for (int64_t r = 0; r < n; r++) {
+            float *const mlp = split_mlp ? ms : m;
+            for (int64_t r = split_mlp ? n * t / T : 0, r1 = split_mlp ? n * (t + 1) / T : n; r < r1; r++) {
                 const float *pr = pa + r * lp;
-                float *mr = m + r * I;
+                float *mr = mlp + r * I;
+                if (sets == 1 && !bgu) { /* panels' whole sums, read in place (totals would copy them) */
+                    for (int64_t i = m0; i < m1; i++) mr[i] = pr[i] / (1.f + expf(-pr[i])) * pr[I + i];
+                    continue;
+                }
                 totals(mr + m0, pr, stride, sets, bgu, m0, m1 - m0, 0);
                 totals(up + m0, pr, stride, sets, bgu, I + m0, m1 - m0, 0);
                 /* apart from the sums, so that it vectorises (glibc's vector expf: a row's share is ~700 calls) */
                 for (int64_t i = m0; i < m1; i++) mr[i] = mr[i] / (1.f + expf(-mr[i])) * up[i];
             }
-            product(pw, mine_b, lp, m, I, n, p[WD], I, H, t, T);
-#pragma omp barrier
+            if (split_mlp)
+                BARRIER(PH_ELEMENTWISE);
+            else
+                PHASE(PH_ELEMENTWISE);
+            product(pw, mine_b, lp, mlp, I, n, p[WD], I, H, t, T);
+            BARRIER(PH_PRODUCTS);
             residual(x, pb, stride, lp, n, p[BD], H, sets);
         }
+        PHASE(PH_ELEMENTWISE);
         if (nlog) {
             for (int64_t j = 0; j < nlog; j++) rms_row(h + j * H, x + lrows[j] * H, norm_w, norm_eps, H);
-            product(pw, mine_a, lp, h, H, nlog, lm_w, H, V, t, T);
-#pragma omp barrier
-            reduce(logits, V, pa, stride, lp, nlog, lm_b, V, t, T, sets);
+            if (pw && !lm_b && V % dims[PANELW] == 0) { /* whole sums of whole panels: straight into the logits */
+                product(pw, logits, V, h, H, nlog, lm_w, H, V, t, T);
+            } else {
+                product(pw, mine_a, lp, h, H, nlog, lm_w, H, V, t, T);
+                BARRIER(PH_LOGITS);
+                reduce(logits, V, pa, stride, lp, nlog, lm_b, V, t, T, sets);
+            }
+            PHASE(PH_LOGITS);
         }
+        if (phases)
+            for (int c = 0; c < NPHASE; c++) phases[t * NPHASE + c] += ph[c];
     }
     free(buf);
     return 0;
