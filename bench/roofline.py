@@ -17,7 +17,10 @@ Measures, in this process, with the torch threads a verify service gets:
   batch), each sequence with `--context` tokens already cached; median ms over `--repeats` forwards, each
   rolled back so every forward sees the same shape;
 - the floors of each shape: memory = (weight bytes the forward reads + the KV it reads) / bandwidth; compute
-  = (2 x matmul parameters x rows + attention FLOPs) / GEMM rate; the ratio measured / the larger floor;
+  = (2 x matmul parameters x rows + attention FLOPs) / GEMM rate; the ratio measured / the larger floor; and
+  the same ratio in `--paired-rounds` rounds, each ten forwards followed by the GEMM measured again (its median
+  over the rounds, `x_floor_paired`): the host's speed moves by 20-30 % within minutes, which a floor measured
+  once at the start reads as the forward's;
 - a breakdown of each shape's time by torch's profiler: matmuls, attention, KV writes and reads, norms and
   rotary (elementwise), everything else (the Python and dispatch between kernels shows as the gap between
   the wall time and the operators' own time). llama.cpp's kernels are invisible to torch's profiler: there
@@ -31,6 +34,7 @@ Writes the JSON and a PNG beside it (measured against the floors, and the breakd
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import statistics
 import time
@@ -91,6 +95,27 @@ def gemm_gflops(dtype: torch.dtype, n: int = 1024, passes: int = 8) -> float:
     a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
     a @ b
     return 2 * n**3 / best_of(lambda: a @ b, passes) / 1e9
+
+
+def paired_rounds(
+    forward, flops: float, mem_floor: float, dtype: torch.dtype, rounds: int, per_round: int = 10
+) -> list[dict[str, float]]:
+    """The forward against its floor in rounds, each a few forwards (their median) and then the GEMM's rate
+    measured again: this VM's speed moves by 20-30 % within minutes, and a floor from the run's start against
+    forwards timed minutes later measures the drift as much as the forward. Each round's ratio takes the larger
+    of the memory floor and that round's compute floor (`flops` at that round's GEMM rate)."""
+    out = []
+    for _ in range(rounds):
+        times = []
+        for _ in range(per_round):
+            t = time.perf_counter()
+            forward()
+            times.append((time.perf_counter() - t) * 1e3)
+        gflops = gemm_gflops(dtype, passes=3)
+        ms = statistics.median(times)
+        floor = max(mem_floor, flops / (gflops * 1e9) * 1e3)
+        out.append({"ms_p50": round(ms, 3), "gemm_gflops": round(gflops, 1), "x_floor": round(ms / floor, 3)})
+    return out
 
 
 def weight_bytes(runner: Runner) -> tuple[int, int]:
@@ -210,6 +235,7 @@ def measure_runner(args, runner: Runner, bw: float, gflops: float, kv_per_token:
     cfg = runner.model.config
     layers = cfg.num_hidden_layers
     vocab = runner.vocab_size
+    dtype = next(runner.model.parameters()).dtype
     seqs = [runner.new_sequence([(31 * s + 7 * i) % vocab for i in range(ctx)]) for s in range(streams)]
     for s in seqs:
         while runner.prefill(s, max_tokens=256):
@@ -247,6 +273,12 @@ def measure_runner(args, runner: Runner, bw: float, gflops: float, kv_per_token:
             "x_memory_floor": round(median / mem_floor, 3),
             "breakdown_ms": breakdown(runner, batch, extra),
         }
+        flops = 2 * params * n_rows + attn_flops
+        forward = functools.partial(runner.forward, batch, extra)
+        rounds = paired_rounds(forward, flops, mem_floor, dtype, args.paired_rounds)
+        if rounds:
+            shapes[name]["paired_rounds"] = rounds
+            shapes[name]["x_floor_paired"] = statistics.median(r["x_floor"] for r in rounds)
         phases = step_phases(runner, batch, extra)
         if phases:
             # the layers' products (the LM head is the logits phase's), against the GEMM's rate
@@ -254,12 +286,22 @@ def measure_runner(args, runner: Runner, bw: float, gflops: float, kv_per_token:
             shapes[name]["step_phases_ms"] = phases
             shapes[name]["products_gflops"] = round(2 * layer_params * n_rows / (phases["products"] * 1e6), 1)
         kind = type(runner).__name__
+        paired = f"; {shapes[name]['x_floor_paired']:.2f}x in paired rounds" if rounds else ""
         print(
-            f"{kind} {name}: {median:.2f} ms (floors: memory {mem_floor:.2f}, compute {compute_floor:.2f})", flush=True
+            f"{kind} {name}: {median:.2f} ms (floors: memory {mem_floor:.2f}, compute {compute_floor:.2f}){paired}",
+            flush=True,
         )
     for s in seqs:
         runner.free(s)
     return shapes
+
+
+def paired_cell(s: dict) -> str:
+    rounds = s.get("paired_rounds")
+    if not rounds:
+        return "-"
+    lo, hi = min(r["x_floor"] for r in rounds), max(r["x_floor"] for r in rounds)
+    return f"{s['x_floor_paired']:.2f}x ({lo:.2f}-{hi:.2f})"
 
 
 def markdown(r: dict) -> str:
@@ -268,15 +310,15 @@ def markdown(r: dict) -> str:
         f"Memory {r['bandwidth_gbs']} GB/s, GEMM {r['gemm_gflops']} GFLOP/s ({r['dtype']}, KV {kv}, "
         f"{r['threads']} threads); weights {r['weight_bytes'] / 1e6:.1f} MB",
         "",
-        "| shape | ms p50 | memory floor | compute floor | x floor | fused step (C) | matmul | attention | KV "
-        "| elementwise | other | Python and dispatch |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| shape | ms p50 | memory floor | compute floor | x floor | x floor, paired rounds | fused step (C) | matmul "
+        "| attention | KV | elementwise | other | Python and dispatch |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for kind, name, s in ((kind, name, s) for kind, shapes in r["runners"].items() for name, s in shapes.items()):
         b = s["breakdown_ms"]
         lines.append(
             f"| {kind} {name} | {s['ms_p50']:.2f} | {s['memory_floor_ms']:.2f} | {s['compute_floor_ms']:.2f} "
-            f"| {s['x_floor']:.2f}x | {b.get('fused decode step (C)', 0.0):.2f} "
+            f"| {s['x_floor']:.2f}x | {paired_cell(s)} | {b.get('fused decode step (C)', 0.0):.2f} "
             f"| {b['matmul']:.2f} | {b['attention']:.2f} | {b['kv write/read']:.2f} "
             f"| {b['norm, rotary, activation']:.2f} | {b['other']:.2f} "
             f"| {b['python and dispatch (wall - operators)']:.2f} |"
@@ -341,6 +383,13 @@ def main(argv=None) -> dict:
     ap.add_argument("--k", type=int, default=4, help="draft tokens per sequence of the verify batch")
     ap.add_argument("--context", type=int, default=128, help="tokens each sequence holds before the forward")
     ap.add_argument("--repeats", type=int, default=40)
+    ap.add_argument(
+        "--paired-rounds",
+        type=int,
+        default=8,
+        help="rounds of 10 forwards each followed by the GEMM measured again (0: none): the ratio to the floor "
+        "under the host's speed of that minute",
+    )
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument(
         "--attention-backend",
