@@ -33,5 +33,5 @@ def concurrency_axis(ax, levels: list[int], label: str) -> None:
 
 def save(fig, path: Path) -> None:
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")  # a legend beside the axes stays in the picture
     pyplot().close(fig)

@@ -353,14 +353,16 @@ def plot(r: dict, path: Path) -> None:
             ax.bar(["forward"], [v], bottom=bottom, label=cat)
             bottom += v
         bottom = 0.0
-        for cat, v in s.get("step_phases_ms", {}).items():
-            ax.bar(["C step phases"], [v], bottom=bottom, label=f"step: {cat}", hatch="//")
+        shades = pyplot().get_cmap("Set2").colors
+        for i, (cat, v) in enumerate(s.get("step_phases_ms", {}).items()):
+            ax.bar(["C step,\nits phases"], [v], bottom=bottom, label=f"C step: {cat}", color=shades[i], hatch="//")
             bottom += v
-        ax.bar(["memory floor"], [s["memory_floor_ms"]], color="grey")
-        ax.bar(["compute floor"], [s["compute_floor_ms"]], color="silver")
+        ax.bar(["memory\nfloor"], [s["memory_floor_ms"]], color="grey")
+        ax.bar(["compute\nfloor"], [s["compute_floor_ms"]], color="silver")
         ax.set_title(f"{name}: {s['ms_p50']:.2f} ms = {s['x_floor']:.2f}x the floor", fontsize=8)
         ax.set_ylabel("ms")
-    axes[0].legend(fontsize=7)
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
     kv = r.get("kv_cache_dtype", r["dtype"])
     fig.suptitle(f"verify forward against the roofline ({r['dtype']}, KV {kv}, {r['threads']} threads)")
     save(fig, path)
