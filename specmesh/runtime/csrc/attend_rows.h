@@ -279,8 +279,15 @@ static inline __attribute__((always_inline)) void attend_rows_vec(float *acc, co
                 oa[c] = b0 ? ld16(ra + 16 * c) : (v16f){0};
                 ob[c] = b0 && two ? ld16(rb + 16 * c) : (v16f){0};
             }
-            const int64_t both = visb < visa ? visb : visa;
+            /* a row without a partner (the last of an odd count; every row of a one-token step) has a loop of
+             * its own: through the pairs' second loop it tested both rows' visibility at every vector */
+            const int64_t both = two ? (visb < visa ? visb : visa) : b0;
             int64_t p = b0;
+            for (; !two && p < bend && p < visa; p++) {
+                const kv_t *vp = vblk + (p - b0) * vs;
+#pragma GCC unroll 16
+                for (int64_t c = 0; c < VN; c++) oa[c] += wa[p] * ldkv(vp + 16 * c);
+            }
             for (; p < both && p < bend; p++) {
                 const kv_t *vp = vblk + (p - b0) * vs;
 #pragma GCC unroll 16
