@@ -170,6 +170,14 @@ static inline __attribute__((always_inline)) void attend_rows_any(float *acc, co
 }
 
 typedef float v16f __attribute__((vector_size(64)));
+/* x held in a register from here on: a pair's value vector loaded once for both rows (folded into each
+ * multiply-add it was loaded twice, and the loop ran at the load ports: cached KV, 16 x 5, attention -5 %).
+ * Where a v16f is one AVX-512 register; elsewhere nothing. */
+#if defined(__AVX512F__)
+#define IN_REGISTER(x) __asm__("" : "+v"(x))
+#else
+#define IN_REGISTER(x) ((void)0)
+#endif
 typedef int32_t v16i __attribute__((vector_size(64)));
 
 static inline __attribute__((always_inline)) v16f ld16(const float *p) {
@@ -293,8 +301,7 @@ static inline __attribute__((always_inline)) void attend_rows_vec(float *acc, co
 #pragma GCC unroll 16
                 for (int64_t c = 0; c < VN; c++) {
                     v16f x = ldkv(vp + 16 * c);
-                    __asm__("" : "+v"(x)); /* one load for both rows: folded into each multiply-add it was two,
-                                              * and the loop ran at the load ports (cached KV, 16 x 5: -5 %) */
+                    IN_REGISTER(x);
                     oa[c] += wa[p] * x;
                     ob[c] += wb[p] * x;
                 }
