@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 from prometheus_client import CollectorRegistry, Histogram, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from specmesh.runtime import cpu_kernels
 from specmesh.telemetry import LATENCY_BUCKETS, FnCollector, RpcMetrics, spec_families, vllm_spec_decode_families
 
 if TYPE_CHECKING:
@@ -45,9 +46,15 @@ class VerifyMetrics:
             registry=self.registry,
         )
         self.engine: VerifyEngine | None = None
+        self.step_phases = False
 
     def watch(self, engine: VerifyEngine) -> VerifyMetrics:
         self.engine = engine
+        # The fused CPU step's phases (where a verify forward's time goes: `specmesh profile` reads them) where
+        # the runner may call it, on a CPU with the kernels built: a few clock reads a layer per call.
+        self.step_phases = engine.runner.device.type == "cpu" and cpu_kernels.load() is not None
+        if self.step_phases:
+            cpu_kernels.count_step_phases()
         self.registry.register(FnCollector(self.families))
         return self
 
@@ -97,6 +104,8 @@ class VerifyMetrics:
             out.append(f)
         if pool is not None:
             out += block_families(pool, self.label(e))
+        if self.step_phases:
+            out += step_phase_families()
         return out + spec_families("specmesh_verify", st.spec) + vllm_spec_decode_families(st.spec, self.label(e))
 
     @staticmethod
@@ -156,6 +165,21 @@ class VerifyMetrics:
     def label(self, e: VerifyEngine) -> str:
         """The `model_name` of the vLLM-named families."""
         return self.model_name or e.config.model_path or "specmesh"
+
+
+def step_phase_families() -> list[Metric]:
+    """The fused CPU step's time by phase (cpu_kernels.STEP_PHASES: each call's team mean) and its calls."""
+    totals = cpu_kernels.step_phase_totals()
+    seconds = CounterMetricFamily(
+        "specmesh_verify_cpu_step_seconds",
+        "The fused CPU forward's time by phase: products, attention, norms and sums, barrier wait, logits",
+        labels=["phase"],
+    )
+    for phase, value in totals.seconds.items():
+        seconds.add_metric([phase], value)
+    calls = CounterMetricFamily("specmesh_verify_cpu_step_calls", "Calls of the fused CPU forward")
+    calls.add_metric([], totals.calls)
+    return [seconds, calls]
 
 
 def block_families(pool: BlockPool, model_name: str) -> list[Metric]:

@@ -34,6 +34,11 @@ K_RANGE = range(1, 17)
 KV_FULL = 0.95  # blocks this full at a phase's peak: a little more load and sessions are preempted
 KV_SHARED = 0.2  # a workload whose prompts could hit the prefix cache for at least this share of their tokens ...
 KV_SHORT = 0.5  # ... and hits under half of that is losing its prefixes
+# The verify service's fused CPU forward, by phase (specmesh_verify_cpu_step_seconds): attention this large a
+# share of it, over a float32 KV, is worth halving the bytes it reads; a wait at barriers this large means the
+# step's threads do not have their cores to themselves.
+STEP_ATTENTION = 0.25
+STEP_BARRIER = 0.1
 
 
 @dataclass
@@ -70,6 +75,14 @@ class PhaseSummary(AcceptanceRates):
     kv: KvState | None = None  # None: no verify replica reported a block pool
     # (drafted, accepted) by the method that drafted (model, ngram, suffix), from the draft metrics
     by_method: dict[str, tuple[float, float]] = field(default_factory=dict)
+    # the verify replicas' fused CPU forward: seconds by phase (products, attention, ...) and its calls
+    cpu_step: dict[str, float] = field(default_factory=dict)
+    cpu_step_calls: float = 0.0
+
+    @property
+    def cpu_step_shares(self) -> dict[str, float]:
+        whole = sum(self.cpu_step.values())
+        return {k: v / whole for k, v in self.cpu_step.items()} if whole > 0 else {}
 
     @property
     def mean_k(self) -> float:
@@ -229,6 +242,12 @@ def summarize(phase: Phase, endpoints: list[Endpoint]) -> PhaseSummary:
             "sampling": sampling,
             "other": max(0.0, latency / tokens - queue - forward - sampling),
         }
+    s.cpu_step_calls = t("verify", "specmesh_verify_cpu_step_calls_total")
+    if s.cpu_step_calls:
+        for e in endpoints:
+            if e.role == "verify":
+                for k, v in by_label(phase.delta(e.name), "specmesh_verify_cpu_step_seconds_total", "phase").items():
+                    s.cpu_step[k] = s.cpu_step.get(k, 0.0) + v
     for e in endpoints:
         d = phase.delta(e.name)
         if not phase.wall or not d:
@@ -605,6 +624,7 @@ def analyze(phases: list[Phase], endpoints: list[Endpoint], record: dict, prompt
     recs += _load_advice(spec, record, summaries, cores, model)
     recs += _deadline_advice(spec, record)
     recs += _kv_advice(summaries, record)
+    recs += _cpu_step_advice(summaries, record)
     recs += _suffix_advice(spec, record)
     verify_seen = any(ph.after.get(e.name) for ph in phases for e in endpoints if e.role == "verify")
     if verify_seen and not any(s.kv for s in summaries):
@@ -859,6 +879,47 @@ def _suffix_advice(spec: list[PhaseSummary], record: dict) -> list[Recommendatio
             )
         ]
     return []
+
+
+def _cpu_step_advice(summaries: list[PhaseSummary], record: dict) -> list[Recommendation]:
+    """From the verify forward's phases at the most loaded phase that ran it: attention worth a narrower KV,
+    barriers that say the step's threads share their cores."""
+    ran = [s for s in summaries if s.cpu_step_calls and s.cpu_step_shares]
+    if not ran:
+        return []
+    s = max(ran, key=lambda s: (s.concurrency, s.speculative))
+    shares, recs = s.cpu_step_shares, []
+    ms = 1e3 * sum(s.cpu_step.values()) / s.cpu_step_calls
+    where = f"at {s.concurrency} stream(s){'' if s.speculative else ' target-only'} (a forward {ms:.1f} ms)"
+    attention = shares.get("attention", 0.0)
+    if attention >= STEP_ATTENTION and _kv_halving(record):
+        recs.append(
+            Recommendation(
+                f"attention is {attention * 100:.0f} % of the verify forward {where}: keep the KV in bfloat16",
+                "a forward's attention reads every sequence's keys and values, and at this share its time is that "
+                "read's (the products run at the CPU's GEMM rate); --kv-cache-dtype bfloat16 halves the bytes, "
+                "each key and value rounded once when written (greedy outputs can differ from a float32 cache's "
+                "at near-ties)",
+                serve_command(record, kv_cache_dtype="bfloat16"),
+                None,
+                "verify",
+            )
+        )
+    barrier = shares.get("barrier wait", 0.0)
+    if barrier >= STEP_BARRIER:
+        recs.append(
+            Recommendation(
+                f"the verify forward's threads wait on each other for {barrier * 100:.0f} % of it {where}",
+                "its threads split every product and meet at a barrier after each: one that runs late holds up the "
+                "rest, which happens when something else runs on their cores (the draft service or the gateway "
+                "beside them, other processes) or when --verify-threads exceeds the cores the stack may use",
+                "top   (other work on the verify service's cores?); then specmesh serve ... --verify-threads N "
+                "--draft-threads M, their sum within the cores the stack may use",
+                None,
+                "contention",
+            )
+        )
+    return recs
 
 
 def _kv_halving(record: dict) -> str:

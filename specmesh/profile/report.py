@@ -283,6 +283,9 @@ def sections(f: Findings, plots: dict[str, str]) -> list[tuple[str, list[str], s
     kv = kv_lines(f)
     if kv:
         out.append(("KV cache", kv, None))
+    step = cpu_step_lines(f)
+    if step:
+        out.append(("The verify forward on the CPU, by phase", step, None))
     methods = method_lines(f)
     if methods:
         out.append(("Drafts by method", methods, None))
@@ -313,6 +316,33 @@ def method_lines(f: Findings) -> list[str]:
         share = suffix_share(s)
         rows.append(f"| {s.concurrency} | {cells} | {'-' if share is None else f'{share * 100:.0f} %'} |")
     return rows
+
+
+def cpu_step_lines(f: Findings) -> list[str]:
+    """The verify replicas' fused CPU forward split by its own clock, per phase (none where it did not run)."""
+    rows = [s for s in f.summaries if s.cpu_step_calls and s.cpu_step_shares]
+    if not rows:
+        return []
+    names = list(rows[0].cpu_step)
+    lines = [
+        "| phase | forwards | ms each | " + " | ".join(names) + " |",
+        "|---" * (len(names) + 3) + "|",
+    ]
+    for s in rows:
+        shares = s.cpu_step_shares
+        ms = 1e3 * sum(s.cpu_step.values()) / s.cpu_step_calls
+        cells = " | ".join(f"{shares.get(n, 0.0) * 100:.0f} %" for n in names)
+        lines.append(f"| {s.name} | {s.cpu_step_calls:.0f} | {ms:.2f} | {cells} |")
+    lines.append("")
+    lines.append(
+        "The verify service's fused CPU forward (a decode step, a verify batch, short prefill chunks) timed by its "
+        "own clock: the layers' matrix products, attention (reading every sequence's keys and values), the norms "
+        "and sums between products, the threads' wait at the barriers between them, the logits (the LM head). "
+        "The products are bound by the weights' read at a step's few rows and by the CPU's arithmetic at a "
+        "batch's many; attention by its KV's read, which --kv-cache-dtype bfloat16 halves; a large barrier wait "
+        "means the threads do not have their cores to themselves."
+    )
+    return lines
 
 
 def kv_lines(f: Findings) -> list[str]:
@@ -398,6 +428,8 @@ def write(f: Findings, out: Path) -> dict[str, Path]:
                 "busy": s.busy,
                 "cpu": s.cpu,
                 "kv": None if s.kv is None else {**asdict(s.kv), "hit_rate": s.kv.hit_rate},
+                "cpu_step_seconds": s.cpu_step,
+                "cpu_step_calls": s.cpu_step_calls,
             }
             for s in f.summaries
         ],

@@ -43,6 +43,7 @@ import subprocess
 import tempfile
 import threading
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -471,47 +472,74 @@ def _dense(t: torch.Tensor | None) -> bool:
     return t is None or (t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous())
 
 
-# The fused step's phases, in decode_step_cpu.c's order (its NPHASE): what `record_step_phases` reports.
+# The fused step's phases, in decode_step_cpu.c's order (its NPHASE).
 STEP_PHASES = ("products", "attention", "norms and sums", "barrier wait", "logits")
 
 
+@dataclass
 class StepPhases:
-    """Seconds the fused step spent in each of STEP_PHASES, summed over the calls made while it records (each
-    call's time is its threads' mean: the phases of one call add up to its parallel region's wall time)."""
+    """Seconds the fused step spent in each of STEP_PHASES (each call adds its team's mean, so a call's phases
+    add up to its parallel region's wall time), over `calls` calls."""
 
-    def __init__(self) -> None:
-        self.calls = 0
-        self.seconds = dict.fromkeys(STEP_PHASES, 0.0)
-        self._lock = threading.Lock()  # the draft service steps several sessions at once
-
-    def add(self, times, threads: int) -> None:
-        k = len(STEP_PHASES)
-        with self._lock:
-            self.calls += 1
-            for c, name in enumerate(STEP_PHASES):
-                self.seconds[name] += sum(times[t * k + c] for t in range(threads)) / threads
+    calls: int = 0
+    seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STEP_PHASES, 0.0))
 
     def ms_per_call(self) -> dict[str, float]:
         return {name: 1e3 * s / max(1, self.calls) for name, s in self.seconds.items()}
 
 
-_recording: StepPhases | None = None
+# This process's running totals, while anything counts (`count_step_phases`, `record_step_phases`): the C
+# call adds into _TOTALS itself (atomically per phase), so counting costs a call its clock reads only.
+_TOTALS = (ctypes.c_double * len(STEP_PHASES))()
+_TOTALS_AT = ctypes.addressof(_TOTALS)
+_counting = 0  # how many count: the services for good, a recording for its block
+_calls = 0
+_count_lock = threading.Lock()
+
+
+def _check_phases() -> None:
+    lib = load()
+    if lib is not None and lib.specmesh_decode_step_phases() != len(STEP_PHASES):
+        raise RuntimeError("decode_step_cpu.c's phases are not STEP_PHASES")
+
+
+def count_step_phases() -> None:
+    """Count the fused step's phases in this process from now on (a service's metrics: `step_phase_totals`)."""
+    global _counting
+    _check_phases()
+    with _count_lock:
+        _counting += 1
+
+
+def _count_call() -> None:
+    global _calls
+    with _count_lock:
+        _calls += 1
+
+
+def step_phase_totals() -> StepPhases:
+    """The phases' seconds and the calls counted in this process so far."""
+    with _count_lock:
+        return StepPhases(_calls, dict(zip(STEP_PHASES, _TOTALS, strict=True)))
 
 
 @contextlib.contextmanager
 def record_step_phases() -> Iterator[StepPhases]:
-    """Time the fused step's phases in every call made inside the block (a few clock reads a layer; off
-    otherwise), into the StepPhases it yields."""
-    global _recording
-    lib = load()
-    if lib is not None and lib.specmesh_decode_step_phases() != len(STEP_PHASES):
-        raise RuntimeError("decode_step_cpu.c's phases are not STEP_PHASES")
-    rec, before = StepPhases(), _recording
-    _recording = rec
+    """The fused step's phases over the calls made inside the block (any thread's), in the StepPhases it yields
+    (filled when the block ends)."""
+    global _counting
+    _check_phases()
+    with _count_lock:
+        _counting += 1
+    before, rec = step_phase_totals(), StepPhases()
     try:
         yield rec
     finally:
-        _recording = before
+        after = step_phase_totals()
+        with _count_lock:
+            _counting -= 1
+        rec.calls = after.calls - before.calls
+        rec.seconds = {k: after.seconds[k] - before.seconds[k] for k in STEP_PHASES}
 
 
 class DecodeStep:
@@ -668,8 +696,7 @@ class DecodeStep:
             ptrs[i * _NPTR + _VPOOL] = v.data_ptr()
         i64 = ctypes.c_int64
         out = torch.empty((len(rows), self.vocab), dtype=torch.float32) if rows else None
-        threads, recording = torch.get_num_threads(), _recording
-        times = (ctypes.c_double * (threads * len(STEP_PHASES)))() if recording is not None else None
+        counting = _counting > 0
         with _profiled("specmesh::cpu_decode_step"):
             rc = step(
                 dims,
@@ -687,13 +714,13 @@ class DecodeStep:
                 self.lm_b,
                 (i64 * len(rows))(*rows),
                 out.data_ptr() if out is not None else None,
-                threads,
-                ctypes.cast(times, ctypes.c_void_p) if times is not None else None,
+                torch.get_num_threads(),
+                _TOTALS_AT if counting else None,
             )
         if rc:
             raise MemoryError("specmesh's fused CPU decode step could not allocate its scratch")
-        if times is not None and recording is not None:
-            recording.add(times, threads)
+        if counting:
+            _count_call()
         return out
 
 

@@ -99,6 +99,9 @@ def test_k12_gets_lower_k_advice(k12_report):
     assert all(p["target_only_requests"] == 0 for p in spec)  # the stack speculated every request (see DEMO_STACK)
     assert all(p["budget_seconds"]["verify forward"] > 0 and p["budget_seconds"]["drafting"] > 0 for p in spec)
     assert 0 < report["alpha"] < 1 and 0 < report["cost_ratio"] < 1
+    # The verify forward split by the fused step's own clock (the demo target runs it on this CPU).
+    assert "## The verify forward on the CPU, by phase" in report["md"]
+    assert all(p["cpu_step_calls"] > 0 and p["cpu_step_seconds"]["products"] > 0 for p in report["phases"])
 
 
 def test_slow_draft_is_named_the_bottleneck(slow_draft_report, k12_report):

@@ -239,13 +239,14 @@ def test_a_vocabulary_of_part_of_a_panel_sums_its_logits_the_same(threads, layou
 def test_the_steps_phases_add_up_within_its_time_and_change_no_bit(layout):
     """`record_step_phases` times each phase of the calls made inside it (and only those): every phase a call
     goes through is timed, they add up to no more than the call's wall time, and the logits are the same bits
-    as untimed."""
+    as untimed; the process's totals (a service's counters) take what it recorded."""
     model = ARCHS["llama-gqa"]()
     r = PagedRunner(model, 64, 4)
     seq = r.new_sequence([(3 * i + 1) % 120 for i in range(9)])
     r.prefill(seq)
     extra = [5, 6, 7, 8]
     plain = r.forward([seq], [extra])[0]  # not committed: each forward below computes the same positions
+    totals = cpu_kernels.step_phase_totals()
     t = time.perf_counter()
     with cpu_kernels.record_step_phases() as rec:
         timed = r.forward([seq], [extra])[0]
@@ -254,8 +255,11 @@ def test_the_steps_phases_add_up_within_its_time_and_change_no_bit(layout):
     assert rec.calls == 1 and list(rec.seconds) == list(cpu_kernels.STEP_PHASES)
     assert all(rec.seconds[p] > 0 for p in ("products", "attention", "norms and sums", "logits"))
     assert rec.seconds["barrier wait"] >= 0 and sum(rec.seconds.values()) <= wall
-    r.forward([seq], [extra])
-    assert rec.calls == 1 and cpu_kernels._recording is None
+    after = cpu_kernels.step_phase_totals()
+    assert after.calls == totals.calls + 1
+    assert after.seconds["products"] - totals.seconds["products"] == pytest.approx(rec.seconds["products"])
+    r.forward([seq], [extra])  # after the block: counted only where something else counts
+    assert rec.calls == 1 and cpu_kernels.step_phase_totals().calls == after.calls + (cpu_kernels._counting > 0)
 
 
 @pytest.mark.parametrize("arch", list(ARCHS))

@@ -8,6 +8,7 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from specmesh.runtime import cpu_kernels
 from specmesh.sampling import SamplingParams
 from tests.support.models import tiny_model
 from verify_service.engine import VerifyConfig, VerifyEngine
@@ -107,3 +108,33 @@ def test_a_slot_pool_has_no_block_families_and_vllms_gauges_still(model):
     assert not set(BLOCK_FAMILIES) & set(s)
     assert one(s, "vllm:num_preemptions_total", model_name="org/model") == 0
     assert one(s, "vllm:kv_cache_usage_perc", model_name="org/model") == 0
+
+
+@pytest.mark.skipif(cpu_kernels.load() is None, reason="no C compiler here: the fused step cannot be built")
+@pytest.mark.parametrize("runner", ["paged", "batched"])
+def test_the_fused_steps_phases_as_a_scrape_reads_them(model, runner):
+    """On a CPU with the kernels built, the fused step's time by phase and its calls are counters (what
+    `specmesh profile` splits the verify forward with): they grow with a generation, products, attention
+    and logits among what it spent."""
+    engine, metrics = engine_with_metrics(model, runner)
+    metrics.watch(engine)
+    before = scrape(metrics)
+    phases = {lab["phase"] for lab, _ in before["specmesh_verify_cpu_step_seconds_total"]}
+    assert phases == set(cpu_kernels.STEP_PHASES)
+
+    async def body():
+        await engine.start()
+        try:
+            return [e async for e in engine.generate("", [(5 * i) % 120 + 1 for i in range(20)], greedy(6))]
+        finally:
+            await engine.close()
+
+    asyncio.run(body())
+    after = scrape(metrics)
+    calls = one(after, "specmesh_verify_cpu_step_calls_total") - one(before, "specmesh_verify_cpu_step_calls_total")
+    assert calls >= 5  # a step per token past the first, at least
+    for phase in ("products", "attention", "logits"):
+        grew = one(after, "specmesh_verify_cpu_step_seconds_total", phase=phase) - one(
+            before, "specmesh_verify_cpu_step_seconds_total", phase=phase
+        )
+        assert grew > 0, phase

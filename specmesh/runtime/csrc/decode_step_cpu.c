@@ -302,8 +302,8 @@ int KV_NAME(specmesh_decode_step_phases)(void) { return NPHASE; }
  * fl: NFL per layer. embed: the embedding [vocab, H]; tokens: NTOK ids (checked by the caller), sequence after
  * sequence. segs: per sequence (first row, tokens, first position); tables: per sequence TW block ids. cos,
  * sin: the rotary tables [positions, D] (rotate_half's sign folded into sin). lrows: the NLOG rows whose logits
- * go to logits [NLOG, V]. phases: NULL, or [threads, NPHASE] seconds each thread spent in each phase (added to
- * what is there; bench.roofline's breakdown), which costs the call ~25 clock reads a layer per thread.
+ * go to logits [NLOG, V]. phases: NULL, or [NPHASE] seconds: the call adds the team's mean time in each phase
+ * (the verify service's counters, bench.roofline's breakdown), which costs it ~10 clock reads a layer per thread.
  * Returns 0, or -1 when scratch could not be allocated (then nothing was written). */
 int KV_NAME(specmesh_decode_step)(const int64_t *dims, void *const *ptrs, const float *fl, const float *embed,
                          const int64_t *tokens, const int64_t *segs, const int32_t *tables, const float *cos,
@@ -437,7 +437,11 @@ int KV_NAME(specmesh_decode_step)(const int64_t *dims, void *const *ptrs, const 
             PHASE(PH_LOGITS);
         }
         if (phases)
-            for (int c = 0; c < NPHASE; c++) phases[t * NPHASE + c] += ph[c];
+            for (int c = 0; c < NPHASE; c++) {
+                const double mean = ph[c] / T;
+#pragma omp atomic
+                phases[c] += mean;
+            }
     }
     free(buf);
     return 0;
