@@ -274,9 +274,10 @@ static void attend(float *out, int64_t ldo, const float *q, const kv_t *kb, cons
     for (int64_t r = 0; r < R; r++) memcpy(out + (r / G) * ldo + (r % G) * D, acc + r * D, sizeof(float) * D);
 }
 
-/* Where a call's time goes, per thread (the `phases` argument): the products of the layers, attention (a unit's
- * sums, norm, rotary, KV write and attend), the small steps between products (norms, residual sums, SwiGLU), the
- * wait at barriers (the team's imbalance), and the logits (final norm, LM head, their sums). */
+/* Where a call's time goes (the `phases` argument, each thread's clock, the team's mean added): the products of
+ * the layers, attention (a unit's sums, norm, rotary, KV write and attend), the small steps between products
+ * (norms, residual sums, SwiGLU), the wait at barriers (the team's imbalance), and the logits (final norm, LM
+ * head, their sums). */
 enum { PH_PRODUCTS, PH_ATTENTION, PH_ELEMENTWISE, PH_BARRIER, PH_LOGITS, NPHASE };
 int KV_NAME(specmesh_decode_step_phases)(void) { return NPHASE; }
 /* the time since the last mark to phase c (when timing) */
