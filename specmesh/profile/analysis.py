@@ -909,12 +909,15 @@ def _cpu_step_advice(summaries: list[PhaseSummary], record: dict) -> list[Recomm
     if barrier >= STEP_BARRIER:
         recs.append(
             Recommendation(
-                f"the verify forward's threads wait on each other for {barrier * 100:.0f} % of it {where}",
-                "its threads split every product and meet at a barrier after each: one that runs late holds up the "
-                "rest, which happens when something else runs on their cores (the draft service or the gateway "
-                "beside them, other processes) or when --verify-threads exceeds the cores the stack may use",
-                "top   (other work on the verify service's cores?); then specmesh serve ... --verify-threads N "
-                "--draft-threads M, their sum within the cores the stack may use",
+                f"the verify forward's threads wait on each other for {barrier * 100:.0f} % of it {where}: "
+                "their cores are shared",
+                "its threads split every product and meet at a barrier after each, so one that loses its core "
+                "holds up the rest: the draft service drafting for other streams, the gateway or other processes "
+                "run on the same cores (or --verify-threads exceeds them). That share of the forward is what cores "
+                "of its own would give back; on a machine with no cores to spare it is the price of co-locating "
+                "the services",
+                "top   (what else runs there?); specmesh serve ... --verify-threads N --draft-threads M with N + M "
+                "within the cores, or the draft replicas on other machines",
                 None,
                 "contention",
             )
