@@ -231,14 +231,13 @@ class GrpcServer:
         auth = security.interceptor() if security is not None else None
         if auth is not None:  # after the service interceptor, so refused calls are counted and traced
             interceptors.append(auth)
-        self.server = grpc.aio.server(
-            interceptors=interceptors,
-            options=options
-            or [
-                ("grpc.max_receive_message_length", 16 * 1024 * 1024),
-                ("grpc.max_send_message_length", 16 * 1024 * 1024),
-            ],
-        )
+        options = options or [
+            ("grpc.max_receive_message_length", 16 * 1024 * 1024),
+            ("grpc.max_send_message_length", 16 * 1024 * 1024),
+        ]
+        # gRPC binds with SO_REUSEPORT by default: a second server started on a port one already holds would
+        # bind too, and the kernel would split connections between the two. Off, it fails to bind instead.
+        self.server = grpc.aio.server(interceptors=interceptors, options=[*options, ("grpc.so_reuseport", 0)])
         add_servicers(self.server)
         self.health = add_standard_services(self.server, service_names)  # health (with List), reflection v1 + v1alpha
         self.stopping = False
@@ -246,7 +245,10 @@ class GrpcServer:
 
     async def start(self) -> int:
         """Bind and start; returns the bound port (useful with port 0)."""
-        bound = bind(self.server, f"{self.host}:{self.port}", self.security)
+        try:
+            bound = bind(self.server, f"{self.host}:{self.port}", self.security)
+        except RuntimeError as e:  # grpc.aio's way of saying so (its reason goes to its own log)
+            raise OSError(f"cannot bind {self.host}:{self.port}: in use, or not an address of this machine") from e
         if bound == 0:
             raise OSError(f"cannot bind {self.host}:{self.port}")
         self.port = bound
@@ -370,7 +372,11 @@ def run_service(service: str, build: Callable[..., Awaitable[GrpcServer]], confi
         except ConfigError as e:
             print(f"{service}: error: {e}", file=sys.stderr, flush=True)
             raise SystemExit(2) from None
-        port = await server.start()
+        try:
+            port = await server.start()
+        except OSError as e:  # its port (or its metrics port) taken: one line, not a traceback
+            print(f"{service}: error: {e}", file=sys.stderr, flush=True)
+            raise SystemExit(1) from None
         print(f"{service} listening on {config.host}:{port} (metrics port {server.metrics_port})", flush=True)
         await server.serve_forever()
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
+import http.client
 import json
 import os
 import re
@@ -425,8 +426,8 @@ def replicas_healthy(base: str, expected: int, timeout: float, group: ProcessGro
             healthy = len(re.findall(r"^specmesh_gateway_replica_healthy\{[^}]*\} 1\.0$", text, re.M))
             if healthy >= expected:
                 return
-        except OSError:
-            pass
+        except (OSError, http.client.HTTPException):  # not up yet, or another server answers there: its exit
+            pass  # (the port taken) is what the next pass reports
         time.sleep(0.3)
     raise LaunchError(f"only {healthy} of {expected} replicas became healthy within {timeout:.0f} s")
 
