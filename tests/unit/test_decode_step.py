@@ -466,3 +466,17 @@ def test_other_attention_backends_keep_torchs_path(monkeypatch):
             seq = r.new_sequence(list(range(1, 7)))  # six tokens: one forward the step takes
             close_logits(r.forward([seq])[0], full_logits(model, seq.token_ids, 1))
         assert bool(calls) is used and (not used or len(calls) == 3)
+
+
+def test_the_denormal_mode_the_kernels_set_is_given_back(layout):
+    """The kernels flush denormals while they run (a softmax's tiny weights made the values' multiply-adds take
+    microcode assists) and give the mode back: torch's arithmetic on the same threads (its OpenMP team is the
+    kernels') still keeps a denormal, on the calling thread and across a parallel op."""
+    model = ARCHS["llama-gqa"]()
+    r = PagedRunner(model, 64, 4)
+    seq = r.new_sequence([(3 * i + 1) % 120 for i in range(9)])
+    r.prefill(seq)
+    r.forward([seq], [[5, 6, 7]])
+    tiny = torch.full((1 << 20,), 1e-39)  # a float32 denormal
+    assert float(tiny[0] * 1.0) > 0
+    assert float((tiny * 1.0).min()) > 0

@@ -119,7 +119,9 @@ static int run(const job_t *proto, const int64_t *bounds, int shares) {
         job_t j = *proto;
         j.u0 = bounds[i];
         j.u1 = bounds[i + 1];
+        const unsigned fp_mode = flush_denormals(); /* torch's threads: their mode given back */
         work(&j);
+        restore_denormals(fp_mode);
         rc |= j.rc;
     }
     return rc;

@@ -352,6 +352,7 @@ int KV_NAME(specmesh_decode_step)(const int64_t *dims, void *const *ptrs, const 
         float *qb = v + most * D, *acc = qb + most * G * D, *sc = acc + most * G * D, *up = sc + most * G * far;
         float *mine_a = pa + (pw ? 0 : (int64_t)t) * stride, *mine_b = pb + (pw ? 0 : (int64_t)t) * stride;
         double ph[NPHASE] = {0}, mark = phases ? omp_get_wtime() : 0.0;
+        const unsigned fp_mode = flush_denormals();
         for (int64_t r = 0; r < n; r++) memcpy(x + r * H, embed + tokens[r] * H, sizeof(float) * H);
         for (int64_t l = 0; l < L; l++) {
             void *const *p = ptrs + l * NPTR;
@@ -437,6 +438,7 @@ int KV_NAME(specmesh_decode_step)(const int64_t *dims, void *const *ptrs, const 
             }
             PHASE(PH_LOGITS);
         }
+        restore_denormals(fp_mode);
         if (phases)
             for (int c = 0; c < NPHASE; c++) {
                 const double mean = ph[c] / T;
