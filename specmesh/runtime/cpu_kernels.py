@@ -484,9 +484,6 @@ class StepPhases:
     calls: int = 0
     seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STEP_PHASES, 0.0))
 
-    def ms_per_call(self) -> dict[str, float]:
-        return {name: 1e3 * s / max(1, self.calls) for name, s in self.seconds.items()}
-
 
 # This process's running totals, while anything counts (`count_step_phases`, `record_step_phases`): the C
 # call adds into _TOTALS itself (atomically per phase), so counting costs a call its clock reads only.
@@ -528,9 +525,7 @@ def record_step_phases() -> Iterator[StepPhases]:
     """The fused step's phases over the calls made inside the block (any thread's), in the StepPhases it yields
     (filled when the block ends)."""
     global _counting
-    _check_phases()
-    with _count_lock:
-        _counting += 1
+    count_step_phases()
     before, rec = step_phase_totals(), StepPhases()
     try:
         yield rec
