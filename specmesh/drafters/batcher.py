@@ -37,6 +37,7 @@ from specmesh.sampling import (
     apply_context_processing,
     output_start,
     process_logits,
+    row_argmax,
 )
 
 DRAFT_SEED_SALT = 0x5EED_D4AF7  # the draft's stream must differ from the verifier's for the same seed
@@ -248,7 +249,7 @@ class DraftBatcher:
         # verifier will process this position under.
         contexts = [LogitsContext(s.seq.token_ids, s.output_start, (), self.eos_token_ids, s.grammar) for s in states]
         logits = apply_context_processing(logits, [s.params for s in states], contexts)
-        argmax = logits.argmax(dim=-1).tolist()
+        argmax = row_argmax(logits).tolist()
         for i, g in enumerate(greedy):
             if g:
                 out[i] = DraftToken(int(argmax[i]), None, None)

@@ -45,6 +45,51 @@ def test_greedy_rules(backend):
         assert (out.output_token_ids[b, len(expected) :] == -1).all()
 
 
+def test_greedy_batches_take_the_vectorised_rules():
+    """The torch backend answers an all-greedy batch on its own short path: it equals the vectorised rules
+    (`rejection_sample_torch` over `prepare`) on random blocks of 0 to 6 tokens with ties in the logits, context
+    penalties and log-probabilities asked for; and a breaking draft token still stops the block."""
+    from specmesh.sampling import LogitsContext
+
+    gen = torch.Generator().manual_seed(7)
+    s = RejectionSampler("torch", seed=0)
+    vocab = 40
+    penalised = SamplingParams(temperature=0.0, repetition_penalty=1.3, logit_bias=((3, 2.0),), logprobs=2)
+    for trial in range(40):
+        blocks, rows = [], []
+        for b in range(1 + trial % 5):
+            k = int(torch.randint(0, 7, (1,), generator=gen))
+            target = torch.randint(0, 6, (k + 1,), generator=gen).tolist()  # few tokens: ties and repeats
+            logits = torch.randint(-3, 3, (k + 1, vocab), generator=gen).float()  # integers: ties everywhere
+            draft = [t if torch.rand((), generator=gen) < 0.8 else (t + 1) % vocab for t in target[:k]]
+            params = penalised if b % 2 else GREEDY
+            context = LogitsContext([1, 2, 3, *draft[:2]], 3, draft) if b % 2 else None
+            blocks.append(RejectionInput.of(draft, params, context=context))
+            rows.append(logits)
+        logits = torch.cat(rows)
+        fast = s(logits, blocks)
+        prep = rejection.prepare(logits, blocks, s.generator)
+        ref = rejection.rejection_sample_torch(prep)
+        assert torch.equal(fast.output_token_ids, ref)
+        assert fast.num_accepted == prep.num_accepted_from(ref)
+        assert fast.logprobs == rejection._logprobs(logits, blocks, ref, fast.num_accepted)
+    out = s(one_hot_logits([1, 2, 3, 4]), [RejectionInput.of([1, 9, 3], GREEDY)])
+    assert out.tokens(0) == [1, 2] and out.num_accepted == [1]
+
+
+def test_row_argmax_is_torchs():
+    """numpy's argmax on a CPU's float32 rows: torch's answers, the first index on ties, -inf and NaN rows too."""
+    from specmesh.sampling import row_argmax
+
+    x = torch.randint(-2, 2, (64, 300)).float()
+    x[5] = float("-inf")
+    x[6, 7] = float("nan")
+    x[7, :] = 1.0
+    for t in (x, x[:, ::3], x.t().contiguous().t(), x[:0], x.double(), x.bfloat16()):
+        got = row_argmax(t)
+        assert got.dtype == torch.int64 and torch.equal(got, t.argmax(dim=-1))
+
+
 # ---------------------------------------------------------------- statistics
 def check_distribution(samples: torch.Tensor, p: torch.Tensor) -> tuple[float, float]:
     """(chi-square p-value, total variation) of integer samples against distribution p."""
