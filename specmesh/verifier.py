@@ -38,7 +38,7 @@ def sample_and_commit(
     forward returns them); commit each sequence's accepted tokens and its recovered or bonus token."""
     if not blocks:
         return []
-    out = sampler(torch.cat(list(logits)), blocks)
+    out = sampler(logits[0] if len(logits) == 1 else torch.cat(list(logits)), blocks)  # one: no copy
     verdicts = []
     for i, seq in enumerate(seqs):
         tokens = out.tokens(i)
