@@ -20,7 +20,8 @@ combines them for one request, in this order:
 - **Goodput**: while the chosen draft replica last reported that speculation measures slower there than
   target-only steps, a request that leaves K and the seed unset goes "direct" (target-only on the verify
   replica, sparing the draft hop), every `goodput_probe_every`-th one a "probe" through the draft replica so
-  that its guard measures speculation again; "draft" otherwise. One decision per request, kept across its
+  that its guard measures speculation again, the interval doubling after each probe while the loss stands (up
+  to PROBE_BACKOFF_MAX times); "draft" otherwise. One decision per request, kept across its
   failovers; a seeded request always keeps its path, so that it replays exactly; a greedy request to a replica
   with suffix trees keeps it too, so that the trees learn its output (its guard decides per session there).
   A sampled request is judged end to end too (`PathRates`, fed by the gateway as requests finish): direct
@@ -41,6 +42,8 @@ from specmesh.errors import Unavailable
 
 if TYPE_CHECKING:
     from gateway.config import GatewayConfig
+
+PROBE_BACKOFF_MAX = 8  # the longest wait between goodput probes of a standing loss, in --goodput-probe-every's
 
 
 @dataclass(frozen=True)
@@ -284,6 +287,7 @@ class Router:
         loses, why = draft.pays(sampled) is False, "target_only_by_goodput"
         if sampled and not loses:
             if not self.path_rates.draft_loses(inflight):
+                self._probes_done(draft, sampled)
                 self._sampled_drafted += 1
                 # until the direct side counts at this load every other one measures it, then every N-th
                 if self._sampled_drafted % (every if self.path_rates.counted(inflight, "direct") else 2) == 0:
@@ -292,9 +296,25 @@ class Router:
                 return "draft"
             loses, why = True, "target_only_end_to_end"
         if not loses:
+            self._probes_done(draft, sampled)
             return "draft"
         draft.diverted += 1
-        if draft.diverted % every:
+        wait = draft.probe_wait.get(sampled, every)
+        if wait > 1:
+            draft.probe_wait[sampled] = wait - 1
             self.draft_pool.count(why)
             return "direct"
+        # Each probe that finds speculation still losing doubles the wait before the next: a probe speculates
+        # where speculation measured slower and then relays its target-only steps through the draft replica (at
+        # T = 0.7 on two shared cores a probe took 1.2-1.7x a target-only request, one request in eight), so a
+        # standing loss is checked ever less often, down to one request in PROBE_BACKOFF_MAX x N.
+        probes = draft.probes_losing.get(sampled, 0) + 1
+        draft.probes_losing[sampled] = probes
+        draft.probe_wait[sampled] = every * min(2**probes, PROBE_BACKOFF_MAX)
         return "probe"
+
+    @staticmethod
+    def _probes_done(draft: Replica, sampled: bool) -> None:
+        """Speculation does not lose (any more) for this kind: the next loss probes at N again."""
+        draft.probes_losing.pop(sampled, None)
+        draft.probe_wait.pop(sampled, None)

@@ -74,6 +74,10 @@ class Replica:
     speculation_pays: bool | None = None
     speculation_pays_sampled: bool | None = None
     diverted: int = 0
+    # Per kind (sampled or not) while speculation loses: the probes sent since it last did not, and the
+    # requests still to go direct before the next one (the router's `_goodput_route`).
+    probes_losing: dict[bool, int] = field(default_factory=dict)
+    probe_wait: dict[bool, int] = field(default_factory=dict)
     # What the replica said of itself (the pool's `describe`) since it last turned healthy; None = not asked.
     suffix_decoding: bool | None = None
 
@@ -279,6 +283,8 @@ class Pool:
                 replica.healthy = True
                 replica.speculation_pays = replica.speculation_pays_sampled = None  # maybe a new process:
                 replica.diverted = 0  # not measured yet
+                replica.probes_losing.clear()
+                replica.probe_wait.clear()
                 replica.suffix_decoding = None
                 log.info("%s replica %s is healthy again", self.name, replica.address)
         else:

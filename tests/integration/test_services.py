@@ -363,9 +363,10 @@ def test_the_goodput_guard_turns_speculation_off_where_rounds_cost_what_the_mode
 def test_the_gateway_skips_the_draft_hop_while_the_draft_reports_that_speculation_loses(target, reference, slow_link):
     """The same slow link as above, with a gateway in front (--goodput-probe-every 4). Once the draft
     service's guard reports that speculation loses, requests that leave K unset go target-only straight to
-    the verify replica, all but every fourth, which still goes through the draft service and speculates
-    there (a goodput probe), so that its guard keeps measuring speculation. Requests that set K, or a seed,
-    keep the draft path. Every output is the target's."""
+    the verify replica, all but the fourth, which still goes through the draft service and speculates there
+    (a goodput probe), so that its guard keeps measuring speculation; while the loss stands each probe
+    doubles the wait before the next (the eighth, then the sixteenth). Requests that set K, or a seed, keep
+    the draft path. Every output is the target's."""
     from specmesh.v1 import gateway_pb2, gateway_pb2_grpc
     from tests.support.services import GatewayServer
 
@@ -385,10 +386,11 @@ def test_the_gateway_skips_the_draft_hop_while_the_draft_reports_that_speculatio
         assert draft.server.engine.goodput_guards.at(True, 1).speculation_pays() is False
         first = direct.index(True)
         assert first >= 1 and not any(direct[:first])  # through the draft until its guard had measured both sides
-        # from then on, at most three in a row straight to the verify replica (--goodput-probe-every 4); the
-        # fourth goes through the draft as a goodput probe, which speculates rather than take the guard's runs
-        runs = "".join("d" if d else "p" for d in direct[first:]).split("p")
-        assert sum(direct) >= 6 and max(len(r) for r in runs) <= 3, direct
+        # from then on three straight to the verify replica (--goodput-probe-every 4), then a goodput probe
+        # through the draft, which speculates rather than take the guard's runs; then seven, fifteen, ...
+        runs = [len(r) for r in "".join("d" if d else "p" for d in direct[first:]).split("p")]
+        assert sum(direct) >= 6 and len(runs) >= 2, direct
+        assert runs[:-1] == [4 * 2**i - 1 for i in range(len(runs) - 1)] and runs[-1] < 4 * 2 ** len(runs), direct
         probes = [r for r in answers[first:] if not r.target_only]
         assert probes and all(r.stats.drafted > 0 for r in probes)
         assert gw.gateway.draft_pool.decisions["target_only_by_goodput"] == sum(direct)

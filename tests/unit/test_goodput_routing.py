@@ -33,12 +33,38 @@ def test_a_replica_that_reports_speculation_loses_is_passed_over_for_one_that_pa
         assert draft is b and outcome.goodput_route == "draft" and not outcome.target_only
     b.speculation_pays = False  # every replica says it loses: straight to the verify replica, 1 in 8 a probe
     routes = [choose(gw) for _ in range(16)]
-    assert [o.goodput_route for _, o in routes] == ["direct"] * 7 + ["probe"] + ["direct"] * 7 + ["probe"]
+    assert [o.goodput_route for _, o in routes] == ["direct"] * 7 + ["probe"] + ["direct"] * 8
     assert all((d is None) == o.target_only for d, o in routes)
-    assert gw.draft_pool.decisions["target_only_by_goodput"] == 14
+    assert gw.draft_pool.decisions["target_only_by_goodput"] == 15
     # the caller's K, or a seed, keeps the draft path
     assert choose(gw, num_speculative_tokens=2)[0] is not None
     assert choose(gw, params=SamplingParams(temperature=0.7, max_tokens=4, seed=1))[0] is not None
+
+
+def test_probes_of_a_standing_loss_come_ever_less_often_and_at_n_again_once_it_pays():
+    """While the replica keeps reporting a loss, each probe doubles the wait before the next (8, 16, 32, then
+    64 = PROBE_BACKOFF_MAX x 8 requests); once a report says speculation pays, a new loss probes at 8 again;
+    greedy and sampled requests keep their own count."""
+    from gateway.router import PROBE_BACKOFF_MAX
+
+    gw = gateway()
+    for r in gw.draft_pool.replicas.values():
+        r.speculation_pays = r.speculation_pays_sampled = False
+
+    def probes_at(n, **req):
+        return [i for i in range(n) if choose(gw, **req)[1].goodput_route == "probe"]
+
+    assert PROBE_BACKOFF_MAX == 8
+    at = probes_at(8 + 16 + 32 + 64 + 64)
+    assert at == [7, 7 + 16, 7 + 16 + 32, 7 + 16 + 32 + 64, 7 + 16 + 32 + 64 + 64]
+    sampled = SamplingParams(temperature=0.7, max_tokens=4)
+    assert probes_at(24, params=sampled) == [7, 23]  # the sampled kind's own count, from 8
+    for r in gw.draft_pool.replicas.values():
+        r.speculation_pays = True
+    assert choose(gw)[1].goodput_route == "draft"
+    for r in gw.draft_pool.replicas.values():
+        r.speculation_pays = False
+    assert probes_at(8) == [7]
 
 
 def test_a_failover_keeps_the_request_s_goodput_decision():
@@ -56,11 +82,12 @@ def test_a_failover_keeps_the_request_s_goodput_decision():
 def test_a_replica_back_in_the_pool_starts_unmeasured():
     gw = gateway(fail_threshold=1, success_threshold=1)
     a = next(iter(gw.draft_pool.replicas.values()))
-    a.speculation_pays, a.diverted = False, 5
+    a.speculation_pays, a.diverted, a.probes_losing, a.probe_wait = False, 5, {False: 3}, {False: 40}
     gw.draft_pool._record(a, False)
     assert not a.healthy and a.speculation_pays is False
     gw.draft_pool._record(a, True)  # maybe a restarted process, with a guard that has measured nothing
     assert a.healthy and a.speculation_pays is None and a.diverted == 0
+    assert a.probes_losing == {} and a.probe_wait == {}  # a loss it reports again probes at N
 
 
 @pytest.mark.parametrize("every", ["1", "-1"])
@@ -179,8 +206,8 @@ def test_sampled_requests_go_direct_while_the_draft_path_measures_slower_end_to_
     assert run(4, sampled) == ["draft", "direct", "draft", "direct"]
     assert gw.draft_pool.decisions["target_only_measured"] == 2
     assert gw.router.path_rates.draft_loses(1) is True
-    assert run(8, sampled) == ["direct"] * 3 + ["probe"] + ["direct"] * 3 + ["probe"]
-    assert gw.draft_pool.decisions["target_only_end_to_end"] == 6
+    assert run(8, sampled) == ["direct"] * 3 + ["probe"] + ["direct"] * 4  # then 8 to the next: still slower
+    assert gw.draft_pool.decisions["target_only_end_to_end"] == 7
     assert "target_only_by_goodput" not in gw.draft_pool.decisions
     assert run(4, SamplingParams(temperature=0.0, max_tokens=4)) == ["draft"] * 4
 
