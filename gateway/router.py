@@ -298,7 +298,6 @@ class Router:
         if not loses:
             self._probes_done(draft, sampled)
             return "draft"
-        draft.diverted += 1
         wait = draft.probe_wait.get(sampled, every)
         if wait > 1:
             draft.probe_wait[sampled] = wait - 1

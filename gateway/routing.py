@@ -70,10 +70,9 @@ class Replica:
     prefixes: OrderedDict = field(default_factory=OrderedDict)  # block hash -> None, LRU order
     # A draft replica's last report of its goodput guard (GenerationFinished.speculation_pays) for greedy and
     # for sampled requests (each report speaks for its generation's kind: the replica guards them apart):
-    # None = not measured; and how many requests were sent straight to the verifier since it said false.
+    # None = not measured.
     speculation_pays: bool | None = None
     speculation_pays_sampled: bool | None = None
-    diverted: int = 0
     # Per kind (sampled or not) while speculation loses: the probes sent since it last did not, and the
     # requests still to go direct before the next one (the router's `_goodput_route`).
     probes_losing: dict[bool, int] = field(default_factory=dict)
@@ -281,8 +280,7 @@ class Pool:
             replica.successes += 1
             if not replica.healthy and replica.successes >= self.success_threshold:
                 replica.healthy = True
-                replica.speculation_pays = replica.speculation_pays_sampled = None  # maybe a new process:
-                replica.diverted = 0  # not measured yet
+                replica.speculation_pays = replica.speculation_pays_sampled = None  # maybe a new process: unmeasured
                 replica.probes_losing.clear()
                 replica.probe_wait.clear()
                 replica.suffix_decoding = None

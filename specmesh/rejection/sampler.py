@@ -185,15 +185,18 @@ class RejectionSampler:
         return RejectionOutput(out, num_accepted, _logprobs(target_logits, blocks, out, num_accepted))
 
 
+def _check_rows(target_logits: torch.Tensor, rows: int) -> None:
+    if target_logits.dim() != 2 or target_logits.size(0) != rows:
+        raise ValueError(f"target_logits must be [{rows}, V], got {tuple(target_logits.shape)}")
+
+
 def _greedy(target_logits: torch.Tensor, blocks: list[RejectionInput]) -> tuple[torch.Tensor, list[int]]:
     """`rejection_sample_torch(prepare(...))` where every request is greedy: a draft token is accepted while it is
     the processed logits' argmax at its row, and the argmax of the first row that rejects (or of the bonus row)
     follows. One argmax and the rest over Python lists: the vectorised path's thirty-odd small tensor ops cost
     ~0.15 ms a verify step on a CPU, a few percent of a one-stream round."""
     num_draft = [b.k for b in blocks]
-    rows = sum(num_draft) + len(blocks)
-    if target_logits.dim() != 2 or target_logits.size(0) != rows:
-        raise ValueError(f"target_logits must be [{rows}, V], got {tuple(target_logits.shape)}")
+    _check_rows(target_logits, sum(num_draft) + len(blocks))
     processed = apply_context_processing(
         target_logits, [b.params for b in blocks], [b.block_context for b in blocks], [k + 1 for k in num_draft]
     )
@@ -262,8 +265,7 @@ def prepare(target_logits: torch.Tensor, blocks: list[RejectionInput], shared: t
     num_draft = [b.k for b in blocks]
     n_req, n_tok = len(blocks), sum(num_draft)
     rows_per_req = [k + 1 for k in num_draft]
-    if target_logits.dim() != 2 or target_logits.size(0) != n_tok + n_req:
-        raise ValueError(f"target_logits must be [{n_tok + n_req}, V], got {tuple(target_logits.shape)}")
+    _check_rows(target_logits, n_tok + n_req)
     vocab = target_logits.size(1)
     params = [b.params for b in blocks]
     # Context-dependent processing first: every rule below (greedy's argmax included) sees processed logits.

@@ -82,11 +82,11 @@ def test_a_failover_keeps_the_request_s_goodput_decision():
 def test_a_replica_back_in_the_pool_starts_unmeasured():
     gw = gateway(fail_threshold=1, success_threshold=1)
     a = next(iter(gw.draft_pool.replicas.values()))
-    a.speculation_pays, a.diverted, a.probes_losing, a.probe_wait = False, 5, {False: 3}, {False: 40}
+    a.speculation_pays, a.probes_losing, a.probe_wait = False, {False: 3}, {False: 40}
     gw.draft_pool._record(a, False)
     assert not a.healthy and a.speculation_pays is False
     gw.draft_pool._record(a, True)  # maybe a restarted process, with a guard that has measured nothing
-    assert a.healthy and a.speculation_pays is None and a.diverted == 0
+    assert a.healthy and a.speculation_pays is None
     assert a.probes_losing == {} and a.probe_wait == {}  # a loss it reports again probes at N
 
 
