@@ -443,12 +443,14 @@ class DraftEngine:
         metadata: tuple = (),
         goodput_probe: bool = False,
         cache_scope: str = "",
+        hand_off: bool = False,
     ) -> AsyncGenerator[GenerationEvent, None]:
         """Yields Opened, then Tokens as rounds commit them, then Finished. `goodput_probe`: the caller sends
         most requests past this service while its guard says speculation loses, and this one to measure
         speculation (it takes none of the guard's target-only runs for its first `GoodputK.PROBE_ROUNDS` measured
-        rounds). `cache_scope`: the verify replica's
-        prefix-cache scope for the request, passed on as it came."""
+        rounds). `hand_off` (with `goodput_probe`): once those rounds find speculation still losing, the
+        generation ends there, Finished "handed_off", and the caller decodes the rest target-only.
+        `cache_scope`: the verify replica's prefix-cache scope for the request, passed on as it came."""
         k_max = self.check(prompt_ids, params, num_speculative_tokens)
         self._admit(session_id)
         stub, max_spec_len = await self._stub(verify_address or self.config.verify_address)
@@ -475,6 +477,7 @@ class DraftEngine:
                 gen = _Generation(
                     self, stub, session_id, prompt_ids, params, k_max, metadata, goodput_probe, cache_scope
                 )
+                gen.hand_off = hand_off and goodput_probe
                 # The trees' blocks: to the request's K, or the replica's.
                 if isinstance(gen.drafter, (HybridDrafter, SuffixDrafter)):
                     gen.drafter.cap = k_max if num_speculative_tokens is not None else max_spec_len
@@ -606,6 +609,7 @@ class _Generation:
         )
         self.pipeline = engine.config.pipeline and not seeded
         self.chain = engine.config.chain_blocks and not seeded
+        self.hand_off = False  # a goodput probe whose caller goes on target-only itself (DraftEngine.generate)
         self.parent = otel_context.get_current()  # the Generate server span: rounds are its children
 
     def _opened(self, resp) -> None:
@@ -628,6 +632,7 @@ class _Generation:
                 pipeline=self.pipeline,
                 chain=self.chain,
                 on_round=self._trace_round,
+                hand_off=self.policy.hands_off if self.hand_off and isinstance(self.policy, GoodputK) else None,
             )
             # Before the final event goes out: a caller's next turn must find the session free on the
             # verify service (the stream's status is awaited).

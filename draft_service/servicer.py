@@ -23,6 +23,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             wire.spec_len_from_pb(request),
             goodput_probe=request.goodput_probe,
             cache_scope=request.cache_scope,
+            hand_off=request.hand_off,
         )
         async with contextlib.aclosing(events):
             async for event in events:

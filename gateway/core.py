@@ -127,6 +127,8 @@ class Outcome:
     verify_session: str = ""  # the verify replica's name for the generation's session (its Opened chunk)
     verify_session_replica: str = ""  # ... and that replica's address
     target_only: bool = False
+    # A goodput probe's draft replica measured speculation losing and handed the rest back: decoded target-only
+    handed_off: bool = False
     verify_replica: str = ""
     # "direct", "probe" or "draft": where the draft replicas' goodput reports sent the request (gateway.router)
     goodput_route: str = ""
@@ -143,7 +145,9 @@ async def _judged(gw: Gateway, req: GenRequest, outcome: Outcome):
                 finished = finished or chunk.finish_reason is not None
                 yield chunk
     finally:
-        if finished and not req.params.greedy and not outcome.failovers and outcome.goodput_route:
+        # A probe handed back after its measured rounds ran mostly direct: no measure of either path.
+        judged = outcome.goodput_route and not outcome.handed_off
+        if finished and not req.params.greedy and not outcome.failovers and judged:
             side = "direct" if outcome.goodput_route == "direct" else "draft"  # probes go through a draft
             gw.router.path_rates.observe(load, side, outcome.completion_tokens, time.monotonic() - started)
 
@@ -358,6 +362,7 @@ class Gateway:
         self.waiting = 0
         self.inflight = 0
         self.failovers = 0
+        self.handoffs = 0  # goodput probes their draft replica handed back to decode target-only
         self.stalls = 0  # streams replayed because they made no progress
         self.totals = SpecStats()  # speculation statistics of every finished generation
         self.stream_metrics = stream_metrics  # TTFT and inter-token latency of every generation
@@ -457,13 +462,17 @@ class Gateway:
         emitted: list[int] = []
         excluded: set[str] = set()
         deadline = time.monotonic() + self.config.request_timeout_s
-        drafting = True  # False once a speculative stream stalled: the rest is target-only
+        drafting = True  # False once a speculative stream stalled or a probe was handed back: target-only on
         while True:
             route = self._route(req, emitted, excluded, outcome, drafting)
             stream = self._watched(self._stream(route, req, emitted, deadline, outcome), route, first=not emitted)
             failed: Replica | None = None
+            handed_off = False
             try:
                 async for ids, finish, logprobs in stream:
+                    if finish == "handed_off":  # the probe's rounds are measured: the rest goes direct
+                        handed_off = True
+                        break
                     emitted += ids
                     outcome.completion_tokens = len(emitted)
                     chunk = await self._chunk(text, req.params.stop_token_ids, ids, finish, logprobs)
@@ -471,6 +480,10 @@ class Gateway:
                         yield chunk
                         if chunk.finish_reason is not None:
                             return
+                if handed_off:
+                    outcome.handed_off, drafting = True, False
+                    self.handoffs += 1
+                    continue
                 raise Unavailable("the generation stream ended without a finish reason")
             except Stalled:
                 outcome.stalls += 1
@@ -519,11 +532,12 @@ class Gateway:
             excluded=excluded,
             drafting=drafting,
             goodput=outcome.goodput_route,
+            handed_off=outcome.handed_off,
             stalled_session=(outcome.verify_session_replica, outcome.verify_session) if outcome.stalls else None,
         )
         route = self.router.route(ask, self.inflight)
         outcome.verify_replica = route.verify.address
-        outcome.target_only = route.target_only
+        outcome.target_only = route.target_only and not outcome.handed_off  # a probe handed back speculated
         outcome.goodput_route = route.goodput
         return route
 
@@ -628,6 +642,7 @@ class Gateway:
                         num_speculative_tokens=route.k,
                         goodput_probe=route.goodput_probe,
                         cache_scope=req.cache_scope,
+                        hand_off=route.goodput_probe,
                     ),
                     timeout=timeout,
                     metadata=req.metadata,

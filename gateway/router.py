@@ -60,6 +60,7 @@ class RouteRequest:
     goodput: str = ""  # the goodput decision already made for the request ("": none yet)
     # After a stall: the verify replica and the session the stalled stream held there (the last one opened).
     stalled_session: tuple[str, str] | None = None
+    handed_off: bool = False  # a goodput probe handed back by its draft replica: the rest is target-only
 
 
 class PathRates:
@@ -228,7 +229,7 @@ class Router:
             self.draft_pool.count("target_only_under_load")
             return target_only
         if draft is None:
-            if self.draft_pool.replicas:
+            if self.draft_pool.replicas and not ask.handed_off:
                 self.target_only_fallbacks += 1
             return target_only
         goodput = ask.goodput

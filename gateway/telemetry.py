@@ -32,6 +32,7 @@ class GatewayMetrics(ServiceMetrics):
             for kind, n in pool.decisions.items():
                 decisions.add_metric([pool.name, kind], n)
         target_only_doc = "Generations decoded target-only (no healthy draft replica)"
+        handoffs_doc = "Goodput probes whose draft replica measured speculation losing and handed the rest back"
         return [
             g("specmesh_gateway_running_requests", "Generations running", value=gw.inflight),
             g("specmesh_gateway_queue_depth", "Generations waiting for a concurrency slot", value=gw.waiting),
@@ -40,6 +41,7 @@ class GatewayMetrics(ServiceMetrics):
             decisions,
             c("specmesh_gateway_failovers", "Generations moved to another replica mid-stream", value=gw.failovers),
             c("specmesh_gateway_target_only", target_only_doc, value=gw.target_only_fallbacks),
+            c("specmesh_gateway_handoffs", handoffs_doc, value=gw.handoffs),
             *spec_families("specmesh_gateway", gw.totals),
             *self.vllm_families(gw),
         ]

@@ -254,7 +254,8 @@ class Tokens:
 
 @dataclass(frozen=True)
 class Finished:
-    finish_reason: str  # "stop" | "length" | "cancelled"
+    # "stop" | "length" | "cancelled"; a draft service's "handed_off": the caller decodes the rest target-only
+    finish_reason: str
     stats: SpecStats = field(default_factory=SpecStats)
     # A draft service's goodput guard at the end of the generation: does speculation measure at least as
     # fast as target-only there (None: not measured)

@@ -66,7 +66,7 @@ class Verifier(Protocol):
 @dataclass
 class GenerationResult:
     token_ids: list[int]
-    finish_reason: str  # "stop" | "length" | "cancelled"
+    finish_reason: str  # "stop" | "length" | "cancelled" | "handed_off" (speculative_generate's hand_off)
     stats: SpecStats
     text: str | None = None
     logprobs: list[TokenLogprob] | None = None  # one per token id, when the request asked for them
@@ -480,6 +480,7 @@ class GoodputK(AdaptiveK):
         # False: a goodput probe, which takes none of the guard's target-only runs until it has speculated
         # PROBE_ROUNDS measured rounds (the first, which waited for the prompt's prefill, is not one)
         self.guard_runs = guard_runs
+        self.probe = not guard_runs
         self._probe_rounds = 0
         self._guard_steps = 0  # target-only steps the guard asked for, taken as the next run
         self._guard_probe = False  # ... to measure the target-only side (not because speculation loses)
@@ -572,6 +573,12 @@ class GoodputK(AdaptiveK):
             return max(1, min(steps, remaining))
         return super().zero_run(remaining)
 
+    def hands_off(self) -> bool:
+        """A goodput probe that has speculated its PROBE_ROUNDS measured rounds, now held to target-only steps
+        because the guard measures speculation losing: what it came to measure is measured, and the rest of
+        its request is target-only decoding, which its caller can do without this hop."""
+        return self.probe and self.guard_runs and self._guard_steps > 0 and not self._guard_probe
+
     def current_guard(self) -> GoodputGuard | None:
         """The guard of this session's kind at the batch its last verdict reported (one guard: that one)."""
         if isinstance(self.guard, GoodputGuards):
@@ -640,12 +647,15 @@ async def speculative_generate(
     chain: bool = False,
     cancelled: Callable[[], bool] | None = None,
     on_round: Callable[[RoundRecord], None] | None = None,
+    hand_off: Callable[[], bool] | None = None,
 ) -> GenerationResult:
     """Run rounds until `stop` (or the verifier's verdict) says so. Tokens past a stop condition are
     dropped, never emitted. `on_tokens` receives each round's kept tokens (and their log-probabilities when
     the request asks for them) as soon as they are known;
     `on_round` a RoundRecord per round (tracing). `pipeline`: draft the next block while one is verified;
-    `chain`: send a free block's successor right behind it (where the verifier takes chained blocks)."""
+    `chain`: send a free block's successor right behind it (where the verifier takes chained blocks).
+    `hand_off`: asked when a round would be target-only steps; True ends the generation there, finish reason
+    "handed_off", for a caller that decodes the rest itself."""
     policy = num_speculative_tokens if not isinstance(num_speculative_tokens, int) else FixedK(num_speculative_tokens)
     if drafter is None:
         policy = FixedK(0)
@@ -754,6 +764,9 @@ async def speculative_generate(
             assert ahead is not None  # free_ahead says what ahead is
             k = ahead.k
         if k == 0:
+            if hand_off is not None and hand_off():
+                stop.finish("handed_off")
+                break
             steps = policy.zero_run(params.max_tokens - len(stop.token_ids))
             if free_block is not None and not held and params.greedy:  # the trees may match within a few tokens
                 steps = min(steps, FREE_BLOCK_RECHECK)

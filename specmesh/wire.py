@@ -39,6 +39,7 @@ FINISH_TO_PB: dict[str | None, FinishReasonPb] = {
     "stop": common_pb2.FINISH_REASON_STOP,
     "length": common_pb2.FINISH_REASON_LENGTH,
     "cancelled": common_pb2.FINISH_REASON_CANCELLED,
+    "handed_off": common_pb2.FINISH_REASON_HANDED_OFF,
 }
 FINISH_FROM_PB: dict[int, str | None] = {v: k for k, v in FINISH_TO_PB.items()}
 

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from specmesh.v1 import common_pb2 as specmesh_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17specmesh/v1/draft.proto\x12\x0bspecmesh.v1\x1a\x18specmesh/v1/common.proto\"\xf6\x01\n\x1b\x44raftServiceGenerateRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\x12+\n\x06params\x18\x03 \x01(\x0b\x32\x1b.specmesh.v1.SamplingParams\x12\x16\n\x0everify_address\x18\x04 \x01(\t\x12#\n\x16num_speculative_tokens\x18\x05 \x01(\rH\x00\x88\x01\x01\x12\x15\n\rgoodput_probe\x18\x06 \x01(\x08\x12\x13\n\x0b\x63\x61\x63he_scope\x18\x07 \x01(\tB\x19\n\x17_num_speculative_tokens\"\xbe\x01\n\x1c\x44raftServiceGenerateResponse\x12/\n\x06opened\x18\x01 \x01(\x0b\x32\x1d.specmesh.v1.GenerationOpenedH\x00\x12/\n\x06tokens\x18\x02 \x01(\x0b\x32\x1d.specmesh.v1.GenerationTokensH\x00\x12\x33\n\x08\x66inished\x18\x03 \x01(\x0b\x32\x1f.specmesh.v1.GenerationFinishedH\x00\x42\x07\n\x05\x63hunk\"\x19\n\x17\x44raftServiceInfoRequest\"\x82\x03\n\x18\x44raftServiceInfoResponse\x12\x12\n\nmodel_path\x18\x01 \x01(\t\x12\x11\n\talgorithm\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x1d\n\x15speculative_num_steps\x18\x04 \x01(\r\x12\x10\n\x08\x61\x64\x61ptive\x18\x05 \x01(\x08\x12\x11\n\tpipelined\x18\x06 \x01(\x08\x12\x1e\n\x16\x64\x65\x66\x61ult_verify_address\x18\x07 \x01(\t\x12\x17\n\x0f\x61\x63tive_sessions\x18\x08 \x01(\r\x12\x0e\n\x06rounds\x18\t \x01(\x04\x12\x0f\n\x07\x64rafted\x18\n \x01(\x04\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x0b \x01(\x04\x12\x1d\n\x15pipelined_blocks_used\x18\x0c \x01(\x04\x12\"\n\x1apipelined_blocks_discarded\x18\r \x01(\x04\x12\x1f\n\x17\x64raft_seconds_per_token\x18\x0e \x01(\x01\x12\x17\n\x0fsuffix_decoding\x18\x0f \x01(\x08\x32\xc6\x01\n\x0c\x44raftService\x12\x61\n\x08Generate\x12(.specmesh.v1.DraftServiceGenerateRequest\x1a).specmesh.v1.DraftServiceGenerateResponse0\x01\x12S\n\x04Info\x12$.specmesh.v1.DraftServiceInfoRequest\x1a%.specmesh.v1.DraftServiceInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17specmesh/v1/draft.proto\x12\x0bspecmesh.v1\x1a\x18specmesh/v1/common.proto\"\x88\x02\n\x1b\x44raftServiceGenerateRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\x12+\n\x06params\x18\x03 \x01(\x0b\x32\x1b.specmesh.v1.SamplingParams\x12\x16\n\x0everify_address\x18\x04 \x01(\t\x12#\n\x16num_speculative_tokens\x18\x05 \x01(\rH\x00\x88\x01\x01\x12\x15\n\rgoodput_probe\x18\x06 \x01(\x08\x12\x13\n\x0b\x63\x61\x63he_scope\x18\x07 \x01(\t\x12\x10\n\x08hand_off\x18\x08 \x01(\x08\x42\x19\n\x17_num_speculative_tokens\"\xbe\x01\n\x1c\x44raftServiceGenerateResponse\x12/\n\x06opened\x18\x01 \x01(\x0b\x32\x1d.specmesh.v1.GenerationOpenedH\x00\x12/\n\x06tokens\x18\x02 \x01(\x0b\x32\x1d.specmesh.v1.GenerationTokensH\x00\x12\x33\n\x08\x66inished\x18\x03 \x01(\x0b\x32\x1f.specmesh.v1.GenerationFinishedH\x00\x42\x07\n\x05\x63hunk\"\x19\n\x17\x44raftServiceInfoRequest\"\x82\x03\n\x18\x44raftServiceInfoResponse\x12\x12\n\nmodel_path\x18\x01 \x01(\t\x12\x11\n\talgorithm\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x1d\n\x15speculative_num_steps\x18\x04 \x01(\r\x12\x10\n\x08\x61\x64\x61ptive\x18\x05 \x01(\x08\x12\x11\n\tpipelined\x18\x06 \x01(\x08\x12\x1e\n\x16\x64\x65\x66\x61ult_verify_address\x18\x07 \x01(\t\x12\x17\n\x0f\x61\x63tive_sessions\x18\x08 \x01(\r\x12\x0e\n\x06rounds\x18\t \x01(\x04\x12\x0f\n\x07\x64rafted\x18\n \x01(\x04\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x0b \x01(\x04\x12\x1d\n\x15pipelined_blocks_used\x18\x0c \x01(\x04\x12\"\n\x1apipelined_blocks_discarded\x18\r \x01(\x04\x12\x1f\n\x17\x64raft_seconds_per_token\x18\x0e \x01(\x01\x12\x17\n\x0fsuffix_decoding\x18\x0f \x01(\x08\x32\xc6\x01\n\x0c\x44raftService\x12\x61\n\x08Generate\x12(.specmesh.v1.DraftServiceGenerateRequest\x1a).specmesh.v1.DraftServiceGenerateResponse0\x01\x12S\n\x04Info\x12$.specmesh.v1.DraftServiceInfoRequest\x1a%.specmesh.v1.DraftServiceInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,13 +33,13 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specmesh.v1.draft_pb2', _gl
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_DRAFTSERVICEGENERATEREQUEST']._serialized_start=67
-  _globals['_DRAFTSERVICEGENERATEREQUEST']._serialized_end=313
-  _globals['_DRAFTSERVICEGENERATERESPONSE']._serialized_start=316
-  _globals['_DRAFTSERVICEGENERATERESPONSE']._serialized_end=506
-  _globals['_DRAFTSERVICEINFOREQUEST']._serialized_start=508
-  _globals['_DRAFTSERVICEINFOREQUEST']._serialized_end=533
-  _globals['_DRAFTSERVICEINFORESPONSE']._serialized_start=536
-  _globals['_DRAFTSERVICEINFORESPONSE']._serialized_end=922
-  _globals['_DRAFTSERVICE']._serialized_start=925
-  _globals['_DRAFTSERVICE']._serialized_end=1123
+  _globals['_DRAFTSERVICEGENERATEREQUEST']._serialized_end=331
+  _globals['_DRAFTSERVICEGENERATERESPONSE']._serialized_start=334
+  _globals['_DRAFTSERVICEGENERATERESPONSE']._serialized_end=524
+  _globals['_DRAFTSERVICEINFOREQUEST']._serialized_start=526
+  _globals['_DRAFTSERVICEINFOREQUEST']._serialized_end=551
+  _globals['_DRAFTSERVICEINFORESPONSE']._serialized_start=554
+  _globals['_DRAFTSERVICEINFORESPONSE']._serialized_end=940
+  _globals['_DRAFTSERVICE']._serialized_start=943
+  _globals['_DRAFTSERVICE']._serialized_end=1141
 # @@protoc_insertion_point(module_scope)

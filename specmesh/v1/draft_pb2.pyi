@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class DraftServiceGenerateRequest(_message.Message):
-    __slots__ = ("session_id", "prompt_ids", "params", "verify_address", "num_speculative_tokens", "goodput_probe", "cache_scope")
+    __slots__ = ("session_id", "prompt_ids", "params", "verify_address", "num_speculative_tokens", "goodput_probe", "cache_scope", "hand_off")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
@@ -16,6 +16,7 @@ class DraftServiceGenerateRequest(_message.Message):
     NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     GOODPUT_PROBE_FIELD_NUMBER: _ClassVar[int]
     CACHE_SCOPE_FIELD_NUMBER: _ClassVar[int]
+    HAND_OFF_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
     params: _common_pb2.SamplingParams
@@ -23,7 +24,8 @@ class DraftServiceGenerateRequest(_message.Message):
     num_speculative_tokens: int
     goodput_probe: bool
     cache_scope: str
-    def __init__(self, session_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., verify_address: _Optional[str] = ..., num_speculative_tokens: _Optional[int] = ..., goodput_probe: _Optional[bool] = ..., cache_scope: _Optional[str] = ...) -> None: ...
+    hand_off: bool
+    def __init__(self, session_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., verify_address: _Optional[str] = ..., num_speculative_tokens: _Optional[int] = ..., goodput_probe: _Optional[bool] = ..., cache_scope: _Optional[str] = ..., hand_off: _Optional[bool] = ...) -> None: ...
 
 class DraftServiceGenerateResponse(_message.Message):
     __slots__ = ("opened", "tokens", "finished")

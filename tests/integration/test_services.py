@@ -365,8 +365,9 @@ def test_the_gateway_skips_the_draft_hop_while_the_draft_reports_that_speculatio
     service's guard reports that speculation loses, requests that leave K unset go target-only straight to
     the verify replica, all but the fourth, which still goes through the draft service and speculates there
     (a goodput probe), so that its guard keeps measuring speculation; while the loss stands each probe
-    doubles the wait before the next (the eighth, then the sixteenth). Requests that set K, or a seed, keep
-    the draft path. Every output is the target's."""
+    doubles the wait before the next (the eighth, then the sixteenth), and the draft service hands each probe
+    back once its measured rounds are done (the gateway decodes the rest target-only). Requests that set K,
+    or a seed, keep the draft path. Every output is the target's."""
     from specmesh.v1 import gateway_pb2, gateway_pb2_grpc
     from tests.support.services import GatewayServer
 
@@ -393,6 +394,12 @@ def test_the_gateway_skips_the_draft_hop_while_the_draft_reports_that_speculatio
         assert runs[:-1] == [4 * 2**i - 1 for i in range(len(runs) - 1)] and runs[-1] < 4 * 2 ** len(runs), direct
         probes = [r for r in answers[first:] if not r.target_only]
         assert probes and all(r.stats.drafted > 0 for r in probes)
+        # Each probe speculated its measured rounds (the first, behind the prefill, is not one), found the loss
+        # standing and was handed back: the rest of its tokens came straight from the verify replica.
+        from specmesh.loop import GoodputK
+
+        assert gw.gateway.handoffs == len(probes)
+        assert all(r.stats.rounds <= GoodputK.PROBE_ROUNDS + 1 < len(r.token_ids) for r in probes)
         assert gw.gateway.draft_pool.decisions["target_only_by_goodput"] == sum(direct)
         p = prompts(1, seed=9)[0]
         assert not one(p, num_speculative_tokens=2).target_only  # the caller's K: through the draft

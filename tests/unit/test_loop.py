@@ -590,6 +590,42 @@ def test_a_goodput_probe_takes_the_guards_runs_after_its_own_rounds():
     assert r.stats.drafts < 120 // 2  # not a whole request of rounds
 
 
+def test_a_probe_whose_caller_goes_on_itself_is_handed_back_after_its_rounds():
+    """The same losing probe, asked `hand_off` (its caller, a gateway, decodes target-only itself): once its
+    PROBE_ROUNDS rounds are measured and the guard still holds it to target-only steps, it ends there,
+    "handed_off", with the tokens so far, and takes no run. A session that is not a probe, or a probe where
+    speculation pays, is never handed back."""
+    params = SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True)
+
+    def losing_guard():
+        guard = GoodputGuard(every=8, probe=2, margin=0.05)
+        for _ in range(8):
+            guard.observe(True, 3, 0.030)
+        guard.observe(False, 2, 0.010)
+        return guard
+
+    def run(policy, verifier):
+        loop = speculative_generate(
+            verifier, CountingDrafter(), [1], params, policy, StopChecker(params), hand_off=policy.hands_off
+        )
+        return asyncio.run(loop)
+
+    verifier = TimedVerifier(0.040, 0.002)  # speculation loses
+    probe = GoodputK(4, guard=losing_guard(), guard_runs=False)
+    r = run(probe, verifier)
+    assert r.finish_reason == "handed_off" and not verifier.runs
+    assert r.stats.drafts == GoodputK.PROBE_ROUNDS + 1  # the first round (behind the prefill) is not measured
+    assert r.token_ids == list(range(2, 2 + len(r.token_ids))) and 0 < len(r.token_ids) < 120
+
+    session = GoodputK(4, guard=losing_guard())  # not a probe: the guard's runs, to the end
+    r = run(session, TimedVerifier(0.040, 0.002))
+    assert r.finish_reason == "length" and r.token_ids == list(range(2, 122))
+
+    pays = GoodputK(4, guard=losing_guard(), guard_runs=False)  # speculation got cheap: the probe goes on
+    r = run(pays, TimedVerifier(0.002, 0.040))
+    assert r.finish_reason == "length" and r.token_ids == list(range(2, 122))
+
+
 class FreeDrafter(CountingDrafter):
     """CountingDrafter with blocks that cost no draft forward (as the hybrid's suffix trees): `free_block`
     offers `length` tokens every time it is asked, and counts the asks."""
