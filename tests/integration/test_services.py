@@ -377,9 +377,14 @@ def test_the_gateway_skips_the_draft_hop_while_the_draft_reports_that_speculatio
     try:
         stub = gateway_pb2_grpc.GatewayServiceStub(grpc.insecure_channel(gw.grpc_address))
 
+        verify_stats = verify.server.engine.scheduler.stats
+        prefilled = []  # positions each request prefilled on the verify replica
+
         def one(p, params=GREEDY, **kw):
+            before = verify_stats.prefill_tokens
             r = stub.Generate(gateway_pb2.GatewayServiceGenerateRequest(prompt_ids=p, params=params, **kw))
             assert list(r.token_ids) == reference(p)
+            prefilled.append(verify_stats.prefill_tokens - before)
             return r
 
         answers = [one(p) for p in prompts(16, seed=7)]
@@ -400,6 +405,10 @@ def test_the_gateway_skips_the_draft_hop_while_the_draft_reports_that_speculatio
 
         assert gw.gateway.handoffs == len(probes)
         assert all(r.stats.rounds <= GoodputK.PROBE_ROUNDS + 1 < len(r.token_ids) for r in probes)
+        # ... in a new session that found the probe's tokens in the prefix cache (the tail past its last full
+        # block goes with the first step): nothing was prefilled again
+        ps = prompts(16, seed=7)
+        assert all(prefilled[i] < len(ps[i]) for i in range(first, 16) if not answers[i].target_only)
         assert gw.gateway.draft_pool.decisions["target_only_by_goodput"] == sum(direct)
         p = prompts(1, seed=9)[0]
         assert not one(p, num_speculative_tokens=2).target_only  # the caller's K: through the draft
