@@ -113,9 +113,10 @@ class FixedK:
         """A round's verdict: k drafted, num_accepted accepted, and its times; `timed` False: the times are no
         measure of a round (the generation's first, which waited for the pass computing its prompt's end)."""
 
-    def observe_goodput(self, k: int, tokens: int, seconds: float, free: bool = False) -> None:
+    def observe_goodput(self, k: int, tokens: int, seconds: float, free: bool = False, timed: bool = True) -> None:
         """A round (k > 0) or a run of target-only steps (k = 0) committed `tokens` in `seconds` of wall time;
-        `free`: the round's block cost no draft forward (the suffix trees')."""
+        `free`: the round's block cost no draft forward (the suffix trees'); `timed` False: its time is no
+        measure (the generation's first round), only its tokens count."""
 
 
 def expected_tokens(cumulative: Sequence[float], alpha: float, k: int) -> float:
@@ -245,7 +246,7 @@ class AdaptiveK:
         forward model), so it is not held for a run."""
         return 1
 
-    def observe_goodput(self, k: int, tokens: int, seconds: float, free: bool = False) -> None:
+    def observe_goodput(self, k: int, tokens: int, seconds: float, free: bool = False, timed: bool = True) -> None:
         pass
 
 
@@ -319,10 +320,22 @@ class GoodputGuard:
     def _side(cls, speculative: bool, free: bool) -> int:
         return cls.FREE if free and speculative else int(speculative)
 
-    def observe(self, speculative: bool, tokens: int, seconds: float, free: bool = False) -> None:
-        if tokens <= 0 or seconds <= 0:
+    def observe(self, speculative: bool, tokens: int, seconds: float, free: bool = False, timed: bool = True) -> None:
+        """`timed` False: the round or run's time is no measure (a generation's first, which waited for its
+        prompt's prefill): it counts toward the probes' schedule but is no measure of its side. Counted all the
+        same, or a request held to target-only from its first round on (one run to its end, never timed) left
+        the schedule where it was, and with both sides measured losing no probe ever came again (measured: an
+        edit loop's repeated prompts decoded target-only for good where the trees' blocks had measured 4x)."""
+        if tokens <= 0 or (timed and seconds <= 0):
             return
         i = self._side(speculative, free)
+        if not timed:
+            if i == self.TARGET_ONLY:
+                self._zero_steps_since_probe += tokens
+                self._zero_steps_since_free += tokens
+            else:
+                self._spec_rounds_since_probe += 1
+            return
         rate = self.rate(speculative, free)
         if rate is not None:
             seconds = min(seconds, self.CLIP * tokens / rate)
@@ -592,11 +605,11 @@ class GoodputK(AdaptiveK):
     # target-only in two of four runs).
     PROBE_ROUNDS = 8
 
-    def observe_goodput(self, k: int, tokens: int, seconds: float, free: bool = False) -> None:
+    def observe_goodput(self, k: int, tokens: int, seconds: float, free: bool = False, timed: bool = True) -> None:
         guard = self.current_guard()  # `observe` has just recorded the round's batch
         if guard is not None:
-            guard.observe(k > 0, tokens, seconds, free)
-        if not self.guard_runs and k > 0:
+            guard.observe(k > 0, tokens, seconds, free, timed)
+        if not self.guard_runs and k > 0 and timed:
             self._probe_rounds += 1
             self.guard_runs = self._probe_rounds >= self.PROBE_ROUNDS
 
@@ -742,8 +755,7 @@ async def speculative_generate(
                     break
         if first_seconds is not None:  # one observation for the run: its per-step times are no round trips
             policy.observe(0, 0, 0.0, first_seconds, load, timed)
-            if timed:
-                policy.observe_goodput(0, committed, t_prev - t_sent)
+            policy.observe_goodput(0, committed, t_prev - t_sent, timed=timed)
             timed = True
 
     while not stop.finished:
@@ -823,8 +835,7 @@ async def speculative_generate(
             verdict.load if verdict.load.batch_size else None,
             timed and not sent,
         )
-        if timed:
-            policy.observe_goodput(drafted, len(verdict.tokens), t3 - t0, free_ahead)
+        policy.observe_goodput(drafted, len(verdict.tokens), t3 - t0, free_ahead, timed=timed)
         timed = True
         if on_round is not None:
             on_round(

@@ -593,8 +593,8 @@ def test_a_goodput_probe_takes_the_guards_runs_after_its_own_rounds():
 def test_a_probe_whose_caller_goes_on_itself_is_handed_back_after_its_rounds():
     """The same losing probe, asked `hand_off` (its caller, a gateway, decodes target-only itself): once its
     PROBE_ROUNDS rounds are measured and the guard still holds it to target-only steps, it ends there,
-    "handed_off", with the tokens so far, and takes no run. A session that is not a probe, or a probe where
-    speculation pays, is never handed back."""
+    "handed_off", with the tokens so far, and takes none of the guard's runs. A session that is not a probe,
+    or a probe where speculation pays, is never handed back."""
     params = SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True)
 
     def losing_guard():
@@ -613,7 +613,7 @@ def test_a_probe_whose_caller_goes_on_itself_is_handed_back_after_its_rounds():
     verifier = TimedVerifier(0.040, 0.002)  # speculation loses
     probe = GoodputK(4, guard=losing_guard(), guard_runs=False)
     r = run(probe, verifier)
-    assert r.finish_reason == "handed_off" and not verifier.runs
+    assert r.finish_reason == "handed_off" and all(n == 2 for n in verifier.runs)  # the guard's short probes only
     assert r.stats.drafts == GoodputK.PROBE_ROUNDS + 1  # the first round (behind the prefill) is not measured
     assert r.token_ids == list(range(2, 2 + len(r.token_ids))) and 0 < len(r.token_ids) < 120
 
@@ -740,6 +740,31 @@ def test_past_the_batch_limit_a_greedy_request_asks_the_trees_every_few_steps_a_
     r = asyncio.run(speculative_generate(verifier, drafter, [1], params, policy, StopChecker(params)))
     assert len(r.token_ids) == 150
     assert verifier.runs[:-1] == [run] * (len(verifier.runs) - 1)
+
+
+def test_requests_held_from_their_first_round_still_bring_the_probes_round():
+    """Both sides measured losing, and requests shorter than the guard's runs: each is held to target-only
+    steps from its first round, one run to its end, whose time is no measure (it waited for the prefill). Its
+    steps still count toward the probes' schedule, so a later request probes the trees again, and where their
+    blocks now pay they come back. (When untimed runs counted for nothing, no probe ever came: every request
+    after the first decoded target-only for good.)"""
+    guard = GoodputGuard(every=16, probe=2, margin=0.05)
+    for _ in range(8):
+        guard.observe(True, 3, 0.040)  # the model's rounds lose
+        guard.observe(False, 1, 0.004)  # target-only 250 tok/s
+        guard.observe(True, 1, 0.010, free=True)  # the trees' first blocks lose too
+    assert guard.speculation_loses() and guard.free_loses()
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    drafted = []
+    for _ in range(12):
+        verifier = MethodTimedVerifier(0.040, 0.004, 0.004)  # the trees' blocks now commit 5 tokens in 4 ms
+        r = asyncio.run(
+            speculative_generate(verifier, FreeDrafter(4), [1], params, GoodputK(4, guard=guard), StopChecker(params))
+        )
+        assert r.token_ids == list(range(2, 14))
+        drafted.append(r.stats.drafted)
+    assert drafted[:2] == [0, 0] and drafted[-1] > 0, drafted  # held at first, the trees' blocks in the end
+    assert not guard.free_loses()
 
 
 def test_free_blocks_judged_losing_are_measured_again_after_every_target_only_steps():
