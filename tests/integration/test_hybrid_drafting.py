@@ -315,3 +315,37 @@ def test_with_online_distillation_a_weight_version_is_judged_by_the_models_draft
     finally:
         draft.stop()
         verify.stop()
+
+
+def test_a_guard_that_measured_both_sides_losing_lets_the_trees_back_in_on_short_requests(pair):
+    """The draft replica's guard has measured the model's drafts and the trees' blocks both losing (a cold
+    start on new text), and the requests that follow are shorter than its runs: each is held to target-only
+    steps from its first round. Their steps still count toward the probes' schedule, so the trees are probed
+    again and their blocks come back into the requests (on prompts they have seen: each is sent again).
+    Greedy output is the target's throughout."""
+    target, draft_model = pair
+    ps = random_prompts(4, VOCAB, seed=5, longest=15)
+    want = reference(target, ps)
+    verify = start_verify(target)
+    draft = start_draft(draft_model, verify.address, enable_suffix_decoding=True, goodput_guard=True)
+    try:
+        stub = draft_stub(draft)
+        for p, w in zip(ps, want, strict=True):  # the trees learn the outputs
+            assert generate(stub, p, GREEDY)[0] == w
+        learnt(draft)
+        guard = draft.server.engine.goodput_guards.at(True, 1)
+        for _ in range(20):  # both sides measured losing against 250 tok/s target-only steps
+            guard.observe(False, 1, 0.004)
+            guard.observe(True, 1, 0.040)
+            guard.observe(True, 1, 0.040, free=True)
+        assert guard.speculation_loses() and guard.free_loses()
+        short = common_pb2.SamplingParams(temperature=0.0, max_tokens=guard.every // 2, ignore_eos=True)
+        drafted = []
+        for i in range(12):
+            tokens, chunks = generate(stub, ps[i % 4], short)
+            assert tokens == want[i % 4][: guard.every // 2]
+            drafted.append(chunks[-1].finished.stats.drafted)
+        assert drafted[0] == 0 and sum(drafted[-4:]) > 0, drafted
+    finally:
+        draft.stop()
+        verify.stop()
