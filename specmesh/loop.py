@@ -614,15 +614,6 @@ class GoodputK(AdaptiveK):
             self.guard_runs = self._probe_rounds >= self.PROBE_ROUNDS
 
     def next_k(self) -> int:
-        k = self._choose_k()
-        if k == 0 and self.probe and not self.guard_runs and not self._guard_steps and not self._batch_limited():
-            # A goodput probe is sent to measure speculation: a K = 0 that acceptance chose would make its
-            # rounds target-only steps over the draft hop, measuring nothing (at T = 0.7 a probe took 57 rounds
-            # of 64 tokens, 8 of them drafting), so until its PROBE_ROUNDS are in it drafts at least a token.
-            return min(1, self.k_max)
-        return k
-
-    def _choose_k(self) -> int:
         if self._batch_limited():
             return 0
         guard = self.current_guard()
