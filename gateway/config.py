@@ -42,8 +42,9 @@ class GatewayConfig:
         "requests that leave num_speculative_tokens unset decode target-only, straight on the verify replica, "
         "while the draft replica reports that speculation measures slower than target-only (its goodput "
         "guard), or for sampled requests while the gateway measures the draft path slower end to end; every "
-        "N-th of them still goes through the draft replica to keep it measuring (the interval doubling after "
-        "each probe while the loss stands, up to 8N), and every N-th sampled request on the draft path goes "
+        "N-th of them still goes through the draft replica to keep it measuring, handed back to decode the rest "
+        "here once measured losing (the interval doubling after each probe while the loss stands, up to 8N), "
+        "and every N-th sampled request on the draft path goes "
         "direct to measure that side (0 = off)",
     )
     max_prompt_tokens: int = flags.option(4096, "longest prompt accepted")
