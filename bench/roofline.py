@@ -26,7 +26,10 @@ Measures, in this process, with the torch threads a verify service gets:
   the wall time and the operators' own time). llama.cpp's kernels are invisible to torch's profiler: there
   the whole forward shows as the gap. Where the forward is specmesh's fused CPU step (one C call, one line in
   torch's profiler), the step's own clock splits it (`step_phases_ms`): the products, attention, the norms and
-  sums between them, the wait at barriers, the logits; and the products' GFLOP/s against the GEMM's.
+  sums between them, the wait at barriers, the logits; and the products' GFLOP/s against the GEMM's, and their
+  time (the logits' included) against torch's own GEMM on the same matrices and rows (`library_products_ms`,
+  `products_x_library`): the cube runs faster than a forward's shapes can, and this says how far from the
+  library's best the products are.
 
 Writes the JSON and a PNG beside it (measured against the floors, and the breakdown), prints a markdown table.
 """
@@ -116,6 +119,23 @@ def paired_rounds(
         floor = max(mem_floor, flops / (gflops * 1e9) * 1e3)
         out.append({"ms_p50": round(ms, 3), "gemm_gflops": round(gflops, 1), "x_floor": round(ms / floor, 3)})
     return out
+
+
+def library_products_ms(model, rows: int, passes: int = 10) -> float:
+    """ms torch's own GEMM (MKL / oneDNN on a CPU) takes for the forward's products at their shapes: each matrix
+    a forward multiplies (as `weight_bytes_of` counts them) against `rows` rows, the best of `passes` each,
+    summed. The 1024-cube GEMM the compute floor is taken at runs faster than these shapes do; this says what
+    the library makes of them."""
+    seen, total = set(), 0.0
+    for name, p in model.named_parameters():
+        if id(p) in seen or p.dim() != 2 or ("embed_tokens" in name and not model.config.tie_word_embeddings):
+            continue
+        seen.add(id(p))
+        w = p.detach()
+        x = torch.randn(rows, w.shape[1], dtype=w.dtype)
+        torch.nn.functional.linear(x, w)
+        total += best_of(lambda x=x, w=w: torch.nn.functional.linear(x, w), passes)
+    return total * 1e3
 
 
 def weight_bytes(runner: Runner) -> tuple[int, int]:
@@ -285,6 +305,10 @@ def measure_runner(args, runner: Runner, bw: float, gflops: float, kv_per_token:
             layer_params = params - vocab * cfg.hidden_size
             shapes[name]["step_phases_ms"] = phases
             shapes[name]["products_gflops"] = round(2 * layer_params * n_rows / (phases["products"] * 1e6), 1)
+            # the step's products (the LM head's in the logits phase) against the library's at the same shapes
+            library = library_products_ms(runner.model, n_rows)
+            shapes[name]["library_products_ms"] = round(library, 3)
+            shapes[name]["products_x_library"] = round((phases["products"] + phases["logits"]) / library, 3)
         kind = type(runner).__name__
         paired = f"; {shapes[name]['x_floor_paired']:.2f}x in paired rounds" if rounds else ""
         print(
@@ -329,15 +353,21 @@ def markdown(r: dict) -> str:
         names = list(phased[0][2]["step_phases_ms"])
         lines += [
             "",
-            f"The fused step's phases, ms (products' GFLOP/s against the GEMM's {r['gemm_gflops']}):",
+            f"The fused step's phases, ms (products' GFLOP/s against the GEMM's {r['gemm_gflops']}; the products "
+            "and logits against torch's own GEMM on the same matrices and rows):",
             "",
-            "| shape | " + " | ".join(names) + " | products GFLOP/s |",
-            "|---" * (len(names) + 2) + "|",
+            "| shape | " + " | ".join(names) + " | products GFLOP/s | library's products ms | x library |",
+            "|---" * (len(names) + 4) + "|",
         ]
         for kind, name, s in phased:
             ph = s["step_phases_ms"]
             cells = " | ".join(f"{ph[k]:.2f}" for k in names)
-            lines.append(f"| {kind} {name} | {cells} | {s['products_gflops']:.0f} |")
+            lib = (
+                f"{s['library_products_ms']:.2f} | {s['products_x_library']:.2f}x"
+                if "library_products_ms" in s
+                else "- | -"
+            )
+            lines.append(f"| {kind} {name} | {cells} | {s['products_gflops']:.0f} | {lib} |")
     return "\n".join(lines)
 
 

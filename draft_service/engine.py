@@ -448,9 +448,8 @@ class DraftEngine:
         """Yields Opened, then Tokens as rounds commit them, then Finished. `goodput_probe`: the caller sends
         most requests past this service while its guard says speculation loses, and this one to measure
         speculation (it takes none of the guard's target-only runs for its first `GoodputK.PROBE_ROUNDS` measured
-        rounds). `hand_off` (with `goodput_probe`): once those rounds find speculation still losing, the
-        generation ends there, Finished "handed_off", and the caller decodes the rest target-only.
-        `cache_scope`: the verify replica's prefix-cache scope for the request, passed on as it came."""
+        rounds); with `hand_off`, once those find speculation still losing, it ends there, Finished "handed_off"
+        (the caller decodes the rest). `cache_scope`: the verify replica's prefix-cache scope, passed on."""
         k_max = self.check(prompt_ids, params, num_speculative_tokens)
         self._admit(session_id)
         stub, max_spec_len = await self._stub(verify_address or self.config.verify_address)
@@ -474,10 +473,8 @@ class DraftEngine:
                 timeout = self.config.verify_timeout_s
                 events = _target_only(stub, session_id, prompt_ids, params, metadata, timeout, cache_scope)
             else:
-                gen = _Generation(
-                    self, stub, session_id, prompt_ids, params, k_max, metadata, goodput_probe, cache_scope
-                )
-                gen.hand_off = hand_off and goodput_probe
+                probe = (goodput_probe, hand_off and goodput_probe)
+                gen = _Generation(self, stub, session_id, prompt_ids, params, k_max, metadata, probe, cache_scope)
                 # The trees' blocks: to the request's K, or the replica's.
                 if isinstance(gen.drafter, (HybridDrafter, SuffixDrafter)):
                     gen.drafter.cap = k_max if num_speculative_tokens is not None else max_spec_len
@@ -580,9 +577,10 @@ class _Generation:
         params: SamplingParams,
         k_max: int,
         metadata: tuple,
-        goodput_probe: bool = False,
+        probe: tuple[bool, bool] = (False, False),  # a goodput probe; one to hand back once measured losing
         cache_scope: str = "",
     ):
+        goodput_probe, self.hand_off = probe
         self.engine, self.session_id, self.prompt_ids, self.params = engine, session_id, prompt_ids, params
         self.queue: asyncio.Queue[GenerationEvent | _Failed] = asyncio.Queue()
         self.remote = RemoteVerifier(
@@ -609,7 +607,6 @@ class _Generation:
         )
         self.pipeline = engine.config.pipeline and not seeded
         self.chain = engine.config.chain_blocks and not seeded
-        self.hand_off = False  # a goodput probe whose caller goes on target-only itself (DraftEngine.generate)
         self.parent = otel_context.get_current()  # the Generate server span: rounds are its children
 
     def _opened(self, resp) -> None:

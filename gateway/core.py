@@ -467,24 +467,22 @@ class Gateway:
             route = self._route(req, emitted, excluded, outcome, drafting)
             stream = self._watched(self._stream(route, req, emitted, deadline, outcome), route, first=not emitted)
             failed: Replica | None = None
-            handed_off = False
             try:
                 async for ids, finish, logprobs in stream:
                     if finish == "handed_off":  # the probe's rounds are measured: the rest goes direct
-                        handed_off = True
                         break
                     emitted += ids
                     outcome.completion_tokens = len(emitted)
-                    chunk = await self._chunk(text, req.params.stop_token_ids, ids, finish, logprobs)
+                    chunk = await to_chunk(self.detokenize, text, req.params.stop_token_ids, ids, finish, logprobs)
                     if chunk is not None:
                         yield chunk
                         if chunk.finish_reason is not None:
                             return
-                if handed_off:
-                    outcome.handed_off, drafting = True, False
-                    self.handoffs += 1
-                    continue
-                raise Unavailable("the generation stream ended without a finish reason")
+                else:
+                    raise Unavailable("the generation stream ended without a finish reason")
+                outcome.handed_off, drafting = True, False
+                self.handoffs += 1
+                continue
             except Stalled:
                 outcome.stalls += 1
                 self.stalls += 1
@@ -504,20 +502,6 @@ class Gateway:
             if failed is not None:
                 excluded.add(failed.address)
             await asyncio.sleep(0.05 * outcome.failovers)
-
-    async def _chunk(self, text: TextStream, stop_token_ids, ids: list[int], finish, logprobs) -> Chunk | None:
-        """A stream item as the client's Chunk, None when it has nothing to send; a Chunk with a finish
-        reason ends the generation (a stop string found in the text ends it too)."""
-        # As vLLM: a stop token id ends the output (the verifier stops after it, and min_tokens bans it before
-        # then) but its text is not part of the output's text.
-        stop_id = bool(ids) and ids[-1] in stop_token_ids
-        final = finish is not None or stop_id
-        delta = await self.detokenize(text, ids[:-1] if stop_id else ids, final=final)
-        if text.stopped:
-            return Chunk(ids, delta, "stop", logprobs)
-        if finish is not None or ids:
-            return Chunk(ids, delta, finish, logprobs)
-        return None
 
     def _route(
         self, req: GenRequest, emitted: list[int], excluded: set[str], outcome: Outcome, drafting: bool = True
@@ -658,6 +642,21 @@ class Gateway:
             async with contextlib.aclosing(_items(call, outcome, first, route)) as items:
                 async for item in items:
                     yield item
+
+
+async def to_chunk(detokenize, text: TextStream, stop_token_ids, ids: list[int], finish, logprobs) -> Chunk | None:
+    """A stream item as the client's Chunk, None when it has nothing to send; a Chunk with a finish reason ends
+    the generation (a stop string found in the text ends it too). `detokenize`: the gateway's."""
+    # As vLLM: a stop token id ends the output (the verifier stops after it, and min_tokens bans it before then)
+    # but its text is not part of the output's text.
+    stop_id = bool(ids) and ids[-1] in stop_token_ids
+    final = finish is not None or stop_id
+    delta = await detokenize(text, ids[:-1] if stop_id else ids, final=final)
+    if text.stopped:
+        return Chunk(ids, delta, "stop", logprobs)
+    if finish is not None or ids:
+        return Chunk(ids, delta, finish, logprobs)
+    return None
 
 
 async def _items(call, outcome: Outcome, first: bool, route: Route):
