@@ -462,7 +462,7 @@ class Gateway:
         emitted: list[int] = []
         excluded: set[str] = set()
         deadline = time.monotonic() + self.config.request_timeout_s
-        drafting = True  # False once a speculative stream stalled or a probe was handed back: target-only on
+        drafting = True  # False once a speculative stream stalled or a probe was handed back (the rest: target-only)
         while True:
             route = self._route(req, emitted, excluded, outcome, drafting)
             stream = self._watched(self._stream(route, req, emitted, deadline, outcome), route, first=not emitted)
