@@ -93,6 +93,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             stats=wire.stats_to_pb(outcome.stats),
             failovers=outcome.failovers,
             target_only=outcome.target_only,
+            handed_off=outcome.handed_off,
         )
 
     async def Generate(self, request, context):

@@ -569,6 +569,7 @@ class SpecmeshStats(BaseModel):
     cached_prompt_tokens: int
     failovers: int
     target_only: bool
+    handed_off: bool  # a goodput probe: speculated, then decoded the rest target-only
     verify_replica: str
 
     @classmethod
@@ -586,6 +587,7 @@ class SpecmeshStats(BaseModel):
             cached_prompt_tokens=outcome.cached_prompt_tokens,
             failovers=outcome.failovers,
             target_only=outcome.target_only,
+            handed_off=outcome.handed_off,
             verify_replica=outcome.verify_replica,
         )
 

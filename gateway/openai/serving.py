@@ -221,6 +221,7 @@ class RequestSpan:
                 "specmesh.completion_tokens": o.completion_tokens,
                 "specmesh.failovers": o.failovers,
                 "specmesh.target_only": o.target_only,
+                "specmesh.handed_off": o.handed_off,
                 "specmesh.verify_replica": o.verify_replica,
                 "specmesh.accepted": o.stats.accepted,
                 "specmesh.drafted": o.stats.drafted,
@@ -288,8 +289,13 @@ def _total(runs: list[Run], n: int) -> Outcome:
         total.stats.merge(o.stats)
         total.failovers += o.failovers
         total.target_only = total.target_only or o.target_only
+        total.handed_off = total.handed_off or o.handed_off
         total.verify_replica = total.verify_replica or o.verify_replica
     return total
+
+
+# The Outcome fields a request's totals carry over from its choices' (`_total`)
+_TOTALLED = ("completion_tokens", "cached_prompt_tokens", "failovers", "target_only", "handed_off", "verify_replica")
 
 
 async def _close(runs: list[Run]) -> None:
@@ -440,7 +446,7 @@ class Generation:
 
     def finish_totals(self) -> None:
         total = _total(self.runs, self.n)
-        for name in ("completion_tokens", "cached_prompt_tokens", "failovers", "target_only", "verify_replica"):
+        for name in _TOTALLED:
             setattr(self.outcome, name, getattr(total, name))
         self.outcome.stats = total.stats
 

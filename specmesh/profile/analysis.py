@@ -72,6 +72,7 @@ class PhaseSummary(AcceptanceRates):
     # --speculative-disable-by-batch-size, a draft replica that reports speculation loses, no healthy draft
     # replica, or the rest of a stream after a stalled draft
     target_only_requests: int = 0
+    handed_off_requests: int = 0  # goodput probes that speculated, then decoded the rest target-only
     kv: KvState | None = None  # None: no verify replica reported a block pool
     # (drafted, accepted) by the method that drafted (model, ngram, suffix), from the draft metrics
     by_method: dict[str, tuple[float, float]] = field(default_factory=dict)
@@ -191,6 +192,7 @@ def summarize(phase: Phase, endpoints: list[Endpoint]) -> PhaseSummary:
         drafted=sum(int(r.stats.get("drafted", 0)) for r in res),
         accepted=sum(int(r.stats.get("accepted", 0)) for r in res),
         target_only_requests=sum(bool(r.stats.get("target_only")) for r in res) if phase.speculative else 0,
+        handed_off_requests=sum(bool(r.stats.get("handed_off")) for r in res),
         kv=kv_state(phase, endpoints),
     )
     t = lambda role, name, **lab: _role_total(phase, endpoints, role, name, **lab)

@@ -199,6 +199,7 @@ def sections(f: Findings, plots: dict[str, str]) -> list[tuple[str, list[str], s
         + ", ".join(
             f"{s.name} ({s.requests} requests, {s.wall:.0f} s"
             + (f", {s.target_only_requests} decoded target-only by the stack" if s.target_only_requests else "")
+            + (f", {s.handed_off_requests} probes handed back" if s.handed_off_requests else "")
             + (f", {s.errors} failed)" if s.errors else ")")
             for s in f.summaries
         )
@@ -421,6 +422,7 @@ def write(f: Findings, out: Path) -> dict[str, Path]:
                 "speculative": s.speculative,
                 "requests": s.requests,
                 "target_only_requests": s.target_only_requests,
+                "handed_off_requests": s.handed_off_requests,
                 "throughput": s.throughput,
                 "budget_seconds": s.budget,
                 "verify_batch": s.verify_batch,

@@ -66,7 +66,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class GatewayServiceGenerateResponse(_message.Message):
-    __slots__ = ("text", "token_ids", "finish_reason", "usage", "stats", "failovers", "target_only", "logprobs", "session_id", "speculative_decoding")
+    __slots__ = ("text", "token_ids", "finish_reason", "usage", "stats", "failovers", "target_only", "logprobs", "session_id", "speculative_decoding", "handed_off")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
@@ -77,6 +77,7 @@ class GatewayServiceGenerateResponse(_message.Message):
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     SPECULATIVE_DECODING_FIELD_NUMBER: _ClassVar[int]
+    HANDED_OFF_FIELD_NUMBER: _ClassVar[int]
     text: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     finish_reason: _common_pb2.FinishReason
@@ -87,7 +88,8 @@ class GatewayServiceGenerateResponse(_message.Message):
     logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
     session_id: str
     speculative_decoding: SpeculativeDecodingMetrics
-    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., stats: _Optional[_Union[_common_pb2.SpecStats, _Mapping]] = ..., failovers: _Optional[int] = ..., target_only: _Optional[bool] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., session_id: _Optional[str] = ..., speculative_decoding: _Optional[_Union[SpeculativeDecodingMetrics, _Mapping]] = ...) -> None: ...
+    handed_off: bool
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., stats: _Optional[_Union[_common_pb2.SpecStats, _Mapping]] = ..., failovers: _Optional[int] = ..., target_only: _Optional[bool] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., session_id: _Optional[str] = ..., speculative_decoding: _Optional[_Union[SpeculativeDecodingMetrics, _Mapping]] = ..., handed_off: _Optional[bool] = ...) -> None: ...
 
 class SpeculativeDecodingMetrics(_message.Message):
     __slots__ = ("num_spec_tokens", "num_spec_steps", "num_draft_tokens", "num_accepted_draft_tokens", "mean_acceptance_length", "draft_acceptance_rate", "acceptance_histogram", "acceptance_histogram_by_draft_length", "per_step_accepted", "per_step_drafted")
@@ -132,7 +134,7 @@ class GatewayServiceGenerateStreamResponse(_message.Message):
         logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
         def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
     class Finished(_message.Message):
-        __slots__ = ("text", "token_ids", "finish_reason", "usage", "stats", "failovers", "target_only", "logprobs", "session_id", "speculative_decoding")
+        __slots__ = ("text", "token_ids", "finish_reason", "usage", "stats", "failovers", "target_only", "logprobs", "session_id", "speculative_decoding", "handed_off")
         TEXT_FIELD_NUMBER: _ClassVar[int]
         TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
         FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
@@ -143,6 +145,7 @@ class GatewayServiceGenerateStreamResponse(_message.Message):
         LOGPROBS_FIELD_NUMBER: _ClassVar[int]
         SESSION_ID_FIELD_NUMBER: _ClassVar[int]
         SPECULATIVE_DECODING_FIELD_NUMBER: _ClassVar[int]
+        HANDED_OFF_FIELD_NUMBER: _ClassVar[int]
         text: str
         token_ids: _containers.RepeatedScalarFieldContainer[int]
         finish_reason: _common_pb2.FinishReason
@@ -153,7 +156,8 @@ class GatewayServiceGenerateStreamResponse(_message.Message):
         logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
         session_id: str
         speculative_decoding: SpeculativeDecodingMetrics
-        def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., stats: _Optional[_Union[_common_pb2.SpecStats, _Mapping]] = ..., failovers: _Optional[int] = ..., target_only: _Optional[bool] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., session_id: _Optional[str] = ..., speculative_decoding: _Optional[_Union[SpeculativeDecodingMetrics, _Mapping]] = ...) -> None: ...
+        handed_off: bool
+        def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., stats: _Optional[_Union[_common_pb2.SpecStats, _Mapping]] = ..., failovers: _Optional[int] = ..., target_only: _Optional[bool] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., session_id: _Optional[str] = ..., speculative_decoding: _Optional[_Union[SpeculativeDecodingMetrics, _Mapping]] = ..., handed_off: _Optional[bool] = ...) -> None: ...
     DELTA_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
     delta: GatewayServiceGenerateStreamResponse.Delta

@@ -403,7 +403,8 @@ def test_the_gateway_skips_the_draft_hop_while_the_draft_reports_that_speculatio
         # standing and was handed back: the rest of its tokens came straight from the verify replica.
         from specmesh.loop import GoodputK
 
-        assert gw.gateway.handoffs == len(probes)
+        assert gw.gateway.handoffs == len(probes) and all(r.handed_off for r in probes)
+        assert not any(r.handed_off for r in answers if r.target_only or r not in probes)
         assert all(r.stats.rounds <= GoodputK.PROBE_ROUNDS + 1 < len(r.token_ids) for r in probes)
         # ... in a new session that found the probe's tokens in the prefix cache (the tail past its last full
         # block goes with the first step): nothing was prefilled again

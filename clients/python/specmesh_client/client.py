@@ -77,6 +77,7 @@ class Generation:
     failovers: int = 0  # replica failovers the generation survived
     target_only: bool = False  # decoded without a draft replica
     speculative_decoding: SpeculativeDecoding | None = None  # None when the gateway reports none
+    handed_off: bool = False  # a goodput probe: speculated, then decoded the rest target-only
 
 
 @dataclass(frozen=True)
@@ -93,6 +94,7 @@ class Chunk:
     failovers: int = 0
     target_only: bool = False
     speculative_decoding: SpeculativeDecoding | None = None
+    handed_off: bool = False
 
     @property
     def finished(self) -> bool:
@@ -225,6 +227,7 @@ class SpecmeshClient:
             failovers=r.failovers,
             target_only=r.target_only,
             speculative_decoding=_speculative_decoding(r),
+            handed_off=r.handed_off,
         )
 
     def generate_stream(
@@ -267,6 +270,7 @@ class SpecmeshClient:
                         failovers=f.failovers,
                         target_only=f.target_only,
                         speculative_decoding=_speculative_decoding(f),
+                        handed_off=f.handed_off,
                     )
         finally:
             call.cancel()  # a no-op after the end; frees the stream when the caller stops early
