@@ -304,10 +304,10 @@ class Router:
             draft.probe_wait[sampled] = wait - 1
             self.draft_pool.count(why)
             return "direct"
-        # Each probe that finds speculation still losing doubles the wait before the next: a probe speculates
-        # where speculation measured slower and then relays its target-only steps through the draft replica (at
-        # T = 0.7 on two shared cores a probe took 1.2-1.7x a target-only request, one request in eight), so a
-        # standing loss is checked ever less often, down to one request in PROBE_BACKOFF_MAX x N.
+        # Each probe that finds speculation still losing doubles the wait before the next: a probe pays its
+        # measured rounds where speculation measured slower (at T = 0.7 on two shared cores a probe that also
+        # relayed the rest of its steps took 1.2-1.7x a target-only request; handed back, it still pays the
+        # rounds), so a standing loss is checked ever less often, down to one request in PROBE_BACKOFF_MAX x N.
         probes = draft.probes_losing.get(sampled, 0) + 1
         draft.probes_losing[sampled] = probes
         draft.probe_wait[sampled] = every * min(2**probes, PROBE_BACKOFF_MAX)

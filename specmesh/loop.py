@@ -329,28 +329,25 @@ class GoodputGuard:
         if tokens <= 0 or (timed and seconds <= 0):
             return
         i = self._side(speculative, free)
-        if not timed:
-            if i == self.TARGET_ONLY:
-                self._zero_steps_since_probe += tokens
-                self._zero_steps_since_free += tokens
-            else:
-                self._spec_rounds_since_probe += 1
-            return
-        rate = self.rate(speculative, free)
-        if rate is not None:
-            seconds = min(seconds, self.CLIP * tokens / rate)
-        self._tokens[i] = self.decay * self._tokens[i] + tokens
-        self._seconds[i] = self.decay * self._seconds[i] + seconds
+        if timed:
+            rate = self.rate(speculative, free)
+            if rate is not None:
+                seconds = min(seconds, self.CLIP * tokens / rate)
+            self._tokens[i] = self.decay * self._tokens[i] + tokens
+            self._seconds[i] = self.decay * self._seconds[i] + seconds
         if i == self.TARGET_ONLY:
             self._zero_steps_since_probe += tokens
             self._zero_steps_since_free += tokens
-            self._spec_rounds_since_probe = 0
+            if timed:  # the target-only side was measured
+                self._spec_rounds_since_probe = 0
+            return
+        self._spec_rounds_since_probe += 1
+        if not timed:
             return
         if i == self.FREE:
             self._zero_steps_since_free = 0
             self._free_probe_left = max(0, self._free_probe_left - 1)
         self._rounds[i] += 1
-        self._spec_rounds_since_probe += 1
         if i == self.MODEL:  # the model's speculation was measured (what the target-only runs wait for)
             self._zero_steps_since_probe = 0
 
