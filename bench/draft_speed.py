@@ -10,14 +10,18 @@ Methods, all greedy, on the same held-out prompt, in this one process:
 * ``static_hf``: ``StaticCacheRunner(draft, fast_path=False)`` — the preallocated cache and incremental
   sync, but the stock HF forward (isolates what the cache alone is worth);
 * ``static_cache``: ``StaticCacheRunner(draft)`` — the hand-written decoder over fused [in, out] weights;
-* ``batched_pool``: ``BatchedRunner(draft)`` — the slot pool the draft service drafts on (one session here).
+* ``batched_pool``: ``BatchedRunner(draft)`` — the slot pool (one session here), its fused step in float32
+  (the draft service's with ``--dtype float32``);
+* ``batched_pool_bf16``: the same with the fused step's panels in bfloat16 (``step_panels``), the draft
+  service's runner under ``--dtype auto`` on a CPU with AVX-512 (elsewhere the same as ``batched_pool``).
 
 Drafter rounds replay one fixed verdict schedule (accept a seeded random prefix of each block, then one
 correction token), so every runner drafts and rolls back exactly the same way; draft time per token is
 the propose() time over the tokens drafted. ``drafts_equal_model_runner`` checks that a runner drafted
-the very same tokens as ModelRunner. Each method runs `trials` times, interleaved; the median is
-reported. Runs with torch.set_num_threads(1) and with the default thread count. Writes
-bench/results/draft_speed.json.
+the very same tokens as ModelRunner (the bfloat16 step may not: its logits move by bfloat16's rounding of the
+weights). Each method runs `trials` times, interleaved; the median is reported. Runs with
+torch.set_num_threads(1) and with the default thread count. Writes bench/results/draft_speed.json and a PNG
+beside it.
 
 Left out, measured on the 2-core dev machine (see the JSON's "notes"): torch.compile of the decode step.
 """
@@ -132,6 +136,7 @@ def measure(model, prompt, args) -> dict:
         "static_hf": lambda: StaticCacheRunner(model, fast_path=False),
         "static_cache": lambda: StaticCacheRunner(model),
         "batched_pool": lambda: BatchedRunner(model, num_slots=4, max_seq_len=1024),
+        "batched_pool_bf16": lambda: BatchedRunner(model, num_slots=4, max_seq_len=1024, step_panels=torch.bfloat16),
     }
     plan = {"hf_dynamic": lambda: run_hf(model, prompt, args.tokens)}
     plan.update(
@@ -162,6 +167,25 @@ def measure(model, prompt, args) -> dict:
         if name != "hf_dynamic":
             out[name]["drafts_equal_model_runner"] = drafted[name] == drafted["model_runner"]
     return out
+
+
+def plot(runs: dict, path: Path) -> None:
+    """ms per draft token of each method, a group of bars per thread count."""
+    from bench.plots import label_bars, pyplot, save
+
+    plt = pyplot()
+    methods = list(next(iter(runs.values())))
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    width = 0.8 / len(runs)
+    for i, (run, by_method) in enumerate(runs.items()):
+        xs = [j + i * width for j in range(len(methods))]
+        ms = [by_method[m]["ms_per_token"] for m in methods]
+        label_bars(ax, ax.bar(xs, ms, width, label=run), [f"{v:.2f}" for v in ms], 7)
+    ax.set_xticks([j + width * (len(runs) - 1) / 2 for j in range(len(methods))], methods, fontsize=8)
+    ax.set_ylabel("ms per draft token (median)")
+    ax.set_title("draft time per token by runner (greedy rounds of K, the same verdicts)")
+    ax.legend()
+    save(fig, path)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -202,6 +226,7 @@ def main(argv: list[str] | None = None) -> dict:
         "notes": NOTES,
     }
     write_json(args.out, results)
+    plot(runs, args.out.with_suffix(".png"))
     print(
         f"draft {args.draft.name}: {results['draft_params'] / 1e6:.1f}M params, greedy, K={args.k}, "
         f"{args.tokens} tokens x {args.trials} trials (median)"

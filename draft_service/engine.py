@@ -23,6 +23,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import grpc
+import torch
 from opentelemetry import context as otel_context
 
 from draft_service.online import OnlineLoop, online_config
@@ -69,7 +70,7 @@ class DraftConfig:
     host: str = flags.host_option()
     port: int = flags.grpc_port_option(50062)
     device: str | None = flags.device_option()
-    dtype: str = flags.dtype_option()
+    dtype: str = flags.dtype_option(draft=True)
     verify_address: str = flags.option("", "default verify replica host:port (a request may name another)")
     # A caller chooses among the replicas the operator configured, never an address of its own.
     verify_allow: str = flags.option(
@@ -251,7 +252,10 @@ def make_runner(model, config: DraftConfig) -> Runner[Any]:
     q a block carries is the q its tokens were sampled from, so the fastest runner is always safe).
 
     On CUDA `auto` is the paged runner, whose one-token steps replay CUDA graphs (a small draft's step is
-    launch-bound there); its blocks hold every session at full length, as the slots would."""
+    launch-bound there); its blocks hold every session at full length, as the slots would. On a CPU under
+    `--dtype auto` the weights stay float32 and the batched runner's fused step reads them in bfloat16 panels
+    (where the build packs panels): a draft step streams its weights, and half the bytes made the demo draft's
+    one-token step ~40 % faster; `--dtype float32` keeps the step in float32."""
     kind, sessions = config.draft_runner, config.max_sessions + config.max_cached_sessions
     cuda = next(model.parameters()).device.type == "cuda"
     if kind == "auto" and cuda and batched_supported(model):
@@ -264,6 +268,7 @@ def make_runner(model, config: DraftConfig) -> Runner[Any]:
             max_seq_len=config.max_model_len or None,
             prefault=config.kv_cache_prefault,
             attention_backend=config.attention_backend,
+            step_panels=torch.bfloat16 if config.dtype == "auto" and not cuda else torch.float32,
         )
     length = config.max_model_len or int(getattr(model.config, "max_position_embeddings", 0) or 0)
     if length < 2:

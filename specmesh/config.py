@@ -230,14 +230,19 @@ def device_option() -> Any:
     return option(None, "torch device; default cuda when available, else cpu", type=str)
 
 
-def dtype_option() -> Any:
-    """A model service's weights and KV dtype (vLLM's --dtype and its names)."""
+def dtype_option(draft: bool = False) -> Any:
+    """A model service's weights and KV dtype (vLLM's --dtype and its names); `draft`: the draft service's."""
+    cpu = (
+        "float32 on a CPU, where the fused one-token step reads the weights in bfloat16 panels (AVX-512; a "
+        "draft's numerics never change the output's distribution; float32 keeps the step in float32)"
+        if draft
+        else "float32 on a CPU (where bf16 measured no faster at serving shapes, even with AVX-512 BF16)"
+    )
     return option(
         "auto",
-        "weights and KV cache dtype: auto = bfloat16 on CUDA, float32 on a CPU (where bf16 measured no faster at "
-        "serving shapes, even with AVX-512 BF16); float32 (float), bfloat16, float16 (half). Greedy output is the "
-        "target's token for token in float32; in 16 bits a verify and a one-token step may round near-ties apart "
-        "(see the README)",
+        f"weights and KV cache dtype: auto = bfloat16 on CUDA, {cpu}; float32 (float), bfloat16, float16 (half). "
+        "Greedy output is the target's token for token in float32; in 16 bits a verify and a one-token step may "
+        "round near-ties apart (see the README)",
         choices=("auto", "float32", "float", "bfloat16", "float16", "half"),
     )
 

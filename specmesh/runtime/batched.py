@@ -224,8 +224,14 @@ class _RaggedDecoder(_FastDecoder):
     (None: on CUDA, where a forward over many sequences is bound by kernel launches; on CPU the per-segment
     calls do no padded work and cost little next to the matmuls)."""
 
-    def __init__(self, model: PreTrainedModel, packed: bool | None = None, padded: bool | None = None):
-        super().__init__(model, packed)
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        packed: bool | None = None,
+        padded: bool | None = None,
+        step_panels: torch.dtype = torch.float32,
+    ):
+        super().__init__(model, packed, step_panels)
         self.group = self.n_heads // self.n_kv  # query heads per KV head (1 without GQA)
         self.padded = self.embed.device.type == "cuda" if padded is None else bool(padded)
 
@@ -442,7 +448,8 @@ class BatchedRunner(_RaggedRunner):
     limit too small for the pool is met at start rather than under load). `attention_backend`: which SDPA
     kernels the forward may use (`specmesh.runtime.attention`; "auto" keeps cuDNN's per-shape plans out).
     `padded_attention`: decode blocks attend in one padded call per layer (None: on CUDA; see
-    `_RaggedDecoder`).
+    `_RaggedDecoder`). `step_panels` bfloat16: the fused CPU step reads its weights' panels in bfloat16 (a
+    draft's runner: `cpu_kernels.DecodeStep`).
     """
 
     def __init__(
@@ -455,6 +462,7 @@ class BatchedRunner(_RaggedRunner):
         prefault: bool = False,
         attention_backend: str = "auto",
         padded_attention: bool | None = None,
+        step_panels: torch.dtype = torch.float32,
     ):
         if not self.supports(model):
             raise ValueError(
@@ -465,7 +473,7 @@ class BatchedRunner(_RaggedRunner):
         super().__init__(model)
         self.attention_backend = check_attention_backend(attention_backend)
         self.slot_len = self._limit(self.model_len, max_seq_len, "max_seq_len")
-        self._dec = _RaggedDecoder(model, packed, padded_attention)
+        self._dec = _RaggedDecoder(model, packed, padded_attention, step_panels)
         self._dec.reserve(self.slot_len)
         d = self._dec
         self.num_layers = len(d.layers)
@@ -691,7 +699,7 @@ class BatchedRunner(_RaggedRunner):
                 for logits, f in zip(got, fed, strict=True):
                     with sdpa_context(self.attention_backend, self.device):
                         out = self.model(input_ids=torch.tensor([f], device=self.device))
-                    if not logits_agree(out.logits[0, -len(logits) :].float(), logits, self._dec.dtype):
+                    if not logits_agree(out.logits[0, -len(logits) :].float(), logits, self._dec.probe_dtype):
                         return False
             return True
         finally:

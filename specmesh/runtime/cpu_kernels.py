@@ -58,6 +58,9 @@ SOURCES = tuple(
 KV_SOURCES = tuple(Path(__file__).with_name("csrc") / n for n in ("block_attention_cpu.c", "decode_step_cpu.c"))
 # The pools' dtypes the kernels read and write, and the suffix of the entries built for each
 KV_DTYPES = {torch.float32: "", torch.bfloat16: "_bf16"}
+# The fused step built once more over float pools with its panels in bfloat16 (SPECMESH_PANELS_BF16), the entries'
+# names ending in this
+PANELS_BF16 = "_wbf16"
 # included by the sources: part of the cache key
 HEADERS = tuple(Path(__file__).with_name("csrc") / n for n in ("attend_rows.h", "rms_row.h"))
 # -ffast-math on the compile step only: it lets gcc call glibc's vectorised expf (the kernel never makes an
@@ -121,6 +124,9 @@ def _build(cc: str, out: Path) -> None:
         for src in KV_SOURCES:
             objs.append(Path(tmp) / f"{src.stem}_bf16.o")
             cmds.append([cc, *COMPILE_FLAGS, "-DSPECMESH_KV_BF16", "-c", str(src), "-o", str(objs[-1])])
+        step = Path(__file__).with_name("csrc") / "decode_step_cpu.c"
+        objs.append(Path(tmp) / f"{step.stem}{PANELS_BF16}.o")
+        cmds.append([cc, *COMPILE_FLAGS, "-DSPECMESH_PANELS_BF16", "-c", str(step), "-o", str(objs[-1])])
         lib = Path(tmp) / "k.so"
         cmds.append([cc, *LINK_FLAGS, *map(str, objs), "-o", str(lib), "-lm"])
         for cmd in cmds:
@@ -148,7 +154,7 @@ def load() -> ctypes.CDLL | None:
             log.warning("no C compiler (cc) here: specmesh's CPU kernels are off, torch's serve instead")
             return None
         parts = [src.read_bytes() for src in (*SOURCES, *HEADERS)]
-        parts += [" ".join(COMPILE_FLAGS + LINK_FLAGS + tuple(KV_DTYPES.values())).encode(), cc.encode()]
+        parts += [" ".join(COMPILE_FLAGS + LINK_FLAGS + (*KV_DTYPES.values(), PANELS_BF16)).encode(), cc.encode()]
         parts.append(_cpu_flags().encode())
         key = hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
         path = cache_dir() / f"cpu_kernels-{platform.machine()}-{key}.so"
@@ -173,10 +179,14 @@ def load() -> ctypes.CDLL | None:
                 fn = getattr(lib, name + suffix)
                 fn.argtypes, fn.restype = argtypes, ctypes.c_int
                 _KV_ENTRIES[name, dtype] = fn
+        fn = getattr(lib, "specmesh_decode_step" + PANELS_BF16)
+        fn.argtypes, fn.restype = by_kv["specmesh_decode_step"], ctypes.c_int
+        _KV_ENTRIES["specmesh_decode_step" + PANELS_BF16, torch.float32] = fn
+        for name in ("specmesh_decode_step_panel", "specmesh_decode_step_panel" + PANELS_BF16):
+            getattr(lib, name).argtypes, getattr(lib, name).restype = [], ctypes.c_int
         fn = lib.specmesh_gemv
         fn.argtypes = [p, p, p, p, i64, i64, i64, ctypes.c_int]
         fn.restype = ctypes.c_int
-        lib.specmesh_decode_step_panel.argtypes, lib.specmesh_decode_step_panel.restype = [], ctypes.c_int
         lib.specmesh_decode_step_phases.argtypes, lib.specmesh_decode_step_phases.restype = [], ctypes.c_int
         fn = lib.specmesh_rms_norm
         fn.argtypes = [p, p, p, ctypes.c_float, i64, i64, i64, ctypes.c_int]
@@ -456,11 +466,13 @@ def huge_page_floats(n: int) -> torch.Tensor:
     return raw[start : start + n * 4].view(torch.float32)
 
 
-def pack_panels(ws: Sequence[torch.Tensor], width: int) -> list[torch.Tensor]:
-    """`panels` of each [out, in] view in `ws`, one after another (64-byte aligned) in one huge-page region."""
+def pack_panels(ws: Sequence[torch.Tensor], width: int, dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
+    """`panels` of each [out, in] view in `ws`, one after another (64-byte aligned) in one huge-page region, in
+    `dtype` (float32, or bfloat16 rounded to nearest even as torch's conversion rounds)."""
+    per = 4 // dtype.itemsize  # elements of `dtype` in one float of the region
     shapes = [(-(-w.shape[0] // width), w.shape[1], width) for w in ws]
-    sizes = [-(-(a * b * c) // 16) * 16 for a, b, c in shapes]
-    arena = huge_page_floats(sum(sizes))
+    sizes = [-(-(a * b * c) // (16 * per)) * 16 * per for a, b, c in shapes]
+    arena = huge_page_floats(sum(sizes) // per).view(dtype)
     out, at = [], 0
     for w, shape, size in zip(ws, shapes, sizes, strict=True):
         out.append(panels(w, width, arena[at : at + shape[0] * shape[1] * shape[2]].view(shape)))
@@ -554,9 +566,13 @@ class DecodeStep:
 
     `dec` is a `static._FastDecoder` (its rotary tables and, without panels, its fused [in, out] weights are read
     in place);
-    `reason(dec)` says why one cannot be built for it (None: it can)."""
+    `reason(dec)` says why one cannot be built for it (None: it can). `panels_dtype` bfloat16: the panels'
+    copies in bfloat16, where the build packs panels (float rows elsewhere), over float pools only: half the
+    bytes a step streams (the demo draft's one-token step at one thread 0.65 -> 0.40 ms, four sequences' 0.93
+    -> 0.74), for a model whose numerics may change, a draft's (its logits move by bfloat16's rounding of the
+    weights, ~1e-3 of their scale on the demo draft)."""
 
-    def __init__(self, dec) -> None:
+    def __init__(self, dec, panels_dtype: torch.dtype = torch.float32) -> None:
         why = self.reason(dec)
         if why:
             raise ValueError(f"no fused decode step: {why}")
@@ -568,8 +584,14 @@ class DecodeStep:
         # the projections, in one huge-page region; the decoder's [in, out] rows stay for the ragged forward's
         # one-row products).
         width = lib.specmesh_decode_step_panel() if os.environ.get("SPECMESH_CPU_PANELS", "1") != "0" else 0
+        if panels_dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"the fused step's panels are float32 or bfloat16, not {panels_dtype}")
+        if not width:  # no panels in this build (no AVX-512): the float [in, out] rows
+            panels_dtype = torch.float32
+        self.entry = "specmesh_decode_step" + (PANELS_BF16 if panels_dtype == torch.bfloat16 else "")
+        self.panels_dtype = panels_dtype
         mats = [_rows_of(w) for w in (*(layer[i] for layer in dec.layers for i in (2, 4, 11, 14)), dec.lm_w)]
-        copies = pack_panels(mats, width) if width else []
+        copies = pack_panels(mats, width, panels_dtype) if width else []
         packed = dict(zip(map(id, mats), copies, strict=False))  # none without panels
 
         def weights(w: torch.Tensor | tuple[torch.Tensor, torch.Tensor]) -> int:
@@ -652,9 +674,10 @@ class DecodeStep:
         [0, p]. At most `max_rows` tokens in all, `max_seq_rows` of one sequence. The caller has made the
         decoder's rotary tables reach the last position and checked the tokens against the vocabulary."""
         n = sum(len(t) for t, _, _ in seqs)
-        step = _kv_entry("specmesh_decode_step", k_pools[0], v_pools[0])  # a runner's pools share one dtype
+        step = _kv_entry(self.entry, k_pools[0], v_pools[0])  # a runner's pools share one dtype
         if step is None:
-            raise ValueError(f"the fused CPU step's KV pools are CPU {' or '.join(map(str, KV_DTYPES))} tensors")
+            pools = " or ".join(map(str, KV_DTYPES)) if self.panels_dtype == torch.float32 else "torch.float32"
+            raise ValueError(f"the fused CPU step's KV pools are CPU {pools} tensors")
         if (
             not seqs
             or not 1 <= n <= self.max_rows

@@ -50,6 +50,7 @@ def build_runner(
     cuda_graph_max_bs: int = 0,
     graph_tokens_per_seq: int = 1,
     kv_cache_dtype: torch.dtype | None = None,
+    step_panels: torch.dtype = torch.float32,
 ) -> Runner[Any]:
     """A runner of `kind` for `model` (see the module docstring); ValueError for an unknown kind or a model
     the kind cannot serve. `num_slots`, `max_seq_len` and `prefault` size the batched runner's pool
@@ -57,7 +58,8 @@ def build_runner(
     `attention_backend` (`specmesh.runtime.attention`) applies to the hand-written decoders;
     `cuda_graph_max_bs` and `graph_tokens_per_seq` bound the paged runner's CUDA graphs on CUDA
     (`specmesh.runtime.graphs`; 0: none; the other kinds have none); `kv_cache_dtype` the paged runner's KV
-    element (None: the model's dtype; the other kinds keep the model's)."""
+    element (None: the model's dtype; the other kinds keep the model's); `step_panels` the batched runner's
+    fused CPU step's panels (bfloat16 for a draft: `cpu_kernels.DecodeStep`)."""
     if kind not in KINDS:
         raise ValueError(f"runner kind must be one of {', '.join(KINDS)}, not {kind!r}")
     if kind == "auto":
@@ -65,7 +67,14 @@ def build_runner(
     if kv_cache_dtype not in (None, model.dtype) and kind != "paged":
         raise ValueError(f"kv_cache_dtype {kv_cache_dtype}: only the paged runner keeps its KV in another dtype")
     if kind == "batched":
-        return BatchedRunner(model, num_slots, max_seq_len, prefault=prefault, attention_backend=attention_backend)
+        return BatchedRunner(
+            model,
+            num_slots,
+            max_seq_len,
+            prefault=prefault,
+            attention_backend=attention_backend,
+            step_panels=step_panels,
+        )
     if kind == "paged":
         if not PagedRunner.supports(model):
             raise ValueError(f"runner kind 'paged' has no decoder for {type(model).__name__}; use 'hf' (ModelRunner)")

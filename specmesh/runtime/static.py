@@ -313,10 +313,11 @@ class _FastDecoder:
     from the HF forward by float rounding only (~1e-5 relative).
     """
 
-    def __init__(self, model: PreTrainedModel, packed: bool | None = None):
+    def __init__(self, model: PreTrainedModel, packed: bool | None = None, step_panels: torch.dtype = torch.float32):
         cfg = model.config
         base = model.model
         self.model = model
+        self.step_panels = step_panels  # the fused step's panels (cpu_kernels.DecodeStep's panels_dtype)
         self.embed = base.embed_tokens.weight
         self.norm_w, self.norm_eps = base.norm.weight, base.norm.variance_epsilon
         self.rotary = base.rotary_emb
@@ -446,12 +447,21 @@ class _FastDecoder:
             )
             sources += [*qkv, at.o_proj, *gate_up, mlp.down_proj]
         # One token of one sequence: the whole forward in one C call where it builds (cpu_kernels.DecodeStep).
-        self.step = cpu_kernels.DecodeStep(self) if self.gemv and not cpu_kernels.DecodeStep.reason(self) else None
+        usable = self.gemv and not cpu_kernels.DecodeStep.reason(self)
+        self.step = cpu_kernels.DecodeStep(self, self.step_panels) if usable else None
         # The copies go stale when the model's weights change: remember what they were made from.
         self._sources = [p for lin in sources for p in (lin.weight, lin.bias) if p is not None]
         self._stamp = self._current_stamp()
         # Counts the builds: whatever holds the copies' addresses (a captured CUDA graph) is stale past it.
         self.version += 1
+
+    @property
+    def probe_dtype(self) -> torch.dtype:
+        """The precision a probe against the HF forward holds this decoder to: its fused step's panels' where
+        they are narrower than its weights."""
+        if self.step is not None and self.step.panels_dtype == torch.bfloat16:
+            return torch.bfloat16
+        return self.dtype
 
     def _current_stamp(self) -> tuple:
         return tuple([(p._version, p.data_ptr()) for p in self._sources])

@@ -387,6 +387,53 @@ def test_batched_runner_steps_match_hf(arch):
     assert not BatchedRunner(model, 2, max_seq_len=64, attention_backend="default").fused_step
 
 
+@pytest.mark.parametrize("arch", list(ARCHS))
+@pytest.mark.parametrize("threads", [1, 2], indirect=True)
+def test_bfloat16_panels_step_as_the_float_ones_within_their_rounding(arch, threads, layout):
+    """A draft's runner (`step_panels` bfloat16): the fused step reads its panels in bfloat16 where the build packs
+    panels (else the float rows, the same as a float32 runner's); its steps stay within bfloat16's rounding of
+    the weights of the HF forward's logits, and a step and a block still compute the same bits."""
+    model = ARCHS[arch]()
+    r = BatchedRunner(model, 3, max_seq_len=64, step_panels=torch.bfloat16)
+    assert r.fused_step  # its probe passed, at bfloat16's bound
+    panels = r._dec.step.panel_width != 0
+    assert r._dec.step.panels_dtype == (torch.bfloat16 if panels else torch.float32)
+    assert r._dec.probe_dtype == (torch.bfloat16 if panels else torch.float32)
+    seq = r.new_sequence([(5 * i + 2) % 120 for i in range(9)])
+    steps = greedy_steps(r, [seq], 6)[0]
+    first = len(seq.token_ids) - len(steps)
+    for j, row in enumerate(steps):
+        (near_logits if panels else close_logits)(row, full_logits(model, seq.token_ids[: first + j], 1))
+    block_seq = r.new_sequence(seq.token_ids[:first])
+    r.prefill(block_seq)
+    block = r.forward([block_seq], [seq.token_ids[first : first + 5]])[0]
+    assert torch.equal(block, torch.cat(steps[:6]))
+
+
+@pytest.mark.skipif(not cpu_kernels.load().specmesh_decode_step_panel(), reason="this build packs no panels")
+def test_bfloat16_panels_halve_the_bytes_and_round_as_torch():
+    ws = [torch.randn(70, 9).t(), torch.randn(3, 2).t()]
+    packed = cpu_kernels.pack_panels(ws, 64, torch.bfloat16)
+    for w, p in zip(ws, packed, strict=True):
+        assert p.dtype == torch.bfloat16 and p.data_ptr() % 64 == 0
+        assert torch.equal(p, cpu_kernels.panels(w, 64).to(torch.bfloat16))
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        cpu_kernels.DecodeStep(BatchedRunner(ARCHS["llama-gqa"](), 2, max_seq_len=32)._dec, torch.float16)
+
+
+def test_a_draft_steps_over_bfloat16_panels_unless_its_dtype_is_float32():
+    """A draft's numerics cannot change the output distribution: on a CPU under --dtype auto its runner's fused
+    step reads bfloat16 panels (where the build packs panels); --dtype float32 keeps the float32 step."""
+    from draft_service.engine import DraftConfig, make_runner
+
+    model = ARCHS["llama-gqa"]()
+    panels = cpu_kernels.load().specmesh_decode_step_panel() != 0
+    auto = make_runner(model, DraftConfig(model_path="m", max_sessions=2, max_cached_sessions=0))
+    assert auto.fused_step and auto._dec.step.panels_dtype == (torch.bfloat16 if panels else torch.float32)
+    exact = make_runner(model, DraftConfig(model_path="m", dtype="float32", max_sessions=2, max_cached_sessions=0))
+    assert exact._dec.step.panels_dtype == torch.float32
+
+
 def test_concurrent_steps_on_worker_threads_keep_their_own_arguments():
     """The draft service steps several sessions at once: each call's position, buffers and output are its own."""
     model = ARCHS["qwen2-bias"]()

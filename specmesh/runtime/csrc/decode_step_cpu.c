@@ -23,8 +23,9 @@
  *
  * Attention is split by (sequence, KV head): the thread that owns one applies rotary to its keys and its query
  * heads, writes the keys and values into the pool and attends, so nothing it reads is written by another
- * thread; the attention itself is attend_rows.h's, as block_attention_cpu.c's. Built twice: once over float
- * pools, once over bfloat16 ones (SPECMESH_KV_BF16, the entries' names ending in _bf16; attend_rows.h).
+ * thread; the attention itself is attend_rows.h's, as block_attention_cpu.c's. Built three times: over float
+ * pools, over bfloat16 ones (SPECMESH_KV_BF16, the entries' names ending in _bf16; attend_rows.h), and over
+ * float pools with the panels in bfloat16 (SPECMESH_PANELS_BF16, the names ending in _wbf16; see pw_t).
  */
 #include <float.h>
 #include <math.h>
@@ -35,6 +36,13 @@
 
 #include "attend_rows.h"
 #include "rms_row.h"
+
+/* The exported entries' names in this build */
+#ifdef SPECMESH_PANELS_BF16
+#define STEP_NAME(f) f##_wbf16
+#else
+#define STEP_NAME(f) KV_NAME(f)
+#endif
 
 enum { LN1, WQKV, BQKV, WO, BO, QN, KN, LN2, WGU, BGU, WD, BD, KPOOL, VPOOL, NPTR };
 enum { EPS1, EPS2, SCALE, QN_EPS, KN_EPS, NFL };
@@ -125,18 +133,36 @@ static void partial(float *part, int64_t lp, const float *x, int64_t ldx, int64_
  * depend on neither. */
 enum { PANEL = 64, PV = PANEL / 16 };
 
+/* The panels' element. A build with SPECMESH_PANELS_BF16 reads them in bfloat16, each widened to float exactly
+ * on load (everything after it float32, as for float panels): half the bytes a product streams, for a model
+ * whose numerics may change as long as they stay fixed, a draft's (what it proposes is checked by the target;
+ * its distribution is whatever the step computes). A one-row step is bound by its weights' stream, so half the
+ * bytes is most of the gain (the demo draft's step at one thread 0.65 -> 0.40 ms), two more instructions a
+ * vector of weights the price. LINE: elements a cache line; PL: lines a panel's row of PANEL elements. */
+#ifdef SPECMESH_PANELS_BF16
+typedef uint16_t pw_t;
+static inline __attribute__((always_inline)) __m512 panel_load(const pw_t *p) {
+    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+#else
+typedef float pw_t;
+static inline __attribute__((always_inline)) __m512 panel_load(const pw_t *p) { return _mm512_loadu_ps(p); }
+#endif
+enum { LINE = 64 / (int)sizeof(pw_t), PL = PANEL / LINE };
+
 #define PANEL_ROWS(R)                                                                                          \
     static inline __attribute__((always_inline)) void panel_rows##R(float *part, int64_t lp, const float *x,  \
-                                                                    int64_t ldx, const float *P, int64_t in,   \
-                                                                    const float *pf, int lines) {              \
+                                                                    int64_t ldx, const pw_t *P, int64_t in,    \
+                                                                    const pw_t *pf, int lines) {               \
         __m512 acc[R][PV];                                                                                     \
         for (int r = 0; r < R; r++)                                                                            \
             for (int v = 0; v < PV; v++) acc[r][v] = _mm512_setzero_ps();                                      \
         for (int64_t k = 0; k < in; k++) {                                                                    \
             for (int l = 0; pf && l < lines; l++)                                                              \
-                _mm_prefetch((const char *)(pf + 16 * (k * lines + l)), _MM_HINT_T1);                          \
+                _mm_prefetch((const char *)(pf + LINE * (k * lines + l)), _MM_HINT_T1);                        \
             __m512 w[PV];                                                                                      \
-            for (int v = 0; v < PV; v++) w[v] = _mm512_loadu_ps(P + k * PANEL + 16 * v);                       \
+            for (int v = 0; v < PV; v++) w[v] = panel_load(P + k * PANEL + 16 * v);                            \
             for (int r = 0; r < R; r++) {                                                                      \
                 const __m512 xr = _mm512_set1_ps(x[r * ldx + k]);                                              \
                 for (int v = 0; v < PV; v++) acc[r][v] = _mm512_fmadd_ps(xr, w[v], acc[r][v]);                 \
@@ -161,20 +187,20 @@ PANEL_ROWS(6)
  * cores). One group (a step or a verify block of up to 6 rows) streams the weights from memory anyway, and
  * there the fetching ahead measured slower. Nothing it does touches the arithmetic. */
 /* The part of the next panel group g of rows fetches (`lines` lines per k of its in rows), NULL past the panel */
-static inline const float *ahead(const float *next, int64_t g, int lines, int64_t in) {
-    return next && g * lines < PV ? next + g * in * 16 * lines : NULL;
+static inline const pw_t *ahead(const pw_t *next, int64_t g, int lines, int64_t in) {
+    return next && g * lines < PL ? next + g * in * LINE * lines : NULL;
 }
 
-static void partial_panels(float *part, int64_t lp, const float *x, int64_t ldx, int64_t n, const float *S,
+static void partial_panels(float *part, int64_t lp, const float *x, int64_t ldx, int64_t n, const pw_t *S,
                            int64_t in, int64_t out, int t, int T) {
     const int64_t np = (out + PANEL - 1) / PANEL, groups = (n + 5) / 6;
-    const int lines = groups >= PV ? 1 : (int)((PV + groups - 1) / groups); /* of the next panel, per k */
+    const int lines = groups >= PL ? 1 : (int)((PL + groups - 1) / groups); /* of the next panel, per k */
     for (int64_t c = np * t / T * PANEL, c1 = np * (t + 1) / T * PANEL; c < c1; c += PANEL) {
-        const float *P = S + c * in, *next = c + PANEL < c1 && groups > 1 ? P + PANEL * in : NULL;
+        const pw_t *P = S + c * in, *next = c + PANEL < c1 && groups > 1 ? P + PANEL * in : NULL;
         int64_t r = 0, g = 0;
         for (; r + 6 <= n; r += 6, g++)
             panel_rows6(part + r * lp + c, lp, x + r * ldx, ldx, P, in, ahead(next, g, lines, in), lines);
-        const float *pf = ahead(next, g, lines, in);
+        const pw_t *pf = ahead(next, g, lines, in);
         switch (n - r) {
         case 5: panel_rows5(part + r * lp + c, lp, x + r * ldx, ldx, P, in, pf, lines); break;
         case 4: panel_rows4(part + r * lp + c, lp, x + r * ldx, ldx, P, in, pf, lines); break;
@@ -190,20 +216,20 @@ enum { PANEL = 0 };
 #endif
 
 /* The panel width the weights are to be packed in for this build (0: [in, out] rows, no packing) */
-int KV_NAME(specmesh_decode_step_panel)(void) { return PANEL; }
+int STEP_NAME(specmesh_decode_step_panel)(void) { return PANEL; }
 
 /* A product in the weights' layout: panels (dims[PANELW] != 0, never without AVX-512) write whole sums into
  * the team's one set, rows this thread's partials into its own */
 static inline void product(int panels, float *part, int64_t lp, const float *x, int64_t ldx, int64_t n,
-                           const float *S, int64_t in, int64_t out, int t, int T) {
+                           const void *S, int64_t in, int64_t out, int t, int T) {
 #if defined(__AVX512F__)
     if (panels) {
-        partial_panels(part, lp, x, ldx, n, S, in, out, t, T);
+        partial_panels(part, lp, x, ldx, n, (const pw_t *)S, in, out, t, T);
         return;
     }
 #endif
     (void)panels;
-    partial(part, lp, x, ldx, n, S, in, out, t, T);
+    partial(part, lp, x, ldx, n, (const float *)S, in, out, t, T);
 }
 
 /* An output's `sets` partials summed in thread order (one with panels), plus the bias */
@@ -279,7 +305,7 @@ static void attend(float *out, int64_t ldo, const float *q, const kv_t *kb, cons
  * (norms, residual sums, SwiGLU), the wait at barriers (the team's imbalance), and the logits (final norm, LM
  * head, their sums). */
 enum { PH_PRODUCTS, PH_ATTENTION, PH_ELEMENTWISE, PH_BARRIER, PH_LOGITS, NPHASE };
-int KV_NAME(specmesh_decode_step_phases)(void) { return NPHASE; }
+int STEP_NAME(specmesh_decode_step_phases)(void) { return NPHASE; }
 /* the time since the last mark to phase c (when timing) */
 #define PHASE(c)                                                                                               \
     do {                                                                                                       \
@@ -306,15 +332,18 @@ int KV_NAME(specmesh_decode_step_phases)(void) { return NPHASE; }
  * go to logits [NLOG, V]. phases: NULL, or [NPHASE] seconds: the call adds the team's mean time in each phase
  * (the verify service's counters, bench.roofline's breakdown), which costs it ~10 clock reads a layer per thread.
  * Returns 0, or -1 when scratch could not be allocated (then nothing was written). */
-int KV_NAME(specmesh_decode_step)(const int64_t *dims, void *const *ptrs, const float *fl, const float *embed,
+int STEP_NAME(specmesh_decode_step)(const int64_t *dims, void *const *ptrs, const float *fl, const float *embed,
                          const int64_t *tokens, const int64_t *segs, const int32_t *tables, const float *cos,
-                         const float *sin, const float *norm_w, float norm_eps, const float *lm_w, const float *lm_b,
+                         const float *sin, const float *norm_w, float norm_eps, const void *lm_w, const float *lm_b,
                          const int64_t *lrows, float *logits, int threads, double *phases) {
     const int64_t H = dims[HID], nh = dims[NH], nkv = dims[NKV], D = dims[HD], I = dims[INTER], V = dims[VOCAB];
     const int64_t L = dims[LAYERS], bs = dims[BS], S = dims[NSEQ], n = dims[NTOK], nlog = dims[NLOG];
     const int64_t G = nh / nkv, nqkv = (nh + 2 * nkv) * D, A = nh * D, units = S * nkv;
     const int pw = dims[PANELW] != 0; /* the weights in panels of PANEL columns */
     if (D > 512 || D % 2 || n < 1 || S < 1 || nlog < 0 || nlog > n || (pw && dims[PANELW] != PANEL)) return -2;
+#ifdef SPECMESH_PANELS_BF16
+    if (!pw) return -2; /* bfloat16 weights come in panels only */
+#endif
     int64_t most = 1, far = 16; /* the most tokens of one sequence; its padded end */
     for (int64_t i = 0; i < S; i++) {
         const int64_t ns = segs[3 * i + 1], e = (segs[3 * i + 2] + ns + 15) / 16 * 16;
