@@ -231,12 +231,12 @@ def main(argv: list[str] | None = None) -> dict:
         f"draft {args.draft.name}: {results['draft_params'] / 1e6:.1f}M params, greedy, K={args.k}, "
         f"{args.tokens} tokens x {args.trials} trials (median)"
     )
-    print(f"{'threads':<10} {'method':<14} {'ms/token':>9} {'vs hf':>7} {'speedup':>8}  same drafts")
+    print(f"{'threads':<10} {'method':<18} {'ms/token':>9} {'vs hf':>7} {'speedup':>8}  same drafts")
     for run, methods in runs.items():
         for name, m in methods.items():
             same = m.get("drafts_equal_model_runner", "-")
             print(
-                f"{run:<10} {name:<14} {m['ms_per_token']:9.3f} {m['ratio_vs_hf_dynamic']:7.3f} "
+                f"{run:<10} {name:<18} {m['ms_per_token']:9.3f} {m['ratio_vs_hf_dynamic']:7.3f} "
                 f"{m['speedup_vs_hf_dynamic']:7.2f}x  {same}"
             )
     print(f"wrote {args.out}")
