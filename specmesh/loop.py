@@ -679,10 +679,6 @@ async def speculative_generate(
     # round can miss what a round costs (a slope it could not fit), and the guard measures it.
     free_block: Callable[..., DraftBlock | None] | None = getattr(drafter, "free_block", None)
     round_s = getattr(policy, "round_seconds", None)
-    # A model's proposal may wait for the turn's prefill (deferred to the first proposal, or still running):
-    # that round's time is mostly the prefill's, and measured as a round it made the model's speculation
-    # read as losing, which deferred the next turn's prefill to its first proposal in turn.
-    took_prefill: Callable[[], bool] | None = getattr(drafter, "took_prefill", None)
     free_ahead = False  # `ahead` is such a block
     # Such a block's successor costs nothing to guess either, so with a verifier that takes chained blocks it
     # goes on the wire right behind it, drafted as if the verdict took the block whole and ended with the
@@ -799,7 +795,6 @@ async def speculative_generate(
         else:
             proposal = DraftBlock([])
         t1 = time.perf_counter()
-        measured = timed and not (took_prefill is not None and took_prefill())
         then = None
         # (a remote verifier says whether it takes chained blocks once its session is open)
         if chain_block is not None and free_ahead and proposal.k and not held and getattr(verifier, "chains", False):
@@ -835,9 +830,9 @@ async def speculative_generate(
             0.0 if from_ahead or free_ahead else t1 - t0,
             t3 - t1,
             verdict.load if verdict.load.batch_size else None,
-            measured and not sent,
+            timed and not sent,
         )
-        policy.observe_goodput(drafted, len(verdict.tokens), t3 - t0, free_ahead, timed=measured)
+        policy.observe_goodput(drafted, len(verdict.tokens), t3 - t0, free_ahead, timed=timed)
         timed = True
         if on_round is not None:
             on_round(

@@ -160,10 +160,6 @@ class HybridDrafter:
         else:  # the first rounds may be the trees': they need not wait for the model's prefill
             await self.model.begin(prompt_ids, params, defer=self.defer_model)
 
-    def took_prefill(self) -> bool:
-        """The model's `took_prefill`: a proposal waited for its prefill since the last call."""
-        return self.model.took_prefill()
-
     async def propose(
         self, k: int, after: Sequence[int] = (), should_stop: Callable[[], bool] | None = None
     ) -> DraftBlock:

@@ -29,7 +29,6 @@ class ModelDrafter:
         self._prefill: asyncio.Future | None = None  # begin()'s prefill, until ready() has seen it end
         self._pending: list[int] = []  # tokens committed while it ran, committed after it
         self._deferred = False  # begin() left the prefill to the first ready()
-        self._waited = False  # a ready() waited for the prefill since took_prefill() last asked
 
     @property
     def tokens_drafted(self) -> int:
@@ -70,7 +69,6 @@ class ModelDrafter:
         prefill = self._prefill
         if prefill is None:
             return
-        self._waited = self._waited or not prefill.done()
         try:
             await asyncio.shield(prefill)
         finally:
@@ -104,12 +102,6 @@ class ModelDrafter:
             return DraftBlock(drafted)
         q = [(t.q_ids, t.q_probs) for t in tokens if t.q_ids is not None and t.q_probs is not None]
         return DraftBlock(drafted, torch.stack([i for i, _ in q]), torch.stack([p for _, p in q]))
-
-    def took_prefill(self) -> bool:
-        """Whether a proposal waited for the turn's prefill since the last call (which resets it): its round's
-        time is mostly the prefill's, no measure of what a round costs."""
-        waited, self._waited = self._waited, False
-        return waited
 
     async def settle(self) -> None:
         """Wait for a prefill still running (its error was its turn's): after this `release` frees at once. A

@@ -430,40 +430,6 @@ def test_the_first_verdict_seeds_neither_the_round_model_nor_the_guard():
     assert guard.rate(True) is not None and guard.rate(True) > 100  # 3 tokens per ~2-4 ms round
 
 
-class PrefillWaitingDrafter(CountingDrafter):
-    """Its third proposal waits 200 ms for the model's prefill (deferred to the first model proposal, or still
-    running) and says so."""
-
-    def __init__(self):
-        self.proposals, self.waited = 0, False
-
-    async def propose(self, k, after=(), should_stop=None):
-        self.proposals += 1
-        if self.proposals == 3:
-            await asyncio.sleep(0.2)
-            self.waited = True
-        return await super().propose(k, after, should_stop)
-
-    def took_prefill(self):
-        waited, self.waited = self.waited, False
-        return waited
-
-
-def test_a_round_whose_proposal_waited_for_the_models_prefill_is_not_measured():
-    """Such a round takes the prefill's time: measured, it read as speculation losing (~110 tokens/s here, where
-    rounds of 3 tokens take ~5 ms), and a guard that says so defers the next turn's prefill to its first model
-    proposal, which made that probe lose in turn. The round counts; its time is no measure of a round."""
-    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
-    guard = GoodputGuard(every=1000)
-    policy = GoodputK(4, guard=guard)
-    verifier = BatchReportingVerifier(0.002, 0.040, batch_size=1)
-    drafter = PrefillWaitingDrafter()
-    r = asyncio.run(speculative_generate(verifier, drafter, [1], params, policy, StopChecker(params)))
-    assert r.token_ids == list(range(2, 32)) and drafter.proposals >= 5
-    assert guard.rate(True) is not None and guard.rate(True) > 300
-    assert policy.t_verify is not None and policy.t_verify < 0.02
-
-
 def test_a_guard_that_has_seen_a_round_or_two_does_not_decide():
     """The first rounds of a burst wait behind the other sessions' prefills: two such rounds against fast
     target-only steps are no measure of speculation. The guard decides from its fourth round on."""
