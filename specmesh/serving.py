@@ -283,11 +283,17 @@ class GrpcServer:
         self._stopped.set()
 
     async def serve_forever(self) -> None:
-        """Until SIGTERM / SIGINT, then a graceful stop."""
+        """Until SIGTERM / SIGINT, then a graceful stop. A server that stops serving on its own (grpc.aio shuts
+        a server down when its accept loop fails, and logs why) ends the process with status 1: alive but
+        deaf, it would keep its place in the pool's health checks and its port until someone noticed, where
+        an exit is what a supervisor restarts."""
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, lambda: asyncio.ensure_future(self.stop()))
         await self.server.wait_for_termination()
+        if not self.stopping:
+            log.error("the gRPC server on %s:%d stopped serving on its own: exiting", self.host, self.port)
+            raise SystemExit(1)
         await self._stopped.wait()
 
 
@@ -337,6 +343,16 @@ class BackgroundServer:
         self.server: GrpcServer = self.call(build())
         self.port = self.call(self.server.start())
         self.address = f"{self.server.host}:{self.port}"
+        self._watching: asyncio.Task = self.call(self._start_watch())
+
+    async def _start_watch(self) -> asyncio.Task:
+        return asyncio.get_running_loop().create_task(self._watch())
+
+    async def _watch(self) -> None:
+        """What serve_forever does with an exit, said in the log: an in-process server has no process to end."""
+        await self.server.server.wait_for_termination()
+        if not self.server.stopping:
+            log.error("the gRPC server on %s stopped serving on its own", self.address)
 
     def call(self, coro, timeout: float | None = 120):
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
@@ -345,6 +361,7 @@ class BackgroundServer:
         if self.loop.is_closed():
             return
         self.call(self.server.stop(grace))
+        self.call(asyncio.wait_for(self._watching, 10))
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(10)
         self.loop.close()

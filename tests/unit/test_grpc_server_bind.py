@@ -5,6 +5,8 @@ an OSError naming the address."""
 
 import asyncio
 
+import pytest
+
 from specmesh.serving import GrpcServer
 
 
@@ -29,3 +31,38 @@ def test_a_second_server_on_a_taken_port_fails_to_start():
 
     port, refused = asyncio.run(body())
     assert refused is not None and f"cannot bind 127.0.0.1:{port}" in str(refused)
+
+
+def test_a_server_that_stops_serving_on_its_own_ends_its_process():
+    """grpc.aio shuts a server down by itself when its accept loop fails; the service's process then exits
+    with status 1 (a supervisor restarts it) instead of living on with no port."""
+
+    async def body():
+        server = GrpcServer("127.0.0.1", 0, [], lambda s: None)
+        await server.start()
+
+        async def grpc_shuts_it_down():  # grpc's own shutdown, not the service's drain
+            await asyncio.sleep(0.05)
+            await server.server.stop(0)
+
+        shutdown = asyncio.create_task(grpc_shuts_it_down())
+        try:
+            await asyncio.wait_for(server.serve_forever(), 10)  # without the exit: a TimeoutError, not a hang
+        finally:
+            await shutdown
+
+    with pytest.raises(SystemExit) as e:
+        asyncio.run(body())
+    assert e.value.code == 1
+
+
+def test_a_drained_server_returns_from_serving():
+    async def body():
+        server = GrpcServer("127.0.0.1", 0, [], lambda s: None, grace_seconds=0.1)
+        await server.start()
+        serving = asyncio.create_task(server.serve_forever())
+        await asyncio.sleep(0.05)
+        await server.stop()
+        await asyncio.wait_for(serving, 10)
+
+    asyncio.run(body())
