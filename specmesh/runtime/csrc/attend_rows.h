@@ -150,7 +150,13 @@ static inline __attribute__((always_inline)) void prefetch_rest(const next_unit 
  * read once the scores are done), the next unit's keys while it sums values. Interleaved A/B in one process, the
  * demo target: 16 x 5 at 128 cached tokens -2 %, at 560 -3-3.5 % (bfloat16 pools -3.6 %), 16 x 9 at 560 -2 %; at
  * fewer rows the instructions cost what they hide (1 x 1 at 560 +2.7 %), so one- to three-token units keep
- * prefetch_block's schedule. */
+ * prefetch_block's schedule.
+ * The lines go out one between each pair of a key's products (line_run), not a block's worth at once: a core
+ * holds ~16 misses, and a burst of a block's 64 prefetches stalled it until they drained (perf: two fifths of
+ * attention's samples on the prefetch instructions), so the fetching and the arithmetic took turns; a line at a
+ * time they overlap. Scoring block b fetches block b + 1's values (block 0's go at the unit's start), summing
+ * values fetches the next unit's keys. Interleaved A/B in one process, the demo target: attention 16 x 5 at 128
+ * cached tokens -16-20 %, at 512 -20-23 %, 16 x 8 at 512 -22 %, 1 x 6 at 600 -18 % (the forward -3-11 %). */
 enum { SPREAD_ROWS = 4 };
 
 /* Every line of block b0's run of one head's keys or values (st: a slot's stride), up to position end */
@@ -165,6 +171,38 @@ static inline __attribute__((always_inline)) void prefetch_lines(const kv_t *hea
     }
     for (int64_t i = 0; i < nb; i++)
         for (int64_t d = 0; d < D; d += 64 / (int64_t)sizeof(kv_t)) __builtin_prefetch(p + i * st + d, 0, 2);
+}
+
+/* Block b0's run of one head's keys or values (st: a slot's stride, up to position end) as lines to fetch one at
+ * a time between the arithmetic (run_step), where the run is contiguous; a run with gaps is fetched at once
+ * (prefetch_lines) and leaves nothing to step. */
+typedef struct {
+    const char *p;
+    int64_t left;
+} line_run;
+
+static inline __attribute__((always_inline)) line_run run_of(const kv_t *head, const int32_t *table, int64_t end,
+                                                             int64_t b0, int64_t bs, int64_t st, const int64_t D) {
+    if (b0 >= end) return (line_run){NULL, 0};
+    if (st != D) {
+        prefetch_lines(head, table, end, b0, bs, st, D);
+        return (line_run){NULL, 0};
+    }
+    const int64_t nb = end - b0 < bs ? end - b0 : bs;
+    return (line_run){(const char *)(head + (int64_t)table[b0 / bs] * bs * st),
+                      (nb * D * (int64_t)sizeof(kv_t) + 63) / 64};
+}
+
+static inline __attribute__((always_inline)) void run_step(line_run *r) {
+    if (r->left > 0) {
+        __builtin_prefetch(r->p, 0, 2);
+        r->p += 64;
+        r->left--;
+    }
+}
+
+static inline __attribute__((always_inline)) void run_rest(line_run *r) {
+    while (r->left > 0) run_step(r);
 }
 
 /* acc [n G, D] = softmax(qb . K) . V for the rows above, for any head size, key by key */
@@ -288,8 +326,13 @@ static inline __attribute__((always_inline)) void attend_rows_vec(float *acc, co
     const int spread = n >= SPREAD_ROWS;
     int64_t b0 = 0;
     for (; b0 < end; b0 += bs) {
+        line_run vrun = {NULL, 0};
+        if (spread && b0 == 0) {
+            vrun = run_of(vb, table, end, b0, bs, vs, D);
+            run_rest(&vrun);
+        }
         if (spread)
-            prefetch_lines(vb, table, end, b0, bs, vs, D);
+            vrun = run_of(vb, table, end, b0 + bs, bs, vs, D);
         else
             prefetch_block(nx, b0, bs, ks, vs, D);
         const kv_t *kblk = kb + (int64_t)table[b0 / bs] * bs * ks;
@@ -303,8 +346,10 @@ static inline __attribute__((always_inline)) void attend_rows_vec(float *acc, co
 #pragma GCC unroll 16
                 for (int64_t c = 0; c < VN; c++) q[c] = ld16(qb + r * D + 16 * c);
 #pragma GCC unroll 16
-                for (int64_t j = 0; j < 16; j++)
+                for (int64_t j = 0; j < 16; j++) {
                     a[j] = j < cnt ? dot_lanes(q, kblk + (i0 + j) * ks, VN) : (v16f){0};
+                    run_step(&vrun);
+                }
                 const v16f t = sum16(a);
                 if (cnt == 16) /* a whole vector's store; a copy of a variable length took a slow string move */
                     memcpy(sc + r * stride + p0, &t, sizeof t);
@@ -312,6 +357,7 @@ static inline __attribute__((always_inline)) void attend_rows_vec(float *acc, co
                     for (int64_t j = 0; j < cnt; j++) sc[r * stride + p0 + j] = t[j];
             }
         }
+        run_rest(&vrun);
     }
     if (!spread) prefetch_rest(nx, b0, bs, ks, vs, D);
     softmax_rows(sc, R, G, start, stride);
@@ -321,7 +367,7 @@ static inline __attribute__((always_inline)) void attend_rows_vec(float *acc, co
      * registers within a block and in acc between blocks, so each row's sum is the same sequence of
      * multiply-adds over its keys in order as a whole pass would make. */
     for (int64_t b0 = 0; b0 < end; b0 += bs) {
-        if (spread && nx) prefetch_lines(nx->k, nx->table, nx->end, b0, bs, ks, D);
+        line_run krun = spread && nx ? run_of(nx->k, nx->table, nx->end, b0, bs, ks, D) : (line_run){NULL, 0};
         const kv_t *vblk = vb + (int64_t)table[b0 / bs] * bs * vs;
         const int64_t bend = end - b0 < bs ? end : b0 + bs;
         for (int64_t r = (b0 > start ? b0 - start : 0) * G; r < R; r += 2) {
@@ -339,11 +385,13 @@ static inline __attribute__((always_inline)) void attend_rows_vec(float *acc, co
             const int64_t both = two ? (visb < visa ? visb : visa) : b0;
             int64_t p = b0;
             for (; !two && p < bend && p < visa; p++) {
+                run_step(&krun);
                 const kv_t *vp = vblk + (p - b0) * vs;
 #pragma GCC unroll 16
                 for (int64_t c = 0; c < VN; c++) oa[c] += wa[p] * ldkv(vp + 16 * c);
             }
             for (; p < both && p < bend; p++) {
+                run_step(&krun);
                 const kv_t *vp = vblk + (p - b0) * vs;
 #pragma GCC unroll 16
                 for (int64_t c = 0; c < VN; c++) {
@@ -368,6 +416,7 @@ static inline __attribute__((always_inline)) void attend_rows_vec(float *acc, co
 #pragma GCC unroll 16
                 for (int64_t c = 0; c < VN; c++) memcpy(rb + 16 * c, &ob[c], sizeof(v16f));
         }
+        run_rest(&krun);
     }
     for (int64_t b = (end + bs - 1) / bs * bs; spread && nx && b < nx->end; b += bs) /* its keys past this one's */
         prefetch_lines(nx->k, nx->table, nx->end, b, bs, ks, D);
