@@ -626,6 +626,28 @@ def test_a_probe_whose_caller_goes_on_itself_is_handed_back_after_its_rounds():
     assert r.finish_reason == "length" and r.token_ids == list(range(2, 122))
 
 
+def test_a_sampled_probe_held_by_the_batch_limit_is_handed_back_a_greedy_one_goes_on():
+    """Past the batch limit a probe cannot measure speculation: a sampled one would relay target-only runs to
+    its end, so it is handed back at its first target-only round; a greedy one keeps the trees' free blocks
+    (its speculation past the limit) and runs to its end, as does a sampled session that is not a probe."""
+
+    def run(temperature, probe):
+        params = SamplingParams(temperature=temperature, max_tokens=150, ignore_eos=True, seed=None)
+        policy = GoodputK(4, batch_limit=1, sampled=not params.greedy, guard_runs=not probe)
+        verifier = RunRecordingVerifier(0.0, bonus=lambda ctx: ctx[-1] + 1)  # reports a batch of 16
+        loop = speculative_generate(
+            verifier, FreeDrafter(0), [1], params, policy, StopChecker(params), hand_off=policy.hands_off
+        )
+        return asyncio.run(loop), verifier
+
+    r, verifier = run(0.7, probe=True)
+    assert r.finish_reason == "handed_off" and 0 < len(r.token_ids) < 150 and not verifier.runs
+    assert r.token_ids == list(range(2, 2 + len(r.token_ids)))
+    for temperature, probe in ((0.0, True), (0.7, False)):
+        r, verifier = run(temperature, probe)
+        assert r.finish_reason == "length" and r.token_ids == list(range(2, 152)) and verifier.runs
+
+
 class FreeDrafter(CountingDrafter):
     """CountingDrafter with blocks that cost no draft forward (as the hybrid's suffix trees): `free_block`
     offers `length` tokens every time it is asked, and counts the asks."""
