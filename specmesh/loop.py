@@ -589,9 +589,9 @@ class GoodputK(AdaptiveK):
         its request is target-only decoding, which its caller can do without this hop. Likewise a sampled
         probe held by the batch limit: it has nothing to measure while the batch stays past the limit, and
         its runs (BATCH_LIMIT_RUN_SAMPLED steps each, the trees asked once a run) are target-only decoding
-        through this hop to the end of most requests (T = 0.7 on bench.load's stdlib prompts at 4 streams: the
-        one probe of a level relayed 61-63 of its 64 tokens, and the level read 0.92x target-only in both
-        runs). A greedy one keeps going: past the limit the trees' free blocks are its speculation."""
+        relayed through this hop, a draft slot held, to the end of most requests (the one probe of a T = 0.7
+        level of bench.load at 4 streams relayed 61-63 of its 64 tokens). A greedy one keeps going: past the
+        limit the trees' free blocks are its speculation."""
         if self.probe and self.sampled and self._batch_limited():
             return True
         return self.probe and self.guard_runs and self._guard_steps > 0 and not self._guard_probe
