@@ -148,16 +148,18 @@ static inline __attribute__((always_inline)) void prefetch_rest(const next_unit 
 /* A unit of several rows (a verify block's: SPREAD_ROWS tokens or more of one sequence) computes long enough
  * per block to fetch every line itself, spread over the whole unit: its own values while it scores (they are
  * read once the scores are done), the next unit's keys while it sums values. Interleaved A/B in one process, the
- * demo target: 16 x 5 at 128 cached tokens -2 %, at 560 -3-3.5 % (bfloat16 pools -3.6 %), 16 x 9 at 560 -2 %; at
- * fewer rows the instructions cost what they hide (1 x 1 at 560 +2.7 %), so one- to three-token units keep
- * prefetch_block's schedule.
+ * demo target: 16 x 5 at 128 cached tokens -2 %, at 560 -3-3.5 % (bfloat16 pools -3.6 %), 16 x 9 at 560 -2 %. A
+ * one-token unit keeps prefetch_block's schedule, which reads at the memory's rate (16 x 1 at 512: the same
+ * either way).
  * The lines go out one between each pair of a key's products (line_run), not a block's worth at once: a core
  * holds ~16 misses, and a burst of a block's 64 prefetches stalled it until they drained (perf: two fifths of
  * attention's samples on the prefetch instructions), so the fetching and the arithmetic took turns; a line at a
  * time they overlap. Scoring block b fetches block b + 1's values (block 0's go at the unit's start), summing
  * values fetches the next unit's keys. Interleaved A/B in one process, the demo target: attention 16 x 5 at 128
- * cached tokens -16-20 %, at 512 -20-23 %, 16 x 8 at 512 -22 %, 1 x 6 at 600 -18 % (the forward -3-11 %). */
-enum { SPREAD_ROWS = 4 };
+ * cached tokens -16-20 %, at 512 -20-23 %, 16 x 8 at 512 -22 %, 1 x 6 at 600 -18 % (the forward -3-11 %). So
+ * scheduled, two- and three-token units gain too, where the bursts had cost them what they hid: attention 16 x 2
+ * at 128 -17 %, at 512 -20 %, 16 x 3 at 256 -31 %, at 512 -25 %, 4 x 2 at 512 -10 %, 1 x 3 at 600 -9 %. */
+enum { SPREAD_ROWS = 2 };
 
 /* Every line of block b0's run of one head's keys or values (st: a slot's stride), up to position end */
 static inline __attribute__((always_inline)) void prefetch_lines(const kv_t *head, const int32_t *table, int64_t end,
