@@ -151,10 +151,10 @@ static inline __attribute__((always_inline)) void prefetch_rest(const next_unit 
  * demo target: 16 x 5 at 128 cached tokens -2 %, at 560 -3-3.5 % (bfloat16 pools -3.6 %), 16 x 9 at 560 -2 %. A
  * one-token unit keeps prefetch_block's schedule, which reads at the memory's rate (16 x 1 at 512: the same
  * either way).
- * The lines go out one between each pair of a key's products (line_run), not a block's worth at once: a core
- * holds ~16 misses, and a burst of a block's 64 prefetches stalled it until they drained (perf: two fifths of
- * attention's samples on the prefetch instructions), so the fetching and the arithmetic took turns; a line at a
- * time they overlap. Scoring block b fetches block b + 1's values (block 0's go at the unit's start), summing
+ * The lines go out one per key's product (line_run: a key's scores, a key's values), not a block's worth at once:
+ * a core holds ~16 misses, and a burst of a block's 64 prefetches stalled it until they drained (perf: two fifths
+ * of attention's samples on the prefetch instructions), so the fetching and the arithmetic took turns; a line at
+ * a time they overlap. Scoring block b fetches block b + 1's values (block 0's go at the unit's start), summing
  * values fetches the next unit's keys. Interleaved A/B in one process, the demo target: attention 16 x 5 at 128
  * cached tokens -16-20 %, at 512 -20-23 %, 16 x 8 at 512 -22 %, 1 x 6 at 600 -18 % (the forward -3-11 %). So
  * scheduled, two- and three-token units gain too, where the bursts had cost them what they hid: attention 16 x 2
