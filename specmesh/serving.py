@@ -290,11 +290,17 @@ class GrpcServer:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, lambda: asyncio.ensure_future(self.stop()))
-        await self.server.wait_for_termination()
-        if not self.stopping:
-            log.error("the gRPC server on %s:%d stopped serving on its own: exiting", self.host, self.port)
+        if await self.stopped_on_its_own():
             raise SystemExit(1)
         await self._stopped.wait()
+
+    async def stopped_on_its_own(self) -> bool:
+        """Once the server has stopped: whether it did so without `stop()` (logged)."""
+        await self.server.wait_for_termination()
+        if self.stopping:
+            return False
+        log.error("the gRPC server on %s:%d stopped serving on its own", self.host, self.port)
+        return True
 
 
 def engine_server(
@@ -343,16 +349,8 @@ class BackgroundServer:
         self.server: GrpcServer = self.call(build())
         self.port = self.call(self.server.start())
         self.address = f"{self.server.host}:{self.port}"
-        self._watching: asyncio.Task = self.call(self._start_watch())
-
-    async def _start_watch(self) -> asyncio.Task:
-        return asyncio.get_running_loop().create_task(self._watch())
-
-    async def _watch(self) -> None:
-        """What serve_forever does with an exit, said in the log: an in-process server has no process to end."""
-        await self.server.server.wait_for_termination()
-        if not self.server.stopping:
-            log.error("the gRPC server on %s stopped serving on its own", self.address)
+        # What serve_forever ends the process on, said in the log: an in-process server has no process to end.
+        self._watching = asyncio.run_coroutine_threadsafe(self.server.stopped_on_its_own(), self.loop)
 
     def call(self, coro, timeout: float | None = 120):
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
@@ -361,7 +359,7 @@ class BackgroundServer:
         if self.loop.is_closed():
             return
         self.call(self.server.stop(grace))
-        self.call(asyncio.wait_for(self._watching, 10))
+        self._watching.result(10)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(10)
         self.loop.close()

@@ -330,8 +330,8 @@ static inline __attribute__((always_inline)) void attend_rows_vec(float *acc, co
     for (; b0 < end; b0 += bs) {
         line_run vrun = {NULL, 0};
         if (spread && b0 == 0) {
-            vrun = run_of(vb, table, end, b0, bs, vs, D);
-            run_rest(&vrun);
+            line_run first = run_of(vb, table, end, 0, bs, vs, D);
+            run_rest(&first);
         }
         if (spread)
             vrun = run_of(vb, table, end, b0 + bs, bs, vs, D);
