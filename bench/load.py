@@ -53,6 +53,10 @@ the work is scheduled). Ratios speculative / target-only and speculative / HF as
 Speculation forced on at every level (what the 16-stream analysis in the README ran):
 `--concurrency 16 --speculative-disable-by-batch-size 0 --num-speculative-tokens 4 --draft-arg=--no-adaptive`.
 
+`--aa-control`: the speculative side sends `num_speculative_tokens: 0` too (still in its own cache scope, in the
+same alternating passes), so each level's ratio compares target-only with itself: the bench's own resolution at
+that level on this machine, what a speculative ratio near 1.0 must be read against.
+
 `--greedy-agreement N`: after the levels, the first N prompts greedy, speculative and target-only through the same
 stack, their outputs compared (`greedy_agreement` in the JSON): in fp32 they must all be equal; with a 16-bit
 `--dtype` on the services it is the mismatch rate that precision costs.
@@ -498,6 +502,24 @@ async def probe(client, prompt, k: int | None, timeout: float) -> dict:
         "target_only_flag": None if not s else s.get("target_only"),
         "stats_block": bool(s),
     }
+
+
+async def speculative_k(
+    client, prompt, asked: int | None, timeout: float, aa_control: bool = False
+) -> tuple[int | None, dict | None]:
+    """The K the speculative side sends and the probe that showed it drafts: the one asked (None: the service's
+    default), or FALLBACK_K where leaving the field out no longer speculates; RuntimeError where that does not
+    draft either. 0 and no probe under `aa_control` (the A/A run: both sides target-only)."""
+    if aa_control:
+        return 0, None
+    spec_probe = await probe(client, prompt, asked, timeout)
+    if spec_probe["drafted"] == 0 and asked is None:
+        tqdm.write(f"a request without num_speculative_tokens did not draft; sending K = {FALLBACK_K}")
+        asked = FALLBACK_K
+        spec_probe = await probe(client, prompt, asked, timeout)
+    if spec_probe["drafted"] == 0:
+        raise RuntimeError(f"speculative requests do not draft (probe: {spec_probe})")
+    return asked, spec_probe
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -1178,6 +1200,12 @@ def parse_args(argv=None):
     k_help = "K sent with speculative requests (default: left out, the draft service's default)"
     ap.add_argument("--num-speculative-tokens", type=int, default=None, help=k_help)
     ap.add_argument(
+        "--aa-control",
+        action="store_true",
+        help="an A/A run: the speculative side sends num_speculative_tokens 0 too, so each level's ratio is the "
+        "bench's own noise there",
+    )
+    ap.add_argument(
         "--speculative-disable-by-batch-size",
         type=int,
         default=None,
@@ -1317,15 +1345,9 @@ async def measure(args, stack: Stack, prompts: list[list[int]]) -> dict:
     try:
         main = client_for(main_url)
         timeout = args.request_timeout_s
-        # Speculative: the service default K, unless leaving the field out no longer speculates.
-        spec_k = args.num_speculative_tokens
-        spec_probe = await probe(main, prompts[0], spec_k, timeout)
-        if spec_probe["drafted"] == 0 and spec_k is None:
-            tqdm.write(f"a request without num_speculative_tokens did not draft; sending K = {FALLBACK_K}")
-            spec_k = FALLBACK_K
-            spec_probe = await probe(main, prompts[0], spec_k, timeout)
-        if spec_probe["drafted"] == 0:
-            raise RuntimeError(f"speculative requests do not draft (probe: {spec_probe})")
+        spec_k, spec_probe = await speculative_k(
+            main, prompts[0], args.num_speculative_tokens, timeout, args.aa_control
+        )
 
         # Target-only: 0 through the same gateway if 0 means target-only in this stack, else a draftless gateway.
         zero_probe = await probe(main, prompts[0], 0, timeout)
@@ -1616,6 +1638,11 @@ def main(argv=None) -> dict:
         "HF assisted: one request at a time, so its aggregate tokens/s is the same at every concurrency",
     ]
     notes += args.note
+    if args.aa_control:
+        notes.append(
+            "A/A control (--aa-control): the 'speculative' side sent num_speculative_tokens 0, so every ratio is "
+            "target-only against target-only: the bench's resolution at that level"
+        )
     if llamacpp:
         notes.append(
             "llama.cpp: llama-server after the stack is torn down, greedy only, the same prompts as token ids and the "
@@ -1646,7 +1673,10 @@ def main(argv=None) -> dict:
             "ignore_eos": True,
             "api": "POST /v1/completions, streaming, openai client, token-id prompts",
             "cache_salt_by_mode": MODE_SALT,
-            "speculative_k": measured["speculative_k_sent"] or "service default",
+            "speculative_k": "service default"
+            if measured["speculative_k_sent"] is None
+            else measured["speculative_k_sent"],
+            "aa_control": args.aa_control,
             "verify_torch_threads": args.verify_threads,
             "draft_torch_threads": args.draft_threads,
             "placement": args.placement,

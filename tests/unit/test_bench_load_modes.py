@@ -1,10 +1,13 @@
 """bench.load sends each mode's requests in its own cache scope (cache_salt), so neither mode finds a prompt
-the other one prefilled: the A/B compares the same cache history on both sides."""
+the other one prefilled: the A/B compares the same cache history on both sides. Its A/A control sends target-only
+on both sides."""
 
 from __future__ import annotations
 
 import asyncio
 from types import SimpleNamespace
+
+import pytest
 
 from bench.load import MODE_SALT, MODES, run_level
 
@@ -50,3 +53,27 @@ def test_no_salt_sends_none():
     client = _Client()
     asyncio.run(run_level(client, [[1]], 1, 1, 1, 0.0, None, 10.0))
     assert client.extra == [{"ignore_eos": True}]
+
+
+def test_the_aa_control_sends_target_only_on_both_sides_without_probing(monkeypatch):
+    """`--aa-control`: the speculative side's K is 0, asked of nobody, so each level compares target-only with
+    itself; without it the side keeps the K that a probe showed drafting, and one that does not draft is an error."""
+    import bench.load as load
+
+    asked: list = []
+
+    async def probe(client, prompt, k, timeout):
+        asked.append(k)
+        return {"num_speculative_tokens": k, "drafted": 0 if k is None else 3}
+
+    monkeypatch.setattr(load, "probe", probe)
+    assert asyncio.run(load.speculative_k(None, [1], None, 1.0, aa_control=True)) == (0, None) and asked == []
+    k, seen = asyncio.run(load.speculative_k(None, [1], None, 1.0))
+    assert k == load.FALLBACK_K and seen["drafted"] == 3 and asked == [None, load.FALLBACK_K]
+
+    async def never(client, prompt, k, timeout):
+        return {"num_speculative_tokens": k, "drafted": 0}
+
+    monkeypatch.setattr(load, "probe", never)
+    with pytest.raises(RuntimeError, match="do not draft"):
+        asyncio.run(load.speculative_k(None, [1], 4, 1.0))
