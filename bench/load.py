@@ -103,6 +103,11 @@ MODES = (SPEC, TARGET_ONLY)
 # a prompt paid its prefill and the other found it cached (the first pass of a level's new prompts: the
 # speculative side at some levels, target-only at others, by the alternating order).
 MODE_SALT = {SPEC: "bench-speculative", TARGET_ONLY: "bench-target-only"}
+# The untimed warm-ups run in scopes of their own: in the measured one, a greedy warm-up generated the first 16
+# tokens of the very outputs the level then measured, and the draft's suffix trees (scoped by cache_salt, as the
+# KV) proposed them back as if they had been seen before (the one-stream level's 4 prompts were all in the
+# 4-request warm-up burst).
+WARM_SALT = {mode: f"{salt}-warm-up" for mode, salt in MODE_SALT.items()}
 
 
 def sampling_name(t: float) -> str:
@@ -1385,7 +1390,7 @@ async def measure(args, stack: Stack, prompts: list[list[int]]) -> dict:
         burst = min(4, max(args.concurrency))
         for mode, (client, k) in targets.items():
             for t in args.temperatures:
-                await run_level(client, prompts, burst, burst, 16, t, k, timeout, cache_salt=MODE_SALT[mode])
+                await run_level(client, prompts, burst, burst, 16, t, k, timeout, cache_salt=WARM_SALT[mode])
         stack.check_alive()
 
         page = scrape(stack.metrics_ports.get("draft"))
@@ -1419,7 +1424,7 @@ async def measure(args, stack: Stack, prompts: list[list[int]]) -> dict:
                     warmed.add((t, c))
                     for warm in MODES:  # each mode's own path too (a target-only gateway, if one was started)
                         client, k = targets[warm]
-                        await run_level(client, prompts, c, c, 16, t, k, timeout, cache_salt=MODE_SALT[warm])
+                        await run_level(client, prompts, c, c, 16, t, k, timeout, cache_salt=WARM_SALT[warm])
                 client, k = targets[mode]
                 vb, db = scrape(stack.metrics_ports.get("verify")), scrape(stack.metrics_ports.get("draft"))
                 cpu_before = process_cpu_seconds(stack.procs)

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from bench.load import MODE_SALT, MODES, run_level
+from bench.load import MODE_SALT, MODES, WARM_SALT, run_level
 
 
 class _Stream:
@@ -47,6 +47,17 @@ def test_each_mode_has_its_own_cache_salt_and_every_request_carries_it():
         records, _ = asyncio.run(run_level(client, [[1, 2, 3]], 3, 2, 1, 0.0, 0, 10.0, cache_salt=MODE_SALT[mode]))
         assert [r["error"] for r in records] == [None] * 3
         assert [e.get("cache_salt") for e in client.extra] == [MODE_SALT[mode]] * 3
+
+
+def test_the_warm_ups_never_share_a_scope_with_what_they_warm_up():
+    """A greedy warm-up in the measured scope generated the first tokens of the outputs the level then measured,
+    and the suffix trees (scoped by cache_salt) proposed them back: each mode warms up in a scope of its own."""
+    assert set(WARM_SALT) == set(MODES) and len(set(WARM_SALT.values())) == len(MODES)
+    assert set(WARM_SALT.values()).isdisjoint(MODE_SALT.values())
+    for mode in MODES:
+        client = _Client()
+        asyncio.run(run_level(client, [[1, 2]], 2, 2, 1, 0.0, None, 10.0, cache_salt=WARM_SALT[mode]))
+        assert {e["cache_salt"] for e in client.extra} == {WARM_SALT[mode]}
 
 
 def test_no_salt_sends_none():
