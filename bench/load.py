@@ -12,7 +12,8 @@ exit, on an exception, Ctrl-C or SIGTERM.
 
 Modes, measured level by level, `--repeats` passes each (default 2) in alternating order (A B B A: load from
 elsewhere on the machine, and its drift within a level, hits both alike; the next level opens with the other
-mode, B A A B, and each level starts with an untimed wave in each mode); a level's figures pool its passes:
+mode, B A A B, and each level starts with an untimed wave in each mode, in a cache scope of its own); a level's
+figures pool its passes:
 
 - speculative: the draft service's default K (the request leaves `num_speculative_tokens` out);
 - target-only through the same stack: `"num_speculative_tokens": 0`, if the running stack treats 0 as
@@ -1678,6 +1679,7 @@ def main(argv=None) -> dict:
             "ignore_eos": True,
             "api": "POST /v1/completions, streaming, openai client, token-id prompts",
             "cache_salt_by_mode": MODE_SALT,
+            "warm_up_cache_salt_by_mode": WARM_SALT,
             "speculative_k": "service default"
             if measured["speculative_k_sent"] is None
             else measured["speculative_k_sent"],
