@@ -64,7 +64,7 @@ def compare(ab: dict, aa: dict) -> dict:
 def spread(runs: list[str], control: list[str], threshold: float) -> dict:
     ab, aa = ratios(runs), ratios(control)
     levels = []
-    for key in sorted(ab.keys() | aa.keys(), key=lambda k: (k[0], k[1])):
+    for key in sorted(ab.keys() | aa.keys()):
         lv: dict = {"sampling": key[0], "concurrency": key[1]}
         if key in ab:
             lv["ab"] = summary(ab[key], threshold)
