@@ -13,7 +13,7 @@ Methods, all greedy, on the same held-out prompt, in this one process:
 * ``batched_pool``: ``BatchedRunner(draft)`` — the slot pool (one session here), its fused step in float32
   (the draft service's with ``--dtype float32``);
 * ``batched_pool_bf16``: the same with the fused step's panels in bfloat16 (``step_panels``), the draft
-  service's runner under ``--dtype auto`` on a CPU with AVX-512 (elsewhere the same as ``batched_pool``).
+  service's runner under ``--dtype auto`` on a CPU with AVX-512 or AVX2 (elsewhere the same as ``batched_pool``).
 
 Drafter rounds replay one fixed verdict schedule (accept a seeded random prefix of each block, then one
 correction token), so every runner drafts and rolls back exactly the same way; draft time per token is

@@ -233,7 +233,7 @@ def device_option() -> Any:
 def dtype_option(draft: bool = False) -> Any:
     """A model service's weights and KV dtype (vLLM's --dtype and its names); `draft`: the draft service's."""
     cpu = (
-        "float32 on a CPU, where the fused one-token step reads the weights in bfloat16 panels (AVX-512; a "
+        "float32 on a CPU, where the fused one-token step reads the weights in bfloat16 panels (AVX-512 or AVX2; a "
         "draft's numerics never change the output's distribution; float32 keeps the step in float32)"
         if draft
         else "float32 on a CPU (where bf16 measured no faster at serving shapes, even with AVX-512 BF16)"

@@ -26,7 +26,7 @@ this CPU (`-march=native`), and cached under `$SPECMESH_CACHE_DIR` (default `~/.
 the sources, the flags and the CPU's feature flags. Without a compiler, or with `SPECMESH_CPU_KERNELS=0` (for
 diagnosis and A/B runs), `load()` says why once and returns None; the runners then use torch's kernels,
 which are slower, not different. `SPECMESH_CPU_PANELS=0` keeps the fused step on the [in, out] rows where the
-build could pack panels (what a CPU without AVX-512 runs).
+build could pack panels (what a CPU without AVX-512 or AVX2 runs).
 """
 
 from __future__ import annotations
@@ -71,9 +71,10 @@ LINK_FLAGS = ("-shared", "-fopenmp")
 MAX_TOKENS = 16  # a sequence with more new tokens (a prefill chunk) attends by SDPA's flash kernel
 # A forward of up to this many tokens of one sequence goes through the fused step (`DecodeStep`; of several
 # sequences, up to STEP_MAX_BATCH_TOKENS_PANELS in all where the weights are in panels, else this many).
-# With the weights in panels (a build with AVX-512) its products run as fast as oneDNN's packed GEMM from one
-# row to ~80, and without the ragged forward's few hundred operators: on the demo target, interleaved, 4 x 5
-# rows 11.9 ms against 14.6, 8 x 5 20.3 / 22.0, 16 x 5 41.2 / 41.3 (the demo draft 16 x 5 4.8 / 5.2).
+# With the weights in panels (a build with AVX-512, or AVX2 and FMA) its products run as fast as oneDNN's packed
+# GEMM from one row to ~80, and without the ragged forward's few hundred operators: on the demo target,
+# interleaved, 4 x 5 rows 11.9 ms against 14.6, 8 x 5 20.3 / 22.0, 16 x 5 41.2 / 41.3 (the demo draft 16 x 5 4.8
+# / 5.2).
 # Without panels each row past the first adds ~0.4 ms on the demo target, and from ~9 rows oneDNN is as fast;
 # a model whose weights take at most STEP_SMALL_BYTES (the demo draft's 14 MB stay in the L3) computes a row in
 # a tenth of that, against the ragged forward's fixed cost: up to STEP_MAX_TOKENS_SMALL.
@@ -560,9 +561,9 @@ class DecodeStep:
     product a fork and join of the thread team: the operators and joins cost the step ~2.5 ms of its ~8 over
     the weights' reads. Here the forward is one OpenMP region, five barriers a layer: on the demo target ~5 ms
     a step against the 4.3 ms its weights take to read at the machine's bandwidth. A block of rows reads the
-    weights once for all of them; where the build has AVX-512 the step keeps its own copy of the projections in
-    panels of 64 columns (`panels`), whose rows it multiplies in registers (a one-stream verify block of 5 rows
-    ~1.2 one-token steps, against ~1.6 over the [in, out] rows).
+    weights once for all of them; where the build has AVX-512 (or AVX2 and FMA) the step keeps its own copy of
+    the projections in panels of 64 columns (16 with AVX2: `panels`), whose rows it multiplies in registers (a
+    one-stream verify block of 5 rows ~1.2 one-token steps, against ~1.6 over the [in, out] rows).
 
     `dec` is a `static._FastDecoder` (its rotary tables and, without panels, its fused [in, out] weights are read
     in place);
@@ -586,7 +587,7 @@ class DecodeStep:
         width = lib.specmesh_decode_step_panel() if os.environ.get("SPECMESH_CPU_PANELS", "1") != "0" else 0
         if panels_dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"the fused step's panels are float32 or bfloat16, not {panels_dtype}")
-        if not width:  # no panels in this build (no AVX-512): the float [in, out] rows
+        if not width:  # no panels in this build (neither AVX-512 nor AVX2): the float [in, out] rows
             panels_dtype = torch.float32
         self.entry = "specmesh_decode_step" + (PANELS_BF16 if panels_dtype == torch.bfloat16 else "")
         self.panels_dtype = panels_dtype

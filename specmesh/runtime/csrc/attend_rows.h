@@ -21,7 +21,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -251,60 +251,80 @@ static inline __attribute__((always_inline)) void attend_rows_any(float *acc, co
     }
 }
 
-typedef float v16f __attribute__((vector_size(64)));
+/* The vectors the core computes in: VW lanes, one register of the build's widest (sixteen floats with AVX-512,
+ * eight otherwise). At sixteen lanes without AVX-512 every vector was two registers, the key-group sums' shuffles
+ * across them went element by element through the stack, and the arrays of sixteen spilled: a 16 x 5 batch's
+ * attention at 128 cached tokens took 2.3 ms a layer on an AVX2 host, ten times its arithmetic. */
+#if defined(__AVX512F__)
+#define VW 16
+#else
+#define VW 8
+#endif
+typedef float vf __attribute__((vector_size(VW * 4)));
+typedef int32_t vi __attribute__((vector_size(VW * 4)));
 /* x held in a register from here on: a pair's value vector loaded once for both rows (folded into each
  * multiply-add it was loaded twice, and the loop ran at the load ports: cached KV, 16 x 5, attention -5 %).
- * Where a v16f is one AVX-512 register; elsewhere nothing. */
+ * Where a vf is one AVX-512 register; elsewhere nothing. */
 #if defined(__AVX512F__)
 #define IN_REGISTER(x) __asm__("" : "+v"(x))
 #else
 #define IN_REGISTER(x) ((void)0)
 #endif
-typedef int32_t v16i __attribute__((vector_size(64)));
+/* Values two rows at a time where the pair's sums fit in registers (32 of them with AVX-512); with 16, a pair's
+ * sums at a head of 64 spilled */
+#if defined(__AVX512F__)
+#define PAIRS 1
+#else
+#define PAIRS 0
+#endif
 
-static inline __attribute__((always_inline)) v16f ld16(const float *p) {
-    v16f v;
+static inline __attribute__((always_inline)) vf ldv(const float *p) {
+    vf v;
     memcpy(&v, p, sizeof v);
     return v;
 }
 
-/* Sixteen of the pools' elements as floats (exact) */
-static inline __attribute__((always_inline)) v16f ldkv(const kv_t *p) {
+/* VW of the pools' elements as floats (exact) */
+static inline __attribute__((always_inline)) vf ldkv(const kv_t *p) {
 #ifdef SPECMESH_KV_BF16
 #if defined(__AVX512F__)
     const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
-    return (v16f)_mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+    return (vf)_mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+#elif defined(__AVX2__)
+    const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
+    return (vf)_mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
 #else
-    v16f v;
-    for (int l = 0; l < 16; l++) v[l] = kvf(p[l]);
+    vf v;
+    for (int l = 0; l < VW; l++) v[l] = kvf(p[l]);
     return v;
 #endif
 #else
-    return ld16(p);
+    return ldv(p);
 #endif
 }
 
-/* q . k lane by lane: lane l holds the sum over the row's vectors c of q[c][l] k[16 c + l] */
-static inline __attribute__((always_inline)) v16f dot_lanes(const v16f *q, const kv_t *k, const int64_t VN) {
-    v16f s = q[0] * ldkv(k);
-#pragma GCC unroll 16
-    for (int64_t c = 1; c < VN; c++) s += q[c] * ldkv(k + 16 * c);
+/* q . k lane by lane: lane l holds the sum over the row's vectors c of q[c][l] k[VW c + l] */
+static inline __attribute__((always_inline)) vf dot_lanes(const vf *q, const kv_t *k, const int64_t VN) {
+    vf s = q[0] * ldkv(k);
+#pragma GCC unroll 32
+    for (int64_t c = 1; c < VN; c++) s += q[c] * ldkv(k + VW * c);
     return s;
 }
 
-/* s[j] = the sum of a[j]'s sixteen lanes, for j < 16: four rounds of halving, each adding the two halves of a
- * pair of vectors (x's lanes beside y's), so no lane of one key ever meets another key's. The order of a key's
- * sums depends only on its own lanes: whatever the other fifteen hold (zeros for an absent key), it is the same. */
-static inline __attribute__((always_inline)) v16f sum16(v16f a[16]) {
-    const v16i lo8 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
-    const v16i hi8 = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
-    const v16i lo4 = {0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27};
-    const v16i hi4 = {4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31};
-    const v16i lo2 = {0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29};
-    const v16i hi2 = {2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31};
-    const v16i lo1 = {0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30};
-    const v16i hi1 = {1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31};
-    v16f b[8], c[4], d[2];
+/* s[j] = the sum of a[j]'s VW lanes, for j < VW: rounds of halving, each adding the two halves of a pair of
+ * vectors (x's lanes beside y's), so no lane of one key ever meets another key's. The order of a key's sums
+ * depends only on its own lanes: whatever the other lanes hold (zeros for an absent key), it is the same. */
+#if VW == 16
+static inline __attribute__((always_inline)) vf sum_keys(vf a[VW]) {
+    const vi lo8 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
+    const vi hi8 = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
+    const vi lo4 = {0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27};
+    const vi hi4 = {4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31};
+    const vi lo2 = {0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29};
+    const vi hi2 = {2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31};
+    const vi lo1 = {0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30};
+    const vi hi1 = {1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31};
+    vf b[8], c[4], d[2];
     for (int j = 0; j < 8; j++) b[j] = __builtin_shuffle(a[j], a[j + 8], lo8) + __builtin_shuffle(a[j], a[j + 8], hi8);
     /* b[j]: lanes 0-7 key j, 8-15 key j + 8 */
     for (int j = 0; j < 4; j++) c[j] = __builtin_shuffle(b[j], b[j + 4], lo4) + __builtin_shuffle(b[j], b[j + 4], hi4);
@@ -313,6 +333,19 @@ static inline __attribute__((always_inline)) v16f sum16(v16f a[16]) {
     /* d[j]: lanes by twos, keys j, j + 2, ..., j + 14 */
     return __builtin_shuffle(d[0], d[1], lo1) + __builtin_shuffle(d[0], d[1], hi1);
 }
+#else
+static inline __attribute__((always_inline)) vf sum_keys(vf a[VW]) {
+    const vi lo4 = {0, 1, 2, 3, 8, 9, 10, 11}, hi4 = {4, 5, 6, 7, 12, 13, 14, 15};
+    const vi lo2 = {0, 1, 8, 9, 4, 5, 12, 13}, hi2 = {2, 3, 10, 11, 6, 7, 14, 15};
+    const vi lo1 = {0, 8, 2, 10, 4, 12, 6, 14}, hi1 = {1, 9, 3, 11, 5, 13, 7, 15};
+    vf c[4], d[2];
+    for (int j = 0; j < 4; j++) c[j] = __builtin_shuffle(a[j], a[j + 4], lo4) + __builtin_shuffle(a[j], a[j + 4], hi4);
+    /* c[j]: lanes 0-3 key j, 4-7 key j + 4 */
+    for (int j = 0; j < 2; j++) d[j] = __builtin_shuffle(c[j], c[j + 2], lo2) + __builtin_shuffle(c[j], c[j + 2], hi2);
+    /* d[j]: lanes by twos, keys j, j + 2, j + 4, j + 6 */
+    return __builtin_shuffle(d[0], d[1], lo1) + __builtin_shuffle(d[0], d[1], hi1);
+}
+#endif
 
 /* attend_rows_any's result for a head size of whole vectors (a constant, so the rows' vectors stay in
  * registers). Scores: a row against up to sixteen keys of a block at once, each key's lanes summed by sum16; a
@@ -323,8 +356,8 @@ static inline __attribute__((always_inline)) void attend_rows_vec(float *acc, co
                                                                   int64_t start, int64_t n, int64_t G, const int64_t D,
                                                                   int64_t bs, int64_t ks, int64_t vs, float *sc,
                                                                   int64_t stride, const next_unit *nx) {
-    enum { MAXV = 16 };
-    const int64_t R = n * G, end = start + n, VN = D / 16;
+    enum { MAXV = 256 / VW };
+    const int64_t R = n * G, end = start + n, VN = D / VW;
     const int spread = n >= SPREAD_ROWS;
     int64_t b0 = 0;
     for (; b0 < end; b0 += bs) {
@@ -339,21 +372,21 @@ static inline __attribute__((always_inline)) void attend_rows_vec(float *acc, co
             prefetch_block(nx, b0, bs, ks, vs, D);
         const kv_t *kblk = kb + (int64_t)table[b0 / bs] * bs * ks;
         const int64_t nb = end - b0 < bs ? end - b0 : bs;
-        for (int64_t i0 = 0; i0 < nb; i0 += 16) {
-            const int64_t cnt = nb - i0 < 16 ? nb - i0 : 16, p0 = b0 + i0;
+        for (int64_t i0 = 0; i0 < nb; i0 += VW) {
+            const int64_t cnt = nb - i0 < VW ? nb - i0 : VW, p0 = b0 + i0;
             /* every row that sees the group's first key takes all of the group's keys (scores past a row's own
              * position are written but never read) */
             for (int64_t r = (p0 > start ? p0 - start : 0) * G; r < R; r++) {
-                v16f q[MAXV], a[16];
+                vf q[MAXV], a[VW];
+#pragma GCC unroll 32
+                for (int64_t c = 0; c < VN; c++) q[c] = ldv(qb + r * D + VW * c);
 #pragma GCC unroll 16
-                for (int64_t c = 0; c < VN; c++) q[c] = ld16(qb + r * D + 16 * c);
-#pragma GCC unroll 16
-                for (int64_t j = 0; j < 16; j++) {
-                    a[j] = j < cnt ? dot_lanes(q, kblk + (i0 + j) * ks, VN) : (v16f){0};
+                for (int64_t j = 0; j < VW; j++) {
+                    a[j] = j < cnt ? dot_lanes(q, kblk + (i0 + j) * ks, VN) : (vf){0};
                     run_step(&vrun);
                 }
-                const v16f t = sum16(a);
-                if (cnt == 16) /* a whole vector's store; a copy of a variable length took a slow string move */
+                const vf t = sum_keys(a);
+                if (cnt == VW) /* a whole vector's store; a copy of a variable length took a slow string move */
                     memcpy(sc + r * stride + p0, &t, sizeof t);
                 else
                     for (int64_t j = 0; j < cnt; j++) sc[r * stride + p0 + j] = t[j];
@@ -372,15 +405,15 @@ static inline __attribute__((always_inline)) void attend_rows_vec(float *acc, co
         line_run krun = spread && nx ? run_of(nx->k, nx->table, nx->end, b0, bs, ks, D) : (line_run){NULL, 0};
         const kv_t *vblk = vb + (int64_t)table[b0 / bs] * bs * vs;
         const int64_t bend = end - b0 < bs ? end : b0 + bs;
-        for (int64_t r = (b0 > start ? b0 - start : 0) * G; r < R; r += 2) {
-            const int64_t two = r + 1 < R, visa = start + r / G + 1, visb = two ? start + (r + 1) / G + 1 : 0;
+        for (int64_t r = (b0 > start ? b0 - start : 0) * G; r < R; r += PAIRS ? 2 : 1) {
+            const int64_t two = PAIRS && r + 1 < R, visa = start + r / G + 1, visb = two ? start + (r + 1) / G + 1 : 0;
             const float *wa = sc + r * stride, *wb = sc + (r + 1) * stride;
             float *ra = acc + r * D, *rb = acc + (r + 1) * D;
-            v16f oa[MAXV], ob[MAXV];
-#pragma GCC unroll 16
+            vf oa[MAXV], ob[MAXV];
+#pragma GCC unroll 32
             for (int64_t c = 0; c < VN; c++) {
-                oa[c] = b0 ? ld16(ra + 16 * c) : (v16f){0};
-                ob[c] = b0 && two ? ld16(rb + 16 * c) : (v16f){0};
+                oa[c] = b0 ? ldv(ra + VW * c) : (vf){0};
+                ob[c] = b0 && two ? ldv(rb + VW * c) : (vf){0};
             }
             /* a row without a partner (the last of an odd count; every row of a one-token step) has a loop of
              * its own: through the pairs' second loop it tested both rows' visibility at every vector */
@@ -389,15 +422,15 @@ static inline __attribute__((always_inline)) void attend_rows_vec(float *acc, co
             for (; !two && p < bend && p < visa; p++) {
                 run_step(&krun);
                 const kv_t *vp = vblk + (p - b0) * vs;
-#pragma GCC unroll 16
-                for (int64_t c = 0; c < VN; c++) oa[c] += wa[p] * ldkv(vp + 16 * c);
+#pragma GCC unroll 32
+                for (int64_t c = 0; c < VN; c++) oa[c] += wa[p] * ldkv(vp + VW * c);
             }
             for (; p < both && p < bend; p++) {
                 run_step(&krun);
                 const kv_t *vp = vblk + (p - b0) * vs;
-#pragma GCC unroll 16
+#pragma GCC unroll 32
                 for (int64_t c = 0; c < VN; c++) {
-                    v16f x = ldkv(vp + 16 * c);
+                    vf x = ldkv(vp + VW * c);
                     IN_REGISTER(x);
                     oa[c] += wa[p] * x;
                     ob[c] += wb[p] * x;
@@ -405,18 +438,18 @@ static inline __attribute__((always_inline)) void attend_rows_vec(float *acc, co
             }
             for (; p < bend && (p < visa || p < visb); p++) {
                 const kv_t *vp = vblk + (p - b0) * vs;
-#pragma GCC unroll 16
+#pragma GCC unroll 32
                 for (int64_t c = 0; c < VN; c++) {
-                    const v16f x = ldkv(vp + 16 * c);
+                    const vf x = ldkv(vp + VW * c);
                     if (p < visa) oa[c] += wa[p] * x;
                     if (p < visb) ob[c] += wb[p] * x;
                 }
             }
-#pragma GCC unroll 16
-            for (int64_t c = 0; c < VN; c++) memcpy(ra + 16 * c, &oa[c], sizeof(v16f));
+#pragma GCC unroll 32
+            for (int64_t c = 0; c < VN; c++) memcpy(ra + VW * c, &oa[c], sizeof(vf));
             if (two)
-#pragma GCC unroll 16
-                for (int64_t c = 0; c < VN; c++) memcpy(rb + 16 * c, &ob[c], sizeof(v16f));
+#pragma GCC unroll 32
+                for (int64_t c = 0; c < VN; c++) memcpy(rb + VW * c, &ob[c], sizeof(vf));
         }
         run_rest(&krun);
     }
@@ -432,7 +465,7 @@ static inline __attribute__((always_inline)) void attend_rows(float *acc, const 
                                                               int64_t n, int64_t G, const int64_t D, int64_t bs,
                                                               int64_t ks, int64_t vs, float *sc, int64_t stride,
                                                               const next_unit *nx) {
-    if (D % 16 == 0 && D <= 256)
+    if (D % VW == 0 && D <= 256)
         attend_rows_vec(acc, qb, kb, vb, table, start, n, G, D, bs, ks, vs, sc, stride, nx);
     else
         attend_rows_any(acc, qb, kb, vb, table, start, n, G, D, bs, ks, vs, sc, stride, nx);

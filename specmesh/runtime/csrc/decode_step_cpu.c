@@ -4,13 +4,13 @@
  * logits; a batch of a few such. See cpu_kernels.py for why.
  *
  * The whole forward is one OpenMP parallel region, one pass over the weights from memory for every token of
- * the call. Where the build has AVX-512 the weights are packed in panels of columns (partial_panels) and the
- * team splits a product's panels: each thread streams one contiguous run of the matrix and writes whole
- * columns, with the rows' sums in registers. Without panels a product splits the weights' [in, out] rows over
- * the team in fixed ranges (as gemv_cpu.c: splitting the columns of rows read 20-30 % slower), eight rows a
- * pass into private partial sums, which are summed in thread order where they are used (the attention sums
- * its own heads' q, k and v, the MLP gate and up). The small steps between products (RMSNorm, SwiGLU) are
- * recomputed by every thread into its own scratch rather than split, which costs less than the barrier a split
+ * the call. Where the build has AVX-512, or AVX2 and FMA, the weights are packed in panels of columns
+ * (partial_panels) and the team splits a product's panels: each thread streams one contiguous run of the matrix
+ * and writes whole columns, with the rows' sums in registers. Without panels a product splits the weights'
+ * [in, out] rows over the team in fixed ranges (as gemv_cpu.c: splitting the columns of rows read 20-30 %
+ * slower), eight rows a pass into private partial sums, which are summed in thread order where they are used
+ * (the attention sums its own heads' q, k and v, the MLP gate and up). The small steps between products
+ * (RMSNorm, SwiGLU) are recomputed by every thread into its own scratch rather than split, which costs less than the barrier a split
  * would need, and so is the residual stream (each thread keeps a copy, summed the same way, so the copies
  * agree to the bit): a layer is five barriers. The exception is a batch's SwiGLU over panels (split_mlp), where
  * the exponentials of every row made by every thread cost more than a sixth barrier (16 x 5: -1-2 %).
@@ -117,37 +117,67 @@ static void partial(float *part, int64_t lp, const float *x, int64_t ldx, int64_
     }
 }
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 /* Weights packed in panels (specmesh_decode_step_panel): S [in, out] as [out / PANEL][in][PANEL], the last
  * panel's missing columns zero. A thread takes a fixed range of whole panels, one contiguous run of the
  * matrix, which it streams once from memory for the call's first rows and then again from its L2 (a panel is
- * in x 256 bytes) for each further group of rows. Splitting the panels' rows instead (each thread half of every
- * panel, partials summed across the team) was 5-20 % slower on the demo target, one token to 16 x 5, the more
- * so the faster the memory. In registers, up to six rows' sums of the panel's four vectors, one fused
+ * in x PANEL x 4 bytes) for each further group of rows. Splitting the panels' rows instead (each thread half of
+ * every panel, partials summed across the team) was 5-20 % slower on the demo target, one token to 16 x 5, the
+ * more so the faster the memory. In registers, up to six rows' sums of the panel's PV vectors, one fused
  * multiply-add a weight and row: a verify block costs little more than its weights' read (5 rows of the demo
  * target's matrices 3.5-3.9 ms against 6.2 for the eight-row passes over [in, out] rows, whose every partial
  * goes through the L1 once per eight weight rows; 16 rows 7.3 against 9.5, as oneDNN's packed GEMM). Each row's
  * sum is the same chain of multiply-adds over all of S's rows in order, whatever the other rows of the call and
  * the number of threads: the intrinsics' fused multiply-adds are never regrouped by the compiler, so the bits
- * depend on neither. */
-enum { PANEL = 64, PV = PANEL / 16 };
+ * depend on neither.
+ * A panel is as many columns as six rows' sums fill the registers with: with AVX-512 (32 registers of 16 floats)
+ * 64 columns, 24 sums beside the panel's 4 vectors; with AVX2 and FMA (16 of 8) 16 columns, 12 sums beside 2
+ * vectors and a row's broadcast (BLIS's 6 x 16 kernel for that machine). */
+#if defined(__AVX512F__)
+enum { PANEL = 64, VL = 16 };
+typedef __m512 pvec;
+#define PV_ZERO() _mm512_setzero_ps()
+#define PV_SET1(x) _mm512_set1_ps(x)
+#define PV_FMA(a, b, c) _mm512_fmadd_ps(a, b, c)
+#define PV_STORE(p, v) _mm512_storeu_ps(p, v)
+#else
+enum { PANEL = 16, VL = 8 };
+typedef __m256 pvec;
+#define PV_ZERO() _mm256_setzero_ps()
+#define PV_SET1(x) _mm256_set1_ps(x)
+#define PV_FMA(a, b, c) _mm256_fmadd_ps(a, b, c)
+#define PV_STORE(p, v) _mm256_storeu_ps(p, v)
+#endif
+enum { PV = PANEL / VL };
 
 /* The panels' element. A build with SPECMESH_PANELS_BF16 reads them in bfloat16, each widened to float exactly
  * on load (everything after it float32, as for float panels): half the bytes a product streams, for a model
  * whose numerics may change as long as they stay fixed, a draft's (what it proposes is checked by the target;
  * its distribution is whatever the step computes). A one-row step is bound by its weights' stream, so half the
  * bytes is most of the gain (the demo draft's step at one thread 0.65 -> 0.40 ms), two more instructions a
- * vector of weights the price. LINE: elements a cache line; PL: lines a panel's row of PANEL elements. */
+ * vector of weights the price. LINE: elements a cache line; PL: whole lines in a panel's row of PANEL elements
+ * (none where it is half a line: AVX2's panels in bfloat16, which are not fetched ahead). */
 #ifdef SPECMESH_PANELS_BF16
 typedef uint16_t pw_t;
-static inline __attribute__((always_inline)) __m512 panel_load(const pw_t *p) {
+static inline __attribute__((always_inline)) pvec panel_load(const pw_t *p) {
+#if defined(__AVX512F__)
     const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
     return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+#else
+    const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+#endif
 }
 #else
 typedef float pw_t;
-static inline __attribute__((always_inline)) __m512 panel_load(const pw_t *p) { return _mm512_loadu_ps(p); }
+static inline __attribute__((always_inline)) pvec panel_load(const pw_t *p) {
+#if defined(__AVX512F__)
+    return _mm512_loadu_ps(p);
+#else
+    return _mm256_loadu_ps(p);
+#endif
+}
 #endif
 enum { LINE = 64 / (int)sizeof(pw_t), PL = PANEL / LINE };
 
@@ -155,21 +185,21 @@ enum { LINE = 64 / (int)sizeof(pw_t), PL = PANEL / LINE };
     static inline __attribute__((always_inline)) void panel_rows##R(float *part, int64_t lp, const float *x,  \
                                                                     int64_t ldx, const pw_t *P, int64_t in,    \
                                                                     const pw_t *pf, int lines) {               \
-        __m512 acc[R][PV];                                                                                     \
+        pvec acc[R][PV];                                                                                     \
         for (int r = 0; r < R; r++)                                                                            \
-            for (int v = 0; v < PV; v++) acc[r][v] = _mm512_setzero_ps();                                      \
+            for (int v = 0; v < PV; v++) acc[r][v] = PV_ZERO();                                      \
         for (int64_t k = 0; k < in; k++) {                                                                    \
             for (int l = 0; pf && l < lines; l++)                                                              \
                 _mm_prefetch((const char *)(pf + LINE * (k * lines + l)), _MM_HINT_T1);                        \
-            __m512 w[PV];                                                                                      \
-            for (int v = 0; v < PV; v++) w[v] = panel_load(P + k * PANEL + 16 * v);                            \
+            pvec w[PV];                                                                                      \
+            for (int v = 0; v < PV; v++) w[v] = panel_load(P + k * PANEL + VL * v);                            \
             for (int r = 0; r < R; r++) {                                                                      \
-                const __m512 xr = _mm512_set1_ps(x[r * ldx + k]);                                              \
-                for (int v = 0; v < PV; v++) acc[r][v] = _mm512_fmadd_ps(xr, w[v], acc[r][v]);                 \
+                const pvec xr = PV_SET1(x[r * ldx + k]);                                              \
+                for (int v = 0; v < PV; v++) acc[r][v] = PV_FMA(xr, w[v], acc[r][v]);                 \
             }                                                                                                  \
         }                                                                                                      \
         for (int r = 0; r < R; r++)                                                                            \
-            for (int v = 0; v < PV; v++) _mm512_storeu_ps(part + r * lp + 16 * v, acc[r][v]);                  \
+            for (int v = 0; v < PV; v++) PV_STORE(part + r * lp + VL * v, acc[r][v]);                  \
     }
 PANEL_ROWS(1)
 PANEL_ROWS(2)
@@ -211,18 +241,20 @@ static void partial_panels(float *part, int64_t lp, const float *x, int64_t ldx,
         }
     }
 }
+#define PANELS_BUILT 1
 #else
 enum { PANEL = 0 };
+#define PANELS_BUILT 0
 #endif
 
 /* The panel width the weights are to be packed in for this build (0: [in, out] rows, no packing) */
 int STEP_NAME(specmesh_decode_step_panel)(void) { return PANEL; }
 
-/* A product in the weights' layout: panels (dims[PANELW] != 0, never without AVX-512) write whole sums into
- * the team's one set, rows this thread's partials into its own */
+/* A product in the weights' layout: panels (dims[PANELW] != 0, never in a build without them) write whole sums
+ * into the team's one set, rows this thread's partials into its own */
 static inline void product(int panels, float *part, int64_t lp, const float *x, int64_t ldx, int64_t n,
                            const void *S, int64_t in, int64_t out, int t, int T) {
-#if defined(__AVX512F__)
+#if PANELS_BUILT
     if (panels) {
         partial_panels(part, lp, x, ldx, n, (const pw_t *)S, in, out, t, T);
         return;
