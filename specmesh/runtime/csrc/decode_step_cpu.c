@@ -208,6 +208,26 @@ PANEL_ROWS(4)
 PANEL_ROWS(5)
 PANEL_ROWS(6)
 
+/* One row over WIDE panels at once (a one-token step): each column's sum the same chain of multiply-adds as
+ * panel_rows1's, so the same bits. Where a panel is two vectors (AVX2), one row of one panel is two chains of
+ * dependent multiply-adds, one line of weights per multiply-add's latency: ~40 GB/s a core at best, under
+ * what a core streams. Four panels make eight chains. With AVX-512 a panel's four vectors already are four. */
+enum { WIDE = PV >= 4 ? 1 : 8 / PV };
+static inline __attribute__((always_inline)) void panel_row_wide(float *part, const float *x, const pw_t *P,
+                                                                 int64_t in) {
+    pvec acc[WIDE][PV];
+    for (int q = 0; q < WIDE; q++)
+        for (int v = 0; v < PV; v++) acc[q][v] = PV_ZERO();
+    for (int64_t k = 0; k < in; k++) {
+        const pvec xr = PV_SET1(x[k]);
+        for (int q = 0; q < WIDE; q++)
+            for (int v = 0; v < PV; v++)
+                acc[q][v] = PV_FMA(xr, panel_load(P + (q * in + k) * PANEL + VL * v), acc[q][v]);
+    }
+    for (int q = 0; q < WIDE; q++)
+        for (int v = 0; v < PV; v++) PV_STORE(part + q * PANEL + VL * v, acc[q][v]);
+}
+
 /* The whole products x . S of this thread's panels, written into the one set of sums the team shares:
  * part[r * lp + c, for the panels' columns c] (the last panel's padding columns included).
  * With more than one group of rows a panel's first group waits on the panel's read while the later ones take
@@ -225,7 +245,11 @@ static void partial_panels(float *part, int64_t lp, const float *x, int64_t ldx,
                            int64_t in, int64_t out, int t, int T) {
     const int64_t np = (out + PANEL - 1) / PANEL, groups = (n + 5) / 6;
     const int lines = groups >= PL ? 1 : (int)((PL + groups - 1) / groups); /* of the next panel, per k */
-    for (int64_t c = np * t / T * PANEL, c1 = np * (t + 1) / T * PANEL; c < c1; c += PANEL) {
+    int64_t c = np * t / T * PANEL;
+    const int64_t c1 = np * (t + 1) / T * PANEL;
+    if (WIDE > 1 && n == 1)
+        for (; c + WIDE * PANEL <= c1; c += WIDE * PANEL) panel_row_wide(part + c, x, S + c * in, in);
+    for (; c < c1; c += PANEL) {
         const pw_t *P = S + c * in, *next = c + PANEL < c1 && groups > 1 ? P + PANEL * in : NULL;
         int64_t r = 0, g = 0;
         for (; r + 6 <= n; r += 6, g++)
