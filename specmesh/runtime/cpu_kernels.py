@@ -22,7 +22,9 @@ All run on torch's own OpenMP team: the library links the libgomp torch has load
 spinning after the last operator take the work instead of new threads fighting them for the cores.
 
 The library is compiled on first use with the machine's C compiler (`cc`, or `$CC`; well under a second) for
-this CPU (`-march=native`), and cached under `$SPECMESH_CACHE_DIR` (default `~/.cache/specmesh`) by a hash of
+this CPU (`-march=native`; `SPECMESH_CPU_MARCH` names another target, e.g. `x86-64-v3` for AVX2 and FMA or
+`x86-64-v2` for neither, which the tests use to run every vector width's code on whichever host runs them), and
+cached under `$SPECMESH_CACHE_DIR` (default `~/.cache/specmesh`) by a hash of
 the sources, the flags and the CPU's feature flags. Without a compiler, or with `SPECMESH_CPU_KERNELS=0` (for
 diagnosis and A/B runs), `load()` says why once and returns None; the runners then use torch's kernels,
 which are slower, not different. `SPECMESH_CPU_PANELS=0` keeps the fused step on the [in, out] rows where the
@@ -66,7 +68,7 @@ HEADERS = tuple(Path(__file__).with_name("csrc") / n for n in ("attend_rows.h", 
 # -ffast-math on the compile step only: it lets gcc call glibc's vectorised expf (the kernel never makes an
 # infinity: masked keys are skipped). Linked without it, so no crtfastmath.o turns on flush-to-zero for the
 # whole process on load.
-COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c11", "-D_GNU_SOURCE")
+COMPILE_FLAGS = ("-O3", "-ffast-math", "-fopenmp", "-fPIC", "-std=c11", "-D_GNU_SOURCE")
 LINK_FLAGS = ("-shared", "-fopenmp")
 MAX_TOKENS = 16  # a sequence with more new tokens (a prefill chunk) attends by SDPA's flash kernel
 # A forward of up to this many tokens of one sequence goes through the fused step (`DecodeStep`; of several
@@ -106,6 +108,15 @@ def cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "specmesh"
 
 
+def march() -> str:
+    """The CPU the kernels are built for: `native` (this one) unless `SPECMESH_CPU_MARCH` names another."""
+    return os.environ.get("SPECMESH_CPU_MARCH") or "native"
+
+
+def _flags() -> tuple[str, ...]:
+    return (*COMPILE_FLAGS, f"-march={march()}")
+
+
 def _cpu_flags() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -121,13 +132,14 @@ def _build(cc: str, out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         objs = [Path(tmp) / f"{src.stem}.o" for src in SOURCES]
-        cmds = [[cc, *COMPILE_FLAGS, "-c", str(src), "-o", str(obj)] for src, obj in zip(SOURCES, objs, strict=True)]
+        flags = _flags()
+        cmds = [[cc, *flags, "-c", str(src), "-o", str(obj)] for src, obj in zip(SOURCES, objs, strict=True)]
         for src in KV_SOURCES:
             objs.append(Path(tmp) / f"{src.stem}_bf16.o")
-            cmds.append([cc, *COMPILE_FLAGS, "-DSPECMESH_KV_BF16", "-c", str(src), "-o", str(objs[-1])])
+            cmds.append([cc, *flags, "-DSPECMESH_KV_BF16", "-c", str(src), "-o", str(objs[-1])])
         step = Path(__file__).with_name("csrc") / "decode_step_cpu.c"
         objs.append(Path(tmp) / f"{step.stem}{PANELS_BF16}.o")
-        cmds.append([cc, *COMPILE_FLAGS, "-DSPECMESH_PANELS_BF16", "-c", str(step), "-o", str(objs[-1])])
+        cmds.append([cc, *flags, "-DSPECMESH_PANELS_BF16", "-c", str(step), "-o", str(objs[-1])])
         lib = Path(tmp) / "k.so"
         cmds.append([cc, *LINK_FLAGS, *map(str, objs), "-o", str(lib), "-lm"])
         for cmd in cmds:
@@ -155,7 +167,7 @@ def load() -> ctypes.CDLL | None:
             log.warning("no C compiler (cc) here: specmesh's CPU kernels are off, torch's serve instead")
             return None
         parts = [src.read_bytes() for src in (*SOURCES, *HEADERS)]
-        parts += [" ".join(COMPILE_FLAGS + LINK_FLAGS + (*KV_DTYPES.values(), PANELS_BF16)).encode(), cc.encode()]
+        parts += [" ".join(_flags() + LINK_FLAGS + (*KV_DTYPES.values(), PANELS_BF16)).encode(), cc.encode()]
         parts.append(_cpu_flags().encode())
         key = hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
         path = cache_dir() / f"cpu_kernels-{platform.machine()}-{key}.so"
