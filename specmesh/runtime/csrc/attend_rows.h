@@ -251,10 +251,11 @@ static inline __attribute__((always_inline)) void attend_rows_any(float *acc, co
     }
 }
 
-/* The vectors the core computes in: VW lanes, sixteen floats with AVX-512 (one register), eight otherwise (one
- * AVX register, two SSE ones on a CPU without AVX). At sixteen lanes without AVX-512 every vector was two registers, the key-group sums' shuffles
- * across them went element by element through the stack, and the arrays of sixteen spilled: a 16 x 5 batch's
- * attention at 128 cached tokens took 2.3 ms a layer on an AVX2 host, ten times its arithmetic. */
+/* The vectors the core computes in: VW lanes, sixteen floats with AVX-512 (one register), eight otherwise (one AVX
+ * register, two SSE ones on a CPU without AVX). At sixteen lanes without AVX-512 every vector was two registers,
+ * the key-group sums' shuffles across them went element by element through the stack, and the arrays of sixteen
+ * spilled: a 16 x 5 batch's attention at 128 cached tokens took 2.3 ms a layer on an AVX2 host, ten times its
+ * arithmetic. */
 #if defined(__AVX512F__)
 #define VW 16
 #else

@@ -10,10 +10,11 @@
  * [in, out] rows over the team in fixed ranges (as gemv_cpu.c: splitting the columns of rows read 20-30 %
  * slower), eight rows a pass into private partial sums, which are summed in thread order where they are used
  * (the attention sums its own heads' q, k and v, the MLP gate and up). The small steps between products
- * (RMSNorm, SwiGLU) are recomputed by every thread into its own scratch rather than split, which costs less than the barrier a split
- * would need, and so is the residual stream (each thread keeps a copy, summed the same way, so the copies
- * agree to the bit): a layer is five barriers. The exception is a batch's SwiGLU over panels (split_mlp), where
- * the exponentials of every row made by every thread cost more than a sixth barrier (16 x 5: -1-2 %).
+ * (RMSNorm, SwiGLU) are recomputed by every thread into its own scratch rather than split, which costs less
+ * than the barrier a split would need, and so is the residual stream (each thread keeps a copy, summed the
+ * same way, so the copies agree to the bit): a layer is five barriers. The exception is a batch's SwiGLU over
+ * panels (split_mlp), where the exponentials of every row made by every thread cost more than a sixth barrier
+ * (16 x 5: -1-2 %).
  *
  * A token's row goes through the same arithmetic in the same order whatever the other rows of the call (the
  * products' column tiles, row pairs and panels' groups of rows only bound and share the loops; attention is per
@@ -181,25 +182,25 @@ static inline __attribute__((always_inline)) pvec panel_load(const pw_t *p) {
 #endif
 enum { LINE = 64 / (int)sizeof(pw_t), PL = PANEL / LINE };
 
-#define PANEL_ROWS(R)                                                                                          \
-    static inline __attribute__((always_inline)) void panel_rows##R(float *part, int64_t lp, const float *x,  \
-                                                                    int64_t ldx, const pw_t *P, int64_t in,    \
-                                                                    const pw_t *pf, int lines) {               \
-        pvec acc[R][PV];                                                                                     \
-        for (int r = 0; r < R; r++)                                                                            \
-            for (int v = 0; v < PV; v++) acc[r][v] = PV_ZERO();                                      \
-        for (int64_t k = 0; k < in; k++) {                                                                    \
-            for (int l = 0; pf && l < lines; l++)                                                              \
-                _mm_prefetch((const char *)(pf + LINE * (k * lines + l)), _MM_HINT_T1);                        \
-            pvec w[PV];                                                                                      \
-            for (int v = 0; v < PV; v++) w[v] = panel_load(P + k * PANEL + VL * v);                            \
-            for (int r = 0; r < R; r++) {                                                                      \
-                const pvec xr = PV_SET1(x[r * ldx + k]);                                              \
-                for (int v = 0; v < PV; v++) acc[r][v] = PV_FMA(xr, w[v], acc[r][v]);                 \
-            }                                                                                                  \
-        }                                                                                                      \
-        for (int r = 0; r < R; r++)                                                                            \
-            for (int v = 0; v < PV; v++) PV_STORE(part + r * lp + VL * v, acc[r][v]);                  \
+#define PANEL_ROWS(R)                                                                                              \
+    static inline __attribute__((always_inline)) void panel_rows##R(float *part, int64_t lp, const float *x,       \
+                                                                    int64_t ldx, const pw_t *P, int64_t in,        \
+                                                                    const pw_t *pf, int lines) {                   \
+        pvec acc[R][PV];                                                                                           \
+        for (int r = 0; r < R; r++)                                                                                \
+            for (int v = 0; v < PV; v++) acc[r][v] = PV_ZERO();                                                    \
+        for (int64_t k = 0; k < in; k++) {                                                                         \
+            for (int l = 0; pf && l < lines; l++)                                                                  \
+                _mm_prefetch((const char *)(pf + LINE * (k * lines + l)), _MM_HINT_T1);                            \
+            pvec w[PV];                                                                                            \
+            for (int v = 0; v < PV; v++) w[v] = panel_load(P + k * PANEL + VL * v);                                \
+            for (int r = 0; r < R; r++) {                                                                          \
+                const pvec xr = PV_SET1(x[r * ldx + k]);                                                           \
+                for (int v = 0; v < PV; v++) acc[r][v] = PV_FMA(xr, w[v], acc[r][v]);                              \
+            }                                                                                                      \
+        }                                                                                                          \
+        for (int r = 0; r < R; r++)                                                                                \
+            for (int v = 0; v < PV; v++) PV_STORE(part + r * lp + VL * v, acc[r][v]);                              \
     }
 PANEL_ROWS(1)
 PANEL_ROWS(2)
