@@ -68,9 +68,17 @@ class _Stop(BaseException):
 def free_port() -> int:
     """A loopback port free right now, for a process that must be told its port rather than take port 0 (the
     gateway prints the port it was given, not the one it bound)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
+
+
+def free_ports(n: int) -> list[int]:
+    """`n` distinct loopback ports free right now: each socket stays bound until all are, since one port asked
+    for twice in a row can come back twice (a stack once got --port and --grpc-port the same)."""
+    with contextlib.ExitStack() as held:
+        socks = [held.enter_context(socket.socket()) for _ in range(n)]
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
 
 
 def port_in_use(host: str, port: int) -> bool:

@@ -20,7 +20,7 @@ import pytest
 import trustme
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from specmesh.stack import stack_file
+from specmesh.stack import free_ports, stack_file
 from tests.support.services import ROOT, free_port
 
 DEMO = ROOT / "models" / "demo"
@@ -47,7 +47,7 @@ class Serve:
     """`specmesh serve ...` running, its output collected; `up()` waits for the banner."""
 
     def __init__(self, *args: str, command=(str(SPECMESH),)):
-        self.port, self.grpc_port = free_port(), free_port()
+        self.port, self.grpc_port = free_ports(2)
         self.proc = subprocess.Popen(
             [*command, "serve", "--port", str(self.port), "--grpc-port", str(self.grpc_port), *args],
             cwd=ROOT,

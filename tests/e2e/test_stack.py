@@ -8,7 +8,8 @@ import sys
 import threading
 import urllib.request
 
-from tests.support.services import ROOT, free_port
+from specmesh.stack import free_ports
+from tests.support.services import ROOT
 
 
 def readme_block(lang: str, must_contain: str) -> str:
@@ -37,7 +38,7 @@ def check_readme_grpc_example(grpc_port: int) -> None:
 
 
 def test_stack_answers_and_stops_on_ctrl_c():
-    port, grpc_port = free_port(), free_port()
+    port, grpc_port = free_ports(2)
     proc = subprocess.Popen(
         [sys.executable, "-m", "specmesh.stack", "--port", str(port), "--grpc-port", str(grpc_port)],
         cwd=ROOT,

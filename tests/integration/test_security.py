@@ -39,7 +39,7 @@ from gateway.telemetry import GatewayMetrics
 from specmesh.config import EnvArgumentParser
 from specmesh.security import AllowList, KeyRing, Security, TLSConfig, keys_from
 from specmesh.serving import BackgroundServer
-from specmesh.stack import free_port
+from specmesh.stack import free_port, free_ports
 from specmesh.v1 import (
     common_pb2,
     draft_pb2,
@@ -444,7 +444,7 @@ def gateway_cli(pki, backend, tmp_path_factory):
     (d / "service-key").write_text(f"{SERVICE_KEY}\n")
     for f in d.iterdir():
         f.chmod(0o600)
-    ports = {"rest": free_port(), "grpc": free_port(), "metrics": free_port()}
+    ports = dict(zip(("rest", "grpc", "metrics"), free_ports(3), strict=True))
     tls = ["--tls-cert", pki.server + ".pem", "--tls-key", pki.server + ".key", "--tls-ca", pki.ca + ".pem"]
     upstream = [f"--upstream-{flag[2:]}" if flag.startswith("--") else flag for flag in tls]
     proc = subprocess.Popen(
